@@ -1,0 +1,340 @@
+//! check: pure functions from a `Snapshot` to `Finding`s. No I/O, no clock.
+//!
+//! Every check id of DESIGN.md appears in `CATALOG`; `run` returns at least one finding for
+//! each, so nothing is ever silently skipped: a check this build cannot perform says so as
+//! `unknown` with the reason, and one that does not apply passes with a detail saying why.
+
+pub mod driver;
+pub mod gpu;
+pub mod host;
+pub mod pci;
+pub mod pending;
+
+use crate::snapshot::Snapshot;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Pass,
+    Unknown,
+    Warn,
+    Fail,
+}
+
+impl Severity {
+    pub fn label(self) -> &'static str {
+        match self {
+            Severity::Pass => "PASS",
+            Severity::Unknown => "UNKNOWN",
+            Severity::Warn => "WARN",
+            Severity::Fail => "FAIL",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Finding {
+    pub id: String,
+    pub severity: Severity,
+    /// The GPU this is about (PCI address; the UUID once NVML supplies it).
+    pub gpu: Option<String>,
+    pub summary: String,
+    pub detail: String,
+    /// What to do, concretely. Set on every finding that is not a pass.
+    pub remedy: Option<String>,
+    /// The values that decided it.
+    pub evidence: BTreeMap<String, serde_json::Value>,
+}
+
+impl Finding {
+    fn new(id: &str, severity: Severity, summary: impl Into<String>) -> Self {
+        Finding {
+            id: id.into(),
+            severity,
+            gpu: None,
+            summary: summary.into(),
+            detail: String::new(),
+            remedy: None,
+            evidence: BTreeMap::new(),
+        }
+    }
+    pub fn pass(id: &str, summary: impl Into<String>) -> Self {
+        Self::new(id, Severity::Pass, summary)
+    }
+    pub fn warn(id: &str, summary: impl Into<String>) -> Self {
+        Self::new(id, Severity::Warn, summary)
+    }
+    pub fn fail(id: &str, summary: impl Into<String>) -> Self {
+        Self::new(id, Severity::Fail, summary)
+    }
+    /// Could not check; `why` becomes the summary, so it is never lost.
+    pub fn unknown(id: &str, why: impl Into<String>) -> Self {
+        Self::new(id, Severity::Unknown, why)
+    }
+    pub fn gpu(mut self, gpu: impl Into<String>) -> Self {
+        self.gpu = Some(gpu.into());
+        self
+    }
+    pub fn detail(mut self, d: impl Into<String>) -> Self {
+        self.detail = d.into();
+        self
+    }
+    pub fn remedy(mut self, r: impl Into<String>) -> Self {
+        self.remedy = Some(r.into());
+        self
+    }
+    pub fn evidence(mut self, key: &str, value: impl Serialize) -> Self {
+        self.evidence.insert(key.into(), serde_json::to_value(value).unwrap_or(serde_json::Value::Null));
+        self
+    }
+}
+
+/// What checks need from the configuration: kept apart from `Config` so checks stay pure data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    pub expected_gpus: Option<u32>,
+    /// The CUDA 12.x toolkit the installer targets (`install.cuda`).
+    pub cuda: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings { expected_gpus: None, cuda: "12.4".into() }
+    }
+}
+
+impl From<&crate::config::Config> for Settings {
+    fn from(c: &crate::config::Config) -> Self {
+        Settings { expected_gpus: c.agent.expected_gpus, cuda: c.install.cuda.clone() }
+    }
+}
+
+/// Every check id (DESIGN.md, documented in docs/checks.md), in report order.
+pub const CATALOG: &[&str] = &[
+    "host.os-supported",
+    "host.virtualization",
+    "host.kernel-headers",
+    "host.secure-boot",
+    "pci.gpu-present",
+    "pci.gpu-count",
+    "pci.gpu-driver-bound",
+    "pci.bar1-assigned",
+    "pci.nvswitch-present",
+    "pci.link",
+    "driver.nouveau-disabled",
+    "driver.module-loaded",
+    "driver.open-kernel-module",
+    "driver.version-consistent",
+    "driver.branch-supported",
+    "driver.device-nodes",
+    "driver.persistence",
+    "nvml.init",
+    "cuda.driver-api",
+    "cuda.init",
+    "cuda.toolkit",
+    "cuda.toolkit-driver-compatible",
+    "fabric.manager-running",
+    "fabric.manager-version",
+    "fabric.state",
+    "nvlink.links-active",
+    "nvlink.errors",
+    "gpu.xid",
+    "gpu.ecc-mode",
+    "gpu.ecc-uncorrectable",
+    "gpu.row-remap",
+    "gpu.throttle",
+    "gpu.temperature",
+    "gpu.power-limit",
+    "gpu.pcie-link",
+    "gpu.pcie-replay",
+    "gpu.mig-pending",
+    "gpu.inforom",
+    "gpu.sku-known",
+    "probe.h2d-bandwidth",
+    "probe.d2h-bandwidth",
+    "probe.d2d-bandwidth",
+    "probe.p2p-bandwidth",
+    "probe.memory-integrity",
+    "probe.gemm",
+    "agent.platform-reachable",
+    "agent.endpoint-auth",
+];
+
+/// Checks that only run in some modes: probes when asked for (`doctor --probe`, `probe`),
+/// agent checks inside `serve`. `doctor` without those leaves them out rather than calling
+/// them unknown, since nothing is wrong with not having asked.
+pub fn is_mode_specific(id: &str) -> bool {
+    id.starts_with("probe.") || id.starts_with("agent.")
+}
+
+/// Runs every check `doctor` runs, in catalogue order.
+pub fn run(s: &Snapshot, settings: &Settings) -> Vec<Finding> {
+    let mut out = Vec::new();
+    host::run(s, &mut out);
+    pci::run(s, settings, &mut out);
+    driver::run(s, settings, &mut out);
+    gpu::run(s, &mut out);
+    pending::run(s, &mut out);
+    let order = |id: &str| CATALOG.iter().position(|c| *c == id).unwrap_or(usize::MAX);
+    out.sort_by_key(|f| order(&f.id)); // stable: per-GPU findings keep PCI order
+    out
+}
+
+/// `"8 × H100 SXM5 80GB"`-style labels for the GPUs of a snapshot.
+pub fn describe_gpus(s: &Snapshot) -> String {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for g in s.gpus() {
+        *counts.entry(gpu_model(g)).or_default() += 1;
+    }
+    counts.iter().map(|(name, n)| format!("{n} × {name}")).collect::<Vec<_>>().join(", ")
+}
+
+pub fn gpu_model(g: &crate::snapshot::PciDevice) -> String {
+    match g.device.and_then(crate::facts::sku) {
+        Some(sku) => sku.name.to_string(),
+        None => format!("NVIDIA {:04x}", g.device.unwrap_or(0)),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    //! Hand-built snapshots for unit tests: a healthy 8-GPU KubeVirt guest, edited per test.
+    use crate::snapshot::*;
+
+    pub fn gpu(bus: u8) -> PciDevice {
+        PciDevice {
+            address: format!("0000:{bus:02x}:00.0"),
+            vendor: Some(0x10de),
+            device: Some(0x2330),
+            class: Some(0x030200),
+            subsystem_vendor: Some(0x10de),
+            subsystem_device: Some(0x16c1),
+            driver: Some("nvidia".into()),
+            bars: vec![
+                Bar { index: 0, start: 0x2140_4200_0000, size: 16 << 20, flags: 0x14220c },
+                Bar { index: 2, start: 0x2100_0000_0000, size: 128 << 30, flags: 0x14220c },
+                Bar { index: 4, start: 0x2140_0000_0000, size: 32 << 20, flags: 0x14220c },
+            ],
+            link: PciLink {
+                current_speed: Some("32.0 GT/s PCIe".into()),
+                max_speed: Some("32.0 GT/s PCIe".into()),
+                current_gts: Some(32.0),
+                max_gts: Some(32.0),
+                current_width: Some(16),
+                max_width: Some(16),
+            },
+            numa_node: None,
+            problems: vec![],
+        }
+    }
+
+    pub fn nvswitch(bus: u8) -> PciDevice {
+        PciDevice { device: Some(0x22a3), class: Some(0x068000), driver: Some("nvidia-nvswitch".into()), ..gpu(bus) }
+    }
+
+    pub fn healthy() -> Snapshot {
+        let mut pci: Vec<PciDevice> = (0x09..0x11).map(gpu).collect();
+        pci.extend((0x11..0x15).map(nvswitch));
+        Snapshot {
+            observed_at: Timestamp::from_unix_millis(1_764_000_000_000),
+            sysroot: "/".into(),
+            host: Host {
+                hostname: Some("vm".into()),
+                os: Fact::Value(OsRelease {
+                    id: "ubuntu".into(),
+                    id_like: vec!["debian".into()],
+                    version_id: "22.04".into(),
+                    pretty_name: "Ubuntu 22.04.4 LTS".into(),
+                }),
+                kernel_release: Fact::Value("5.15.0-113-generic".into()),
+                cmdline: Fact::Value("ro quiet".into()),
+                boot_id: None,
+                dmi: Fact::Value(Dmi {
+                    sys_vendor: Some("KubeVirt".into()),
+                    product_name: Some("None".into()),
+                    product_family: Some("KubeVirt".into()),
+                    product_uuid: Some("5d307ca9-b3ef-428c-8861-06e72d69f223".into()),
+                    bios_vendor: None,
+                }),
+                cpu_hypervisor_flag: Some(true),
+                kernel_headers: Fact::Value(KernelHeaders {
+                    path: "/lib/modules/5.15.0-113-generic/build".into(),
+                    present: true,
+                }),
+                secure_boot: Fact::Value(SecureBoot::Disabled),
+            },
+            pci: Fact::Value(pci),
+            driver: Driver {
+                modules: Fact::Value(vec!["nvidia_uvm".into(), "nvidia".into()]),
+                nvrm: Fact::Value(NvrmVersion { version: "550.90.07".into(), open: true, first_line: String::new() }),
+                module_version: Some("550.90.07".into()),
+                nouveau: NouveauConfig {
+                    blacklisted_in: vec!["/etc/modprobe.d/blacklist-nouveau.conf".into()],
+                    modeset_off_in: vec![],
+                    unreadable: vec![],
+                },
+                nouveau_module_available: Some(true),
+                device_nodes: ["nvidia-uvm", "nvidiactl"]
+                    .iter()
+                    .map(|s| s.to_string())
+                    .chain((0..8).map(|i| format!("nvidia{i}")))
+                    .collect(),
+                user_libraries: vec![UserLibrary {
+                    name: "libnvidia-ml.so".into(),
+                    version: "550.90.07".into(),
+                    path: "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.90.07".into(),
+                }],
+            },
+            cuda_toolkits: Fact::Value(vec![CudaToolkit {
+                path: "/usr/local/cuda-12.4".into(),
+                version: Fact::Value("12.4.1".into()),
+            }]),
+            kernel_log: Fact::Value(KernelLog { source: "/dev/kmsg".into(), records: 100, ..Default::default() }),
+        }
+    }
+
+    pub fn find<'a>(f: &'a [super::Finding], id: &str) -> Vec<&'a super::Finding> {
+        f.iter().filter(|x| x.id == id).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::*;
+    use super::*;
+
+    #[test]
+    fn every_catalogue_id_is_reported_except_mode_specific() {
+        for s in [healthy(), Snapshot { pci: crate::snapshot::Fact::Value(vec![]), ..healthy() }] {
+            let findings = run(&s, &Settings::default());
+            for id in CATALOG.iter().filter(|id| !is_mode_specific(id)) {
+                assert!(findings.iter().any(|f| f.id == *id), "{id} missing");
+            }
+            for f in &findings {
+                assert!(CATALOG.contains(&f.id.as_str()), "{} not in catalogue", f.id);
+                if f.severity != Severity::Pass {
+                    assert!(
+                        f.remedy.is_some() || f.severity == Severity::Unknown,
+                        "{} {:?} has no remedy",
+                        f.id,
+                        f.severity
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn healthy_guest_has_no_warning_or_failure() {
+        let findings = run(&healthy(), &Settings { expected_gpus: Some(8), ..Settings::default() });
+        let bad: Vec<_> = findings.iter().filter(|f| f.severity >= Severity::Warn).collect();
+        assert!(bad.is_empty(), "{bad:#?}");
+    }
+
+    #[test]
+    fn gpu_labels() {
+        assert_eq!(describe_gpus(&healthy()), "8 × H100 SXM5 80GB");
+    }
+}

@@ -1,0 +1,75 @@
+//! `phq-agent doctor`: collect (or load a bundle), check, print; optionally save a bundle.
+
+use crate::checks::{self, Finding, Settings};
+use crate::config::ProbeLevel;
+use crate::report::{self, bundle, table};
+use crate::snapshot::Timestamp;
+use crate::sysroot::Sysroot;
+use anyhow::Context;
+use clap::Args;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Debug, Args)]
+pub struct Doctor {
+    /// Print the phq.status/v1 report as JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also run the CUDA probes at this level.
+    #[arg(long, value_enum, value_name = "LEVEL")]
+    pub probe: Option<ProbeLevel>,
+    /// Judge a saved bundle instead of this machine.
+    #[arg(long, value_name = "BUNDLE", conflicts_with = "bundle")]
+    pub from: Option<PathBuf>,
+    /// Save what was read (snapshot, raw files, NVIDIA kernel log lines) to this .tar.gz.
+    #[arg(long, value_name = "OUT.tar.gz")]
+    pub bundle: Option<PathBuf>,
+}
+
+impl Doctor {
+    pub fn run(self, g: &super::Global) -> anyhow::Result<i32> {
+        let started_at = Timestamp::now();
+        let config = g.load_config()?;
+        let root = if self.bundle.is_some() { Sysroot::recording(&g.sysroot) } else { Sysroot::new(&g.sysroot) };
+        let snapshot = match &self.from {
+            Some(path) => bundle::read_snapshot(path)?,
+            None => crate::collect::snapshot(&root),
+        };
+        let mut findings = checks::run(&snapshot, &Settings::from(&config));
+        if let Some(level) = self.probe.filter(|l| *l != ProbeLevel::None) {
+            findings.extend(probe_placeholders(level));
+        }
+        let agent_id = report::agent_id(&config.agent.id, &snapshot);
+        let report = report::build(&snapshot, findings, agent_id, started_at, 0);
+        let code = report::exit_code(&report.findings);
+
+        if let Some(out) = &self.bundle {
+            bundle::write(out, &snapshot, &report, &root.recorded())?;
+            eprintln!("phq-agent: bundle written to {}", out.display());
+        }
+        if self.json {
+            let mut stdout = std::io::stdout().lock();
+            serde_json::to_writer_pretty(&mut stdout, &report).context("cannot write the report to stdout")?;
+            writeln!(stdout).context("cannot write the report to stdout")?;
+        } else {
+            let text = table::render(&report, table::terminal_width());
+            let mut stdout = anstream::stdout().lock();
+            stdout.write_all(text.as_bytes()).context("cannot write the report to stdout")?;
+        }
+        Ok(code)
+    }
+}
+
+/// Probes were asked for but this build has none: say so per probe check.
+fn probe_placeholders(level: ProbeLevel) -> Vec<Finding> {
+    checks::CATALOG
+        .iter()
+        .filter(|id| id.starts_with("probe."))
+        .map(|id| {
+            Finding::unknown(
+                id,
+                format!("--probe {level:?} asked for, but this build has no CUDA probes yet").to_lowercase(),
+            )
+        })
+        .collect()
+}

@@ -1,0 +1,180 @@
+//! The kernel log: `/dev/kmsg` records (`prio,seq,usec,flags;message`), or `dmesg -T` text, and
+//! the NVIDIA lines in it that matter: Xid reports, invalid-BAR messages, and the lines that tie a
+//! PCI address to a GPU UUID.
+
+use crate::snapshot::{BarError, Fact, GpuUuidLine, KernelLog, XidEvent};
+use crate::sysroot::Sysroot;
+
+pub fn read(root: &Sysroot) -> Fact<KernelLog> {
+    match root.read_kmsg("dev/kmsg") {
+        Ok(text) => Fact::Value(parse(&text, "/dev/kmsg")),
+        Err(e) if e.source.kind() == std::io::ErrorKind::PermissionDenied => {
+            Fact::Error(format!("{e} (reading the kernel log needs root or CAP_SYSLOG)"))
+        }
+        Err(e) => Fact::Error(e.to_string()),
+    }
+}
+
+/// One kernel log line split into its kmsg header fields (when it has them) and the message.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Record<'a> {
+    pub seq: Option<u64>,
+    pub usec: Option<u64>,
+    pub message: &'a str,
+}
+
+/// `6,3964,206764307,-;nvidia-nvswitch2: open (major=510)` → seq 3964, usec 206764307.
+/// `[Sun Feb 23 16:24:18 2025] NVRM: …` (dmesg -T) → message only. Continuation lines of
+/// kmsg (` SUBSYSTEM=pci`) are not records: `None`.
+pub fn parse_record(line: &str) -> Option<Record<'_>> {
+    if line.starts_with(' ') || line.trim().is_empty() {
+        return None;
+    }
+    if let Some((header, message)) = line.split_once(';') {
+        let fields: Vec<&str> = header.split(',').collect();
+        if fields.len() >= 4 && fields[..3].iter().all(|f| !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit())) {
+            return Some(Record { seq: fields[1].parse().ok(), usec: fields[2].parse().ok(), message });
+        }
+    }
+    if let Some(rest) = line.strip_prefix('[') {
+        if let Some((_, message)) = rest.split_once("] ") {
+            return Some(Record { seq: None, usec: None, message });
+        }
+    }
+    Some(Record { seq: None, usec: None, message: line })
+}
+
+pub fn parse(text: &str, source: &str) -> KernelLog {
+    let mut log = KernelLog { source: source.to_string(), ..KernelLog::default() };
+    for line in text.lines() {
+        let Some(rec) = parse_record(line) else { continue };
+        log.records += 1;
+        if rec.seq.is_none() && !line.starts_with('[') {
+            log.malformed += 1;
+        }
+        let msg = rec.message;
+        if let Some((pci, raw_code, rest)) = parse_xid(msg) {
+            log.xids.push(XidEvent {
+                pci,
+                xid: raw_code.parse().ok(),
+                raw_code: raw_code.to_string(),
+                usec: rec.usec,
+                seq: rec.seq,
+                message: rest.trim().to_string(),
+            });
+        } else if let Some(bar) = parse_bar_error(msg) {
+            log.bar_errors.push(bar);
+        } else if let Some(uuid) = parse_gpu_uuid(msg) {
+            if !log.gpu_uuids.contains(&uuid) {
+                log.gpu_uuids.push(uuid);
+            }
+        }
+    }
+    log
+}
+
+/// `NVRM: Xid (PCI:0000:9b:00): 119, pid=2024380, name=nvidia-smi, Timeout …` →
+/// (`0000:9b:00`, `119`, `pid=2024380, …`). Older drivers omit `PCI:`.
+pub fn parse_xid(msg: &str) -> Option<(String, &str, &str)> {
+    let after = &msg[msg.find("NVRM: Xid (")? + "NVRM: Xid (".len()..];
+    let (addr, rest) = after.split_once("): ")?;
+    let addr = addr.strip_prefix("PCI:").unwrap_or(addr).to_ascii_lowercase();
+    let (code, rest) = rest.split_once(',').unwrap_or((rest, ""));
+    let code = code.trim();
+    if code.is_empty() || !code.bytes().all(|b| b.is_ascii_digit()) || addr.is_empty() {
+        return None;
+    }
+    Some((addr, code, rest))
+}
+
+/// `NVRM: BAR1 is 0M @ 0x0 (PCI:0000:0a:00.0)`, printed by the driver when a BAR the GPU
+/// needs was not assigned (open-gpu-kernel-modules `nv_pci_validate_bars`).
+pub fn parse_bar_error(msg: &str) -> Option<BarError> {
+    let after = &msg[msg.find("NVRM: BAR")? + "NVRM: BAR".len()..];
+    let (bar, rest) = after.split_once(" is ")?;
+    let (size, rest) = rest.split_once("M @ 0x")?;
+    let (addr, rest) = rest.split_once(" (PCI:")?;
+    let pci = rest.strip_suffix(')').unwrap_or(rest).trim().to_ascii_lowercase();
+    Some(BarError {
+        pci,
+        bar: bar.trim().parse().ok()?,
+        size_mib: size.trim().parse().ok()?,
+        address: u64::from_str_radix(addr.trim(), 16).ok()?,
+        message: msg.trim().to_string(),
+    })
+}
+
+/// `NVRM: GPU at PCI:0000:9b:00: GPU-509665ad-b600-ac93-3616-d754b23d636d`
+pub fn parse_gpu_uuid(msg: &str) -> Option<GpuUuidLine> {
+    let after = &msg[msg.find("NVRM: GPU at PCI:")? + "NVRM: GPU at PCI:".len()..];
+    let (pci, uuid) = after.split_once(": ")?;
+    let uuid = uuid.trim();
+    uuid.starts_with("GPU-").then(|| GpuUuidLine { pci: pci.to_ascii_lowercase(), uuid: uuid.to_string() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const XID_119: &str = include_str!("../../tests/fixtures/captures/dmesg-with-xid-119.log");
+    const KMSG: &str = include_str!("../../tests/fixtures/captures/kmsg.1.log");
+
+    #[test]
+    fn real_dmesg_with_xid_119() {
+        let log = parse(XID_119, "dmesg");
+        assert!(log.xids.len() >= 5, "{:?}", log.xids);
+        assert!(log.xids.iter().all(|x| x.pci == "0000:9b:00" && x.xid == Some(119)));
+        assert!(log.xids[0].message.starts_with("pid=2024380, name=nvidia-smi, Timeout"));
+        assert_eq!(log.gpu_uuids[0].uuid, "GPU-509665ad-b600-ac93-3616-d754b23d636d");
+        assert_eq!(log.malformed, 0);
+    }
+
+    #[test]
+    fn real_kmsg_records() {
+        let log = parse(KMSG, "/dev/kmsg");
+        assert_eq!(log.malformed, 0);
+        assert!(log.records > 40);
+        assert!(log.xids.is_empty());
+        let r = parse_record("6,3964,206764307,-;nvidia-nvswitch2: open (major=510)").unwrap();
+        assert_eq!((r.seq, r.usec, r.message), (Some(3964), Some(206764307), "nvidia-nvswitch2: open (major=510)"));
+    }
+
+    #[test]
+    fn xid_forms() {
+        assert_eq!(
+            parse_xid("NVRM: Xid (PCI:0000:0c:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."),
+            Some(("0000:0c:00".into(), "79", " pid='<unknown>', name=<unknown>, GPU has fallen off the bus."))
+        );
+        assert_eq!(parse_xid("NVRM: Xid (0000:03:00): 13, Graphics Exception").map(|x| x.1), Some("13"));
+        let absurd = parse_xid("NVRM: Xid (PCI:0000:0c:00): 99999999999999999999999, x").unwrap();
+        assert_eq!(absurd.1, "99999999999999999999999");
+        assert_eq!(parse_xid("NVRM: Xid (PCI:0000:0c:00): -5, x"), None);
+    }
+
+    #[test]
+    fn bar_message() {
+        let b = parse_bar_error("NVRM: BAR1 is 0M @ 0x0 (PCI:0000:0a:00.0)").unwrap();
+        assert_eq!((b.pci.as_str(), b.bar, b.size_mib, b.address), ("0000:0a:00.0", 1, 0, 0));
+    }
+
+    proptest! {
+        #[test]
+        fn never_panics(s in ".*") {
+            let _ = parse(&s, "x");
+        }
+
+        #[test]
+        fn never_panics_on_nvrm_like_text(s in "(NVRM: (Xid|BAR|GPU at PCI:)[ -~]{0,40}\\n){0,5}") {
+            let _ = parse(&s, "x");
+        }
+
+        #[test]
+        fn roundtrips_any_xid(code in 0u32..1000, bus in 0u8..=255) {
+            let line = format!("4,1,2,-;NVRM: Xid (PCI:0000:{bus:02x}:00): {code}, pid=1, name=x, y");
+            let log = parse(&line, "x");
+            prop_assert_eq!(log.xids[0].xid, Some(code));
+            prop_assert_eq!(&log.xids[0].pci, &format!("0000:{bus:02x}:00"));
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! collect: reads the world and builds a `Snapshot`. The only module that touches the file
+//! system (through `Sysroot`); NVML, D-Bus and CUDA readers join it in later issues.
+//!
+//! Each reader returns text or a `Fact::Error` naming the file; each parser is a pure function
+//! of text with unit tests over real captured output.
+
+pub mod driver;
+pub mod host;
+pub mod kmsg;
+pub mod pci;
+
+use crate::snapshot::{CudaToolkit, Fact, Snapshot, Timestamp};
+use crate::sysroot::Sysroot;
+
+/// Reads everything a snapshot holds from `root`.
+pub fn snapshot(root: &Sysroot) -> Snapshot {
+    let host = host::read(root);
+    let driver =
+        driver::read(root, host.kernel_release.value().map(String::as_str), host.cmdline.value().map(String::as_str));
+    Snapshot {
+        observed_at: Timestamp::now(),
+        sysroot: root.root().display().to_string(),
+        pci: pci::read_devices(root),
+        driver,
+        cuda_toolkits: read_cuda_toolkits(root),
+        kernel_log: kmsg::read(root),
+        host,
+    }
+}
+
+/// `/usr/local/cuda-12.4/version.json` (CUDA ≥ 11.1) for every `/usr/local/cuda*` directory.
+fn read_cuda_toolkits(root: &Sysroot) -> Fact<Vec<CudaToolkit>> {
+    let names = match root.list_dir("usr/local") {
+        Ok(n) => n,
+        Err(e) if e.is_not_found() => return Fact::Value(Vec::new()),
+        Err(e) => return Fact::Error(e.to_string()),
+    };
+    let mut toolkits = Vec::new();
+    let mut seen = Vec::new();
+    // Reverse order visits `cuda-12.4` before the `cuda` link to it, so the versioned path is kept.
+    for name in names.iter().rev().filter(|n| n.starts_with("cuda")) {
+        let rel = format!("usr/local/{name}/version.json");
+        // `/usr/local/cuda` is usually a link to one of the versioned directories: count each
+        // toolkit once, and skip links that lead nowhere.
+        let Ok(real) = root.resolve(&format!("usr/local/{name}")) else { continue };
+        if seen.contains(&real) {
+            continue;
+        }
+        seen.push(real);
+        let version = match root.read_string(&rel) {
+            Ok(text) => parse_cuda_version_json(&text)
+                .map(Fact::Value)
+                .unwrap_or_else(|| Fact::Error(format!("{}: no cuda.version in it", Sysroot::display(&rel)))),
+            Err(e) => Fact::Error(e.to_string()),
+        };
+        toolkits.push(CudaToolkit { path: Sysroot::display(&format!("usr/local/{name}")), version });
+    }
+    toolkits.sort_by(|a, b| a.path.cmp(&b.path));
+    Fact::Value(toolkits)
+}
+
+/// `{"cuda": {"name": "CUDA SDK", "version": "12.4.1"}, …}` → `12.4.1`.
+pub fn parse_cuda_version_json(text: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    v.get("cuda")?.get("version")?.as_str().map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn cuda_version_json() {
+        let text = r#"{"cuda":{"name":"CUDA SDK","version":"12.4.1"},"cuda_cudart":{"name":"CUDA Runtime (cudart)","version":"12.4.127"}}"#;
+        assert_eq!(parse_cuda_version_json(text).as_deref(), Some("12.4.1"));
+        assert_eq!(parse_cuda_version_json("CUDA Version 10.2.89"), None);
+    }
+
+    proptest! {
+        #[test]
+        fn cuda_version_never_panics(s in ".*") {
+            let _ = parse_cuda_version_json(&s);
+        }
+    }
+}

@@ -1,0 +1,403 @@
+//! Configuration: `/etc/phq-agent/config.toml`, then `config.d/*.toml` drop-ins in name order,
+//! merged key by key (a drop-in overrides only the keys it sets). Every key is optional.
+//!
+//! Each file is parsed on its own first, so that an unknown key or a value of the wrong type is
+//! reported against the file that holds it, with the line; values that are well-typed but
+//! wrong (a CUDA version that does not exist) are checked after the merge and reported against
+//! the file that set them last.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub const DEFAULT_PATH: &str = "/etc/phq-agent/config.toml";
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub agent: AgentConfig,
+    pub http: HttpConfig,
+    pub platform: PlatformConfig,
+    pub probes: ProbesConfig,
+    pub metrics: MetricsConfig,
+    pub install: InstallConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// Empty: the VM firmware UUID (`/sys/class/dmi/id/product_uuid`).
+    pub id: String,
+    pub expected_gpus: Option<u32>,
+    pub state_dir: PathBuf,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig { id: String::new(), expected_gpus: None, state_dir: PathBuf::from("/var/lib/phq-agent") }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpConfig {
+    pub listen: SocketAddr,
+    pub token_file: PathBuf,
+    pub tls_cert: String,
+    pub tls_key: String,
+    pub client_ca: String,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: SocketAddr::from(([0, 0, 0, 0], 9440)),
+            token_file: PathBuf::from("/etc/phq-agent/token"),
+            tls_cert: String::new(),
+            tls_key: String::new(),
+            client_ca: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PlatformConfig {
+    pub url: String,
+    pub token_file: PathBuf,
+    pub ca_file: String,
+    #[serde(deserialize_with = "duration")]
+    pub interval: Duration,
+}
+
+impl Default for PlatformConfig {
+    fn default() -> Self {
+        PlatformConfig {
+            url: String::new(),
+            token_file: PathBuf::from("/etc/phq-agent/platform-token"),
+            ca_file: String::new(),
+            interval: Duration::from_secs(60),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ProbeLevel {
+    None,
+    Quick,
+    Standard,
+    Full,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProbesConfig {
+    pub at_boot: ProbeLevel,
+    /// `None` is "off".
+    #[serde(deserialize_with = "duration_or_off")]
+    pub when_idle: Option<Duration>,
+}
+
+impl Default for ProbesConfig {
+    fn default() -> Self {
+        ProbesConfig { at_boot: ProbeLevel::Quick, when_idle: Some(Duration::from_secs(24 * 3600)) }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    pub dcgm_compat: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct InstallConfig {
+    pub cuda: String,
+    pub driver_branch: String,
+    pub repo_url: String,
+    pub repo_key_fingerprint: String,
+}
+
+impl Default for InstallConfig {
+    fn default() -> Self {
+        InstallConfig {
+            cuda: "12.4".into(),
+            driver_branch: "550".into(),
+            repo_url: String::new(),
+            repo_key_fingerprint: String::new(),
+        }
+    }
+}
+
+fn duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let s = String::deserialize(d)?;
+    let v = humantime::parse_duration(&s)
+        .map_err(|e| serde::de::Error::custom(format!("{e}: expected a duration such as \"60s\" or \"5m\"")))?;
+    if v.is_zero() {
+        return Err(serde::de::Error::custom("expected a duration above zero, such as \"60s\""));
+    }
+    Ok(v)
+}
+
+fn duration_or_off<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let s = String::deserialize(d)?;
+    if s == "off" {
+        return Ok(None);
+    }
+    humantime::parse_duration(&s)
+        .map(Some)
+        .map_err(|e| serde::de::Error::custom(format!("{e}: expected a duration such as \"24h\", or \"off\"")))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+/// Loads `path` and the drop-ins beside it. A missing file is fine when `path` is the default
+/// (a fresh machine has none); a missing file named on the command line is an error.
+pub fn load(path: &Path, must_exist: bool) -> Result<Config, ConfigError> {
+    let mut files = Vec::new();
+    match std::fs::read_to_string(path) {
+        Ok(text) => files.push((path.to_path_buf(), text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !must_exist => {}
+        Err(source) => return Err(ConfigError::Read { path: path.to_path_buf(), source }),
+    }
+    let dropins = path.parent().unwrap_or(Path::new(".")).join("config.d");
+    match std::fs::read_dir(&dropins) {
+        Ok(entries) => {
+            let mut names: Vec<PathBuf> = entries
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+                .collect();
+            names.sort();
+            for p in names {
+                let text =
+                    std::fs::read_to_string(&p).map_err(|source| ConfigError::Read { path: p.clone(), source })?;
+                files.push((p, text));
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => return Err(ConfigError::Read { path: dropins, source }),
+    }
+    from_files(&files)
+}
+
+/// Parses and merges already-read files, in order. Separate from `load` so tests need no disk.
+pub fn from_files(files: &[(PathBuf, String)]) -> Result<Config, ConfigError> {
+    let mut merged = toml::Table::new();
+    let mut origins: BTreeMap<String, PathBuf> = BTreeMap::new();
+    for (path, text) in files {
+        let table: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| ConfigError::Invalid { path: path.clone(), message: describe(text, &e) })?;
+        // Validate the file on its own so errors point at it.
+        toml::from_str::<Config>(text)
+            .map_err(|e| ConfigError::Invalid { path: path.clone(), message: describe(text, &e) })?;
+        merge(&mut merged, table, "", path, &mut origins);
+    }
+    let config = Config::deserialize(toml::Value::Table(merged)).map_err(|e| ConfigError::Invalid {
+        path: files.last().map(|f| f.0.clone()).unwrap_or_default(),
+        message: e.to_string(),
+    })?;
+    validate(&config).map_err(|(key, message)| ConfigError::Invalid {
+        path: origins.get(key).cloned().unwrap_or_else(|| PathBuf::from("(defaults)")),
+        message: format!("{key}: {message}"),
+    })?;
+    Ok(config)
+}
+
+fn merge(
+    into: &mut toml::Table,
+    from: toml::Table,
+    prefix: &str,
+    path: &Path,
+    origins: &mut BTreeMap<String, PathBuf>,
+) {
+    for (key, value) in from {
+        let full = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
+        match (into.get_mut(&key), value) {
+            (Some(toml::Value::Table(existing)), toml::Value::Table(new)) => merge(existing, new, &full, path, origins),
+            (_, value) => {
+                if let toml::Value::Table(t) = &value {
+                    for k in t.keys() {
+                        origins.insert(format!("{full}.{k}"), path.to_path_buf());
+                    }
+                }
+                origins.insert(full, path.to_path_buf());
+                into.insert(key, value);
+            }
+        }
+    }
+}
+
+/// toml's message, with the dotted key the error is about when it can be found from the span.
+fn describe(text: &str, e: &toml::de::Error) -> String {
+    let message = e.message().trim().to_string();
+    let Some(span) = e.span() else { return message };
+    let before = &text[..span.start.min(text.len())];
+    let line_no = before.matches('\n').count() + 1;
+    let section = before
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('[') && l.ends_with(']'))
+        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_string());
+    let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
+    let key = line.split('=').next().unwrap_or("").trim();
+    match (section, key.is_empty() || line.starts_with('[')) {
+        (Some(s), false) => format!("line {line_no}: key `{s}.{key}`: {message}"),
+        (None, false) => format!("line {line_no}: key `{key}`: {message}"),
+        _ => format!("line {line_no}: {message}"),
+    }
+}
+
+/// Checks values that parse but make no sense. Returns the dotted key and what was expected.
+fn validate(c: &Config) -> Result<(), (&'static str, String)> {
+    if crate::facts::cuda_min_driver(&c.install.cuda).is_none() || !c.install.cuda.starts_with("12.") {
+        let known: Vec<&str> =
+            crate::facts::CUDA_MIN_DRIVER.iter().map(|(v, _)| *v).filter(|v| v.starts_with("12.")).collect();
+        return Err((
+            "install.cuda",
+            format!(
+                "{:?} is not a CUDA 12 release this agent knows; expected one of {}",
+                c.install.cuda,
+                known.join(", ")
+            ),
+        ));
+    }
+    match c.install.driver_branch.parse::<u32>() {
+        Ok(b) if b >= crate::facts::MIN_DRIVER_BRANCH => {}
+        _ => {
+            return Err((
+                "install.driver_branch",
+                format!(
+                    "{:?}: expected a driver branch number of at least {} (for example \"550\")",
+                    c.install.driver_branch,
+                    crate::facts::MIN_DRIVER_BRANCH
+                ),
+            ))
+        }
+    }
+    let fp: String = c.install.repo_key_fingerprint.chars().filter(|c| !c.is_whitespace()).collect();
+    if !fp.is_empty() && (fp.len() != 40 || !fp.bytes().all(|b| b.is_ascii_hexdigit())) {
+        return Err((
+            "install.repo_key_fingerprint",
+            "expected a 40-hex-digit OpenPGP fingerprint (spaces allowed)".into(),
+        ));
+    }
+    if !c.install.repo_url.is_empty()
+        && !(c.install.repo_url.starts_with("https://")
+            || c.install.repo_url.starts_with("http://")
+            || c.install.repo_url.starts_with("file://"))
+    {
+        return Err(("install.repo_url", "expected an http(s):// or file:// URL".into()));
+    }
+    if !c.platform.url.is_empty() && !(c.platform.url.starts_with("https://") || c.platform.url.starts_with("http://"))
+    {
+        return Err(("platform.url", "expected an http(s):// URL, or empty for no push".into()));
+    }
+    if c.http.tls_cert.is_empty() != c.http.tls_key.is_empty() {
+        return Err(("http.tls_key", "tls_cert and tls_key go together: set both or neither".into()));
+    }
+    if !c.http.client_ca.is_empty() && c.http.tls_cert.is_empty() {
+        return Err(("http.client_ca", "client certificates need TLS: set tls_cert and tls_key too".into()));
+    }
+    if c.agent.expected_gpus == Some(0) {
+        return Err(("agent.expected_gpus", "expected at least 1 (leave it out to skip the count check)".into()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(text: &str) -> Result<Config, ConfigError> {
+        from_files(&[(PathBuf::from("/etc/phq-agent/config.toml"), text.to_string())])
+    }
+
+    #[test]
+    fn empty_is_all_defaults() {
+        assert_eq!(one("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn design_example_parses() {
+        let text = include_str!("../packaging/config.toml");
+        let c = one(text).unwrap();
+        assert_eq!(c.http.listen.port(), 9440);
+        assert_eq!(c.platform.interval, Duration::from_secs(60));
+        assert_eq!(c.probes.when_idle, Some(Duration::from_secs(86400)));
+    }
+
+    #[test]
+    fn unknown_key_names_file_key_and_line() {
+        let e = one("[agent]\nid = \"x\"\nexpectd_gpus = 8\n").unwrap_err().to_string();
+        assert!(e.starts_with("/etc/phq-agent/config.toml: line 3: key `agent.expectd_gpus`"), "{e}");
+        assert!(e.contains("unknown field `expectd_gpus`"), "{e}");
+        assert!(e.contains("expected_gpus"), "{e}");
+    }
+
+    #[test]
+    fn bad_type_says_what_was_expected() {
+        let e = one("[agent]\nexpected_gpus = \"eight\"\n").unwrap_err().to_string();
+        assert!(e.contains("key `agent.expected_gpus`"), "{e}");
+        assert!(e.contains("u32") || e.contains("integer"), "{e}");
+        let e = one("[platform]\ninterval = \"soon\"\n").unwrap_err().to_string();
+        assert!(e.contains("platform.interval") && e.contains("duration"), "{e}");
+    }
+
+    #[test]
+    fn dropins_override_key_by_key_and_errors_name_the_dropin() {
+        let files = vec![
+            (PathBuf::from("/c/config.toml"), "[agent]\nexpected_gpus = 8\nid = \"a\"\n".to_string()),
+            (PathBuf::from("/c/config.d/10-gpus.toml"), "[agent]\nexpected_gpus = 4\n".to_string()),
+        ];
+        let c = from_files(&files).unwrap();
+        assert_eq!(c.agent.expected_gpus, Some(4));
+        assert_eq!(c.agent.id, "a");
+
+        let files = vec![
+            (PathBuf::from("/c/config.toml"), "[install]\ncuda = \"12.4\"\n".to_string()),
+            (PathBuf::from("/c/config.d/20-cuda.toml"), "[install]\ncuda = \"12.7\"\n".to_string()),
+        ];
+        let e = from_files(&files).unwrap_err().to_string();
+        assert!(e.starts_with("/c/config.d/20-cuda.toml: install.cuda: \"12.7\""), "{e}");
+    }
+
+    #[test]
+    fn syntax_error_names_file_and_line() {
+        let e = one("[agent\n").unwrap_err().to_string();
+        assert!(e.starts_with("/etc/phq-agent/config.toml: line 1"), "{e}");
+    }
+
+    #[test]
+    fn tls_pairs_and_bad_listen() {
+        assert!(one("[http]\ntls_cert = \"/c.pem\"\n").unwrap_err().to_string().contains("http.tls_key"));
+        let e = one("[http]\nlisten = \"everywhere\"\n").unwrap_err().to_string();
+        assert!(e.contains("http.listen"), "{e}");
+    }
+
+    #[test]
+    fn missing_default_file_is_fine_missing_named_file_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("config.toml");
+        assert_eq!(load(&p, false).unwrap(), Config::default());
+        let e = load(&p, true).unwrap_err().to_string();
+        assert!(e.contains("config.toml") && e.contains("No such file"), "{e}");
+    }
+
+    #[test]
+    fn when_idle_off() {
+        assert_eq!(one("[probes]\nwhen_idle = \"off\"\nat_boot = \"none\"\n").unwrap().probes.when_idle, None);
+        assert!(one("[probes]\nat_boot = \"fast\"\n").unwrap_err().to_string().contains("quick"));
+    }
+}

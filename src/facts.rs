@@ -1,0 +1,342 @@
+//! The numbers and names the checks judge by, in one place, each with its source.
+//!
+//! Source document for all of them: `shared/reference/hopper-facts.md`, which cites the
+//! upstream material (NVIDIA open-gpu-kernel-modules README, DCGM `diag-skus.yaml.in`, the
+//! NVIDIA Xid catalog, the CUDA toolkit release notes, azurehpc-health-checks).
+
+/// A GPU model the agent knows by PCI device id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sku {
+    pub device_id: u16,
+    pub name: &'static str,
+    /// Form factor decides whether NVSwitches/NVLink are expected.
+    pub sxm: bool,
+}
+
+/// Hopper SKUs by PCI device id (vendor 0x10de).
+/// Source: NVIDIA/open-gpu-kernel-modules README supported-GPU list; DCGM diag-skus.yaml.in.
+pub const SKUS: &[Sku] = &[
+    Sku { device_id: 0x2330, name: "H100 SXM5 80GB", sxm: true },
+    Sku { device_id: 0x2331, name: "H100 PCIe", sxm: false },
+    Sku { device_id: 0x2321, name: "H100 NVL", sxm: false },
+    Sku { device_id: 0x2339, name: "H100 SXM5 94GB", sxm: true },
+    Sku { device_id: 0x2337, name: "H100 SXM5 64GB", sxm: true },
+    Sku { device_id: 0x2338, name: "H100 SXM5 96GB", sxm: true },
+    Sku { device_id: 0x2324, name: "H800 SXM", sxm: true },
+    Sku { device_id: 0x2322, name: "H800 PCIe", sxm: false },
+    Sku { device_id: 0x2335, name: "H200 SXM", sxm: true },
+    Sku { device_id: 0x233b, name: "H200 NVL", sxm: false },
+];
+
+pub fn sku(device_id: u16) -> Option<&'static Sku> {
+    SKUS.iter().find(|s| s.device_id == device_id)
+}
+
+/// NVSwitch device ids. 0x22a3 is the third-generation NVSwitch of the HGX H100 baseboard
+/// (PCI class 0x0680, Gen4 x2 link). Source: leptonai/gpud lspci-vvv capture of an HGX H100.
+pub const NVSWITCH_DEVICE_IDS: &[u16] = &[0x22a3];
+
+/// An HGX H100/H200 baseboard carries four NVSwitches for its eight GPUs.
+/// Source: NVIDIA HGX H100 platform; the lspci capture shows 83:00.0–86:00.0.
+pub const NVSWITCHES_PER_HGX_BOARD: usize = 4;
+
+/// The lowest driver branch that supports Hopper and CUDA 12 at all (CUDA 12.0 GA needs
+/// 525.60.13). Source: CUDA toolkit release notes, driver table.
+pub const MIN_DRIVER_BRANCH: u32 = 525;
+
+/// Minimum Linux driver for each CUDA 12 toolkit at GA. Source: CUDA toolkit release notes.
+pub const CUDA_MIN_DRIVER: &[(&str, &str)] = &[
+    ("12.0", "525.60.13"),
+    ("12.1", "530.30.02"),
+    ("12.2", "535.54.03"),
+    ("12.3", "545.23.06"),
+    ("12.4", "550.54.14"),
+    ("12.5", "555.42.02"),
+    ("12.6", "560.28.03"),
+    ("12.8", "570.26"),
+    ("12.9", "575.51.03"),
+    ("13.0", "580.65.06"),
+];
+
+/// The minimum driver for a toolkit `major.minor`, if the table knows it.
+pub fn cuda_min_driver(cuda: &str) -> Option<&'static str> {
+    let key = major_minor(cuda)?;
+    CUDA_MIN_DRIVER.iter().find(|(c, _)| *c == key).map(|(_, d)| *d)
+}
+
+/// `12.4.131` → `12.4`.
+pub fn major_minor(v: &str) -> Option<String> {
+    let mut it = v.trim().split('.');
+    let major: u32 = it.next()?.parse().ok()?;
+    let minor: u32 = it.next().unwrap_or("0").parse().ok()?;
+    Some(format!("{major}.{minor}"))
+}
+
+/// Compares dotted numeric versions (`550.54.14` vs `550.90.07`); non-numeric parts compare as 0.
+pub fn version_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    let parse = |s: &str| -> Vec<u64> { s.split('.').map(|p| p.trim().parse().unwrap_or(0)).collect() };
+    let (a, b) = (parse(a), parse(b));
+    for i in 0..a.len().max(b.len()) {
+        let (x, y) = (a.get(i).copied().unwrap_or(0), b.get(i).copied().unwrap_or(0));
+        match x.cmp(&y) {
+            std::cmp::Ordering::Equal => continue,
+            o => return o,
+        }
+    }
+    std::cmp::Ordering::Equal
+}
+
+/// The branch (major number) of a driver version: `550.90.07` → 550.
+pub fn driver_branch(version: &str) -> Option<u32> {
+    version.split('.').next()?.trim().parse().ok()
+}
+
+/// Guests `phq-agent install` supports (DESIGN.md). `id` and `VERSION_ID` major from os-release.
+pub const SUPPORTED_OS: &[(&str, &str, &str)] = &[
+    ("ubuntu", "22.04", "Ubuntu 22.04"),
+    ("ubuntu", "24.04", "Ubuntu 24.04"),
+    ("debian", "12", "Debian 12"),
+    ("rhel", "9", "RHEL 9"),
+    ("rocky", "9", "Rocky Linux 9"),
+    ("almalinux", "9", "AlmaLinux 9"),
+];
+
+/// How bad an Xid is for the GPU it names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XidClass {
+    /// The application misbehaved; the GPU is fine (Kubernetes device plugin's list).
+    Application,
+    /// Worth watching and reporting; the GPU keeps working.
+    Watch,
+    /// The GPU needs a reset (or the VM a restart) before it can be trusted again.
+    Reset,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct XidInfo {
+    pub code: u32,
+    pub meaning: &'static str,
+    pub class: XidClass,
+    pub action: &'static str,
+}
+
+/// Xid codes that matter on H100. Source: NVIDIA Xid catalog (docs.nvidia.com/deploy/xid-errors),
+/// with classes cross-checked against azurehpc-health-checks (which fails a node on 48, 56–58,
+/// 62–65, 68, 69, 73, 74, 79–81, 92, 119, 120) and the Kubernetes device plugin (which treats
+/// 13, 31, 43, 45, 68 as application errors).
+pub const XIDS: &[XidInfo] = &[
+    XidInfo {
+        code: 13,
+        meaning: "graphics engine exception",
+        class: XidClass::Application,
+        action: "Restart the application; by itself not a GPU fault.",
+    },
+    XidInfo {
+        code: 31,
+        meaning: "GPU memory page fault",
+        class: XidClass::Application,
+        action: "Restart the application; by itself not a GPU fault.",
+    },
+    XidInfo {
+        code: 43,
+        meaning: "GPU stopped processing",
+        class: XidClass::Application,
+        action: "Restart the application; by itself not a GPU fault.",
+    },
+    XidInfo {
+        code: 45,
+        meaning: "preemptive cleanup after a prior error",
+        class: XidClass::Application,
+        action: "Restart the application; look for an earlier Xid.",
+    },
+    XidInfo {
+        code: 48,
+        meaning: "double-bit ECC error",
+        class: XidClass::Reset,
+        action: "Drain the GPU, reset it (or restart the VM) and follow the ECC workflow; report it to the platform.",
+    },
+    XidInfo {
+        code: 56,
+        meaning: "display engine error",
+        class: XidClass::Watch,
+        action: "Report to the platform if it repeats.",
+    },
+    XidInfo {
+        code: 57,
+        meaning: "error programming video memory interface",
+        class: XidClass::Watch,
+        action: "Report to the platform if it repeats.",
+    },
+    XidInfo {
+        code: 58,
+        meaning: "unstable video memory interface",
+        class: XidClass::Watch,
+        action: "Report to the platform if it repeats.",
+    },
+    XidInfo {
+        code: 62,
+        meaning: "internal micro-controller halt",
+        class: XidClass::Reset,
+        action: "Reset the GPU (restart the VM); report it if it repeats.",
+    },
+    XidInfo {
+        code: 63,
+        meaning: "row remapping event (ECC page retirement)",
+        class: XidClass::Watch,
+        action: "Informational: reset the GPU at a convenient time so the remap takes effect.",
+    },
+    XidInfo {
+        code: 64,
+        meaning: "row remapping failure",
+        class: XidClass::Reset,
+        action: "Reset the GPU and report it: the memory could not be remapped.",
+    },
+    XidInfo {
+        code: 65,
+        meaning: "video processor exception",
+        class: XidClass::Watch,
+        action: "Report to the platform if it repeats.",
+    },
+    XidInfo {
+        code: 68,
+        meaning: "NVDEC0 exception",
+        class: XidClass::Application,
+        action: "Restart the application; report it if it repeats.",
+    },
+    XidInfo {
+        code: 69,
+        meaning: "graphics engine class error",
+        class: XidClass::Application,
+        action: "Restart the application; report it if it repeats.",
+    },
+    XidInfo {
+        code: 73,
+        meaning: "NVENC2 error",
+        class: XidClass::Watch,
+        action: "Report to the platform if it repeats.",
+    },
+    XidInfo {
+        code: 74,
+        meaning: "NVLink error",
+        class: XidClass::Reset,
+        action:
+            "Follow the NVLink workflow: reset the GPU and check `nvidia-smi nvlink -s`; report it to the platform.",
+    },
+    XidInfo {
+        code: 79,
+        meaning: "GPU has fallen off the bus",
+        class: XidClass::Reset,
+        action: "Restart the VM; if it repeats, the host must be drained and the GPU reported to the platform.",
+    },
+    XidInfo {
+        code: 80,
+        meaning: "corrupted data sent to GPU",
+        class: XidClass::Reset,
+        action: "Reset the GPU and report it.",
+    },
+    XidInfo {
+        code: 81,
+        meaning: "VGA subsystem error",
+        class: XidClass::Reset,
+        action: "Reset the GPU and report it.",
+    },
+    XidInfo {
+        code: 92,
+        meaning: "high single-bit ECC error rate",
+        class: XidClass::Watch,
+        action: "Watch the ECC counters and report to the platform.",
+    },
+    XidInfo {
+        code: 94,
+        meaning: "contained memory error",
+        class: XidClass::Application,
+        action: "Restart the affected application; the GPU stays usable.",
+    },
+    XidInfo {
+        code: 95,
+        meaning: "uncontained memory error",
+        class: XidClass::Reset,
+        action: "Reset the GPU (restart the VM) before running anything else on it.",
+    },
+    XidInfo {
+        code: 109,
+        meaning: "context-switch timeout",
+        class: XidClass::Reset,
+        action: "Reset the GPU (restart the VM).",
+    },
+    XidInfo {
+        code: 119,
+        meaning: "GSP RPC timeout",
+        class: XidClass::Reset,
+        action: "Reset the GPU (restart the VM) and check the driver version; report it if it repeats.",
+    },
+    XidInfo {
+        code: 120,
+        meaning: "GSP error",
+        class: XidClass::Reset,
+        action: "Reset the GPU (restart the VM) and check the driver version; report it if it repeats.",
+    },
+    XidInfo {
+        code: 136,
+        meaning: "link training failed",
+        class: XidClass::Reset,
+        action: "Reset the GPU and report it.",
+    },
+    XidInfo {
+        code: 140,
+        meaning: "unrecovered ECC error",
+        class: XidClass::Reset,
+        action: "Reset the GPU and report it.",
+    },
+    XidInfo {
+        code: 143,
+        meaning: "GPU initialization error",
+        class: XidClass::Reset,
+        action: "Reset the GPU and report it.",
+    },
+    XidInfo {
+        code: 155,
+        meaning: "NVLink SW-defined error",
+        class: XidClass::Reset,
+        action: "Reset the GPU and report it.",
+    },
+];
+
+pub fn xid(code: u32) -> Option<&'static XidInfo> {
+    XIDS.iter().find(|x| x.code == code)
+}
+
+/// NVIDIA's Debian/Ubuntu repository signing key (3bf863cc).
+/// Source: NVIDIA CUDA repository `cuda-keyring`; hopper-facts.md "Install facts".
+pub const NVIDIA_REPO_KEY_FINGERPRINT: &str = "EB693B3035CD5710E231E123A4B469963BF863CC";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cmp::Ordering;
+
+    #[test]
+    fn versions_compare_numerically() {
+        assert_eq!(version_cmp("550.90.07", "550.54.14"), Ordering::Greater);
+        assert_eq!(version_cmp("570.26", "570.26.0"), Ordering::Equal);
+        assert_eq!(version_cmp("535.54.03", "545.23.06"), Ordering::Less);
+    }
+
+    #[test]
+    fn cuda_table_lookup() {
+        assert_eq!(cuda_min_driver("12.4.131"), Some("550.54.14"));
+        assert_eq!(cuda_min_driver("12.7"), None);
+        assert_eq!(major_minor("12"), Some("12.0".into()));
+    }
+
+    #[test]
+    fn table_codes_are_unique() {
+        let mut codes: Vec<u32> = XIDS.iter().map(|x| x.code).collect();
+        codes.sort();
+        codes.dedup();
+        assert_eq!(codes.len(), XIDS.len());
+        let mut ids: Vec<u16> = SKUS.iter().map(|s| s.device_id).collect();
+        ids.dedup();
+        assert_eq!(ids.len(), SKUS.len());
+    }
+}

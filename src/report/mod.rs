@@ -1,0 +1,194 @@
+//! report: the `phq.status/v1` Report (schema in `schema/phq.status.v1.json`) built from a
+//! snapshot and its findings, and its renderings for people (table) and machines (JSON).
+
+pub mod bundle;
+pub mod table;
+
+use crate::checks::gpu::{summarize, XidSummary};
+use crate::checks::{gpu_model, Finding, Severity};
+use crate::snapshot::{PciLink, SecureBoot, Snapshot, Timestamp};
+use serde::{Deserialize, Serialize};
+
+pub const SCHEMA: &str = "phq.status/v1";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Health {
+    Healthy,
+    Degraded,
+    Unhealthy,
+    Unknown,
+}
+
+impl Health {
+    /// fail → unhealthy, else warn → degraded, else unknown → unknown, else healthy.
+    pub fn of(findings: &[Finding]) -> Health {
+        match findings.iter().map(|f| f.severity).max() {
+            Some(Severity::Fail) => Health::Unhealthy,
+            Some(Severity::Warn) => Health::Degraded,
+            Some(Severity::Unknown) => Health::Unknown,
+            _ => Health::Healthy,
+        }
+    }
+}
+
+/// The monitoring-plugin exit code (DESIGN.md): 2 fail, 1 warn, 3 unknown, 0 all passed.
+pub fn exit_code(findings: &[Finding]) -> i32 {
+    match Health::of(findings) {
+        Health::Unhealthy => 2,
+        Health::Degraded => 1,
+        Health::Unknown => 3,
+        Health::Healthy => 0,
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentInfo {
+    pub version: String,
+    pub agent_id: String,
+    pub boot_id: Option<String>,
+    pub started_at: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostSummary {
+    pub hostname: Option<String>,
+    pub os: Option<String>,
+    pub os_id: Option<String>,
+    pub os_version: Option<String>,
+    pub kernel: Option<String>,
+    /// `kubevirt`, `vm`, `bare-metal`, or `unknown`.
+    pub virtualization: String,
+    pub secure_boot: Option<SecureBoot>,
+    pub nvswitches: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DriverSummary {
+    pub loaded: bool,
+    pub version: Option<String>,
+    pub open_kernel_module: Option<bool>,
+    pub cuda_toolkits: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuSummary {
+    pub pci_address: String,
+    /// From NVML once it is read; until then `null`.
+    pub uuid: Option<String>,
+    pub model: String,
+    /// `10de:2330`
+    pub pci_id: String,
+    pub driver: Option<String>,
+    pub bar1_bytes: Option<u64>,
+    pub link: PciLink,
+    /// The worst severity among the findings about this GPU.
+    pub status: Severity,
+    pub xids: Vec<XidSummary>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub schema: String,
+    pub agent: AgentInfo,
+    pub observed_at: Timestamp,
+    /// Monotonic per agent across restarts for reports `serve` pushes; 0 for `doctor`.
+    pub seq: u64,
+    pub health: Health,
+    pub host: HostSummary,
+    pub driver: DriverSummary,
+    pub gpus: Vec<GpuSummary>,
+    pub findings: Vec<Finding>,
+    /// Probe results; `null` when no probe ran.
+    pub probes: Option<serde_json::Value>,
+    /// The installer's state; `null` when no install has run.
+    pub install: Option<serde_json::Value>,
+}
+
+/// The agent id: configured, else the VM firmware UUID, else the hostname.
+pub fn agent_id(configured: &str, s: &Snapshot) -> String {
+    if !configured.is_empty() {
+        return configured.to_string();
+    }
+    s.host
+        .dmi
+        .value()
+        .and_then(|d| d.product_uuid.clone())
+        .or_else(|| s.host.hostname.clone())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at: Timestamp, seq: u64) -> Report {
+    let os = s.host.os.value();
+    let gpus = s
+        .gpus()
+        .into_iter()
+        .map(|g| {
+            let prefix = g.address_without_function();
+            let events: Vec<_> = s
+                .kernel_log
+                .value()
+                .map(|l| l.xids.iter().filter(|e| e.pci == prefix || e.pci == g.address).collect())
+                .unwrap_or_default();
+            let xids = summarize(&events);
+            let status = findings
+                .iter()
+                .filter(|f| f.gpu.as_deref() == Some(&g.address))
+                .map(|f| f.severity)
+                .max()
+                .unwrap_or(Severity::Pass);
+            GpuSummary {
+                pci_address: g.address.clone(),
+                uuid: s
+                    .kernel_log
+                    .value()
+                    .and_then(|l| l.gpu_uuids.iter().find(|u| u.pci == prefix).map(|u| u.uuid.clone())),
+                model: gpu_model(g),
+                pci_id: format!("{:04x}:{:04x}", g.vendor.unwrap_or(0), g.device.unwrap_or(0)),
+                driver: g.driver.clone(),
+                bar1_bytes: g.bar(2).map(|b| b.size),
+                link: g.link.clone(),
+                status,
+                xids,
+            }
+        })
+        .collect();
+    Report {
+        schema: SCHEMA.into(),
+        agent: AgentInfo {
+            version: env!("CARGO_PKG_VERSION").into(),
+            agent_id,
+            boot_id: s.host.boot_id.clone(),
+            started_at,
+        },
+        observed_at: s.observed_at,
+        seq,
+        health: Health::of(&findings),
+        host: HostSummary {
+            hostname: s.host.hostname.clone(),
+            os: os.map(|o| o.pretty_name.clone()).filter(|p| !p.is_empty()),
+            os_id: os.map(|o| o.id.clone()).filter(|p| !p.is_empty()),
+            os_version: os.map(|o| o.version_id.clone()).filter(|p| !p.is_empty()),
+            kernel: s.host.kernel_release.value().cloned(),
+            virtualization: crate::checks::host::virtualization_of(s).map(|v| v.label()).unwrap_or("unknown").into(),
+            secure_boot: s.host.secure_boot.value().copied(),
+            nvswitches: s.nvswitches().len(),
+        },
+        driver: DriverSummary {
+            loaded: s.driver.modules.value().is_some_and(|m| m.iter().any(|n| n == "nvidia")),
+            version: s.driver.nvrm.value().map(|v| v.version.clone()).or_else(|| s.driver.module_version.clone()),
+            open_kernel_module: s.driver.nvrm.value().map(|v| v.open),
+            cuda_toolkits: s
+                .cuda_toolkits
+                .value()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t.version.value().cloned())
+                .collect(),
+        },
+        gpus,
+        findings,
+        probes: None,
+        install: None,
+    }
+}

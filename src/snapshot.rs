@@ -1,0 +1,309 @@
+//! The one data model: what `collect` saw, as plain serde data.
+//!
+//! A `Snapshot` carries its own time, so checks never read a clock. Everything that could not be
+//! read is a `Fact::Error` with the reason (which file, what went wrong): checks turn those into
+//! honest `unknown` findings instead of guessing.
+
+use serde::{Deserialize, Serialize};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// A value, or why it could not be had.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fact<T> {
+    Value(T),
+    Error(String),
+}
+
+impl<T> Fact<T> {
+    pub fn value(&self) -> Option<&T> {
+        match self {
+            Fact::Value(v) => Some(v),
+            Fact::Error(_) => None,
+        }
+    }
+
+    pub fn error(&self) -> Option<&str> {
+        match self {
+            Fact::Value(_) => None,
+            Fact::Error(e) => Some(e),
+        }
+    }
+}
+
+impl<T, E: std::fmt::Display> From<Result<T, E>> for Fact<T> {
+    fn from(r: Result<T, E>) -> Self {
+        match r {
+            Ok(v) => Fact::Value(v),
+            Err(e) => Fact::Error(e.to_string()),
+        }
+    }
+}
+
+/// A point in time, written as RFC 3339 (UTC, milliseconds) in JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Timestamp(pub SystemTime);
+
+impl Timestamp {
+    pub fn now() -> Self {
+        Timestamp(SystemTime::now())
+    }
+
+    pub fn from_unix_millis(ms: u64) -> Self {
+        Timestamp(UNIX_EPOCH + Duration::from_millis(ms))
+    }
+}
+
+impl std::fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", humantime::format_rfc3339_millis(self.0))
+    }
+}
+
+impl Serialize for Timestamp {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Timestamp {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_rfc3339_weak(&s).map(Timestamp).map_err(serde::de::Error::custom)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub observed_at: Timestamp,
+    /// The root the snapshot was read from (`/` on a live machine).
+    pub sysroot: String,
+    pub host: Host,
+    pub pci: Fact<Vec<PciDevice>>,
+    pub driver: Driver,
+    pub cuda_toolkits: Fact<Vec<CudaToolkit>>,
+    pub kernel_log: Fact<KernelLog>,
+}
+
+impl Snapshot {
+    /// NVIDIA GPUs, in PCI address order.
+    pub fn gpus(&self) -> Vec<&PciDevice> {
+        self.pci.value().map(|d| d.iter().filter(|d| d.is_nvidia_gpu()).collect()).unwrap_or_default()
+    }
+
+    pub fn nvswitches(&self) -> Vec<&PciDevice> {
+        self.pci.value().map(|d| d.iter().filter(|d| d.is_nvswitch()).collect()).unwrap_or_default()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Host {
+    pub hostname: Option<String>,
+    pub os: Fact<OsRelease>,
+    pub kernel_release: Fact<String>,
+    pub cmdline: Fact<String>,
+    pub boot_id: Option<String>,
+    pub dmi: Fact<Dmi>,
+    /// The `hypervisor` CPU flag from /proc/cpuinfo: set in every guest of a modern hypervisor.
+    pub cpu_hypervisor_flag: Option<bool>,
+    pub kernel_headers: Fact<KernelHeaders>,
+    pub secure_boot: Fact<SecureBoot>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OsRelease {
+    pub id: String,
+    pub id_like: Vec<String>,
+    pub version_id: String,
+    pub pretty_name: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Dmi {
+    pub sys_vendor: Option<String>,
+    pub product_name: Option<String>,
+    pub product_family: Option<String>,
+    pub product_uuid: Option<String>,
+    pub bios_vendor: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KernelHeaders {
+    /// `/lib/modules/<release>/build` as seen in the sysroot.
+    pub path: String,
+    pub present: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SecureBoot {
+    /// Booted without UEFI (SeaBIOS in KubeVirt): there is no Secure Boot.
+    NotEfi,
+    Disabled,
+    Enabled,
+    /// UEFI, but the `SecureBoot` variable is absent (firmware without the feature).
+    Unsupported,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bar {
+    /// The resource index as in sysfs `resource` (0–5 BARs, 6 the ROM).
+    pub index: u8,
+    pub start: u64,
+    pub size: u64,
+    pub flags: u64,
+}
+
+impl Bar {
+    /// Linux marks a resource it could not place with `IORESOURCE_UNSET`; a region that was
+    /// never sized reads as all zeros. Either way the device cannot use it.
+    pub fn assigned(&self) -> bool {
+        const IORESOURCE_UNSET: u64 = 0x2000_0000;
+        self.size > 0 && self.start != 0 && self.flags & IORESOURCE_UNSET == 0
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PciLink {
+    pub current_speed: Option<String>,
+    pub max_speed: Option<String>,
+    pub current_gts: Option<f64>,
+    pub max_gts: Option<f64>,
+    pub current_width: Option<u32>,
+    pub max_width: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PciDevice {
+    /// `0000:09:00.0`
+    pub address: String,
+    pub vendor: Option<u16>,
+    pub device: Option<u16>,
+    pub class: Option<u32>,
+    pub subsystem_vendor: Option<u16>,
+    pub subsystem_device: Option<u16>,
+    /// Name of the bound driver (`nvidia`, `nouveau`, `vfio-pci`), `None` when unbound.
+    pub driver: Option<String>,
+    /// Every resource line of `resource`; regions that were never sized are kept too (all
+    /// zeros), since "BAR1 is zero" is exactly what a check must see.
+    pub bars: Vec<Bar>,
+    pub link: PciLink,
+    pub numa_node: Option<i64>,
+    /// What could not be read or parsed for this device, each naming the file.
+    pub problems: Vec<String>,
+}
+
+/// NVIDIA's PCI vendor id.
+pub const NVIDIA_VENDOR: u16 = 0x10de;
+
+impl PciDevice {
+    /// GPUs are PCI class 0x0302 (3D controller); a few boards show as 0x0300 (VGA).
+    pub fn is_nvidia_gpu(&self) -> bool {
+        self.vendor == Some(NVIDIA_VENDOR) && matches!(self.class.map(|c| c >> 8), Some(0x0302 | 0x0300))
+    }
+
+    /// NVSwitches are bridges (class 0x0680) with their own device ids; see `facts::NVSWITCH_DEVICE_IDS`.
+    pub fn is_nvswitch(&self) -> bool {
+        self.vendor == Some(NVIDIA_VENDOR)
+            && self.device.is_some_and(|d| crate::facts::NVSWITCH_DEVICE_IDS.contains(&d))
+    }
+
+    pub fn bar(&self, index: u8) -> Option<&Bar> {
+        self.bars.iter().find(|b| b.index == index)
+    }
+
+    /// `0000:09:00` — the form the NVIDIA driver prints in `NVRM: Xid (PCI:0000:09:00)`.
+    pub fn address_without_function(&self) -> &str {
+        self.address.rsplit_once('.').map(|(a, _)| a).unwrap_or(&self.address)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Driver {
+    /// Loaded kernel modules from /proc/modules.
+    pub modules: Fact<Vec<String>>,
+    /// /proc/driver/nvidia/version; an error when the module is not loaded.
+    pub nvrm: Fact<NvrmVersion>,
+    /// /sys/module/nvidia/version
+    pub module_version: Option<String>,
+    pub nouveau: NouveauConfig,
+    /// Whether this kernel ships a nouveau module at all (`None` when unknown).
+    pub nouveau_module_available: Option<bool>,
+    /// `/dev/nvidia*` nodes present.
+    pub device_nodes: Vec<String>,
+    /// NVIDIA user-space libraries found, with the version in their file name.
+    pub user_libraries: Vec<UserLibrary>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvrmVersion {
+    pub version: String,
+    /// True for "NVIDIA UNIX Open Kernel Module", false for the proprietary module.
+    pub open: bool,
+    pub first_line: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NouveauConfig {
+    /// Files (or `kernel command line`) that blacklist nouveau.
+    pub blacklisted_in: Vec<String>,
+    /// Files (or `kernel command line`) that set `nouveau modeset=0`.
+    pub modeset_off_in: Vec<String>,
+    /// modprobe.d files that could not be read, with the reason.
+    pub unreadable: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserLibrary {
+    pub name: String,
+    pub version: String,
+    pub path: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaToolkit {
+    pub path: String,
+    pub version: Fact<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KernelLog {
+    /// Where the lines came from (`/dev/kmsg`).
+    pub source: String,
+    pub records: usize,
+    /// Lines that were not kernel log records (kept out of the counts, noted for support).
+    pub malformed: usize,
+    pub xids: Vec<XidEvent>,
+    pub bar_errors: Vec<BarError>,
+    /// `NVRM: GPU at PCI:0000:9b:00: GPU-…` lines, linking PCI addresses to UUIDs.
+    pub gpu_uuids: Vec<GpuUuidLine>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XidEvent {
+    /// `0000:9b:00` as the driver prints it (no function number).
+    pub pci: String,
+    /// The Xid code; `None` when the number in the line is not one (kept, so it is not lost).
+    pub xid: Option<u32>,
+    pub raw_code: String,
+    /// Microseconds since boot, from the kmsg record.
+    pub usec: Option<u64>,
+    pub seq: Option<u64>,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BarError {
+    /// `0000:0a:00.0`
+    pub pci: String,
+    pub bar: u32,
+    pub size_mib: u64,
+    pub address: u64,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuUuidLine {
+    pub pci: String,
+    pub uuid: String,
+}

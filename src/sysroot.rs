@@ -1,0 +1,307 @@
+//! The one door to the file system for everything `collect` reads.
+//!
+//! Every path handed to a `Sysroot` is relative to its root (`/` on a live machine, a fixture
+//! tree in tests, an unpacked bundle for support). Absolute symlink targets are resolved
+//! inside the root, as a chroot would, so a fixture's `lib/modules/*/build ->
+//! /usr/src/linux-headers-…` points into the fixture, never at the machine running the test.
+//!
+//! A `Sysroot` can record what it read; `doctor --bundle` saves those raw files next to the
+//! snapshot so that a support engineer sees exactly what the agent saw.
+
+use std::fs::{self, File};
+use std::io::{self, Read};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Component, Path, PathBuf};
+use std::sync::Mutex;
+
+/// Files larger than this are read only up to it: sysfs and procfs attributes are tiny, and a
+/// fixture (or a hostile tree) must not make the agent allocate without bound.
+pub const MAX_FILE_BYTES: u64 = 4 << 20;
+
+/// How many symlinks one lookup may follow before it is declared a loop (as Linux's ELOOP).
+const MAX_SYMLINK_HOPS: usize = 40;
+
+/// What a recording `Sysroot` saw, in the order it was read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recorded {
+    File { path: String, contents: Vec<u8> },
+    Link { path: String, target: String },
+}
+
+#[derive(Debug)]
+pub struct Sysroot {
+    root: PathBuf,
+    recording: Option<Mutex<Vec<Recorded>>>,
+}
+
+/// An I/O error that names the file it happened on (relative to the root, as the user would
+/// type it after `--sysroot`).
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {source}")]
+pub struct PathError {
+    pub path: String,
+    #[source]
+    pub source: io::Error,
+}
+
+impl PathError {
+    pub fn is_not_found(&self) -> bool {
+        self.source.kind() == io::ErrorKind::NotFound
+    }
+}
+
+impl Sysroot {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Sysroot { root: root.into(), recording: None }
+    }
+
+    /// A `Sysroot` that keeps a copy of every file and link it reads, for bundles.
+    pub fn recording(root: impl Into<PathBuf>) -> Self {
+        Sysroot { root: root.into(), recording: Some(Mutex::new(Vec::new())) }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// True when this is the machine's own `/`: the only case in which live-only sources
+    /// (a character device `/dev/kmsg`, the journal) are used.
+    pub fn is_live(&self) -> bool {
+        self.root == Path::new("/")
+    }
+
+    /// The path as a user would write it: `/etc/os-release`, whatever the root.
+    pub fn display(rel: &str) -> String {
+        format!("/{}", rel.trim_start_matches('/'))
+    }
+
+    /// Where `rel` is on this machine, without following any symlink.
+    pub fn host_path(&self, rel: &str) -> PathBuf {
+        self.root.join(rel.trim_start_matches('/'))
+    }
+
+    /// Where `rel` is on this machine with every symlink resolved inside the root.
+    pub fn resolve(&self, rel: &str) -> Result<PathBuf, PathError> {
+        let err = |source| PathError { path: Self::display(rel), source };
+        let mut pending: Vec<String> = components(rel);
+        pending.reverse();
+        let mut resolved: Vec<String> = Vec::new();
+        let mut hops = 0;
+        while let Some(part) = pending.pop() {
+            match part.as_str() {
+                "." => continue,
+                ".." => {
+                    resolved.pop();
+                    continue;
+                }
+                _ => {}
+            }
+            resolved.push(part);
+            let here = self.root.join(resolved.join("/"));
+            let Ok(meta) = fs::symlink_metadata(&here) else {
+                // A missing component: the rest cannot resolve either; report it as absent.
+                return Err(err(io::Error::from(io::ErrorKind::NotFound)));
+            };
+            if meta.file_type().is_symlink() {
+                hops += 1;
+                if hops > MAX_SYMLINK_HOPS {
+                    return Err(err(io::Error::other("too many levels of symbolic links")));
+                }
+                let target = fs::read_link(&here).map_err(err)?;
+                resolved.pop();
+                if target.is_absolute() {
+                    resolved.clear();
+                }
+                let mut target_parts = components(&target.to_string_lossy());
+                target_parts.reverse();
+                pending.extend(target_parts);
+            }
+        }
+        Ok(self.root.join(resolved.join("/")))
+    }
+
+    pub fn exists(&self, rel: &str) -> bool {
+        self.resolve(rel).is_ok()
+    }
+
+    /// Reads a file as bytes, at most `MAX_FILE_BYTES`.
+    pub fn read_bytes(&self, rel: &str) -> Result<Vec<u8>, PathError> {
+        let err = |source| PathError { path: Self::display(rel), source };
+        let path = self.resolve(rel)?;
+        let file = File::open(&path).map_err(err)?;
+        let mut buf = Vec::new();
+        file.take(MAX_FILE_BYTES).read_to_end(&mut buf).map_err(err)?;
+        self.record(Recorded::File { path: rel.to_string(), contents: buf.clone() });
+        Ok(buf)
+    }
+
+    /// Reads a text file; bytes that are not UTF-8 become U+FFFD rather than an error, since a
+    /// half-readable `os-release` still says more than none.
+    pub fn read_string(&self, rel: &str) -> Result<String, PathError> {
+        self.read_bytes(rel).map(|b| String::from_utf8_lossy(&b).into_owned())
+    }
+
+    /// Reads a one-line attribute (sysfs style) and trims it.
+    pub fn read_attr(&self, rel: &str) -> Result<String, PathError> {
+        self.read_string(rel).map(|s| s.trim().to_string())
+    }
+
+    /// The final name of a symlink's target (`driver -> ../../bus/pci/drivers/nvidia` gives
+    /// `nvidia`). `Ok(None)` when there is no link.
+    pub fn link_name(&self, rel: &str) -> Result<Option<String>, PathError> {
+        let rel_path = Path::new(rel.trim_start_matches('/'));
+        let (Some(parent), Some(name)) = (rel_path.parent(), rel_path.file_name()) else {
+            return Ok(None);
+        };
+        let parent = match self.resolve(&parent.to_string_lossy()) {
+            Ok(p) => p,
+            Err(e) if e.is_not_found() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        match fs::read_link(parent.join(name)) {
+            Ok(target) => {
+                let target_s = target.to_string_lossy().into_owned();
+                self.record(Recorded::Link { path: rel.to_string(), target: target_s });
+                Ok(target.file_name().map(|n| n.to_string_lossy().into_owned()))
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(PathError { path: Self::display(rel), source }),
+        }
+    }
+
+    /// Names in a directory, sorted so that output and tests are stable.
+    pub fn list_dir(&self, rel: &str) -> Result<Vec<String>, PathError> {
+        let err = |source| PathError { path: Self::display(rel), source };
+        let path = self.resolve(rel)?;
+        let mut names = Vec::new();
+        for entry in fs::read_dir(&path).map_err(err)? {
+            let entry = entry.map_err(err)?;
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    /// Reads the kernel log: a live `/dev/kmsg` is a character device that hands out one
+    /// record per read and would block at the end, so it is opened non-blocking and read until
+    /// `EAGAIN`; in a fixture or bundle it is a plain file of the same records, one per line.
+    pub fn read_kmsg(&self, rel: &str) -> Result<String, PathError> {
+        let err = |source| PathError { path: Self::display(rel), source };
+        let path = self.resolve(rel)?;
+        let meta = fs::metadata(&path).map_err(err)?;
+        if !meta.file_type().is_char_device() {
+            return self.read_string(rel);
+        }
+        let mut file = fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&path).map_err(err)?;
+        let mut out = String::new();
+        // One record is at most about 8 KiB (PRINTK_MESSAGE_MAX is 2 KiB of text plus escapes).
+        let mut record = vec![0u8; 16 * 1024];
+        loop {
+            match file.read(&mut record) {
+                Ok(0) => break,
+                Ok(n) => {
+                    out.push_str(&String::from_utf8_lossy(&record[..n]));
+                    if !out.ends_with('\n') {
+                        out.push('\n');
+                    }
+                    if out.len() as u64 > MAX_FILE_BYTES {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                // EPIPE: the ring buffer overwrote the record we were about to read; the next
+                // read continues at the oldest record still there.
+                Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(source) => return Err(err(source)),
+            }
+        }
+        self.record(Recorded::File { path: rel.to_string(), contents: out.clone().into_bytes() });
+        Ok(out)
+    }
+
+    /// Everything read so far, when recording.
+    pub fn recorded(&self) -> Vec<Recorded> {
+        match &self.recording {
+            Some(m) => m.lock().map(|v| v.clone()).unwrap_or_else(|p| p.into_inner().clone()),
+            None => Vec::new(),
+        }
+    }
+
+    fn record(&self, item: Recorded) {
+        if let Some(m) = &self.recording {
+            let mut v = m.lock().unwrap_or_else(|p| p.into_inner());
+            v.push(item);
+        }
+    }
+}
+
+/// The normal components of a path as strings, dropping the root and `.`; `..` is kept so
+/// that `resolve` can pop, but never above the root.
+fn components(path: &str) -> Vec<String> {
+    Path::new(path)
+        .components()
+        .filter_map(|c| match c {
+            Component::Normal(s) => Some(s.to_string_lossy().into_owned()),
+            Component::ParentDir => Some("..".to_string()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn absolute_links_stay_inside_the_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        fs::create_dir_all(root.join("usr/src/linux-headers-6.1.0")).unwrap();
+        fs::write(root.join("usr/src/linux-headers-6.1.0/Makefile"), "all:\n").unwrap();
+        fs::create_dir_all(root.join("lib/modules/6.1.0")).unwrap();
+        symlink("/usr/src/linux-headers-6.1.0", root.join("lib/modules/6.1.0/build")).unwrap();
+        let s = Sysroot::new(root);
+        assert!(s.exists("lib/modules/6.1.0/build/Makefile"));
+        assert_eq!(s.read_string("lib/modules/6.1.0/build/Makefile").unwrap(), "all:\n");
+    }
+
+    #[test]
+    fn dotdot_cannot_escape_the_root() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir_all(dir.path().join("etc")).unwrap();
+        fs::write(dir.path().join("etc/hostname"), "inside").unwrap();
+        let s = Sysroot::new(dir.path());
+        assert_eq!(s.read_string("../../../../etc/hostname").unwrap(), "inside");
+    }
+
+    #[test]
+    fn symlink_loops_are_an_error_not_a_hang() {
+        let dir = tempfile::tempdir().unwrap();
+        symlink("b", dir.path().join("a")).unwrap();
+        symlink("a", dir.path().join("b")).unwrap();
+        let e = Sysroot::new(dir.path()).read_string("a").unwrap_err();
+        assert!(e.to_string().starts_with("/a: "), "{e}");
+    }
+
+    #[test]
+    fn errors_name_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Sysroot::new(dir.path()).read_string("etc/os-release").unwrap_err();
+        assert!(e.is_not_found());
+        assert!(e.to_string().starts_with("/etc/os-release: "), "{e}");
+    }
+
+    #[test]
+    fn recording_keeps_files_and_links() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("f"), "x").unwrap();
+        symlink("../drivers/nvidia", dir.path().join("driver")).unwrap();
+        let s = Sysroot::recording(dir.path());
+        s.read_string("f").unwrap();
+        assert_eq!(s.link_name("driver").unwrap().as_deref(), Some("nvidia"));
+        assert_eq!(s.link_name("nolink").unwrap(), None);
+        assert_eq!(s.recorded().len(), 2);
+    }
+}
