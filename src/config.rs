@@ -293,15 +293,11 @@ fn validate(c: &Config) -> Result<(), (&'static str, String)> {
             "expected a 40-hex-digit OpenPGP fingerprint (spaces allowed)".into(),
         ));
     }
-    if !c.install.repo_url.is_empty()
-        && !(c.install.repo_url.starts_with("https://")
-            || c.install.repo_url.starts_with("http://")
-            || c.install.repo_url.starts_with("file://"))
-    {
+    let scheme_ok = |url: &str, schemes: &[&str]| url.is_empty() || schemes.iter().any(|s| url.starts_with(s));
+    if !scheme_ok(&c.install.repo_url, &["https://", "http://", "file://"]) {
         return Err(("install.repo_url", "expected an http(s):// or file:// URL".into()));
     }
-    if !c.platform.url.is_empty() && !(c.platform.url.starts_with("https://") || c.platform.url.starts_with("http://"))
-    {
+    if !scheme_ok(&c.platform.url, &["https://", "http://"]) {
         return Err(("platform.url", "expected an http(s):// URL, or empty for no push".into()));
     }
     if c.http.tls_cert.is_empty() != c.http.tls_key.is_empty() {

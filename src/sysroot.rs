@@ -100,7 +100,7 @@ impl Sysroot {
             let here = self.root.join(resolved.join("/"));
             let Ok(meta) = fs::symlink_metadata(&here) else {
                 // A missing component: the rest cannot resolve either; report it as absent.
-                return Err(err(io::Error::from(io::ErrorKind::NotFound)));
+                return Err(err(io::Error::from_raw_os_error(libc::ENOENT)));
             };
             if meta.file_type().is_symlink() {
                 hops += 1;

@@ -16,7 +16,12 @@ const LIBRARY_DIRS: &[&str] = &["usr/lib/x86_64-linux-gnu", "lib/x86_64-linux-gn
 const VERSIONED_LIBRARIES: &[&str] = &["libnvidia-ml.so", "libcuda.so"];
 
 pub fn read(root: &Sysroot, kernel_release: Option<&str>, cmdline: Option<&str>) -> Driver {
-    let modules: Fact<Vec<String>> = root.read_string("proc/modules").map(|t| parse_proc_modules(&t)).into();
+    let modules: Fact<Vec<String>> = match root.read_string("proc/modules") {
+        Ok(t) => Fact::Value(parse_proc_modules(&t)),
+        // A kernel built without loadable-module support has no /proc/modules: nothing is loaded.
+        Err(e) if e.is_not_found() => Fact::Value(Vec::new()),
+        Err(e) => Fact::Error(e.to_string()),
+    };
     let nvrm = match root.read_string("proc/driver/nvidia/version") {
         Ok(text) => parse_nvrm_version(&text).map(Fact::Value).unwrap_or_else(|| {
             Fact::Error(format!("/proc/driver/nvidia/version: no version in {:?}", text.lines().next().unwrap_or("")))
@@ -113,11 +118,7 @@ pub fn parse_modprobe_nouveau(text: &str) -> (bool, bool) {
         match words.as_slice() {
             ["blacklist", "nouveau", ..] => blacklisted = true,
             ["install", "nouveau", cmd, ..] if cmd.ends_with("/false") || cmd.ends_with("/true") => blacklisted = true,
-            ["options", "nouveau", opts @ ..] => {
-                if opts.iter().any(|o| *o == "modeset=0") {
-                    modeset_off = true;
-                }
-            }
+            ["options", "nouveau", opts @ ..] if opts.contains(&"modeset=0") => modeset_off = true,
             _ => {}
         }
     }
@@ -131,10 +132,10 @@ pub fn parse_cmdline_nouveau(cmdline: &str) -> (bool, bool) {
     for arg in cmdline.split_whitespace() {
         let Some((key, value)) = arg.split_once('=') else { continue };
         match key {
-            "modprobe.blacklist" | "rd.driver.blacklist" | "module_blacklist" => {
-                if value.split(',').any(|m| m == "nouveau") {
-                    blacklisted = true;
-                }
+            "modprobe.blacklist" | "rd.driver.blacklist" | "module_blacklist"
+                if value.split(',').any(|m| m == "nouveau") =>
+            {
+                blacklisted = true
             }
             "nouveau.modeset" if value == "0" => modeset_off = true,
             _ => {}

@@ -1,0 +1,346 @@
+//! End to end: the real binary over fixture sysroots, as a person or a script would run it.
+//! Each test asserts what a GPU engineer would check in the output: which check, which GPU,
+//! which severity, what remedy, and the exit code.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn config(name: &str) -> PathBuf {
+    fixture("config").join(name).join("config.toml")
+}
+
+fn phq(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .env_remove("PHQ_NVML_LIB")
+        .output()
+        .expect("run phq-agent")
+}
+
+/// `doctor --json` over a fixture sysroot: (exit code, report).
+fn doctor(sysroot: &str, cfg: &str) -> (i32, Value) {
+    let root = fixture("sysroots").join(sysroot);
+    let out =
+        phq(&["doctor", "--json", "--sysroot", root.to_str().unwrap(), "--config", config(cfg).to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{sysroot}: {stderr}");
+    let report: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{sysroot}: not JSON ({e}): {stderr}"));
+    validate(&report);
+    (out.status.code().unwrap(), report)
+}
+
+fn validate(report: &Value) {
+    let schema: Value = serde_json::from_str(include_str!("../schema/phq.status.v1.json")).unwrap();
+    let validator = jsonschema::validator_for(&schema).expect("schema compiles");
+    let errors: Vec<String> =
+        validator.iter_errors(report).map(|e| format!("{} at {}", e, e.instance_path())).collect();
+    assert!(errors.is_empty(), "report does not match schema/phq.status.v1.json: {errors:#?}");
+}
+
+/// Findings with this id, as (gpu, severity) pairs.
+fn findings<'a>(r: &'a Value, id: &str) -> Vec<&'a Value> {
+    r["findings"].as_array().unwrap().iter().filter(|f| f["id"] == id).collect()
+}
+
+fn severity_of(r: &Value, id: &str, gpu: Option<&str>) -> String {
+    let f = findings(r, id);
+    let f = f.iter().find(|f| gpu.is_none_or(|g| f["gpu"] == g)).unwrap_or_else(|| panic!("no {id} for {gpu:?}"));
+    f["severity"].as_str().unwrap().to_string()
+}
+
+fn bad(r: &Value) -> Vec<(String, String, String)> {
+    r["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["severity"] == "fail" || f["severity"] == "warn")
+        .map(|f| {
+            (
+                f["id"].as_str().unwrap().into(),
+                f["gpu"].as_str().unwrap_or("").into(),
+                f["severity"].as_str().unwrap().into(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn healthy_hgx_guest_has_no_false_alarm() {
+    let (code, r) = doctor("hgx-8gpu-healthy", "expect-8");
+    assert_eq!(bad(&r), vec![], "a healthy guest must raise nothing");
+    // Only the checks that need NVML/CUDA are left open, so the plugin code is 3 (unknown).
+    assert_eq!(code, 3);
+    assert_eq!(r["health"], "unknown");
+    assert_eq!(r["gpus"].as_array().unwrap().len(), 8);
+    assert_eq!(r["host"]["nvswitches"], 4);
+    assert_eq!(r["host"]["virtualization"], "kubevirt");
+    assert_eq!(r["agent"]["agent_id"], "5d307ca9-b3ef-428c-8861-06e72d69f223");
+    assert_eq!(r["driver"]["version"], "550.90.07");
+    assert_eq!(r["driver"]["open_kernel_module"], true);
+    assert_eq!(r["driver"]["cuda_toolkits"], serde_json::json!(["12.4.1"]));
+    assert_eq!(severity_of(&r, "pci.gpu-count", None), "pass");
+    for g in r["gpus"].as_array().unwrap() {
+        assert_eq!(g["model"], "H100 SXM5 80GB");
+        assert_eq!(g["bar1_bytes"], 137438953472u64);
+        assert_eq!(g["driver"], "nvidia");
+    }
+    for f in r["findings"].as_array().unwrap().iter().filter(|f| f["severity"] == "unknown") {
+        let why = f["summary"].as_str().unwrap();
+        assert!(why.contains("NVML") || why.contains("CUDA"), "unexpected unknown: {f}");
+    }
+}
+
+#[test]
+fn missing_gpu_against_expected_count_fails() {
+    let (code, r) = doctor("h100-pcie-vfio-bound", "expect-8");
+    assert_eq!(code, 2);
+    let f = findings(&r, "pci.gpu-count")[0];
+    assert_eq!(f["severity"], "fail");
+    assert_eq!(f["summary"], "1 GPU(s) visible, 8 expected");
+}
+
+#[test]
+fn nouveau_bound_fails_every_gpu_and_says_how_to_blacklist() {
+    let (code, r) = doctor("hgx-8gpu-nouveau", "empty");
+    assert_eq!(code, 2);
+    let bound = findings(&r, "pci.gpu-driver-bound");
+    assert_eq!(bound.len(), 8);
+    for f in &bound {
+        assert_eq!(f["severity"], "fail");
+        assert_eq!(f["evidence"]["driver"], "nouveau");
+        assert!(f["remedy"].as_str().unwrap().contains("blacklist nouveau"));
+    }
+    assert_eq!(severity_of(&r, "driver.nouveau-disabled", None), "fail");
+    assert_eq!(severity_of(&r, "driver.module-loaded", None), "fail");
+    assert_eq!(r["driver"]["loaded"], false);
+}
+
+#[test]
+fn vfio_pci_in_the_guest_is_named_with_its_cause() {
+    let (code, r) = doctor("h100-pcie-vfio-bound", "empty");
+    assert_eq!(code, 2);
+    assert_eq!(bad(&r), vec![("pci.gpu-driver-bound".into(), "0000:09:00.0".into(), "fail".into())]);
+    let f = findings(&r, "pci.gpu-driver-bound")[0];
+    assert!(f["detail"].as_str().unwrap().contains("vfio-pci.ids="), "{f}");
+    assert!(f["remedy"].as_str().unwrap().contains("/sys/bus/pci/drivers/vfio-pci/unbind"));
+    assert_eq!(r["gpus"][0]["model"], "H100 PCIe");
+    assert_eq!(r["host"]["os_id"], "debian");
+}
+
+#[test]
+fn bar1_unassigned_names_the_one_gpu_and_the_mmio_fix() {
+    let (code, r) = doctor("hgx-8gpu-bar1-unassigned", "empty");
+    assert_eq!(code, 2);
+    let mut expected = vec![
+        ("pci.gpu-driver-bound".to_string(), "0000:0a:00.0".to_string(), "fail".to_string()),
+        ("pci.bar1-assigned".to_string(), "0000:0a:00.0".to_string(), "fail".to_string()),
+    ];
+    expected.sort();
+    let mut got = bad(&r);
+    got.sort();
+    assert_eq!(got, expected);
+    let f = findings(&r, "pci.bar1-assigned").into_iter().find(|f| f["gpu"] == "0000:0a:00.0").unwrap();
+    let remedy = f["remedy"].as_str().unwrap();
+    assert!(remedy.contains("host-passthrough") && remedy.contains("X-PciMmio64Mb"), "{remedy}");
+    assert_eq!(f["evidence"]["kernel_log"][0], "NVRM: BAR1 is 0M @ 0x0 (PCI:0000:0a:00.0)");
+    let gpu = r["gpus"].as_array().unwrap().iter().find(|g| g["pci_address"] == "0000:0a:00.0").unwrap();
+    assert_eq!(gpu["status"], "fail");
+    assert_eq!(gpu["bar1_bytes"], 0);
+}
+
+#[test]
+fn half_installed_driver_points_at_the_build() {
+    let (code, r) = doctor("hgx-8gpu-half-installed", "empty");
+    assert_eq!(code, 2);
+    let f = findings(&r, "driver.module-loaded")[0];
+    assert_eq!(f["severity"], "fail");
+    assert!(f["detail"].as_str().unwrap().contains("libnvidia-ml.so 550.90.07"));
+    assert_eq!(severity_of(&r, "host.kernel-headers", None), "warn");
+    assert!(findings(&r, "host.kernel-headers")[0]["remedy"]
+        .as_str()
+        .unwrap()
+        .contains("linux-headers-5.15.0-113-generic"));
+}
+
+#[test]
+fn xid_79_fails_only_the_gpu_that_fell_off() {
+    let (code, r) = doctor("hgx-8gpu-xid79", "empty");
+    assert_eq!(code, 2);
+    assert_eq!(bad(&r), vec![("gpu.xid".into(), "0000:0c:00.0".into(), "fail".into())]);
+    // Xid 13 on another GPU is the application's fault: reported, not failed.
+    let f = findings(&r, "gpu.xid").into_iter().find(|f| f["gpu"] == "0000:0d:00.0").unwrap();
+    assert_eq!(f["severity"], "pass");
+    assert!(f["summary"].as_str().unwrap().contains("Xid 13"));
+    let gpu = r["gpus"].as_array().unwrap().iter().find(|g| g["pci_address"] == "0000:0c:00.0").unwrap();
+    assert_eq!(gpu["uuid"], "GPU-7e1f0b2c-55c4-c1a4-9b33-2f1d0e4c8a71");
+    assert_eq!(gpu["xids"][0]["code"], "79");
+    assert_eq!(gpu["xids"][0]["count"], 1);
+}
+
+#[test]
+fn no_gpu_fails_presence_and_exits_2() {
+    let (code, r) = doctor("no-gpu", "empty");
+    assert_eq!(code, 2);
+    assert_eq!(r["health"], "unhealthy");
+    assert_eq!(bad(&r), vec![("pci.gpu-present".into(), "".into(), "fail".into())]);
+    assert!(findings(&r, "pci.gpu-present")[0]["remedy"].as_str().unwrap().contains("spec.domain.devices.gpus"));
+}
+
+#[test]
+fn garbage_tree_still_gives_a_report() {
+    let (code, r) = doctor("garbage", "empty");
+    assert_eq!(code, 2);
+    // The absurd Xid numbers are kept and flagged, not dropped or wrapped.
+    let xids = &r["gpus"][0]["xids"];
+    let codes: Vec<&str> = xids.as_array().unwrap().iter().map(|x| x["code"].as_str().unwrap()).collect();
+    assert!(codes.contains(&"99999999999999999999999999"), "{codes:?}");
+    assert!(codes.contains(&"4294967296"), "{codes:?}");
+    // Unreadable things are unknown with a reason, never silently passed.
+    assert_eq!(severity_of(&r, "host.secure-boot", None), "unknown");
+    // Every catalogue id that doctor runs is present.
+    for id in phq_agent::checks::CATALOG.iter().filter(|id| !phq_agent::checks::is_mode_specific(id)) {
+        assert!(!findings(&r, id).is_empty(), "{id} missing from a garbage report");
+    }
+}
+
+#[test]
+fn live_machine_without_gpu_reports_gpu_present_fail() {
+    // This runs on the build machine itself (sysroot /). CI machines have no NVIDIA GPU; on one
+    // that has, the assertion below does not apply.
+    let out = phq(&["doctor", "--json", "--config", config("empty").to_str().unwrap()]);
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    validate(&r);
+    if r["gpus"].as_array().unwrap().is_empty() {
+        assert_eq!(out.status.code(), Some(2));
+        assert_eq!(severity_of(&r, "pci.gpu-present", None), "fail");
+    }
+}
+
+#[test]
+fn bundle_round_trips_to_the_same_findings() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("support.tar.gz");
+    let root = fixture("sysroots/hgx-8gpu-bar1-unassigned");
+    let cfg = config("empty");
+    let first = phq(&[
+        "doctor",
+        "--json",
+        "--sysroot",
+        root.to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+        "--bundle",
+        bundle.to_str().unwrap(),
+    ]);
+    assert_eq!(first.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&first.stderr).contains("bundle written to"));
+    let again = phq(&["doctor", "--json", "--from", bundle.to_str().unwrap(), "--config", cfg.to_str().unwrap()]);
+    assert_eq!(again.status.code(), Some(2), "{}", String::from_utf8_lossy(&again.stderr));
+    let (a, b): (Value, Value) =
+        (serde_json::from_slice(&first.stdout).unwrap(), serde_json::from_slice(&again.stdout).unwrap());
+    assert_eq!(a["findings"], b["findings"]);
+    assert_eq!(a["gpus"], b["gpus"]);
+    assert_eq!(a["observed_at"], b["observed_at"], "the bundle keeps the time it was taken");
+
+    // The bundle holds the raw files and the NVIDIA kernel log lines.
+    let listing = Command::new("tar").arg("tzf").arg(&bundle).output().unwrap();
+    let names = String::from_utf8_lossy(&listing.stdout);
+    for want in [
+        "manifest.json",
+        "snapshot.json",
+        "report.json",
+        "nvrm.log",
+        "files/etc/os-release",
+        "files/sys/bus/pci/devices/0000:0a:00.0/resource",
+        "files/sys/bus/pci/devices/0000:09:00.0/driver",
+        "files/dev/kmsg",
+    ] {
+        assert!(names.lines().any(|l| l == want), "{want} missing from bundle: {names}");
+    }
+    let nvrm = Command::new("tar").arg("xzOf").arg(&bundle).arg("nvrm.log").output().unwrap();
+    assert!(String::from_utf8_lossy(&nvrm.stdout).contains("NVRM: BAR1 is 0M @ 0x0 (PCI:0000:0a:00.0)"));
+}
+
+#[test]
+fn bad_bundle_and_bad_config_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let junk = dir.path().join("junk.tar.gz");
+    std::fs::write(&junk, b"not a bundle").unwrap();
+    let out = phq(&["doctor", "--from", junk.to_str().unwrap(), "--config", config("empty").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("junk.tar.gz"), "{err}");
+
+    let out = phq(&["doctor", "--config", config("bad-key").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("config.d/50-probes.toml") && err.contains("probes.when_idl") && err.contains("when_idle"),
+        "{err}"
+    );
+
+    let out = phq(&["doctor", "--config", dir.path().join("absent.toml").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("absent.toml"));
+}
+
+#[test]
+fn usage_errors_exit_64_and_unbuilt_commands_exit_3() {
+    assert_eq!(phq(&["doctor", "--no-such-flag"]).status.code(), Some(64));
+    assert_eq!(phq(&["frobnicate"]).status.code(), Some(64));
+    assert_eq!(phq(&["doctor", "--probe", "ludicrous"]).status.code(), Some(64));
+    assert_eq!(phq(&["--help"]).status.code(), Some(0));
+    for cmd in ["install", "probe", "serve", "status"] {
+        let out = phq(&[cmd]);
+        assert_eq!(out.status.code(), Some(3), "{cmd}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.lines().count(), 1, "{cmd}: {err}");
+        assert!(err.contains("not built yet"), "{cmd}: {err}");
+    }
+}
+
+#[test]
+fn table_for_people_respects_no_color_and_names_the_problem() {
+    let root = fixture("sysroots/hgx-8gpu-nouveau");
+    let cfg = config("empty");
+    let args = ["doctor", "--sysroot", root.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
+    let plain = phq(&args);
+    let text = String::from_utf8_lossy(&plain.stdout);
+    assert!(!text.contains('\x1b'), "NO_COLOR output has escapes");
+    assert!(text.contains("FAIL     pci.gpu-driver-bound"), "{text}");
+    assert!(text.contains("bound to nouveau"));
+    assert!(text.contains("→ Blacklist nouveau"));
+    assert!(text.lines().last().unwrap().starts_with("unhealthy:"));
+    let forced = Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(args)
+        .env_remove("NO_COLOR")
+        .env("CLICOLOR_FORCE", "1")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&forced.stdout).contains("\x1b["), "CLICOLOR_FORCE gives colour");
+}
+
+#[test]
+fn probe_flag_reports_probes_as_not_built() {
+    let root = fixture("sysroots/hgx-8gpu-healthy");
+    let out = phq(&[
+        "doctor",
+        "--json",
+        "--probe",
+        "quick",
+        "--sysroot",
+        root.to_str().unwrap(),
+        "--config",
+        config("empty").to_str().unwrap(),
+    ]);
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(severity_of(&r, "probe.h2d-bandwidth", None), "unknown");
+    assert_eq!(out.status.code(), Some(3));
+}
