@@ -334,6 +334,18 @@ mod tests {
     }
 
     #[test]
+    fn docs_list_exactly_the_catalogue() {
+        let doc = include_str!("../../docs/checks.md");
+        let documented: Vec<&str> = doc.lines().filter_map(|l| l.strip_prefix("### ")).map(str::trim).collect();
+        for id in CATALOG {
+            assert!(documented.contains(id), "{id} is not documented in docs/checks.md");
+        }
+        for id in &documented {
+            assert!(CATALOG.contains(id), "docs/checks.md documents {id}, which is no check");
+        }
+    }
+
+    #[test]
     fn gpu_labels() {
         assert_eq!(describe_gpus(&healthy()), "8 × H100 SXM5 80GB");
     }
