@@ -180,6 +180,11 @@ mod tests {
         }
 
         #[test]
+        fn cpuinfo_never_panics(s in ".*") {
+            let _ = cpu_has_hypervisor_flag(&s);
+        }
+
+        #[test]
         fn secure_boot_never_panics(b in proptest::collection::vec(any::<u8>(), 0..16)) {
             let _ = parse_secure_boot_var(&b);
         }

@@ -244,6 +244,13 @@ mod tests {
         #[test]
         fn hex_never_panics(s in ".*") {
             let _ = parse_hex(&s);
+            let _ = is_pci_address(&s);
+        }
+
+        #[test]
+        fn addresses_roundtrip(d in 0u16.., b in 0u8.., s in 0u8..32, f in 0u8..8) {
+            let a = format!("{d:04x}:{b:02x}:{s:02x}.{f}");
+            prop_assert!(is_pci_address(&a));
         }
     }
 }
