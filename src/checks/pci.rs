@@ -10,14 +10,7 @@ pub fn run(s: &Snapshot, settings: &Settings, out: &mut Vec<Finding>) {
     let devices = match &s.pci {
         Fact::Value(d) => d,
         Fact::Error(e) => {
-            for id in [
-                "pci.gpu-present",
-                "pci.gpu-count",
-                "pci.gpu-driver-bound",
-                "pci.bar1-assigned",
-                "pci.nvswitch-present",
-                "pci.link",
-            ] {
+            for id in super::CATALOG.iter().filter(|id| id.starts_with("pci.")) {
                 out.push(Finding::unknown(id, format!("cannot list PCI devices: {e}")));
             }
             return;
