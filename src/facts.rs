@@ -306,6 +306,47 @@ pub fn xid(code: u32) -> Option<&'static XidInfo> {
     XIDS.iter().find(|x| x.code == code)
 }
 
+/// PCIe replays tolerated per minute on a Gen5 x16 link before the link is suspect.
+/// Source: DCGM `DcgmHealthWatch.cpp` (PCIe replay health watch budget).
+pub const PCIE_REPLAYS_PER_MINUTE: f64 = 31.0;
+
+/// More uncorrectable remapped rows than this fails a GPU. Source: azurehpc-health-checks
+/// (H100 configuration).
+pub const MAX_UNCORRECTABLE_REMAPPED_ROWS: u32 = 512;
+
+/// Corrected (single-bit) volatile ECC errors above this warn. Source: azurehpc-health-checks
+/// (SRAM correctable limit 10,000 on H100).
+pub const MAX_CORRECTED_ECC: u64 = 10_000;
+
+/// A GPU this close to its NVML slowdown threshold warns (°C). Our margin, not NVIDIA's: the
+/// thresholds themselves come from NVML per GPU.
+pub const TEMPERATURE_MARGIN_C: u32 = 5;
+
+/// NVLinks per H100/H200 SXM GPU (NVLink 4). Source: `nvidia-smi nvlink -s` on HGX H100.
+pub const NVLINKS_PER_SXM_GPU: usize = 18;
+
+/// Clock-event reasons and how bad each is while it is active. Source: NVML
+/// `nvmlClocksEventReason*` documentation; DCGM treats HW slowdown and power brake as
+/// failures of the node's cooling or power, SW thermal as a warning.
+pub const THROTTLE_SEVERITY: &[(&str, ThrottleClass)] = &[
+    ("gpu_idle", ThrottleClass::Normal),
+    ("applications_clocks_setting", ThrottleClass::Normal),
+    ("sw_power_cap", ThrottleClass::Normal),
+    ("sync_boost", ThrottleClass::Normal),
+    ("display_clock_setting", ThrottleClass::Normal),
+    ("sw_thermal_slowdown", ThrottleClass::Warn),
+    ("hw_slowdown", ThrottleClass::Fail),
+    ("hw_thermal_slowdown", ThrottleClass::Fail),
+    ("hw_power_brake_slowdown", ThrottleClass::Fail),
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ThrottleClass {
+    Normal,
+    Warn,
+    Fail,
+}
+
 /// NVIDIA's Debian/Ubuntu repository signing key (3bf863cc).
 /// Source: NVIDIA CUDA repository `cuda-keyring`; hopper-facts.md "Install facts".
 pub const NVIDIA_REPO_KEY_FINGERPRINT: &str = "EB693B3035CD5710E231E123A4B469963BF863CC";

@@ -83,6 +83,17 @@ pub struct Snapshot {
     pub driver: Driver,
     pub cuda_toolkits: Fact<Vec<CudaToolkit>>,
     pub kernel_log: Fact<KernelLog>,
+    pub nvml: NvmlStatus,
+    /// Installed NVIDIA/CUDA packages (dpkg).
+    pub packages: Fact<Vec<Package>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Package {
+    pub name: String,
+    pub version: String,
+    /// dpkg's state word: `installed`, `half-configured`, `unpacked`, …
+    pub state: String,
 }
 
 impl Snapshot {
@@ -93,6 +104,18 @@ impl Snapshot {
 
     pub fn nvswitches(&self) -> Vec<&PciDevice> {
         self.pci.value().map(|d| d.iter().filter(|d| d.is_nvswitch()).collect()).unwrap_or_default()
+    }
+
+    pub fn nvml(&self) -> Option<&NvmlInfo> {
+        match &self.nvml {
+            NvmlStatus::Ok(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// The NVML view of the GPU at a PCI address.
+    pub fn nvml_gpu(&self, address: &str) -> Option<&NvmlGpu> {
+        self.nvml()?.devices.iter().find(|g| g.pci_address.value().is_some_and(|a| a == address))
     }
 }
 
@@ -108,6 +131,8 @@ pub struct Host {
     pub cpu_hypervisor_flag: Option<bool>,
     pub kernel_headers: Fact<KernelHeaders>,
     pub secure_boot: Fact<SecureBoot>,
+    /// Seconds since boot (/proc/uptime), to turn counters since boot into rates.
+    pub uptime_s: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -306,4 +331,204 @@ pub struct BarError {
 pub struct GpuUuidLine {
     pub pci: String,
     pub uuid: String,
+}
+
+/// One NVML reading. Many calls are not supported inside VMs: that is `NotSupported`, never a
+/// zero; any other failure keeps NVML's error.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Nv<T> {
+    Value(T),
+    NotSupported,
+    Error(String),
+}
+
+impl<T> Nv<T> {
+    pub fn value(&self) -> Option<&T> {
+        match self {
+            Nv::Value(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// The same absence for another type (a value becomes an error: callers use this on
+    /// readings they know have none).
+    pub fn without_value<U>(&self) -> Nv<U> {
+        match self {
+            Nv::Value(_) => Nv::Error("no value".into()),
+            Nv::NotSupported => Nv::NotSupported,
+            Nv::Error(e) => Nv::Error(e.clone()),
+        }
+    }
+
+    /// Why there is no value, in words for a finding.
+    pub fn why_not(&self) -> String {
+        match self {
+            Nv::Value(_) => String::new(),
+            Nv::NotSupported => "not supported by NVML on this GPU/VM".into(),
+            Nv::Error(e) => e.clone(),
+        }
+    }
+}
+
+/// What NVML said, or why it could not be asked.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NvmlStatus {
+    /// Not asked: a `--sysroot` stands for another machine, so the local NVML is not loaded
+    /// unless `--nvml-lib` names one.
+    NotRead(String),
+    Failed(NvmlFailure),
+    Ok(NvmlInfo),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NvmlFailureKind {
+    LibraryNotFound,
+    DriverNotLoaded,
+    VersionMismatch,
+    NoPermission,
+    Other,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvmlFailure {
+    pub kind: NvmlFailureKind,
+    pub library: String,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NvmlInfo {
+    pub library: String,
+    pub driver_version: Nv<String>,
+    pub nvml_version: Nv<String>,
+    /// `nvmlSystemGetCudaDriverVersion_v2`: 12040 for CUDA 12.4.
+    pub cuda_driver_version: Nv<i32>,
+    pub devices: Vec<NvmlGpu>,
+    /// Xid events NVML delivered while the snapshot was taken.
+    pub xid_events: Vec<NvmlXid>,
+    /// Why the event set could not be used, if it could not.
+    pub events_error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvmlXid {
+    /// `0000:09:00.0`, or the NVML index when the bus id was not readable.
+    pub gpu: String,
+    pub xid: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryInfo {
+    pub total_bytes: u64,
+    pub used_bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CurrentPending {
+    pub current: bool,
+    pub pending: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EccCounts {
+    pub corrected: u64,
+    pub uncorrected: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemappedRows {
+    pub correctable: u32,
+    pub uncorrectable: u32,
+    pub pending: bool,
+    pub failure: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvPcie {
+    pub gen_current: Nv<u32>,
+    pub gen_max: Nv<u32>,
+    pub width_current: Nv<u32>,
+    pub width_max: Nv<u32>,
+    pub replay_counter: Nv<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvLinkInfo {
+    pub link: u32,
+    pub active: Nv<bool>,
+    pub replay_errors: Nv<u64>,
+    pub recovery_errors: Nv<u64>,
+    pub crc_flit_errors: Nv<u64>,
+    pub crc_data_errors: Nv<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FabricState {
+    NotSupported,
+    NotStarted,
+    InProgress,
+    Completed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FabricInfo {
+    pub state: FabricState,
+    /// The NVML return code name of the fabric's status (`NVML_SUCCESS` when healthy).
+    pub status: String,
+    pub clique_id: u32,
+    pub cluster_uuid: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    pub pid: u32,
+    pub used_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Utilization {
+    pub gpu: u32,
+    pub memory: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NvmlGpu {
+    pub index: u32,
+    /// `0000:09:00.0` (NVML's 8-digit domain shortened to sysfs form).
+    pub pci_address: Nv<String>,
+    pub pci_device_id: Nv<u32>,
+    pub name: Nv<String>,
+    pub uuid: Nv<String>,
+    pub serial: Nv<String>,
+    pub board_part_number: Nv<String>,
+    pub vbios_version: Nv<String>,
+    pub inforom_image_version: Nv<String>,
+    pub inforom_valid: Nv<bool>,
+    pub memory: Nv<MemoryInfo>,
+    pub bar1: Nv<MemoryInfo>,
+    pub temperature_c: Nv<u32>,
+    pub slowdown_temperature_c: Nv<u32>,
+    pub shutdown_temperature_c: Nv<u32>,
+    pub power_usage_mw: Nv<u32>,
+    pub power_limit_mw: Nv<u32>,
+    pub default_power_limit_mw: Nv<u32>,
+    pub sm_clock_mhz: Nv<u32>,
+    pub mem_clock_mhz: Nv<u32>,
+    /// Names of the active clocks-event (throttle) reasons.
+    pub throttle_reasons: Nv<Vec<String>>,
+    pub ecc_mode: Nv<CurrentPending>,
+    pub ecc_volatile: Nv<EccCounts>,
+    pub ecc_aggregate: Nv<EccCounts>,
+    pub remapped_rows: Nv<RemappedRows>,
+    pub persistence_mode: Nv<bool>,
+    pub mig_mode: Nv<CurrentPending>,
+    pub pcie: NvPcie,
+    pub nvlinks: Nv<Vec<NvLinkInfo>>,
+    pub fabric: Nv<FabricInfo>,
+    pub processes: Nv<Vec<ProcessInfo>>,
+    pub utilization: Nv<Utilization>,
 }

@@ -127,6 +127,10 @@ fn version_consistent(s: &Snapshot) -> Finding {
             mismatched.push(format!("{} {}", lib.path, lib.version));
         }
     }
+    let nvml_version = s.nvml().and_then(|n| n.driver_version.value().cloned());
+    if let Some(v) = nvml_version.as_ref().filter(|v| **v != kernel) {
+        mismatched.push(format!("NVML's driver version {v}"));
+    }
     let libs: Vec<String> = s.driver.user_libraries.iter().map(|l| format!("{} {}", l.name, l.version)).collect();
     let f = if !mismatched.is_empty() {
         Finding::fail(ID, format!("kernel module {kernel} does not match the installed libraries"))
@@ -138,7 +142,7 @@ fn version_consistent(s: &Snapshot) -> Finding {
     } else {
         Finding::pass(ID, format!("kernel module and libraries are all {kernel}"))
     };
-    f.evidence("kernel_module", &kernel).evidence("user_libraries", libs)
+    f.evidence("kernel_module", &kernel).evidence("user_libraries", libs).evidence("nvml_driver_version", nvml_version)
 }
 
 fn branch_supported(s: &Snapshot, settings: &Settings) -> Finding {

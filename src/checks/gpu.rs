@@ -1,4 +1,4 @@
-//! gpu.* checks that need no NVML: Xid reports from the kernel log, and the SKU from the PCI id.
+//! gpu.xid (the kernel log and NVML's event set, merged) and gpu.sku-known (the PCI id).
 
 use super::{gpu_model, Finding};
 use crate::facts::{self, XidClass};
@@ -11,40 +11,60 @@ pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
     sku_known(s, out);
 }
 
-/// One Xid code on one GPU, summed over the log: what `gpu.xid` shows and the report carries.
+/// One Xid code on one GPU, summed over both sources: what `gpu.xid` shows and the report carries.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct XidSummary {
     pub code: String,
+    /// Reports of this code. The kernel log holds every report since boot and NVML's event set
+    /// only those while the agent listened, so the same Xid is usually in both: the count is
+    /// the larger of the two, never their sum.
     pub count: usize,
     pub meaning: String,
     /// Seconds since boot of the first and last report, when the log carries timestamps.
     pub first_seen_s: Option<f64>,
     pub last_seen_s: Option<f64>,
     pub last_message: String,
+    /// `kmsg`, `nvml`, or both.
+    pub sources: Vec<String>,
 }
 
-/// Groups Xid events per code, worst first (then by code).
-pub fn summarize(events: &[&XidEvent]) -> Vec<XidSummary> {
-    let mut by_code: BTreeMap<String, XidSummary> = BTreeMap::new();
-    for e in events {
-        let meaning = e
-            .xid
-            .and_then(facts::xid)
+/// Groups Xid reports per code from the kernel log and NVML's event set, worst first.
+pub fn summarize(kmsg: &[&XidEvent], nvml: &[u64]) -> Vec<XidSummary> {
+    let meaning = |code: Option<u32>| {
+        code.and_then(facts::xid)
             .map(|x| x.meaning.to_string())
-            .unwrap_or_else(|| "not in the agent's Xid table".into());
-        let entry = by_code.entry(e.raw_code.clone()).or_insert_with(|| XidSummary {
-            code: e.raw_code.clone(),
-            count: 0,
-            meaning,
-            first_seen_s: None,
-            last_seen_s: None,
-            last_message: String::new(),
-        });
+            .unwrap_or_else(|| "not in the agent's Xid table".into())
+    };
+    let mut by_code: BTreeMap<String, XidSummary> = BTreeMap::new();
+    let blank = |code: &str, m: String| XidSummary {
+        code: code.to_string(),
+        count: 0,
+        meaning: m,
+        first_seen_s: None,
+        last_seen_s: None,
+        last_message: String::new(),
+        sources: Vec::new(),
+    };
+    for e in kmsg {
+        let entry = by_code.entry(e.raw_code.clone()).or_insert_with(|| blank(&e.raw_code, meaning(e.xid)));
         entry.count += 1;
         let t = e.usec.map(|u| u as f64 / 1e6);
         entry.first_seen_s = entry.first_seen_s.or(t);
         entry.last_seen_s = t.or(entry.last_seen_s);
         entry.last_message = e.message.clone();
+        if entry.sources.is_empty() {
+            entry.sources.push("kmsg".into());
+        }
+    }
+    let mut nvml_counts: BTreeMap<u64, usize> = BTreeMap::new();
+    for code in nvml {
+        *nvml_counts.entry(*code).or_default() += 1;
+    }
+    for (code, n) in nvml_counts {
+        let key = code.to_string();
+        let entry = by_code.entry(key.clone()).or_insert_with(|| blank(&key, meaning(u32::try_from(code).ok())));
+        entry.count = entry.count.max(n);
+        entry.sources.push("nvml".into());
     }
     let mut v: Vec<XidSummary> = by_code.into_values().collect();
     v.sort_by_key(|x| (std::cmp::Reverse(class_rank(&x.code)), x.code.parse::<u64>().unwrap_or(u64::MAX)));
@@ -61,57 +81,71 @@ fn class_rank(code: &str) -> u8 {
     }
 }
 
+/// Xid reports for one GPU address from both sources.
+pub fn events_for<'a>(s: &'a Snapshot, address: &str) -> (Vec<&'a XidEvent>, Vec<u64>) {
+    let prefix = address.rsplit_once('.').map(|(a, _)| a).unwrap_or(address);
+    let kmsg = s
+        .kernel_log
+        .value()
+        .map(|l| l.xids.iter().filter(|e| e.pci == prefix || e.pci == address).collect())
+        .unwrap_or_default();
+    let nvml =
+        s.nvml().map(|n| n.xid_events.iter().filter(|e| e.gpu == address).map(|e| e.xid).collect()).unwrap_or_default();
+    (kmsg, nvml)
+}
+
 fn xid(s: &Snapshot, out: &mut Vec<Finding>) {
     const ID: &str = "gpu.xid";
-    let log = match &s.kernel_log {
-        Fact::Value(l) => l,
-        Fact::Error(e) => {
-            out.push(
-                Finding::unknown(ID, format!("cannot read the kernel log: {e}"))
-                    .remedy("Run doctor as root (or with CAP_SYSLOG) so it can read /dev/kmsg."),
-            );
-            return;
-        }
+    let nvml_listening = s.nvml().is_some_and(|n| n.events_error.is_none());
+    let sources = match (&s.kernel_log, nvml_listening) {
+        (Fact::Value(l), true) => format!("{} and NVML events", l.source),
+        (Fact::Value(l), false) => l.source.clone(),
+        (Fact::Error(_), _) => "NVML events".into(),
     };
     let gpus = s.gpus();
-    let mut claimed = vec![false; log.xids.len()];
-    for g in &gpus {
-        let prefix = g.address_without_function();
-        let events: Vec<&XidEvent> = log
-            .xids
-            .iter()
-            .enumerate()
-            .filter(|(i, e)| {
-                let hit = e.pci == prefix || e.pci == g.address;
-                if hit {
-                    claimed[*i] = true;
-                }
-                hit
-            })
-            .map(|(_, e)| e)
-            .collect();
-        out.push(judge(&events, &log.source).gpu(&g.address));
-    }
+    let mut addresses: Vec<String> = gpus.iter().map(|g| g.address.clone()).collect();
     // Xids for an address with no GPU on the bus now (a GPU that fell off the bus): still reported.
-    let mut orphans: BTreeMap<&str, Vec<&XidEvent>> = BTreeMap::new();
-    for (e, _) in log.xids.iter().zip(&claimed).filter(|(_, c)| !**c) {
-        orphans.entry(e.pci.as_str()).or_default().push(e);
+    let known = |a: &str| gpus.iter().any(|g| g.address == a || g.address_without_function() == a);
+    let mut orphans: Vec<String> = Vec::new();
+    for e in s.kernel_log.value().map(|l| l.xids.as_slice()).unwrap_or_default() {
+        if !known(&e.pci) && !orphans.contains(&e.pci) {
+            orphans.push(e.pci.clone());
+        }
     }
-    for (pci, events) in orphans {
-        let f = judge(&events, &log.source).gpu(pci);
-        out.push(Finding { detail: format!("No GPU is at this address on the PCI bus now. {}", f.detail), ..f });
+    for e in s.nvml().map(|n| n.xid_events.as_slice()).unwrap_or_default() {
+        if !known(&e.gpu) && !orphans.contains(&e.gpu) {
+            orphans.push(e.gpu.clone());
+        }
     }
-    if gpus.is_empty() && log.xids.is_empty() {
-        out.push(Finding::pass(ID, "no NVIDIA GPU and no Xid in the kernel log"));
+    addresses.extend(orphans.iter().cloned());
+    for address in &addresses {
+        let (kmsg, nvml) = events_for(s, address);
+        let f = match (&s.kernel_log, kmsg.is_empty() && nvml.is_empty()) {
+            (Fact::Error(e), true) => Finding::unknown(ID, format!("cannot read the kernel log: {e}"))
+                .remedy("Run doctor as root (or with CAP_SYSLOG) so it can read /dev/kmsg."),
+            _ => judge(&kmsg, &nvml, &sources),
+        };
+        let f = f.gpu(address);
+        out.push(if orphans.contains(address) {
+            Finding { detail: format!("No GPU is at this address on the PCI bus now. {}", f.detail), ..f }
+        } else {
+            f
+        });
+    }
+    if addresses.is_empty() {
+        out.push(match &s.kernel_log {
+            Fact::Value(_) => Finding::pass(ID, "no NVIDIA GPU and no Xid in the kernel log"),
+            Fact::Error(_) => Finding::pass(ID, "no NVIDIA GPU: nothing to check"),
+        });
     }
 }
 
-fn judge(events: &[&XidEvent], source: &str) -> Finding {
+fn judge(kmsg: &[&XidEvent], nvml: &[u64], sources: &str) -> Finding {
     const ID: &str = "gpu.xid";
-    if events.is_empty() {
-        return Finding::pass(ID, format!("no Xid in the kernel log since boot ({source})"));
+    if kmsg.is_empty() && nvml.is_empty() {
+        return Finding::pass(ID, format!("no Xid since boot ({sources})"));
     }
-    let summary = summarize(events);
+    let summary = summarize(kmsg, nvml);
     let line =
         summary.iter().map(|x| format!("Xid {} ({}) ×{}", x.code, x.meaning, x.count)).collect::<Vec<_>>().join(", ");
     let worst = &summary[0];
@@ -125,10 +159,13 @@ fn judge(events: &[&XidEvent], source: &str) -> Finding {
         None => Finding::warn(ID, line)
             .detail(format!("Xid {} is not in the agent's table; look it up in NVIDIA's Xid catalog.", worst.code)),
     };
+    let last = if worst.last_message.is_empty() {
+        format!("reported through NVML ({})", worst.sources.join(" and "))
+    } else {
+        format!("Last report: {}", worst.last_message)
+    };
     let f = match info {
-        Some(i) if i.class != XidClass::Application => {
-            f.remedy(i.action).detail(format!("Last report: {}", worst.last_message))
-        }
+        Some(i) if i.class != XidClass::Application => f.remedy(i.action).detail(last),
         None => f.remedy("Look the code up in NVIDIA's Xid catalog (docs.nvidia.com/deploy/xid-errors) and report it to the platform with `phq-agent doctor --bundle`."),
         _ => f,
     };

@@ -7,6 +7,7 @@
 pub mod driver;
 pub mod gpu;
 pub mod host;
+pub mod nvml;
 pub mod pci;
 pub mod pending;
 
@@ -176,6 +177,7 @@ pub fn run(s: &Snapshot, settings: &Settings) -> Vec<Finding> {
     pci::run(s, settings, &mut out);
     driver::run(s, settings, &mut out);
     gpu::run(s, &mut out);
+    nvml::run(s, &mut out);
     pending::run(s, &mut out);
     let order = |id: &str| CATALOG.iter().position(|c| *c == id).unwrap_or(usize::MAX);
     out.sort_by_key(|f| order(&f.id)); // stable: per-GPU findings keep PCI order
@@ -264,7 +266,13 @@ pub(crate) mod testutil {
                     present: true,
                 }),
                 secure_boot: Fact::Value(SecureBoot::Disabled),
+                uptime_s: Some(3600.0),
             },
+            packages: Fact::Value(vec![Package {
+                name: "nvidia-fabricmanager-550".into(),
+                version: "550.90.07-1".into(),
+                state: "installed".into(),
+            }]),
             pci: Fact::Value(pci),
             driver: Driver {
                 modules: Fact::Value(vec!["nvidia_uvm".into(), "nvidia".into()]),
@@ -292,6 +300,75 @@ pub(crate) mod testutil {
                 version: Fact::Value("12.4.1".into()),
             }]),
             kernel_log: Fact::Value(KernelLog { source: "/dev/kmsg".into(), records: 100, ..Default::default() }),
+            nvml: NvmlStatus::Ok(NvmlInfo {
+                library: "libnvidia-ml.so.1".into(),
+                driver_version: Nv::Value("550.90.07".into()),
+                nvml_version: Nv::Value("12.550.90.07".into()),
+                cuda_driver_version: Nv::Value(12040),
+                devices: (0x09..0x11).enumerate().map(|(i, bus)| nvml_gpu(i as u32, bus)).collect(),
+                xid_events: vec![],
+                events_error: None,
+            }),
+        }
+    }
+
+    /// A healthy H100 SXM5 as NVML shows it, idle.
+    pub fn nvml_gpu(index: u32, bus: u8) -> NvmlGpu {
+        NvmlGpu {
+            index,
+            pci_address: Nv::Value(format!("0000:{bus:02x}:00.0")),
+            pci_device_id: Nv::Value(0x233010de),
+            name: Nv::Value("NVIDIA H100 80GB HBM3".into()),
+            uuid: Nv::Value(format!("GPU-3f1c0b7e-0000-4000-8000-0000000000{bus:02x}")),
+            serial: Nv::Value("1650123456789".into()),
+            board_part_number: Nv::Value("692-2G520-0200-000".into()),
+            vbios_version: Nv::Value("96.00.74.00.0D".into()),
+            inforom_image_version: Nv::Value("G520.0200.00.05".into()),
+            inforom_valid: Nv::Value(true),
+            memory: Nv::Value(MemoryInfo { total_bytes: 85520809984, used_bytes: 0 }),
+            bar1: Nv::Value(MemoryInfo { total_bytes: 137438953472, used_bytes: 0 }),
+            temperature_c: Nv::Value(31),
+            slowdown_temperature_c: Nv::Value(87),
+            shutdown_temperature_c: Nv::Value(92),
+            power_usage_mw: Nv::Value(71000),
+            power_limit_mw: Nv::Value(700000),
+            default_power_limit_mw: Nv::Value(700000),
+            sm_clock_mhz: Nv::Value(345),
+            mem_clock_mhz: Nv::Value(2619),
+            throttle_reasons: Nv::Value(vec!["gpu_idle".into()]),
+            ecc_mode: Nv::Value(CurrentPending { current: true, pending: true }),
+            ecc_volatile: Nv::Value(EccCounts { corrected: 0, uncorrected: 0 }),
+            ecc_aggregate: Nv::Value(EccCounts { corrected: 0, uncorrected: 0 }),
+            remapped_rows: Nv::Value(RemappedRows { correctable: 0, uncorrectable: 0, pending: false, failure: false }),
+            persistence_mode: Nv::Value(true),
+            mig_mode: Nv::Value(CurrentPending { current: false, pending: false }),
+            pcie: NvPcie {
+                gen_current: Nv::Value(5),
+                gen_max: Nv::Value(5),
+                width_current: Nv::Value(16),
+                width_max: Nv::Value(16),
+                replay_counter: Nv::Value(0),
+            },
+            nvlinks: Nv::Value(
+                (0..18)
+                    .map(|link| NvLinkInfo {
+                        link,
+                        active: Nv::Value(true),
+                        replay_errors: Nv::Value(0),
+                        recovery_errors: Nv::Value(0),
+                        crc_flit_errors: Nv::Value(0),
+                        crc_data_errors: Nv::Value(0),
+                    })
+                    .collect(),
+            ),
+            fabric: Nv::Value(FabricInfo {
+                state: FabricState::Completed,
+                status: "NVML_SUCCESS".into(),
+                clique_id: 1,
+                cluster_uuid: "00000000-0000-0000-0000-000000000000".into(),
+            }),
+            processes: Nv::Value(vec![]),
+            utilization: Nv::Value(Utilization { gpu: 0, memory: 0 }),
         }
     }
 

@@ -33,7 +33,7 @@ impl Doctor {
         let root = if self.bundle.is_some() { Sysroot::recording(&g.sysroot) } else { Sysroot::new(&g.sysroot) };
         let snapshot = match &self.from {
             Some(path) => bundle::read_snapshot(path)?,
-            None => crate::collect::snapshot(&root),
+            None => crate::collect::snapshot(&root, &crate::collect::NvmlSource::choose(g.nvml_lib.as_deref(), &root)),
         };
         let mut findings = checks::run(&snapshot, &Settings::from(&config));
         if let Some(level) = self.probe.filter(|l| *l != ProbeLevel::None) {

@@ -23,6 +23,11 @@ pub fn read(root: &Sysroot) -> Host {
         cpu_hypervisor_flag: root.read_string("proc/cpuinfo").ok().map(|c| cpu_has_hypervisor_flag(&c)),
         kernel_headers,
         secure_boot: read_secure_boot(root),
+        uptime_s: root
+            .read_string("proc/uptime")
+            .ok()
+            .and_then(|u| u.split_whitespace().next()?.parse().ok())
+            .filter(|u: &f64| u.is_finite() && *u >= 0.0),
     }
 }
 

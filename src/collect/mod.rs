@@ -7,13 +7,39 @@
 pub mod driver;
 pub mod host;
 pub mod kmsg;
+pub mod nvml;
+pub mod packages;
 pub mod pci;
 
 use crate::snapshot::{CudaToolkit, Fact, Snapshot, Timestamp};
 use crate::sysroot::Sysroot;
 
+/// Where NVML comes from for a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NvmlSource {
+    /// Load this library (a path, or a soname for the dynamic loader).
+    Library(String),
+    /// Do not load NVML, for this reason.
+    Skip(String),
+}
+
+impl NvmlSource {
+    /// `--nvml-lib` when given; else the system's NVML on a live root; else none, since a
+    /// fixture or bundle root stands for another machine whose NVML this one cannot ask.
+    pub fn choose(explicit: Option<&std::path::Path>, root: &Sysroot) -> Self {
+        match explicit {
+            Some(p) => NvmlSource::Library(p.display().to_string()),
+            None if root.is_live() => NvmlSource::Library(nvml::DEFAULT_LIBRARY.into()),
+            None => NvmlSource::Skip(format!(
+                "NVML not read: --sysroot {} stands for another machine (pass --nvml-lib to read one)",
+                root.root().display()
+            )),
+        }
+    }
+}
+
 /// Reads everything a snapshot holds from `root`.
-pub fn snapshot(root: &Sysroot) -> Snapshot {
+pub fn snapshot(root: &Sysroot, nvml_source: &NvmlSource) -> Snapshot {
     let host = host::read(root);
     let driver =
         driver::read(root, host.kernel_release.value().map(String::as_str), host.cmdline.value().map(String::as_str));
@@ -24,6 +50,11 @@ pub fn snapshot(root: &Sysroot) -> Snapshot {
         driver,
         cuda_toolkits: read_cuda_toolkits(root),
         kernel_log: kmsg::read(root),
+        packages: packages::read(root),
+        nvml: match nvml_source {
+            NvmlSource::Library(lib) => nvml::read(lib),
+            NvmlSource::Skip(why) => crate::snapshot::NvmlStatus::NotRead(why.clone()),
+        },
         host,
     }
 }

@@ -125,12 +125,8 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
         .into_iter()
         .map(|g| {
             let prefix = g.address_without_function();
-            let events: Vec<_> = s
-                .kernel_log
-                .value()
-                .map(|l| l.xids.iter().filter(|e| e.pci == prefix || e.pci == g.address).collect())
-                .unwrap_or_default();
-            let xids = summarize(&events);
+            let (kmsg, nvml) = crate::checks::gpu::events_for(s, &g.address);
+            let xids = summarize(&kmsg, &nvml);
             let status = findings
                 .iter()
                 .filter(|f| f.gpu.as_deref() == Some(&g.address))
@@ -139,10 +135,11 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
                 .unwrap_or(Severity::Pass);
             GpuSummary {
                 pci_address: g.address.clone(),
-                uuid: s
-                    .kernel_log
-                    .value()
-                    .and_then(|l| l.gpu_uuids.iter().find(|u| u.pci == prefix).map(|u| u.uuid.clone())),
+                uuid: s.nvml_gpu(&g.address).and_then(|n| n.uuid.value().cloned()).or_else(|| {
+                    s.kernel_log
+                        .value()
+                        .and_then(|l| l.gpu_uuids.iter().find(|u| u.pci == prefix).map(|u| u.uuid.clone()))
+                }),
                 model: gpu_model(g),
                 pci_id: format!("{:04x}:{:04x}", g.vendor.unwrap_or(0), g.device.unwrap_or(0)),
                 driver: g.driver.clone(),

@@ -1,0 +1,694 @@
+//! A small working NVML: a `cdylib` that exports the NVML C functions phq-agent calls and
+//! answers them from the JSON scenario named by `PHQ_FAKE_NVML_SCENARIO` (format v1,
+//! shared/fake-nvml-scenario.md), read at `nvmlInit_v2`.
+//!
+//! Rules of the format, kept here:
+//! - a field that is absent makes its call return `NVML_ERROR_NOT_SUPPORTED`, never a made-up
+//!   value; so does a function named in the device's `unsupported` list;
+//! - a function named in the device's `errors` map returns that code;
+//! - Xid events are delivered through the event set `after_ms` after `nvmlInit_v2`.
+//!
+//! Struct layouts come from `nvml-wrapper-sys`, the same bindings the agent uses, so the two
+//! sides cannot disagree about them.
+
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+use nvml_wrapper_sys::bindings::*;
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_char, c_uint, c_ulonglong};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+pub mod scenario;
+use scenario::{Device, Scenario};
+
+type Ret = nvmlReturn_t;
+const OK: Ret = nvmlReturn_enum_NVML_SUCCESS;
+const NOT_SUPPORTED: Ret = nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED;
+const INVALID: Ret = nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT;
+const UNINITIALIZED: Ret = nvmlReturn_enum_NVML_ERROR_UNINITIALIZED;
+const INSUFFICIENT_SIZE: Ret = nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE;
+const TIMEOUT: Ret = nvmlReturn_enum_NVML_ERROR_TIMEOUT;
+
+/// NVML return codes by name, as the scenario writes them.
+pub const RETURN_CODES: &[(&str, Ret)] = &[
+    ("NVML_SUCCESS", 0),
+    ("NVML_ERROR_UNINITIALIZED", 1),
+    ("NVML_ERROR_INVALID_ARGUMENT", 2),
+    ("NVML_ERROR_NOT_SUPPORTED", 3),
+    ("NVML_ERROR_NO_PERMISSION", 4),
+    ("NVML_ERROR_ALREADY_INITIALIZED", 5),
+    ("NVML_ERROR_NOT_FOUND", 6),
+    ("NVML_ERROR_INSUFFICIENT_SIZE", 7),
+    ("NVML_ERROR_INSUFFICIENT_POWER", 8),
+    ("NVML_ERROR_DRIVER_NOT_LOADED", 9),
+    ("NVML_ERROR_TIMEOUT", 10),
+    ("NVML_ERROR_IRQ_ISSUE", 11),
+    ("NVML_ERROR_LIBRARY_NOT_FOUND", 12),
+    ("NVML_ERROR_FUNCTION_NOT_FOUND", 13),
+    ("NVML_ERROR_CORRUPTED_INFOROM", 14),
+    ("NVML_ERROR_GPU_IS_LOST", 15),
+    ("NVML_ERROR_RESET_REQUIRED", 16),
+    ("NVML_ERROR_OPERATING_SYSTEM", 17),
+    ("NVML_ERROR_LIB_RM_VERSION_MISMATCH", 18),
+    ("NVML_ERROR_IN_USE", 19),
+    ("NVML_ERROR_MEMORY", 20),
+    ("NVML_ERROR_NO_DATA", 21),
+    ("NVML_ERROR_INSUFFICIENT_RESOURCES", 23),
+    ("NVML_ERROR_ARGUMENT_VERSION_MISMATCH", 25),
+    ("NVML_ERROR_NOT_READY", 27),
+    ("NVML_ERROR_GPU_NOT_FOUND", 28),
+    ("NVML_ERROR_INVALID_STATE", 29),
+    ("NVML_ERROR_UNKNOWN", 999),
+];
+
+pub fn code(name: &str) -> Ret {
+    RETURN_CODES.iter().find(|(n, _)| *n == name).map(|(_, c)| *c).unwrap_or(nvmlReturn_enum_NVML_ERROR_UNKNOWN)
+}
+
+struct State {
+    scenario: Scenario,
+    started: Instant,
+    /// Event sets: registered devices, and how many of each device's Xid events were delivered.
+    sets: HashMap<usize, EventSet>,
+    next_set: usize,
+}
+
+#[derive(Default)]
+struct EventSet {
+    devices: Vec<usize>,
+    delivered: BTreeMap<usize, usize>,
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+fn with_state<T>(f: impl FnOnce(&mut State) -> Result<T, Ret>) -> Result<T, Ret> {
+    let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
+    match guard.as_mut() {
+        Some(s) => f(s),
+        None => Err(UNINITIALIZED),
+    }
+}
+
+/// Device handles are their index + 1, so a null handle is never valid.
+fn handle_of(index: usize) -> nvmlDevice_t {
+    (index + 1) as nvmlDevice_t
+}
+
+fn index_of(h: nvmlDevice_t) -> usize {
+    (h as usize).wrapping_sub(1)
+}
+
+/// Runs `f` on the device behind `h`, after the scenario's `errors` and `unsupported` lists
+/// for function `name` have had their say. `f` returns `None` for an absent field.
+fn device_call(h: nvmlDevice_t, name: &str, f: impl FnOnce(&Device) -> Option<Ret>) -> Ret {
+    with_state(|s| {
+        let d = s.scenario.devices.get(index_of(h)).ok_or(INVALID)?;
+        if let Some(e) = d.errors.get(name) {
+            return Err(code(e));
+        }
+        if d.unsupported.iter().any(|u| u == name) {
+            return Err(NOT_SUPPORTED);
+        }
+        Ok(f(d).unwrap_or(NOT_SUPPORTED))
+    })
+    .unwrap_or_else(|e| e)
+}
+
+/// Copies `s` into a C buffer of `len` bytes with its NUL, as NVML does.
+unsafe fn put_str(s: &str, buf: *mut c_char, len: c_uint) -> Ret {
+    if buf.is_null() {
+        return INVALID;
+    }
+    let bytes = s.as_bytes();
+    if bytes.len() + 1 > len as usize {
+        return INSUFFICIENT_SIZE;
+    }
+    std::ptr::copy_nonoverlapping(bytes.as_ptr() as *const c_char, buf, bytes.len());
+    *buf.add(bytes.len()) = 0;
+    OK
+}
+
+unsafe fn put<T>(out: *mut T, v: T) -> Ret {
+    if out.is_null() {
+        return INVALID;
+    }
+    *out = v;
+    OK
+}
+
+// ---------------------------------------------------------------------------------------
+// Library and system
+
+#[no_mangle]
+pub extern "C" fn nvmlInit_v2() -> Ret {
+    let scenario = match std::env::var("PHQ_FAKE_NVML_SCENARIO") {
+        Ok(path) => match std::fs::read_to_string(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|t| serde_json::from_str::<Scenario>(&t).map_err(|e| e.to_string()))
+        {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("fake-nvml: {path}: {e}");
+                return nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+            }
+        },
+        Err(_) => {
+            eprintln!("fake-nvml: PHQ_FAKE_NVML_SCENARIO is not set");
+            return nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+        }
+    };
+    if let Some(e) = &scenario.init_error {
+        return code(e);
+    }
+    let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
+    *guard = Some(State { scenario, started: Instant::now(), sets: HashMap::new(), next_set: 1 });
+    OK
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> Ret {
+    nvmlInit_v2()
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlShutdown() -> Ret {
+    let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
+    match guard.take() {
+        Some(_) => OK,
+        None => UNINITIALIZED,
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlErrorString(result: Ret) -> *const c_char {
+    static NAMES: std::sync::OnceLock<Vec<(Ret, std::ffi::CString)>> = std::sync::OnceLock::new();
+    let names = NAMES.get_or_init(|| {
+        RETURN_CODES.iter().filter_map(|(n, c)| std::ffi::CString::new(*n).ok().map(|s| (*c, s))).collect()
+    });
+    names
+        .iter()
+        .find(|(c, _)| *c == result)
+        .or_else(|| names.last())
+        .map(|(_, s)| s.as_ptr())
+        .unwrap_or(std::ptr::null())
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: c_uint) -> Ret {
+    with_state(|s| s.scenario.driver_version.clone().ok_or(NOT_SUPPORTED))
+        .map(|v| put_str(&v, buf, len))
+        .unwrap_or_else(|e| e)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlSystemGetNVMLVersion(buf: *mut c_char, len: c_uint) -> Ret {
+    with_state(|s| s.scenario.nvml_version.clone().ok_or(NOT_SUPPORTED))
+        .map(|v| put_str(&v, buf, len))
+        .unwrap_or_else(|e| e)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(out: *mut i32) -> Ret {
+    with_state(|s| s.scenario.cuda_driver_version.ok_or(NOT_SUPPORTED)).map(|v| put(out, v)).unwrap_or_else(|e| e)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(out: *mut i32) -> Ret {
+    nvmlSystemGetCudaDriverVersion_v2(out)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetCount_v2(out: *mut c_uint) -> Ret {
+    with_state(|s| Ok(s.scenario.devices.len() as c_uint)).map(|n| put(out, n)).unwrap_or_else(|e| e)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, out: *mut nvmlDevice_t) -> Ret {
+    with_state(
+        |s| if (index as usize) < s.scenario.devices.len() { Ok(handle_of(index as usize)) } else { Err(INVALID) },
+    )
+    .map(|h| put(out, h))
+    .unwrap_or_else(|e| e)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetIndex(h: nvmlDevice_t, out: *mut c_uint) -> Ret {
+    device_call(h, "nvmlDeviceGetIndex", |_| Some(put(out, index_of(h) as c_uint)))
+}
+
+// ---------------------------------------------------------------------------------------
+// Identity
+
+macro_rules! string_getter {
+    ($fn_name:ident, $field:ident) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $fn_name(h: nvmlDevice_t, buf: *mut c_char, len: c_uint) -> Ret {
+            device_call(h, stringify!($fn_name), |d| d.$field.as_deref().map(|v| put_str(v, buf, len)))
+        }
+    };
+}
+
+string_getter!(nvmlDeviceGetName, name);
+string_getter!(nvmlDeviceGetUUID, uuid);
+string_getter!(nvmlDeviceGetSerial, serial);
+string_getter!(nvmlDeviceGetBoardPartNumber, board_part_number);
+string_getter!(nvmlDeviceGetVbiosVersion, vbios_version);
+string_getter!(nvmlDeviceGetInforomImageVersion, inforom_image_version);
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceValidateInforom(h: nvmlDevice_t) -> Ret {
+    device_call(h, "nvmlDeviceValidateInforom", |d| {
+        d.inforom_valid.map(|ok| if ok { OK } else { nvmlReturn_enum_NVML_ERROR_CORRUPTED_INFOROM })
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(h: nvmlDevice_t, out: *mut nvmlPciInfo_t) -> Ret {
+    device_call(h, "nvmlDeviceGetPciInfo_v3", |d| {
+        let p = d.pci.as_ref()?;
+        if out.is_null() {
+            return Some(INVALID);
+        }
+        let mut info: nvmlPciInfo_t = std::mem::zeroed();
+        let parts: Vec<&str> = p.bus_id.split([':', '.']).collect();
+        let hex = |i: usize| parts.get(i).and_then(|v| u32::from_str_radix(v, 16).ok()).unwrap_or(0);
+        info.domain = hex(0);
+        info.bus = hex(1);
+        info.device = hex(2);
+        info.pciDeviceId = scenario::parse_u32(&p.pci_device_id).unwrap_or(0);
+        info.pciSubSystemId = p.pci_subsystem_id.as_deref().and_then(scenario::parse_u32).unwrap_or(0);
+        let legacy = format!("{:04x}:{:02x}:{:02x}.0", info.domain, info.bus, info.device).to_uppercase();
+        for (dst, src) in info.busId.iter_mut().zip(p.bus_id.bytes().take(31)) {
+            *dst = src as c_char;
+        }
+        for (dst, src) in info.busIdLegacy.iter_mut().zip(legacy.bytes().take(15)) {
+            *dst = src as c_char;
+        }
+        *out = info;
+        Some(OK)
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Memory, thermals, power, clocks
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(h: nvmlDevice_t, out: *mut nvmlMemory_v2_t) -> Ret {
+    device_call(h, "nvmlDeviceGetMemoryInfo_v2", |d| {
+        let m = d.memory.as_ref()?;
+        if out.is_null() {
+            return Some(INVALID);
+        }
+        (*out).total = m.total_bytes;
+        (*out).used = m.used_bytes;
+        (*out).free = m.total_bytes.saturating_sub(m.used_bytes);
+        (*out).reserved = 0;
+        Some(OK)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetBAR1MemoryInfo(h: nvmlDevice_t, out: *mut nvmlBAR1Memory_t) -> Ret {
+    device_call(h, "nvmlDeviceGetBAR1MemoryInfo", |d| {
+        let m = d.bar1.as_ref()?;
+        Some(put(
+            out,
+            nvmlBAR1Memory_t {
+                bar1Total: m.total_bytes,
+                bar1Used: m.used_bytes,
+                bar1Free: m.total_bytes.saturating_sub(m.used_bytes),
+            },
+        ))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetTemperature(h: nvmlDevice_t, _sensor: c_uint, out: *mut c_uint) -> Ret {
+    device_call(h, "nvmlDeviceGetTemperature", |d| d.temperature_c.map(|t| put(out, t)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetTemperatureThreshold(h: nvmlDevice_t, kind: c_uint, out: *mut c_uint) -> Ret {
+    device_call(h, "nvmlDeviceGetTemperatureThreshold", |d| {
+        let v = match kind {
+            NVML_TEMPERATURE_THRESHOLD_SHUTDOWN_KIND => d.shutdown_temperature_c,
+            NVML_TEMPERATURE_THRESHOLD_SLOWDOWN_KIND => d.slowdown_temperature_c,
+            _ => None,
+        };
+        v.map(|t| put(out, t))
+    })
+}
+
+const NVML_TEMPERATURE_THRESHOLD_SHUTDOWN_KIND: c_uint = 0;
+const NVML_TEMPERATURE_THRESHOLD_SLOWDOWN_KIND: c_uint = 1;
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(h: nvmlDevice_t, out: *mut c_uint) -> Ret {
+    device_call(h, "nvmlDeviceGetPowerUsage", |d| d.power_usage_mw.map(|v| put(out, v)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetEnforcedPowerLimit(h: nvmlDevice_t, out: *mut c_uint) -> Ret {
+    device_call(h, "nvmlDeviceGetEnforcedPowerLimit", |d| d.power_limit_mw.map(|v| put(out, v)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetPowerManagementDefaultLimit(h: nvmlDevice_t, out: *mut c_uint) -> Ret {
+    device_call(h, "nvmlDeviceGetPowerManagementDefaultLimit", |d| d.default_power_limit_mw.map(|v| put(out, v)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetClockInfo(h: nvmlDevice_t, kind: c_uint, out: *mut c_uint) -> Ret {
+    device_call(h, "nvmlDeviceGetClockInfo", |d| {
+        let c = d.clocks_mhz.as_ref()?;
+        // nvmlClockType_t: 0 graphics, 1 SM, 2 memory, 3 video
+        let v = match kind {
+            0 | 1 => c.sm,
+            2 => c.mem,
+            _ => None,
+        };
+        v.map(|v| put(out, v))
+    })
+}
+
+/// NVML clocks-event (throttle) reason bits by the scenario's names.
+pub const THROTTLE_BITS: &[(&str, u64)] = &[
+    ("gpu_idle", 0x1),
+    ("applications_clocks_setting", 0x2),
+    ("sw_power_cap", 0x4),
+    ("hw_slowdown", 0x8),
+    ("sync_boost", 0x10),
+    ("sw_thermal_slowdown", 0x20),
+    ("hw_thermal_slowdown", 0x40),
+    ("hw_power_brake_slowdown", 0x80),
+    ("display_clock_setting", 0x100),
+];
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksThrottleReasons(h: nvmlDevice_t, out: *mut c_ulonglong) -> Ret {
+    device_call(h, "nvmlDeviceGetCurrentClocksThrottleReasons", |d| {
+        let names = d.throttle_reasons.as_ref()?;
+        let bits = names
+            .iter()
+            .filter_map(|n| THROTTLE_BITS.iter().find(|(b, _)| b == n).map(|(_, v)| *v))
+            .fold(0, |a, b| a | b);
+        Some(put(out, bits))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksEventReasons(h: nvmlDevice_t, out: *mut c_ulonglong) -> Ret {
+    nvmlDeviceGetCurrentClocksThrottleReasons(h, out)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(h: nvmlDevice_t, out: *mut nvmlUtilization_t) -> Ret {
+    device_call(h, "nvmlDeviceGetUtilizationRates", |d| {
+        d.utilization.as_ref().map(|u| put(out, nvmlUtilization_t { gpu: u.gpu, memory: u.memory }))
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// ECC, remapping, modes
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetEccMode(
+    h: nvmlDevice_t,
+    current: *mut nvmlEnableState_t,
+    pending: *mut nvmlEnableState_t,
+) -> Ret {
+    device_call(h, "nvmlDeviceGetEccMode", |d| {
+        let e = d.ecc.as_ref()?;
+        let (c, p) = (e.current?, e.pending?);
+        Some(if put(current, c as nvmlEnableState_t) == OK { put(pending, p as nvmlEnableState_t) } else { INVALID })
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetTotalEccErrors(
+    h: nvmlDevice_t,
+    error_type: c_uint,
+    counter_type: c_uint,
+    out: *mut c_ulonglong,
+) -> Ret {
+    device_call(h, "nvmlDeviceGetTotalEccErrors", |d| {
+        let e = d.ecc.as_ref()?;
+        // nvmlMemoryErrorType_t: 0 corrected, 1 uncorrected; nvmlEccCounterType_t: 0 volatile, 1 aggregate
+        let counts = if counter_type == 0 { e.volatile.as_ref()? } else { e.aggregate.as_ref()? };
+        Some(put(out, if error_type == 0 { counts.corrected } else { counts.uncorrected }))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetRemappedRows(
+    h: nvmlDevice_t,
+    corr: *mut c_uint,
+    unc: *mut c_uint,
+    pending: *mut c_uint,
+    failure: *mut c_uint,
+) -> Ret {
+    device_call(h, "nvmlDeviceGetRemappedRows", |d| {
+        let r = d.remapped_rows.as_ref()?;
+        if corr.is_null() || unc.is_null() || pending.is_null() || failure.is_null() {
+            return Some(INVALID);
+        }
+        *corr = r.correctable;
+        *unc = r.uncorrectable;
+        *pending = r.pending as c_uint;
+        *failure = r.failure as c_uint;
+        Some(OK)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetPersistenceMode(h: nvmlDevice_t, out: *mut nvmlEnableState_t) -> Ret {
+    device_call(h, "nvmlDeviceGetPersistenceMode", |d| d.persistence_mode.map(|m| put(out, m as nvmlEnableState_t)))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMigMode(h: nvmlDevice_t, current: *mut c_uint, pending: *mut c_uint) -> Ret {
+    device_call(h, "nvmlDeviceGetMigMode", |d| {
+        let m = d.mig.as_ref()?;
+        Some(if put(current, m.current as c_uint) == OK { put(pending, m.pending as c_uint) } else { INVALID })
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// PCIe
+
+macro_rules! pcie_getter {
+    ($fn_name:ident, $field:ident) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $fn_name(h: nvmlDevice_t, out: *mut c_uint) -> Ret {
+            device_call(h, stringify!($fn_name), |d| d.pcie.as_ref().and_then(|p| p.$field).map(|v| put(out, v)))
+        }
+    };
+}
+
+pcie_getter!(nvmlDeviceGetCurrPcieLinkGeneration, gen_current);
+pcie_getter!(nvmlDeviceGetMaxPcieLinkGeneration, gen_max);
+pcie_getter!(nvmlDeviceGetCurrPcieLinkWidth, width_current);
+pcie_getter!(nvmlDeviceGetMaxPcieLinkWidth, width_max);
+pcie_getter!(nvmlDeviceGetPcieReplayCounter, replay_counter);
+
+// ---------------------------------------------------------------------------------------
+// NVLink and fabric
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(h: nvmlDevice_t, link: c_uint, out: *mut nvmlEnableState_t) -> Ret {
+    device_call(h, "nvmlDeviceGetNvLinkState", |d| {
+        let links = d.nvlinks.as_ref()?;
+        Some(match links.get(link as usize) {
+            Some(l) => put(out, l.active as nvmlEnableState_t),
+            None => INVALID,
+        })
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkErrorCounter(
+    h: nvmlDevice_t,
+    link: c_uint,
+    counter: c_uint,
+    out: *mut c_ulonglong,
+) -> Ret {
+    device_call(h, "nvmlDeviceGetNvLinkErrorCounter", |d| {
+        let links = d.nvlinks.as_ref()?;
+        let Some(l) = links.get(link as usize) else { return Some(INVALID) };
+        // nvmlNvLinkErrorCounter_t: 0 DL_REPLAY, 1 DL_RECOVERY, 2 DL_CRC_FLIT, 3 DL_CRC_DATA
+        let v = match counter {
+            0 => l.replay_errors,
+            1 => l.recovery_errors,
+            2 => l.crc_flit_errors,
+            3 => l.crc_data_errors,
+            _ => return Some(INVALID),
+        };
+        Some(put(out, v))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfo(h: nvmlDevice_t, out: *mut nvmlGpuFabricInfo_t) -> Ret {
+    device_call(h, "nvmlDeviceGetGpuFabricInfo", |d| {
+        let f = d.fabric.as_ref()?;
+        let state = match f.state.as_str() {
+            "not_started" => NVML_GPU_FABRIC_STATE_NOT_STARTED,
+            "in_progress" => NVML_GPU_FABRIC_STATE_IN_PROGRESS,
+            "completed" => NVML_GPU_FABRIC_STATE_COMPLETED,
+            _ => NVML_GPU_FABRIC_STATE_NOT_SUPPORTED,
+        } as nvmlGpuFabricState_t;
+        let mut uuid = [0u8; 16];
+        let hex: String = f.cluster_uuid.as_deref().unwrap_or("").chars().filter(|c| c.is_ascii_hexdigit()).collect();
+        for (i, b) in uuid.iter_mut().enumerate() {
+            *b = hex.get(i * 2..i * 2 + 2).and_then(|h| u8::from_str_radix(h, 16).ok()).unwrap_or(0);
+        }
+        Some(put(
+            out,
+            nvmlGpuFabricInfo_t {
+                clusterUuid: uuid,
+                status: code(f.status.as_deref().unwrap_or("NVML_SUCCESS")),
+                cliqueId: f.clique_id.unwrap_or(0),
+                state,
+            },
+        ))
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Processes
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    h: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> Ret {
+    device_call(h, "nvmlDeviceGetComputeRunningProcesses_v3", |d| {
+        let procs = d.processes.as_ref()?;
+        if count.is_null() {
+            return Some(INVALID);
+        }
+        let room = *count as usize;
+        *count = procs.len() as c_uint;
+        if procs.len() > room || (infos.is_null() && !procs.is_empty()) {
+            return Some(INSUFFICIENT_SIZE);
+        }
+        for (i, p) in procs.iter().enumerate() {
+            *infos.add(i) = nvmlProcessInfo_t {
+                pid: p.pid,
+                usedGpuMemory: p.used_bytes,
+                gpuInstanceId: u32::MAX,
+                computeInstanceId: u32::MAX,
+            };
+        }
+        Some(OK)
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Events: Xid through the event set
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlEventSetCreate(out: *mut nvmlEventSet_t) -> Ret {
+    with_state(|s| {
+        let id = s.next_set;
+        s.next_set += 1;
+        s.sets.insert(id, EventSet::default());
+        Ok(id)
+    })
+    .map(|id| put(out, id as nvmlEventSet_t))
+    .unwrap_or_else(|e| e)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetSupportedEventTypes(h: nvmlDevice_t, out: *mut c_ulonglong) -> Ret {
+    device_call(h, "nvmlDeviceGetSupportedEventTypes", |_| {
+        Some(unsafe { put(out, nvmlEventTypeXidCriticalError as c_ulonglong) })
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceRegisterEvents(h: nvmlDevice_t, types: c_ulonglong, set: nvmlEventSet_t) -> Ret {
+    let r = device_call(h, "nvmlDeviceRegisterEvents", |_| Some(OK));
+    if r != OK {
+        return r;
+    }
+    if types & nvmlEventTypeXidCriticalError as c_ulonglong == 0 {
+        return NOT_SUPPORTED;
+    }
+    with_state(|s| {
+        let es = s.sets.get_mut(&(set as usize)).ok_or(INVALID)?;
+        if !es.devices.contains(&index_of(h)) {
+            es.devices.push(index_of(h));
+        }
+        Ok(OK)
+    })
+    .unwrap_or_else(|e| e)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlEventSetWait_v2(
+    set: nvmlEventSet_t,
+    data: *mut nvmlEventData_t,
+    timeout_ms: c_uint,
+) -> Ret {
+    let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
+    loop {
+        // Deliver the earliest due event not yet delivered on this set, or learn when the next is due.
+        let step = with_state(|s| {
+            let elapsed = s.started.elapsed();
+            let es = s.sets.get(&(set as usize)).ok_or(INVALID)?;
+            let mut next_due: Option<Duration> = None;
+            let mut due: Option<(usize, usize, u64, Duration)> = None;
+            for &dev in &es.devices {
+                let delivered = es.delivered.get(&dev).copied().unwrap_or(0);
+                let Some(ev) = s.scenario.devices.get(dev).and_then(|d| d.xid_events.get(delivered)) else { continue };
+                let at = Duration::from_millis(ev.after_ms);
+                if at <= elapsed {
+                    if due.is_none_or(|(_, _, _, t)| at < t) {
+                        due = Some((dev, delivered, ev.xid, at));
+                    }
+                } else {
+                    next_due = Some(next_due.map_or(at, |n: Duration| n.min(at)));
+                }
+            }
+            if let Some((dev, delivered, xid, _)) = due {
+                if let Some(es) = s.sets.get_mut(&(set as usize)) {
+                    es.delivered.insert(dev, delivered + 1);
+                }
+                return Ok(Ok((dev, xid)));
+            }
+            Ok(Err(next_due.map(|n| s.started + n)))
+        });
+        match step {
+            Err(e) => return e,
+            Ok(Ok((dev, xid))) => {
+                if data.is_null() {
+                    return INVALID;
+                }
+                *data = nvmlEventData_t {
+                    device: handle_of(dev),
+                    eventType: nvmlEventTypeXidCriticalError as c_ulonglong,
+                    eventData: xid,
+                    gpuInstanceId: u32::MAX,
+                    computeInstanceId: u32::MAX,
+                };
+                return OK;
+            }
+            Ok(Err(next)) => {
+                let now = Instant::now();
+                let wake = next.map_or(deadline, |n| n.min(deadline));
+                if now >= deadline {
+                    return TIMEOUT;
+                }
+                std::thread::sleep(wake.saturating_duration_since(now).max(Duration::from_millis(1)));
+            }
+        }
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> Ret {
+    with_state(|s| s.sets.remove(&(set as usize)).map(|_| OK).ok_or(INVALID)).unwrap_or_else(|e| e)
+}

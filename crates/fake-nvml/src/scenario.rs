@@ -1,0 +1,175 @@
+//! The scenario file (format v1, shared/fake-nvml-scenario.md). Every field is optional: an
+//! absent one makes its NVML call answer `NVML_ERROR_NOT_SUPPORTED`. Unknown fields are kept
+//! out with `deny_unknown_fields` so a typo in a test scenario fails loudly instead of
+//! silently testing "not supported".
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    pub init_error: Option<String>,
+    pub driver_version: Option<String>,
+    pub nvml_version: Option<String>,
+    pub cuda_driver_version: Option<i32>,
+    #[serde(default)]
+    pub devices: Vec<Device>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Device {
+    pub name: Option<String>,
+    pub uuid: Option<String>,
+    pub serial: Option<String>,
+    pub board_part_number: Option<String>,
+    pub vbios_version: Option<String>,
+    pub inforom_image_version: Option<String>,
+    pub inforom_valid: Option<bool>,
+    pub pci: Option<Pci>,
+    pub memory: Option<Memory>,
+    pub bar1: Option<Memory>,
+    pub temperature_c: Option<u32>,
+    pub slowdown_temperature_c: Option<u32>,
+    pub shutdown_temperature_c: Option<u32>,
+    pub power_usage_mw: Option<u32>,
+    pub power_limit_mw: Option<u32>,
+    pub default_power_limit_mw: Option<u32>,
+    pub clocks_mhz: Option<Clocks>,
+    pub throttle_reasons: Option<Vec<String>>,
+    pub ecc: Option<Ecc>,
+    pub remapped_rows: Option<RemappedRows>,
+    pub persistence_mode: Option<bool>,
+    pub mig: Option<Mig>,
+    pub pcie: Option<Pcie>,
+    pub nvlinks: Option<Vec<NvLink>>,
+    pub fabric: Option<Fabric>,
+    pub processes: Option<Vec<Process>>,
+    pub utilization: Option<Utilization>,
+    #[serde(default)]
+    pub xid_events: Vec<XidEvent>,
+    #[serde(default)]
+    pub unsupported: Vec<String>,
+    #[serde(default)]
+    pub errors: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Pci {
+    pub bus_id: String,
+    pub pci_device_id: String,
+    pub pci_subsystem_id: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Memory {
+    pub total_bytes: u64,
+    #[serde(default)]
+    pub used_bytes: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Clocks {
+    pub sm: Option<u32>,
+    pub mem: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ecc {
+    pub current: Option<bool>,
+    pub pending: Option<bool>,
+    pub volatile: Option<EccCounts>,
+    pub aggregate: Option<EccCounts>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EccCounts {
+    pub corrected: u64,
+    pub uncorrected: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemappedRows {
+    pub correctable: u32,
+    pub uncorrectable: u32,
+    pub pending: bool,
+    pub failure: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mig {
+    pub current: bool,
+    pub pending: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Pcie {
+    pub gen_current: Option<u32>,
+    pub gen_max: Option<u32>,
+    pub width_current: Option<u32>,
+    pub width_max: Option<u32>,
+    pub replay_counter: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvLink {
+    pub active: bool,
+    #[serde(default)]
+    pub crc_flit_errors: u64,
+    #[serde(default)]
+    pub crc_data_errors: u64,
+    #[serde(default)]
+    pub replay_errors: u64,
+    #[serde(default)]
+    pub recovery_errors: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fabric {
+    pub state: String,
+    pub status: Option<String>,
+    pub cluster_uuid: Option<String>,
+    pub clique_id: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Process {
+    pub pid: u32,
+    pub used_bytes: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Utilization {
+    pub gpu: u32,
+    pub memory: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct XidEvent {
+    pub xid: u64,
+    #[serde(default)]
+    pub after_ms: u64,
+}
+
+/// `0x233010DE` or a decimal number.
+pub fn parse_u32(s: &str) -> Option<u32> {
+    let s = s.trim();
+    match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u32::from_str_radix(hex, 16).ok(),
+        None => s.parse().ok(),
+    }
+}

@@ -1,0 +1,716 @@
+//! Checks that judge what NVML reports: nvml.init, driver.persistence, fabric.*, nvlink.* and
+//! the per-GPU gpu.* health signals. Thresholds come from `facts`.
+//!
+//! Per-GPU rule: a reading NVML does not support (common in VMs) or could not read is
+//! `unknown` with that reason — never a pass made of a zero.
+
+use super::Finding;
+use crate::facts::{self, ThrottleClass};
+use crate::snapshot::{FabricState, Nv, NvmlFailureKind, NvmlGpu, NvmlStatus, Snapshot};
+
+/// The ids judged from NVML, in catalogue order.
+pub const IDS: &[&str] = &[
+    "driver.persistence",
+    "nvml.init",
+    "fabric.manager-running",
+    "fabric.manager-version",
+    "fabric.state",
+    "nvlink.links-active",
+    "nvlink.errors",
+    "gpu.ecc-mode",
+    "gpu.ecc-uncorrectable",
+    "gpu.row-remap",
+    "gpu.throttle",
+    "gpu.temperature",
+    "gpu.power-limit",
+    "gpu.pcie-link",
+    "gpu.pcie-replay",
+    "gpu.mig-pending",
+    "gpu.inforom",
+];
+
+type PerGpu = fn(&Snapshot, &NvmlGpu) -> Finding;
+
+const PER_GPU: &[(&str, PerGpu)] = &[
+    ("driver.persistence", persistence),
+    ("fabric.state", fabric_state),
+    ("nvlink.links-active", links_active),
+    ("nvlink.errors", nvlink_errors),
+    ("gpu.ecc-mode", ecc_mode),
+    ("gpu.ecc-uncorrectable", ecc_uncorrectable),
+    ("gpu.row-remap", row_remap),
+    ("gpu.throttle", throttle),
+    ("gpu.temperature", temperature),
+    ("gpu.power-limit", power_limit),
+    ("gpu.pcie-link", pcie_link),
+    ("gpu.pcie-replay", pcie_replay),
+    ("gpu.mig-pending", mig_pending),
+    ("gpu.inforom", inforom),
+];
+
+pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
+    out.push(init(s));
+    let no_gpu = s.gpus().is_empty();
+    let Some(nvml) = s.nvml() else {
+        let why = match &s.nvml {
+            NvmlStatus::NotRead(why) => why.clone(),
+            NvmlStatus::Failed(f) => format!("NVML failed to initialise: {}", f.message),
+            NvmlStatus::Ok(_) => String::new(),
+        };
+        for id in IDS.iter().filter(|id| **id != "nvml.init") {
+            out.push(if no_gpu {
+                Finding::pass(id, "no NVIDIA GPU: nothing to check")
+            } else {
+                Finding::unknown(id, why.clone())
+            });
+        }
+        return;
+    };
+    out.push(manager_running(s));
+    out.push(manager_version(s));
+    if nvml.devices.is_empty() {
+        for (id, _) in PER_GPU {
+            out.push(Finding::pass(id, "NVML lists no GPU: nothing to check"));
+        }
+    }
+    for g in &nvml.devices {
+        let label = gpu_label(g);
+        for (_, check) in PER_GPU {
+            let mut f = check(s, g);
+            f.gpu = Some(label.clone());
+            if let Nv::Value(uuid) = &g.uuid {
+                f.evidence.insert("uuid".into(), serde_json::Value::String(uuid.clone()));
+            }
+            out.push(f);
+        }
+    }
+}
+
+/// The PCI address NVML gives, or its index when it gave none.
+pub fn gpu_label(g: &NvmlGpu) -> String {
+    g.pci_address.value().cloned().unwrap_or_else(|| format!("nvml:{}", g.index))
+}
+
+/// A reading that is not there: unknown, with NVML's reason.
+fn missing<T>(id: &str, what: &str, v: &Nv<T>) -> Finding {
+    Finding::unknown(id, format!("{what}: {}", v.why_not()))
+}
+
+fn has_nvswitches(s: &Snapshot) -> bool {
+    !s.nvswitches().is_empty()
+}
+
+fn init(s: &Snapshot) -> Finding {
+    const ID: &str = "nvml.init";
+    let gpus = s.gpus();
+    let failure = match &s.nvml {
+        NvmlStatus::NotRead(why) => {
+            return if gpus.is_empty() {
+                Finding::pass(ID, "no NVIDIA GPU: nothing to check")
+            } else {
+                Finding::unknown(ID, why.clone())
+            }
+        }
+        NvmlStatus::Failed(f) => f,
+        NvmlStatus::Ok(n) => {
+            let bound = gpus.iter().filter(|g| g.driver.as_deref() == Some("nvidia")).count();
+            let version = n.driver_version.value().cloned().unwrap_or_else(|| "version unknown".into());
+            let f = if n.devices.len() < bound {
+                Finding::fail(ID, format!("NVML sees {} of the {bound} GPUs bound to nvidia", n.devices.len()))
+                    .detail("A GPU the driver holds is not usable: it failed to initialise (see gpu.xid and `dmesg | grep NVRM`).")
+                    .remedy("Restart the VM; if the GPU stays missing, report it to the platform with `phq-agent doctor --bundle`.")
+            } else {
+                Finding::pass(
+                    ID,
+                    format!(
+                        "NVML {} on driver {version}, {} GPU(s)",
+                        n.nvml_version.value().map(String::as_str).unwrap_or("?"),
+                        n.devices.len()
+                    ),
+                )
+            };
+            return f
+                .evidence("library", &n.library)
+                .evidence("driver_version", &n.driver_version)
+                .evidence("cuda_driver_version", &n.cuda_driver_version);
+        }
+    };
+    let f = match failure.kind {
+        NvmlFailureKind::LibraryNotFound if gpus.is_empty() => return Finding::pass(ID, "no NVML library and no NVIDIA GPU: nothing to check"),
+        NvmlFailureKind::LibraryNotFound => Finding::fail(ID, "the NVML library is not installed")
+            .detail(format!("{}. The driver's user-space part (libnvidia-ml, libcuda) is missing.", failure.message))
+            .remedy("Run `phq-agent install`, or install the driver's utilities package (`nvidia-utils-<branch>-server` / `libnvidia-compute-<branch>`); with a library in an unusual place, pass `--nvml-lib PATH`."),
+        NvmlFailureKind::DriverNotLoaded => Finding::fail(ID, "NVML: the NVIDIA kernel driver is not loaded")
+            .detail(failure.message.clone())
+            .remedy("`modprobe nvidia` and read `dmesg | grep -i nvidia` for why it did not load (see driver.module-loaded); `phq-agent install` repairs a broken install."),
+        NvmlFailureKind::VersionMismatch => Finding::fail(ID, "NVML: driver/library version mismatch")
+            .detail(format!("{}. The loaded kernel module and the installed libraries come from different driver versions: an upgrade without a reboot.", failure.message))
+            .remedy("Reboot the VM (or, with no GPU process running, reload the module: `rmmod nvidia_uvm nvidia_drm nvidia_modeset nvidia && modprobe nvidia`); then hold the driver version."),
+        NvmlFailureKind::NoPermission => Finding::fail(ID, "NVML: no permission to talk to the driver")
+            .detail(failure.message.clone())
+            .remedy("Run as root, or check the modes of /dev/nvidiactl and /dev/nvidia* (0666 by default; `NVreg_DeviceFileMode`)."),
+        NvmlFailureKind::Other => Finding::fail(ID, "NVML failed to initialise").detail(failure.message.clone()).remedy("Read `dmesg | grep NVRM` for the driver's reason; restart the VM if the driver reports the GPU lost."),
+    };
+    f.evidence("library", &failure.library).evidence("kind", failure.kind)
+}
+
+fn persistence(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "driver.persistence";
+    match &g.persistence_mode {
+        Nv::Value(true) => Finding::pass(ID, "persistence mode on"),
+        Nv::Value(false) => Finding::warn(ID, "persistence mode off")
+            .detail("Without persistence the driver tears the GPU down whenever no client holds it: every CUDA start pays seconds of initialisation, and state such as ECC counters and clocks is reloaded.")
+            .remedy("`systemctl enable --now nvidia-persistenced` (the daemon NVIDIA recommends over `nvidia-smi -pm 1`)."),
+        other => missing(ID, "persistence mode", other),
+    }
+}
+
+fn manager_running(s: &Snapshot) -> Finding {
+    const ID: &str = "fabric.manager-running";
+    if !has_nvswitches(s) {
+        return Finding::pass(ID, "no NVSwitch in this VM: the fabric manager is not needed here");
+    }
+    let states: Vec<(String, &Nv<crate::snapshot::FabricInfo>)> =
+        s.nvml().map(|n| n.devices.iter().map(|g| (gpu_label(g), &g.fabric)).collect()).unwrap_or_default();
+    let not_started: Vec<&str> = states
+        .iter()
+        .filter(|(_, f)| f.value().is_some_and(|f| f.state == FabricState::NotStarted))
+        .map(|(l, _)| l.as_str())
+        .collect();
+    let completed = states.iter().filter(|(_, f)| f.value().is_some_and(|f| f.state == FabricState::Completed)).count();
+    let f = if !not_started.is_empty() {
+        Finding::fail(ID, "nvidia-fabricmanager is not running: the NVSwitch fabric was never set up")
+            .detail(format!("{} GPU(s) report fabric state not_started. Until the fabric manager trains NVLink through the NVSwitches, every CUDA program fails with error 802 (cudaErrorSystemNotReady, \"system not yet initialized\").", not_started.len()))
+            .remedy("Install nvidia-fabricmanager at exactly the driver's version (`nvidia-fabricmanager-<branch>`; `phq-agent install` does it) and `systemctl enable --now nvidia-fabricmanager`; check `journalctl -u nvidia-fabricmanager` for errors.")
+            .evidence("not_started", not_started)
+    } else if completed == states.len() && !states.is_empty() {
+        Finding::pass(ID, format!("fabric trained on all {completed} GPUs: the fabric manager did its job"))
+    } else {
+        Finding::unknown(ID, "the GPUs' fabric state does not say whether the fabric manager runs (fabric info not supported or still in progress)")
+    };
+    f.evidence("nvswitches", s.nvswitches().len())
+}
+
+fn manager_version(s: &Snapshot) -> Finding {
+    const ID: &str = "fabric.manager-version";
+    if !has_nvswitches(s) {
+        return Finding::pass(ID, "no NVSwitch in this VM: no fabric manager to match");
+    }
+    let driver = s
+        .nvml()
+        .and_then(|n| n.driver_version.value().cloned())
+        .or_else(|| s.driver.nvrm.value().map(|v| v.version.clone()));
+    let Some(driver) = driver else { return Finding::unknown(ID, "the driver version is unknown") };
+    let packages = match &s.packages {
+        Fact::Value(p) => p,
+        Fact::Error(e) => return Finding::unknown(ID, e.clone()),
+    };
+    let fm: Vec<&crate::snapshot::Package> = packages
+        .iter()
+        .filter(|p| p.name.starts_with("nvidia-fabricmanager") || p.name == "nvidia-fabric-manager")
+        .collect();
+    let branch = facts::driver_branch(&driver).unwrap_or(0);
+    let f = match fm.as_slice() {
+        [] => Finding::fail(ID, "nvidia-fabricmanager is not installed")
+            .detail("This VM sees NVSwitches, so it must run the fabric manager at exactly the driver's version.")
+            .remedy(format!("Install `nvidia-fabricmanager-{branch}={driver}-1` (from 580 on: `nvidia-fabricmanager`) and hold it with the driver; `phq-agent install` does this.")),
+        pkgs => {
+            let wrong: Vec<String> = pkgs.iter().filter(|p| crate::collect::packages::upstream_version(&p.version) != driver).map(|p| format!("{} {}", p.name, p.version)).collect();
+            if wrong.is_empty() {
+                Finding::pass(ID, format!("{} matches driver {driver}", pkgs[0].name))
+            } else {
+                Finding::fail(ID, format!("fabric manager {} does not match driver {driver}", wrong.join(", ")))
+                    .detail("The fabric manager refuses to start against a driver of another version, and CUDA then fails with error 802.")
+                    .remedy(format!("Install `nvidia-fabricmanager-{branch}` at exactly {driver} and hold both (`apt-mark hold`)."))
+            }
+        }
+    };
+    f.evidence("driver", driver)
+        .evidence("packages", fm.iter().map(|p| format!("{} {}", p.name, p.version)).collect::<Vec<_>>())
+}
+
+use crate::snapshot::Fact;
+
+fn fabric_state(s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "fabric.state";
+    if !has_nvswitches(s) {
+        return Finding::pass(ID, "no NVSwitch in this VM: no fabric to join");
+    }
+    let f = match &g.fabric {
+        Nv::Value(f) => f,
+        other => return missing(ID, "fabric info", other),
+    };
+    let r = match (f.state, f.status.as_str()) {
+        (FabricState::Completed, "NVML_SUCCESS") => Finding::pass(ID, format!("fabric completed (clique {})", f.clique_id)),
+        (FabricState::Completed, status) => Finding::fail(ID, format!("fabric training finished with {status}"))
+            .remedy("Check `journalctl -u nvidia-fabricmanager` for the failing NVSwitch or link; restart the VM, and report it to the platform if it repeats."),
+        (FabricState::NotStarted, _) => Finding::fail(ID, "fabric not started: CUDA will fail with error 802")
+            .detail("The GPU waits for the fabric manager to set up NVLink through the NVSwitches; until then cuInit returns 802 (system not yet initialized).")
+            .remedy("`systemctl enable --now nvidia-fabricmanager` (installed at exactly the driver's version)."),
+        (FabricState::InProgress, _) => Finding::warn(ID, "fabric training in progress").remedy("Wait a minute and run doctor again; if it stays in progress, read `journalctl -u nvidia-fabricmanager`."),
+        (FabricState::NotSupported, _) => Finding::unknown(ID, "the GPU reports no fabric support although NVSwitches are visible"),
+    };
+    r.evidence("fabric", f)
+}
+
+fn links_active(s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "nvlink.links-active";
+    let links = match &g.nvlinks {
+        Nv::Value(l) => l,
+        Nv::NotSupported => return Finding::pass(ID, "no NVLink on this GPU (NVML reports none)"),
+        other => return missing(ID, "NVLink state", other),
+    };
+    let active: Vec<u32> = links.iter().filter(|l| l.active == Nv::Value(true)).map(|l| l.link).collect();
+    let inactive: Vec<u32> = links.iter().filter(|l| l.active == Nv::Value(false)).map(|l| l.link).collect();
+    let f = if links.is_empty() {
+        Finding::pass(ID, "no NVLink on this GPU")
+    } else if inactive.is_empty() {
+        Finding::pass(ID, format!("{}/{} NVLinks active", active.len(), links.len()))
+    } else if active.is_empty() && !has_nvswitches(s) {
+        Finding::pass(ID, "NVLink not in use in this VM (no NVSwitch passed through, none trained by the host)")
+    } else {
+        let list = inactive.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(", ");
+        Finding::fail(ID, format!("{} of {} NVLinks inactive (links {list})", inactive.len(), links.len()))
+            .detail("GPU↔GPU bandwidth drops with every link down, and NCCL collectives slow to the weakest GPU.")
+            .remedy("Restart the VM to retrain the links; if they stay down, report the GPU and links to the platform (`nvidia-smi nvlink -s` shows the same).")
+    };
+    f.evidence("active", active).evidence("inactive", inactive)
+}
+
+fn nvlink_errors(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "nvlink.errors";
+    let links = match &g.nvlinks {
+        Nv::Value(l) => l,
+        Nv::NotSupported => return Finding::pass(ID, "no NVLink on this GPU"),
+        other => return missing(ID, "NVLink error counters", other),
+    };
+    // DCGM's NVLink health watch treats any CRC, replay or recovery error as a warning.
+    let mut bad = Vec::new();
+    for l in links {
+        let counters = [
+            ("replay", &l.replay_errors),
+            ("recovery", &l.recovery_errors),
+            ("crc_flit", &l.crc_flit_errors),
+            ("crc_data", &l.crc_data_errors),
+        ];
+        let nonzero: Vec<String> =
+            counters.iter().filter_map(|(n, v)| v.value().filter(|c| **c > 0).map(|c| format!("{n} {c}"))).collect();
+        if !nonzero.is_empty() {
+            bad.push(format!("link {}: {}", l.link, nonzero.join(", ")));
+        }
+    }
+    if bad.is_empty() {
+        Finding::pass(ID, "no NVLink errors")
+    } else {
+        Finding::warn(ID, format!("NVLink errors on {} link(s)", bad.len()))
+            .detail(bad.join("; "))
+            .remedy("Watch whether the counters grow (`nvidia-smi nvlink -e`); growing recovery or replay errors mean a marginal link: report the GPU and link to the platform.")
+            .evidence("links", bad)
+    }
+}
+
+fn ecc_mode(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.ecc-mode";
+    match &g.ecc_mode {
+        Nv::Value(m) if m.current && m.pending => Finding::pass(ID, "ECC on"),
+        Nv::Value(m) if m.current != m.pending => Finding::warn(
+            ID,
+            format!("ECC {} now, {} after the next GPU reset", on_off(m.current), on_off(m.pending)),
+        )
+        .remedy(
+            "Reset the GPU (restart the VM) to apply the pending ECC mode; data-center GPUs should run with ECC on.",
+        ),
+        Nv::Value(_) => Finding::warn(ID, "ECC is off")
+            .detail("Without ECC, HBM bit flips silently corrupt results instead of being corrected or reported.")
+            .remedy("`nvidia-smi -i <gpu> -e 1`, then reset the GPU (restart the VM)."),
+        other => missing(ID, "ECC mode", other),
+    }
+    .evidence("ecc_mode", &g.ecc_mode)
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+fn ecc_uncorrectable(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.ecc-uncorrectable";
+    let (v, a) = match (&g.ecc_volatile, &g.ecc_aggregate) {
+        (Nv::Value(v), Nv::Value(a)) => (*v, *a),
+        (Nv::Value(v), _) => (*v, *v),
+        (other, _) => return missing(ID, "ECC counters", other),
+    };
+    let f = if v.uncorrected > 0 {
+        Finding::fail(ID, format!("{} uncorrectable ECC error(s) since the last GPU reset", v.uncorrected))
+            .detail("Double-bit errors: data was lost, and the application that held it was stopped (Xid 48/94/95).")
+            .remedy("Drain the GPU and reset it (restart the VM) so the affected rows are remapped; if uncorrectable errors come back, report the GPU to the platform.")
+    } else if v.corrected > facts::MAX_CORRECTED_ECC {
+        Finding::warn(ID, format!("{} corrected ECC errors since the last reset", v.corrected)).remedy(
+            "A high single-bit error rate precedes failures: report the GPU to the platform and watch the count.",
+        )
+    } else if a.uncorrected > 0 {
+        Finding::warn(ID, format!("{} uncorrectable ECC error(s) over the GPU's life, none since the last reset", a.uncorrected))
+            .remedy("Check gpu.row-remap: if the rows were remapped the GPU is fine; if the lifetime count keeps growing, report the GPU.")
+    } else {
+        Finding::pass(ID, "no uncorrectable ECC errors")
+    };
+    f.evidence("volatile", v).evidence("aggregate", a)
+}
+
+fn row_remap(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.row-remap";
+    let r = match &g.remapped_rows {
+        Nv::Value(r) => *r,
+        other => return missing(ID, "remapped rows", other),
+    };
+    let f = if r.failure {
+        Finding::fail(ID, "row remapping failed: the GPU has no spare row left for a failing one")
+            .remedy("Take the GPU out of service and report it to the platform for replacement (Xid 64).")
+    } else if r.uncorrectable > facts::MAX_UNCORRECTABLE_REMAPPED_ROWS {
+        Finding::fail(
+            ID,
+            format!(
+                "{} rows remapped for uncorrectable errors (limit {})",
+                r.uncorrectable,
+                facts::MAX_UNCORRECTABLE_REMAPPED_ROWS
+            ),
+        )
+        .remedy("Report the GPU to the platform for replacement.")
+    } else if r.pending {
+        Finding::warn(ID, "a row remap is pending: it takes effect at the next GPU reset")
+            .detail("Until the reset, the failing row is still in use and can raise more uncorrectable errors.")
+            .remedy("Drain the GPU and reset it (restart the VM); then check that pending is cleared.")
+    } else {
+        Finding::pass(
+            ID,
+            format!("{} correctable / {} uncorrectable rows remapped, none pending", r.correctable, r.uncorrectable),
+        )
+    };
+    f.evidence("remapped_rows", r)
+}
+
+fn throttle(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.throttle";
+    let reasons = match &g.throttle_reasons {
+        Nv::Value(r) => r,
+        other => return missing(ID, "clock-event reasons", other),
+    };
+    let class = |r: &str| {
+        facts::THROTTLE_SEVERITY.iter().find(|(n, _)| *n == r).map(|(_, c)| *c).unwrap_or(ThrottleClass::Warn)
+    };
+    let worst = reasons.iter().map(|r| class(r)).max().unwrap_or(ThrottleClass::Normal);
+    let active: Vec<&str> = reasons.iter().filter(|r| class(r) > ThrottleClass::Normal).map(String::as_str).collect();
+    let f = match worst {
+        ThrottleClass::Fail => Finding::fail(ID, format!("clocks held down by {}", active.join(", ")))
+            .detail("Hardware slowdown halves (or worse) the GPU's clocks: the cooling or power delivery of the host is failing, or the GPU is far over temperature.")
+            .remedy("Report the GPU and the reason to the platform (host cooling/power); move the workload meanwhile. See gpu.temperature."),
+        ThrottleClass::Warn => Finding::warn(ID, format!("clocks reduced by {}", active.join(", ")))
+            .remedy("The GPU is running hot enough for the driver to slow it: check gpu.temperature and report persistent throttling to the platform."),
+        ThrottleClass::Normal => Finding::pass(ID, if reasons.is_empty() { "no clock-event reason active".to_string() } else { format!("only normal reasons: {}", reasons.join(", ")) }),
+    };
+    f.evidence("reasons", reasons)
+}
+
+fn temperature(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.temperature";
+    let t = match &g.temperature_c {
+        Nv::Value(t) => *t,
+        other => return missing(ID, "temperature", other),
+    };
+    let slowdown = g.slowdown_temperature_c.value().copied();
+    let f = match slowdown {
+        Some(sd) if t >= sd => Finding::fail(ID, format!("{t} °C, at or above the slowdown threshold {sd} °C"))
+            .remedy("The host's cooling is not keeping up: report the GPU to the platform; the GPU is throttling."),
+        Some(sd) if t + facts::TEMPERATURE_MARGIN_C >= sd => {
+            Finding::warn(ID, format!("{t} °C, within {} °C of slowdown at {sd} °C", facts::TEMPERATURE_MARGIN_C))
+                .remedy("Watch it under load; report to the platform if it reaches the slowdown threshold.")
+        }
+        Some(sd) => Finding::pass(ID, format!("{t} °C (slowdown at {sd} °C)")),
+        None => Finding::pass(ID, format!("{t} °C (NVML gives no slowdown threshold to compare)")),
+    };
+    f.evidence("temperature_c", t).evidence("slowdown_c", slowdown).evidence("shutdown_c", &g.shutdown_temperature_c)
+}
+
+fn power_limit(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.power-limit";
+    let (limit, default) = match (&g.power_limit_mw, &g.default_power_limit_mw) {
+        (Nv::Value(l), Nv::Value(d)) => (*l, *d),
+        (Nv::Value(_), other) | (other, _) => return missing(ID, "power limits", other),
+    };
+    let f = if limit < default {
+        Finding::warn(ID, format!("power capped at {} W of the default {} W", limit / 1000, default / 1000))
+            .detail("A lower power limit caps clocks under load: compute throughput drops with it.")
+            .remedy(format!("Restore it with `nvidia-smi -i <gpu> -pl {}` if the VM may; otherwise ask the platform why the GPU is capped.", default / 1000))
+    } else {
+        Finding::pass(ID, format!("{} W enforced (default {} W)", limit / 1000, default / 1000))
+    };
+    f.evidence("enforced_mw", limit).evidence("default_mw", default).evidence("usage_mw", &g.power_usage_mw)
+}
+
+fn pcie_link(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.pcie-link";
+    let p = &g.pcie;
+    let (wc, wm) = match (&p.width_current, &p.width_max) {
+        (Nv::Value(c), Nv::Value(m)) => (*c, *m),
+        (Nv::Value(_), other) | (other, _) => return missing(ID, "PCIe link width", other),
+    };
+    let (gc, gm) = (p.gen_current.value().copied(), p.gen_max.value().copied());
+    let busy = g.utilization.value().is_some_and(|u| u.gpu > 0);
+    let gen_low = matches!((gc, gm), (Some(c), Some(m)) if c < m);
+    let shown = format!(
+        "Gen{} x{wc} of Gen{} x{wm}",
+        gc.map_or("?".into(), |v| v.to_string()),
+        gm.map_or("?".into(), |v| v.to_string())
+    );
+    let remedy = "Report the GPU to the platform: the link trained narrower or slower than the slot (card, riser or retimer). Confirm with `phq-agent probe` (probe.h2d-bandwidth).";
+    let f = if wc * 2 <= wm {
+        Finding::fail(ID, format!("{shown}: link width at half or less"))
+            .detail("Host↔device bandwidth falls in proportion to the width.")
+            .remedy(remedy)
+    } else if wc < wm {
+        Finding::warn(ID, format!("{shown}: narrower link than the GPU supports")).remedy(remedy)
+    } else if gen_low && busy {
+        Finding::warn(ID, format!("{shown}: slower link generation while the GPU is busy")).remedy(remedy)
+    } else if gen_low {
+        Finding::pass(ID, format!("{shown} (idle GPUs lower their link generation)"))
+    } else {
+        Finding::pass(ID, shown)
+    };
+    f.evidence("pcie", p)
+}
+
+fn pcie_replay(s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.pcie-replay";
+    let n = match &g.pcie.replay_counter {
+        Nv::Value(n) => *n,
+        other => return missing(ID, "PCIe replay counter", other),
+    };
+    let Some(uptime) = s.host.uptime_s.filter(|u| *u > 0.0) else {
+        return Finding::pass(ID, format!("{n} PCIe replays (uptime unknown, so no rate)")).evidence("replays", n);
+    };
+    let per_minute = n as f64 / (uptime / 60.0).max(1.0);
+    let f = if per_minute > facts::PCIE_REPLAYS_PER_MINUTE {
+        Finding::warn(
+            ID,
+            format!(
+                "{n} PCIe replays since boot, {per_minute:.0} per minute (budget {})",
+                facts::PCIE_REPLAYS_PER_MINUTE
+            ),
+        )
+        .detail("Replays retransmit corrupted PCIe packets: a marginal link costs bandwidth and can end in Xid 79.")
+        .remedy("Report the GPU to the platform (link, riser or retimer); confirm with `phq-agent probe`.")
+    } else {
+        Finding::pass(ID, format!("{n} PCIe replays since boot"))
+    };
+    f.evidence("replays", n).evidence("per_minute", (per_minute * 100.0).round() / 100.0)
+}
+
+fn mig_pending(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.mig-pending";
+    match &g.mig_mode {
+        Nv::Value(m) if m.current != m.pending => Finding::warn(ID, format!("MIG {} now, {} after the next GPU reset", on_off(m.current), on_off(m.pending)))
+            .remedy("Reset the GPU (restart the VM) to apply the pending MIG mode, or set it back (`nvidia-smi -i <gpu> -mig 0|1`)."),
+        Nv::Value(m) => Finding::pass(ID, format!("MIG {}, nothing pending", on_off(m.current))),
+        other => missing(ID, "MIG mode", other),
+    }
+    .evidence("mig", &g.mig_mode)
+}
+
+fn inforom(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.inforom";
+    match &g.inforom_valid {
+        Nv::Value(true) => Finding::pass(ID, format!("InfoROM {} valid", g.inforom_image_version.value().map(String::as_str).unwrap_or(""))),
+        Nv::Value(false) => Finding::warn(ID, "InfoROM is corrupted")
+            .detail("The InfoROM holds ECC counts, retired pages and configuration; a corrupted one makes those unreliable.")
+            .remedy("Report the GPU to the platform (it needs an InfoROM recovery or replacement)."),
+        other => missing(ID, "InfoROM", other),
+    }
+    .evidence("image_version", &g.inforom_image_version)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::*;
+    use super::*;
+    use crate::checks::Severity;
+    use crate::snapshot::*;
+
+    fn findings(s: &Snapshot) -> Vec<Finding> {
+        let mut out = Vec::new();
+        run(s, &mut out);
+        out
+    }
+
+    fn gpu_mut(s: &mut Snapshot, i: usize) -> &mut NvmlGpu {
+        match &mut s.nvml {
+            NvmlStatus::Ok(n) => &mut n.devices[i],
+            _ => unreachable!(),
+        }
+    }
+
+    fn bad(f: &[Finding]) -> Vec<(String, String, Severity)> {
+        f.iter()
+            .filter(|f| f.severity >= Severity::Warn)
+            .map(|f| (f.id.clone(), f.gpu.clone().unwrap_or_default(), f.severity))
+            .collect()
+    }
+
+    #[test]
+    fn healthy_has_no_alarm() {
+        assert_eq!(bad(&findings(&healthy())), vec![]);
+        assert!(findings(&healthy()).iter().all(|f| f.severity == Severity::Pass), "{:#?}", findings(&healthy()));
+    }
+
+    #[test]
+    fn fabric_not_started_says_802_and_how_to_start() {
+        let mut s = healthy();
+        for i in 0..8 {
+            if let Nv::Value(f) = &mut gpu_mut(&mut s, i).fabric {
+                f.state = FabricState::NotStarted;
+            }
+        }
+        let f = findings(&s);
+        let m = find(&f, "fabric.manager-running")[0];
+        assert_eq!(m.severity, Severity::Fail);
+        assert!(m.detail.contains("802"));
+        assert!(m.remedy.as_ref().unwrap().contains("systemctl enable --now nvidia-fabricmanager"));
+        assert_eq!(find(&f, "fabric.state").iter().filter(|x| x.severity == Severity::Fail).count(), 8);
+    }
+
+    #[test]
+    fn no_nvswitch_passes_fabric_with_reason() {
+        let mut s = healthy();
+        if let Fact::Value(d) = &mut s.pci {
+            d.retain(|d| !d.is_nvswitch());
+        }
+        for i in 0..8 {
+            gpu_mut(&mut s, i).fabric = Nv::Value(FabricInfo {
+                state: FabricState::NotSupported,
+                status: "NVML_SUCCESS".into(),
+                clique_id: 0,
+                cluster_uuid: String::new(),
+            });
+        }
+        let f = findings(&s);
+        for id in ["fabric.manager-running", "fabric.manager-version", "fabric.state"] {
+            assert!(
+                find(&f, id).iter().all(|x| x.severity == Severity::Pass && x.summary.contains("NVSwitch")),
+                "{id}"
+            );
+        }
+    }
+
+    #[test]
+    fn dbe_with_pending_remap() {
+        let mut s = healthy();
+        let g = gpu_mut(&mut s, 2);
+        g.ecc_volatile = Nv::Value(EccCounts { corrected: 3, uncorrected: 2 });
+        g.remapped_rows = Nv::Value(RemappedRows { correctable: 0, uncorrectable: 1, pending: true, failure: false });
+        let mut got = bad(&findings(&s));
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                ("gpu.ecc-uncorrectable".into(), "0000:0b:00.0".into(), Severity::Fail),
+                ("gpu.row-remap".into(), "0000:0b:00.0".into(), Severity::Warn)
+            ]
+        );
+    }
+
+    #[test]
+    fn degraded_pcie_and_hw_thermal() {
+        let mut s = healthy();
+        let g = gpu_mut(&mut s, 5);
+        g.pcie.width_current = Nv::Value(8);
+        g.pcie.gen_current = Nv::Value(3);
+        g.throttle_reasons = Nv::Value(vec!["hw_thermal_slowdown".into(), "sw_power_cap".into()]);
+        g.temperature_c = Nv::Value(89);
+        let mut got = bad(&findings(&s));
+        got.sort();
+        let addr = "0000:0e:00.0".to_string();
+        assert_eq!(
+            got,
+            vec![
+                ("gpu.pcie-link".into(), addr.clone(), Severity::Fail),
+                ("gpu.temperature".into(), addr.clone(), Severity::Fail),
+                ("gpu.throttle".into(), addr, Severity::Fail)
+            ]
+        );
+    }
+
+    #[test]
+    fn inactive_links_are_listed() {
+        let mut s = healthy();
+        if let Nv::Value(l) = &mut gpu_mut(&mut s, 1).nvlinks {
+            l[4].active = Nv::Value(false);
+            l[11].active = Nv::Value(false);
+        }
+        let f = findings(&s);
+        let x = find(&f, "nvlink.links-active").into_iter().find(|f| f.severity == Severity::Fail).unwrap();
+        assert_eq!(x.summary, "2 of 18 NVLinks inactive (links 4, 11)");
+        assert_eq!(x.gpu.as_deref(), Some("0000:0a:00.0"));
+    }
+
+    #[test]
+    fn not_supported_is_unknown_never_fail() {
+        let mut s = healthy();
+        let g = gpu_mut(&mut s, 0);
+        g.ecc_mode = Nv::NotSupported;
+        g.ecc_volatile = Nv::NotSupported;
+        g.remapped_rows = Nv::NotSupported;
+        g.temperature_c = Nv::NotSupported;
+        g.pcie.width_current = Nv::NotSupported;
+        g.persistence_mode = Nv::NotSupported;
+        let f = findings(&s);
+        assert_eq!(bad(&f), vec![]);
+        let unknown: Vec<&str> = f.iter().filter(|f| f.severity == Severity::Unknown).map(|f| f.id.as_str()).collect();
+        assert_eq!(unknown.len(), 6, "{unknown:?}");
+        assert!(f.iter().filter(|f| f.severity == Severity::Unknown).all(|f| f.summary.contains("not supported")));
+    }
+
+    #[test]
+    fn init_failures_are_told_apart() {
+        for (kind, words) in [
+            (NvmlFailureKind::DriverNotLoaded, "not loaded"),
+            (NvmlFailureKind::VersionMismatch, "mismatch"),
+            (NvmlFailureKind::NoPermission, "permission"),
+            (NvmlFailureKind::LibraryNotFound, "not installed"),
+        ] {
+            let mut s = healthy();
+            s.nvml = NvmlStatus::Failed(NvmlFailure { kind, library: "libnvidia-ml.so.1".into(), message: "x".into() });
+            let f = findings(&s);
+            let i = find(&f, "nvml.init")[0];
+            assert_eq!(i.severity, Severity::Fail);
+            assert!(i.summary.contains(words), "{kind:?}: {}", i.summary);
+            assert!(f.iter().filter(|f| f.id != "nvml.init").all(|f| f.severity == Severity::Unknown));
+        }
+    }
+
+    #[test]
+    fn fabric_manager_version_must_match() {
+        let mut s = healthy();
+        s.packages = Fact::Value(vec![Package {
+            name: "nvidia-fabricmanager-550".into(),
+            version: "550.54.15-1".into(),
+            state: "installed".into(),
+        }]);
+        assert_eq!(find(&findings(&s), "fabric.manager-version")[0].severity, Severity::Fail);
+        s.packages = Fact::Value(vec![]);
+        let f = findings(&s);
+        let v = find(&f, "fabric.manager-version")[0];
+        assert_eq!(v.severity, Severity::Fail);
+        assert!(v.remedy.as_ref().unwrap().contains("nvidia-fabricmanager-550=550.90.07-1"));
+    }
+
+    #[test]
+    fn replay_rate_against_the_dcgm_budget() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).pcie.replay_counter = Nv::Value(100);
+        assert_eq!(find(&findings(&s), "gpu.pcie-replay")[0].severity, Severity::Pass);
+        gpu_mut(&mut s, 0).pcie.replay_counter = Nv::Value(60 * 40);
+        assert_eq!(find(&findings(&s), "gpu.pcie-replay")[0].severity, Severity::Warn);
+    }
+}

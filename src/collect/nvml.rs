@@ -1,0 +1,446 @@
+//! NVML, loaded at run time (nvml-wrapper over libloading): never linked, so the agent starts and
+//! reports on a machine with no driver at all.
+//!
+//! Every reading is an `Nv<T>`: a value, `NotSupported` (common inside VMs), or the error NVML
+//! gave. Two calls nvml-wrapper does not wrap (remapped rows, fabric info) go through
+//! nvml-wrapper-sys on a second handle to the same library.
+
+use crate::snapshot::{
+    CurrentPending, EccCounts, FabricInfo, FabricState, MemoryInfo, Nv, NvLinkInfo, NvPcie, NvmlFailure,
+    NvmlFailureKind, NvmlGpu, NvmlInfo, NvmlStatus, NvmlXid, ProcessInfo, RemappedRows, Utilization,
+};
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor, TemperatureThreshold};
+use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter;
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::{Device, Nvml};
+use nvml_wrapper_sys::bindings::{nvmlGpuFabricInfo_t, nvmlReturn_t, NvmlLib};
+use std::ffi::OsStr;
+
+/// The soname the driver installs; what `dlopen` finds on a machine with the driver.
+pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
+
+/// NVML has at most this many NVLinks per GPU (NVML_NVLINK_MAX_LINKS; 18 on H100 SXM5).
+const MAX_NVLINKS: u32 = 18;
+
+/// At most this many Xid events are drained in one snapshot, so a storm cannot hold it up.
+const MAX_EVENTS_PER_SNAPSHOT: usize = 1024;
+
+pub fn read(library: &str) -> NvmlStatus {
+    let nvml = match Nvml::builder().lib_path(OsStr::new(library)).init() {
+        Ok(n) => n,
+        Err(e) => return NvmlStatus::Failed(classify_init_error(library, &e)),
+    };
+    // SAFETY: loading the library a second time returns the same handle (dlopen reference
+    // counts it); NvmlLib only resolves symbols. NVML is initialised by `nvml` above and stays
+    // so while `sys` is used, since `nvml` outlives it in this function.
+    let sys = unsafe { NvmlLib::new(library) }.ok();
+    let count = match nvml.device_count() {
+        Ok(c) => c,
+        Err(e) => {
+            return NvmlStatus::Failed(NvmlFailure {
+                kind: NvmlFailureKind::Other,
+                library: library.into(),
+                message: format!("nvmlDeviceGetCount: {e}"),
+            })
+        }
+    };
+    let devices: Vec<(Option<Device>, NvmlGpu)> = (0..count)
+        .map(|i| match nvml.device_by_index(i) {
+            Ok(d) => {
+                let g = read_device(i, &d, sys.as_ref());
+                (Some(d), g)
+            }
+            Err(e) => (None, unreadable_device(i, &e)),
+        })
+        .collect();
+    let (xid_events, events_error) = drain_xid_events(&nvml, &devices);
+    NvmlStatus::Ok(NvmlInfo {
+        library: library.into(),
+        driver_version: nv(nvml.sys_driver_version()),
+        nvml_version: nv(nvml.sys_nvml_version()),
+        cuda_driver_version: nv(nvml.sys_cuda_driver_version()),
+        devices: devices.into_iter().map(|(_, g)| g).collect(),
+        xid_events,
+        events_error,
+    })
+}
+
+/// Tells apart the init failures a person fixes differently.
+pub fn classify_init_error(library: &str, e: &NvmlError) -> NvmlFailure {
+    let kind = match e {
+        NvmlError::LibloadingError(_) | NvmlError::LibraryNotFound => NvmlFailureKind::LibraryNotFound,
+        NvmlError::DriverNotLoaded => NvmlFailureKind::DriverNotLoaded,
+        NvmlError::LibRmVersionMismatch => NvmlFailureKind::VersionMismatch,
+        NvmlError::NoPermission => NvmlFailureKind::NoPermission,
+        _ => NvmlFailureKind::Other,
+    };
+    let message = match e {
+        NvmlError::LibloadingError(inner) => format!("cannot load {library}: {inner}"),
+        other => format!("nvmlInit_v2: {other}"),
+    };
+    NvmlFailure { kind, library: library.into(), message }
+}
+
+fn nv<T>(r: Result<T, NvmlError>) -> Nv<T> {
+    match r {
+        Ok(v) => Nv::Value(v),
+        // A function the loaded NVML lacks is, for the reader, a function it does not support.
+        Err(NvmlError::NotSupported) | Err(NvmlError::FailedToLoadSymbol(_)) => Nv::NotSupported,
+        Err(e) => Nv::Error(e.to_string()),
+    }
+}
+
+fn unreadable_device(index: u32, e: &NvmlError) -> NvmlGpu {
+    let why: Nv<()> = Nv::Error(format!("nvmlDeviceGetHandleByIndex({index}): {e}"));
+    macro_rules! err {
+        () => {
+            why.without_value()
+        };
+    }
+    NvmlGpu {
+        index,
+        pci_address: err!(),
+        pci_device_id: err!(),
+        name: err!(),
+        uuid: err!(),
+        serial: err!(),
+        board_part_number: err!(),
+        vbios_version: err!(),
+        inforom_image_version: err!(),
+        inforom_valid: err!(),
+        memory: err!(),
+        bar1: err!(),
+        temperature_c: err!(),
+        slowdown_temperature_c: err!(),
+        shutdown_temperature_c: err!(),
+        power_usage_mw: err!(),
+        power_limit_mw: err!(),
+        default_power_limit_mw: err!(),
+        sm_clock_mhz: err!(),
+        mem_clock_mhz: err!(),
+        throttle_reasons: err!(),
+        ecc_mode: err!(),
+        ecc_volatile: err!(),
+        ecc_aggregate: err!(),
+        remapped_rows: err!(),
+        persistence_mode: err!(),
+        mig_mode: err!(),
+        pcie: NvPcie {
+            gen_current: err!(),
+            gen_max: err!(),
+            width_current: err!(),
+            width_max: err!(),
+            replay_counter: err!(),
+        },
+        nvlinks: err!(),
+        fabric: err!(),
+        processes: err!(),
+        utilization: err!(),
+    }
+}
+
+fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
+    let (pci_address, pci_device_id) = match d.pci_info() {
+        Ok(p) => (
+            normalize_bus_id(&p.bus_id)
+                .map(Nv::Value)
+                .unwrap_or_else(|| Nv::Error(format!("unexpected bus id {:?}", p.bus_id))),
+            Nv::Value(p.pci_device_id),
+        ),
+        Err(e) => {
+            let why = nv::<()>(Err(e));
+            (why.without_value(), why.without_value())
+        }
+    };
+    let ecc = |counter| -> Nv<EccCounts> {
+        match (
+            d.total_ecc_errors(MemoryError::Corrected, counter),
+            d.total_ecc_errors(MemoryError::Uncorrected, counter),
+        ) {
+            (Ok(corrected), Ok(uncorrected)) => Nv::Value(EccCounts { corrected, uncorrected }),
+            (Err(e), _) | (_, Err(e)) => nv::<EccCounts>(Err(e)),
+        }
+    };
+    NvmlGpu {
+        index,
+        pci_address,
+        pci_device_id,
+        name: nv(d.name()),
+        uuid: nv(d.uuid()),
+        serial: nv(d.serial()),
+        board_part_number: nv(d.board_part_number()),
+        vbios_version: nv(d.vbios_version()),
+        inforom_image_version: nv(d.info_rom_image_version()),
+        inforom_valid: match d.validate_info_rom() {
+            Ok(()) => Nv::Value(true),
+            Err(NvmlError::CorruptedInfoROM) => Nv::Value(false),
+            Err(e) => nv::<bool>(Err(e)),
+        },
+        memory: nv(d.memory_info().map(|m| MemoryInfo { total_bytes: m.total, used_bytes: m.used })),
+        bar1: nv(d.bar1_memory_info().map(|m| MemoryInfo { total_bytes: m.total, used_bytes: m.used })),
+        temperature_c: nv(d.temperature(TemperatureSensor::Gpu)),
+        slowdown_temperature_c: nv(d.temperature_threshold(TemperatureThreshold::Slowdown)),
+        shutdown_temperature_c: nv(d.temperature_threshold(TemperatureThreshold::Shutdown)),
+        power_usage_mw: nv(d.power_usage()),
+        power_limit_mw: nv(d.enforced_power_limit()),
+        default_power_limit_mw: nv(d.power_management_limit_default()),
+        sm_clock_mhz: nv(d.clock_info(Clock::SM)),
+        mem_clock_mhz: nv(d.clock_info(Clock::Memory)),
+        throttle_reasons: nv(d.current_throttle_reasons().map(|r| throttle_names(r.bits()))),
+        ecc_mode: nv(d
+            .is_ecc_enabled()
+            .map(|m| CurrentPending { current: m.currently_enabled, pending: m.pending_enabled })),
+        ecc_volatile: ecc(EccCounter::Volatile),
+        ecc_aggregate: ecc(EccCounter::Aggregate),
+        remapped_rows: sys.map(|s| remapped_rows(s, d)).unwrap_or(Nv::NotSupported),
+        persistence_mode: nv(d.is_in_persistent_mode()),
+        mig_mode: nv(d.mig_mode().map(|m| CurrentPending { current: m.current != 0, pending: m.pending != 0 })),
+        pcie: NvPcie {
+            gen_current: nv(d.current_pcie_link_gen()),
+            gen_max: nv(d.max_pcie_link_gen()),
+            width_current: nv(d.current_pcie_link_width()),
+            width_max: nv(d.max_pcie_link_width()),
+            replay_counter: nv(d.pcie_replay_counter()),
+        },
+        nvlinks: read_nvlinks(d),
+        fabric: sys.map(|s| fabric_info(s, d)).unwrap_or(Nv::NotSupported),
+        processes: nv(d.running_compute_processes().map(|ps| {
+            ps.into_iter()
+                .map(|p| ProcessInfo {
+                    pid: p.pid,
+                    used_bytes: match p.used_gpu_memory {
+                        UsedGpuMemory::Used(b) => Some(b),
+                        UsedGpuMemory::Unavailable => None,
+                    },
+                })
+                .collect()
+        })),
+        utilization: nv(d.utilization_rates().map(|u| Utilization { gpu: u.gpu, memory: u.memory })),
+    }
+}
+
+fn read_nvlinks(d: &Device) -> Nv<Vec<NvLinkInfo>> {
+    let mut links = Vec::new();
+    for link in 0..MAX_NVLINKS {
+        let w = d.link_wrapper_for(link);
+        let active = match w.is_active() {
+            Ok(a) => Nv::Value(a),
+            // Past the last link NVML answers "invalid argument": the list is complete.
+            Err(NvmlError::InvalidArg) => break,
+            Err(NvmlError::NotSupported) | Err(NvmlError::FailedToLoadSymbol(_)) if link == 0 => {
+                return Nv::NotSupported
+            }
+            Err(e) => nv::<bool>(Err(e)),
+        };
+        links.push(NvLinkInfo {
+            link,
+            active,
+            replay_errors: nv(w.error_counter(ErrorCounter::DlReplay)),
+            recovery_errors: nv(w.error_counter(ErrorCounter::DlRecovery)),
+            crc_flit_errors: nv(w.error_counter(ErrorCounter::DlCrcFlit)),
+            crc_data_errors: nv(w.error_counter(ErrorCounter::DlCrcData)),
+        });
+    }
+    Nv::Value(links)
+}
+
+/// `nvmlReturn_t` → the error nvml-wrapper would make of it (`Ok` for success).
+fn ret(code: nvmlReturn_t) -> Result<(), NvmlError> {
+    nvml_wrapper::error::nvml_try(code)
+}
+
+fn remapped_rows(sys: &NvmlLib, d: &Device) -> Nv<RemappedRows> {
+    let Ok(f) = sys.nvmlDeviceGetRemappedRows.as_ref() else { return Nv::NotSupported };
+    let (mut corr, mut unc, mut pending, mut failure) = (0, 0, 0, 0);
+    // SAFETY: `d.handle()` is a live device handle of an initialised NVML; the four out
+    // pointers are valid, distinct locals that live across the call.
+    let r = unsafe { f(d.handle(), &mut corr, &mut unc, &mut pending, &mut failure) };
+    nv(ret(r).map(|()| RemappedRows {
+        correctable: corr,
+        uncorrectable: unc,
+        pending: pending != 0,
+        failure: failure != 0,
+    }))
+}
+
+fn fabric_info(sys: &NvmlLib, d: &Device) -> Nv<FabricInfo> {
+    let Ok(f) = sys.nvmlDeviceGetGpuFabricInfo.as_ref() else { return Nv::NotSupported };
+    let mut info = nvmlGpuFabricInfo_t { clusterUuid: [0; 16], status: 0, cliqueId: 0, state: 0 };
+    // SAFETY: a live device handle and a valid, initialised out struct of the type the
+    // function is declared with.
+    let r = unsafe { f(d.handle(), &mut info) };
+    nv(ret(r).map(|()| FabricInfo {
+        state: fabric_state(info.state as u32),
+        status: return_code_name(info.status),
+        clique_id: info.cliqueId,
+        cluster_uuid: format_uuid(&info.clusterUuid),
+    }))
+}
+
+/// Drains the Xid events NVML has for these devices now (`wait(0)`), without blocking.
+fn drain_xid_events(nvml: &Nvml, devices: &[(Option<Device>, NvmlGpu)]) -> (Vec<NvmlXid>, Option<String>) {
+    let mut set = match nvml.create_event_set() {
+        Ok(s) => s,
+        Err(e) => return (Vec::new(), Some(format!("nvmlEventSetCreate: {e}"))),
+    };
+    let mut registered = 0;
+    let mut last_error = None;
+    for (d, _) in devices {
+        let Some(d) = d else { continue };
+        match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+            Ok(s) => {
+                set = s;
+                registered += 1;
+            }
+            Err(e) => {
+                last_error = Some(format!("nvmlDeviceRegisterEvents: {}", e.error));
+                // A failed registration frees the set (nvml-wrapper does so); start a new one.
+                match nvml.create_event_set() {
+                    Ok(s) => set = s,
+                    Err(e) => return (Vec::new(), Some(format!("nvmlEventSetCreate: {e}"))),
+                }
+            }
+        }
+    }
+    if registered == 0 {
+        return (
+            Vec::new(),
+            last_error.or_else(|| (!devices.is_empty()).then(|| "no device accepted Xid events".into())),
+        );
+    }
+    let mut events = Vec::new();
+    while events.len() < MAX_EVENTS_PER_SNAPSHOT {
+        match set.wait(0) {
+            Ok(ev) => {
+                let gpu = ev
+                    .device
+                    .pci_info()
+                    .ok()
+                    .and_then(|p| normalize_bus_id(&p.bus_id))
+                    .unwrap_or_else(|| format!("nvml:{}", ev.device.index().unwrap_or(u32::MAX)));
+                if let Some(nvml_wrapper::enums::event::XidError::Value(xid)) = ev.event_data {
+                    events.push(NvmlXid { gpu, xid });
+                }
+            }
+            Err(NvmlError::Timeout) => break,
+            Err(e) => {
+                last_error = Some(format!("nvmlEventSetWait: {e}"));
+                break;
+            }
+        }
+    }
+    (events, last_error)
+}
+
+/// `00000000:09:00.0` (NVML) → `0000:09:00.0` (sysfs).
+pub fn normalize_bus_id(bus_id: &str) -> Option<String> {
+    let b = bus_id.trim().trim_end_matches('\0').to_ascii_lowercase();
+    let (domain, rest) = b.split_once(':')?;
+    let domain = u32::from_str_radix(domain, 16).ok()?;
+    let addr = format!("{domain:04x}:{rest}");
+    crate::collect::pci::is_pci_address(&addr).then_some(addr)
+}
+
+/// NVML clocks-event reason bits (nvml.h `nvmlClocksEventReason*`) and their names.
+pub const THROTTLE_REASONS: &[(u64, &str)] = &[
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+];
+
+pub fn throttle_names(bits: u64) -> Vec<String> {
+    let mut names: Vec<String> =
+        THROTTLE_REASONS.iter().filter(|(b, _)| bits & b != 0).map(|(_, n)| n.to_string()).collect();
+    let known: u64 = THROTTLE_REASONS.iter().map(|(b, _)| b).sum();
+    if bits & !known != 0 {
+        names.push(format!("unknown_0x{:x}", bits & !known));
+    }
+    names
+}
+
+pub fn fabric_state(v: u32) -> FabricState {
+    match v {
+        1 => FabricState::NotStarted,
+        2 => FabricState::InProgress,
+        3 => FabricState::Completed,
+        _ => FabricState::NotSupported,
+    }
+}
+
+/// nvml.h return code names, for the fabric status NVML reports as a code.
+pub fn return_code_name(code: u32) -> String {
+    const NAMES: &[(u32, &str)] = &[
+        (0, "NVML_SUCCESS"),
+        (1, "NVML_ERROR_UNINITIALIZED"),
+        (2, "NVML_ERROR_INVALID_ARGUMENT"),
+        (3, "NVML_ERROR_NOT_SUPPORTED"),
+        (4, "NVML_ERROR_NO_PERMISSION"),
+        (6, "NVML_ERROR_NOT_FOUND"),
+        (9, "NVML_ERROR_DRIVER_NOT_LOADED"),
+        (10, "NVML_ERROR_TIMEOUT"),
+        (15, "NVML_ERROR_GPU_IS_LOST"),
+        (16, "NVML_ERROR_RESET_REQUIRED"),
+        (18, "NVML_ERROR_LIB_RM_VERSION_MISMATCH"),
+        (21, "NVML_ERROR_NO_DATA"),
+        (27, "NVML_ERROR_NOT_READY"),
+        (29, "NVML_ERROR_INVALID_STATE"),
+        (999, "NVML_ERROR_UNKNOWN"),
+    ];
+    NAMES
+        .iter()
+        .find(|(c, _)| *c == code)
+        .map(|(_, n)| n.to_string())
+        .unwrap_or_else(|| format!("NVML return code {code}"))
+}
+
+fn format_uuid(b: &[u8; 16]) -> String {
+    let h: Vec<String> = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        h[0..4].concat(),
+        h[4..6].concat(),
+        h[6..8].concat(),
+        h[8..10].concat(),
+        h[10..16].concat()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn bus_ids() {
+        assert_eq!(normalize_bus_id("00000000:09:00.0").as_deref(), Some("0000:09:00.0"));
+        assert_eq!(normalize_bus_id("00000000:9B:00.0").as_deref(), Some("0000:9b:00.0"));
+        assert_eq!(normalize_bus_id("0000:0a:00.0").as_deref(), Some("0000:0a:00.0"));
+        assert_eq!(normalize_bus_id("garbage"), None);
+    }
+
+    #[test]
+    fn throttle_bits() {
+        assert_eq!(throttle_names(0x41), vec!["gpu_idle", "hw_thermal_slowdown"]);
+        assert_eq!(throttle_names(0x1000), vec!["unknown_0x1000"]);
+    }
+
+    #[test]
+    fn uuid_format() {
+        assert_eq!(format_uuid(&[0; 16]), "00000000-0000-0000-0000-000000000000");
+    }
+
+    proptest! {
+        #[test]
+        fn bus_id_never_panics(s in ".*") {
+            let _ = normalize_bus_id(&s);
+        }
+    }
+}
