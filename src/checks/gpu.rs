@@ -160,7 +160,7 @@ fn judge(kmsg: &[&XidEvent], nvml: &[u64], sources: &str) -> Finding {
             .detail(format!("Xid {} is not in the agent's table; look it up in NVIDIA's Xid catalog.", worst.code)),
     };
     let last = if worst.last_message.is_empty() {
-        format!("reported through NVML ({})", worst.sources.join(" and "))
+        "Reported through NVML's event set.".to_string()
     } else {
         format!("Last report: {}", worst.last_message)
     };

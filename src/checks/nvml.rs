@@ -178,13 +178,16 @@ fn manager_running(s: &Snapshot) -> Finding {
         .map(|(l, _)| l.as_str())
         .collect();
     let completed = states.iter().filter(|(_, f)| f.value().is_some_and(|f| f.state == FabricState::Completed)).count();
+    // A GPU whose fabric state cannot be read (one that fell off the bus) says nothing about
+    // the fabric manager; the others do.
+    let readable = states.iter().filter(|(_, f)| f.value().is_some()).count();
     let f = if !not_started.is_empty() {
         Finding::fail(ID, "nvidia-fabricmanager is not running: the NVSwitch fabric was never set up")
             .detail(format!("{} GPU(s) report fabric state not_started. Until the fabric manager trains NVLink through the NVSwitches, every CUDA program fails with error 802 (cudaErrorSystemNotReady, \"system not yet initialized\").", not_started.len()))
             .remedy("Install nvidia-fabricmanager at exactly the driver's version (`nvidia-fabricmanager-<branch>`; `phq-agent install` does it) and `systemctl enable --now nvidia-fabricmanager`; check `journalctl -u nvidia-fabricmanager` for errors.")
             .evidence("not_started", not_started)
-    } else if completed == states.len() && !states.is_empty() {
-        Finding::pass(ID, format!("fabric trained on all {completed} GPUs: the fabric manager did its job"))
+    } else if completed == readable && completed > 0 {
+        Finding::pass(ID, format!("fabric trained on {completed} GPU(s): the fabric manager did its job"))
     } else {
         Finding::unknown(ID, "the GPUs' fabric state does not say whether the fabric manager runs (fabric info not supported or still in progress)")
     };

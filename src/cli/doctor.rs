@@ -47,14 +47,19 @@ impl Doctor {
             bundle::write(out, &snapshot, &report, &root.recorded())?;
             eprintln!("phq-agent: bundle written to {}", out.display());
         }
-        if self.json {
+        let written = if self.json {
             let mut stdout = std::io::stdout().lock();
-            serde_json::to_writer_pretty(&mut stdout, &report).context("cannot write the report to stdout")?;
-            writeln!(stdout).context("cannot write the report to stdout")?;
+            serde_json::to_writer_pretty(&mut stdout, &report)
+                .map_err(std::io::Error::from)
+                .and_then(|()| writeln!(stdout))
         } else {
             let text = table::render(&report, table::terminal_width());
-            let mut stdout = anstream::stdout().lock();
-            stdout.write_all(text.as_bytes()).context("cannot write the report to stdout")?;
+            anstream::stdout().lock().write_all(text.as_bytes())
+        };
+        match written {
+            // `phq-agent doctor | head`: the reader left; that is not an error of ours.
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+            other => other.context("cannot write the report to stdout")?,
         }
         Ok(code)
     }

@@ -602,10 +602,8 @@ pub unsafe extern "C" fn nvmlEventSetCreate(out: *mut nvmlEventSet_t) -> Ret {
 }
 
 #[no_mangle]
-pub extern "C" fn nvmlDeviceGetSupportedEventTypes(h: nvmlDevice_t, out: *mut c_ulonglong) -> Ret {
-    device_call(h, "nvmlDeviceGetSupportedEventTypes", |_| {
-        Some(unsafe { put(out, nvmlEventTypeXidCriticalError as c_ulonglong) })
-    })
+pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(h: nvmlDevice_t, out: *mut c_ulonglong) -> Ret {
+    device_call(h, "nvmlDeviceGetSupportedEventTypes", |_| Some(put(out, nvmlEventTypeXidCriticalError as c_ulonglong)))
 }
 
 #[no_mangle]

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Writes the fake-NVML scenarios (format v1, shared/fake-nvml-scenario.md) in this folder.
+
+The 8-GPU scenarios match the fixture sysroot tests/fixtures/sysroots/hgx-8gpu-healthy (GPUs on
+buses 09..10, NVSwitches on 11..14); the single-GPU one matches h100-pcie-single. Values follow
+an idle HGX H100 as NVML reports it. Rerun after editing:  python3 examples/scenarios/make-scenarios.py
+"""
+import copy
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUSES = [0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x0E, 0x0F, 0x10]
+
+
+def h100(i, bus):
+    return {
+        "name": "NVIDIA H100 80GB HBM3",
+        "uuid": f"GPU-3f1c0b7e-{i:04x}-4000-8000-0000000000{bus:02x}",
+        "serial": f"16501234567{80 + i}",
+        "board_part_number": "692-2G520-0200-000",
+        "vbios_version": "96.00.74.00.0D",
+        "inforom_image_version": "G520.0200.00.05",
+        "inforom_valid": True,
+        "pci": {"bus_id": f"00000000:{bus:02X}:00.0", "pci_device_id": "0x233010DE", "pci_subsystem_id": "0x16C110DE"},
+        "memory": {"total_bytes": 85520809984, "used_bytes": 0},
+        "bar1": {"total_bytes": 137438953472, "used_bytes": 2097152},
+        "temperature_c": 31 + i,
+        "slowdown_temperature_c": 87,
+        "shutdown_temperature_c": 92,
+        "power_usage_mw": 71000 + 1000 * i,
+        "power_limit_mw": 700000,
+        "default_power_limit_mw": 700000,
+        "clocks_mhz": {"sm": 345, "mem": 2619},
+        "throttle_reasons": ["gpu_idle"],
+        "ecc": {"current": True, "pending": True, "volatile": {"corrected": 0, "uncorrected": 0}, "aggregate": {"corrected": 0, "uncorrected": 0}},
+        "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False, "failure": False},
+        "persistence_mode": True,
+        "mig": {"current": False, "pending": False},
+        "pcie": {"gen_current": 5, "gen_max": 5, "width_current": 16, "width_max": 16, "replay_counter": 0},
+        "nvlinks": [{"active": True, "crc_flit_errors": 0, "crc_data_errors": 0, "replay_errors": 0, "recovery_errors": 0} for _ in range(18)],
+        "fabric": {"state": "completed", "status": "NVML_SUCCESS", "cluster_uuid": "8f7c1b2a-3d4e-4f50-8a6b-7c8d9e0f1a2b", "clique_id": 1},
+        "processes": [],
+        "utilization": {"gpu": 0, "memory": 0},
+    }
+
+
+def hgx():
+    return {
+        "init_error": None,
+        "driver_version": "550.90.07",
+        "nvml_version": "12.550.90.07",
+        "cuda_driver_version": 12040,
+        "devices": [h100(i, b) for i, b in enumerate(BUSES)],
+    }
+
+
+def healthy():
+    return hgx()
+
+
+def fabric_not_started():
+    s = hgx()
+    for d in s["devices"]:
+        d["fabric"] = {"state": "not_started", "status": "NVML_SUCCESS", "cluster_uuid": "00000000-0000-0000-0000-000000000000", "clique_id": 0}
+        for l in d["nvlinks"]:
+            l["active"] = False
+    return s
+
+
+def xid79():
+    """GPU 0000:0c:00.0 fell off the bus: Xid 79 arrives, then every query of it fails."""
+    s = hgx()
+    d = s["devices"][3]
+    d["xid_events"] = [{"xid": 79, "after_ms": 0}]
+    lost = "NVML_ERROR_GPU_IS_LOST"
+    for fn in ["nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetEccMode", "nvmlDeviceGetTotalEccErrors",
+               "nvmlDeviceGetRemappedRows", "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetCurrPcieLinkWidth",
+               "nvmlDeviceGetNvLinkState", "nvmlDeviceGetGpuFabricInfo", "nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMigMode",
+               "nvmlDeviceGetPersistenceMode", "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetEnforcedPowerLimit",
+               "nvmlDeviceValidateInforom"]:
+        d.setdefault("errors", {})[fn] = lost
+    return s
+
+
+def ecc_dbe():
+    """Double-bit ECC on GPU 0000:0b:00.0 with the row remap still pending."""
+    s = hgx()
+    d = s["devices"][2]
+    d["ecc"]["volatile"] = {"corrected": 3, "uncorrected": 2}
+    d["ecc"]["aggregate"] = {"corrected": 17, "uncorrected": 2}
+    d["remapped_rows"] = {"correctable": 0, "uncorrectable": 1, "pending": True, "failure": False}
+    d["xid_events"] = [{"xid": 48, "after_ms": 0}, {"xid": 63, "after_ms": 0}]
+    return s
+
+
+def pcie_thermal():
+    """GPU 0000:0e:00.0 under load on a Gen3 x8 link, held down by HW thermal slowdown."""
+    s = hgx()
+    d = s["devices"][5]
+    d["pcie"].update({"gen_current": 3, "width_current": 8, "replay_counter": 12})
+    d["throttle_reasons"] = ["hw_thermal_slowdown", "sw_power_cap"]
+    d["temperature_c"] = 89
+    d["utilization"] = {"gpu": 97, "memory": 61}
+    d["clocks_mhz"] = {"sm": 990, "mem": 2619}
+    d["processes"] = [{"pid": 48211, "used_bytes": 40 << 30}]
+    return s
+
+
+def nvlink_down():
+    """Two inactive NVLinks (4 and 11) on GPU 0000:0a:00.0; link 4 had recovery errors first."""
+    s = hgx()
+    d = s["devices"][1]
+    d["nvlinks"][4].update({"active": False, "recovery_errors": 3, "replay_errors": 41})
+    d["nvlinks"][11]["active"] = False
+    return s
+
+
+def vm_unsupported():
+    """One H100 PCIe in a VM whose NVML answers little: most calls NOT_SUPPORTED."""
+    d = {
+        "name": "NVIDIA H100 PCIe",
+        "uuid": "GPU-5b1e2c3d-0000-4000-8000-0000000000aa",
+        "pci": {"bus_id": "00000000:09:00.0", "pci_device_id": "0x233110DE"},
+        "memory": {"total_bytes": 85520809984, "used_bytes": 0},
+        "temperature_c": 38,
+        "persistence_mode": True,
+        "unsupported": ["nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetSerial"],
+    }
+    return {"driver_version": "550.90.07", "nvml_version": "12.550.90.07", "cuda_driver_version": 12040, "devices": [d]}
+
+
+def init_error(code):
+    return {"init_error": code}
+
+
+SCENARIOS = {
+    "hgx-8gpu-healthy": healthy,
+    "hgx-8gpu-fabric-not-started": fabric_not_started,
+    "hgx-8gpu-xid79": xid79,
+    "hgx-8gpu-ecc-dbe-remap-pending": ecc_dbe,
+    "hgx-8gpu-pcie-degraded-thermal": pcie_thermal,
+    "hgx-8gpu-nvlink-down": nvlink_down,
+    "h100-pcie-vm-unsupported": vm_unsupported,
+    "init-driver-not-loaded": lambda: init_error("NVML_ERROR_DRIVER_NOT_LOADED"),
+    "init-version-mismatch": lambda: init_error("NVML_ERROR_LIB_RM_VERSION_MISMATCH"),
+    "init-no-permission": lambda: init_error("NVML_ERROR_NO_PERMISSION"),
+}
+
+
+def main():
+    for name, fn in SCENARIOS.items():
+        s = fn()
+        for d in s.get("devices", []):
+            d.setdefault("xid_events", [])
+            d.setdefault("unsupported", [])
+            d.setdefault("errors", {})
+        with open(os.path.join(HERE, name + ".json"), "w") as f:
+            json.dump(s, f, indent=2)
+            f.write("\n")
+    print(f"wrote {len(SCENARIOS)} scenarios under {HERE}")
+
+
+if __name__ == "__main__":
+    main()
