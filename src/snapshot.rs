@@ -86,6 +86,26 @@ pub struct Snapshot {
     pub nvml: NvmlStatus,
     /// Installed NVIDIA/CUDA packages (dpkg).
     pub packages: Fact<Vec<Package>>,
+    /// systemd units of the driver's daemons, asked over D-Bus.
+    pub units: Fact<Vec<UnitState>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitState {
+    pub name: String,
+    /// `loaded`, `not-found`, `masked`, …
+    pub load_state: String,
+    /// `active`, `inactive`, `failed`, `activating`, …
+    pub active_state: String,
+    pub sub_state: String,
+    /// `enabled`, `disabled`, …
+    pub unit_file_state: String,
+}
+
+impl UnitState {
+    pub fn exists(&self) -> bool {
+        self.load_state != "not-found"
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -104,6 +124,11 @@ impl Snapshot {
 
     pub fn nvswitches(&self) -> Vec<&PciDevice> {
         self.pci.value().map(|d| d.iter().filter(|d| d.is_nvswitch()).collect()).unwrap_or_default()
+    }
+
+    /// A unit's state, when the units could be read.
+    pub fn unit(&self, name: &str) -> Option<&UnitState> {
+        self.units.value()?.iter().find(|u| u.name == name)
     }
 
     pub fn nvml(&self) -> Option<&NvmlInfo> {

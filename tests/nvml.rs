@@ -1,91 +1,19 @@
 //! Black box: the real, unchanged `phq-agent` binary loads the fake libnvidia-ml
 //! (crates/fake-nvml) through `--nvml-lib`, which answers from the scenarios in
-//! examples/scenarios. Each test asserts what a GPU engineer would look for.
+//! examples/scenarios, and asks a private dbus-daemon's systemd stand-in for unit states.
+//! Each test asserts what a GPU engineer would look for.
 
+mod common;
+
+use common::*;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::path::Path;
+use std::process::Command;
 
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The fake library, built once per test binary (cargo does not build a workspace member's
-/// cdylib for another package's tests).
-fn fake_nvml() -> &'static Path {
-    static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        if let Ok(p) = std::env::var("PHQ_FAKE_NVML_LIB") {
-            return PathBuf::from(p);
-        }
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "--quiet", "-p", "fake-nvml"])
-            .current_dir(repo())
-            .status()
-            .expect("run cargo build -p fake-nvml");
-        assert!(status.success(), "cargo build -p fake-nvml failed");
-        let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
-        target.join("debug/libfake_nvml.so")
-    })
-}
-
+/// doctor over a fixture with a scenario, systemd answering from a private bus with healthy units.
 fn run(sysroot: &str, scenario: &str, lib: Option<&Path>) -> (i32, Value, String) {
-    let root = repo().join("tests/fixtures/sysroots").join(sysroot);
-    let cfg = repo().join("tests/fixtures/config/empty/config.toml");
-    let lib = lib.unwrap_or_else(|| fake_nvml());
-    let out: Output = Command::new(env!("CARGO_BIN_EXE_phq-agent"))
-        .args(["doctor", "--json", "--sysroot"])
-        .arg(&root)
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--nvml-lib")
-        .arg(lib)
-        .env("PHQ_FAKE_NVML_SCENARIO", repo().join("examples/scenarios").join(format!("{scenario}.json")))
-        .output()
-        .expect("run phq-agent");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!stderr.contains("panicked"), "{scenario}: {stderr}");
-    let report: Value =
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{scenario}: not JSON ({e}): {stderr}"));
-    validate(&report);
-    (out.status.code().unwrap_or(-1), report, stderr)
-}
-
-fn validate(report: &Value) {
-    let schema: Value = serde_json::from_str(include_str!("../schema/phq.status.v1.json")).unwrap();
-    let validator = jsonschema::validator_for(&schema).unwrap();
-    let errors: Vec<String> =
-        validator.iter_errors(report).map(|e| format!("{} at {}", e, e.instance_path())).collect();
-    assert!(errors.is_empty(), "{errors:#?}");
-}
-
-fn findings<'a>(r: &'a Value, id: &str) -> Vec<&'a Value> {
-    r["findings"].as_array().unwrap().iter().filter(|f| f["id"] == id).collect()
-}
-
-/// (id, gpu, severity) of every warning and failure, sorted.
-fn bad(r: &Value) -> Vec<(String, String, String)> {
-    let mut v: Vec<_> = r["findings"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|f| f["severity"] == "fail" || f["severity"] == "warn")
-        .map(|f| {
-            (
-                f["id"].as_str().unwrap().to_string(),
-                f["gpu"].as_str().unwrap_or("").to_string(),
-                f["severity"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
-    v.sort();
-    v
-}
-
-fn row(id: &str, gpu: &str, sev: &str) -> (String, String, String) {
-    (id.into(), gpu.into(), sev.into())
+    let bus = PrivateBus::start(HEALTHY_UNITS);
+    doctor(sysroot, scenario, lib, Some(&bus.address), &[])
 }
 
 #[test]
@@ -111,10 +39,15 @@ fn healthy_hgx_has_zero_false_alarms() {
 
 #[test]
 fn fabric_not_started_explains_error_802() {
-    let (code, r, _) = run("hgx-8gpu-healthy", "hgx-8gpu-fabric-not-started", None);
+    let bus = PrivateBus::start(&[
+        ("nvidia-persistenced.service", "loaded", "active", "running", "enabled"),
+        ("nvidia-fabricmanager.service", "loaded", "inactive", "dead", "disabled"),
+    ]);
+    let (code, r, _) = doctor("hgx-8gpu-healthy", "hgx-8gpu-fabric-not-started", None, Some(&bus.address), &[]);
     assert_eq!(code, 2);
     let m = findings(&r, "fabric.manager-running")[0];
     assert_eq!(m["severity"], "fail");
+    assert_eq!(m["summary"], "nvidia-fabricmanager is inactive (dead)");
     assert!(m["detail"].as_str().unwrap().contains("error 802"), "{m}");
     assert!(m["remedy"].as_str().unwrap().contains("systemctl enable --now nvidia-fabricmanager"));
     let states = findings(&r, "fabric.state");
@@ -181,7 +114,9 @@ fn two_inactive_nvlinks_on_one_gpu() {
 
 #[test]
 fn sparse_vm_gives_honest_unknowns_and_no_failure() {
-    let (code, r, _) = run("h100-pcie-single", "h100-pcie-vm-unsupported", None);
+    // No NVSwitch, so no fabric manager installed: systemd knows only persistenced.
+    let bus = PrivateBus::start(&HEALTHY_UNITS[..1]);
+    let (code, r, _) = doctor("h100-pcie-single", "h100-pcie-vm-unsupported", None, Some(&bus.address), &[]);
     assert_eq!(bad(&r), vec![], "NOT_SUPPORTED must never become a failure");
     assert_eq!(code, 3);
     let unknown: Vec<&Value> = r["findings"]
@@ -283,4 +218,40 @@ fn bundle_from_an_nvml_run_keeps_the_nvml_view() {
         bad(&b),
         vec![row("nvlink.errors", "0000:0a:00.0", "warn"), row("nvlink.links-active", "0000:0a:00.0", "fail")]
     );
+}
+
+#[test]
+fn systemd_unit_states_come_from_the_bus() {
+    // A failed fabric manager (say, a version mismatch) with persistenced missing entirely.
+    let bus = PrivateBus::start(&[("nvidia-fabricmanager.service", "loaded", "failed", "failed", "enabled")]);
+    let (code, r, _) = doctor("hgx-8gpu-healthy", "hgx-8gpu-healthy", None, Some(&bus.address), &[]);
+    assert_eq!(code, 2);
+    let m = findings(&r, "fabric.manager-running")[0];
+    assert_eq!(m["severity"], "fail");
+    assert_eq!(m["summary"], "nvidia-fabricmanager is failed (failed)");
+    assert_eq!(m["evidence"]["unit"]["load_state"], "loaded");
+    assert!(m["remedy"].as_str().unwrap().contains("journalctl -u nvidia-fabricmanager"));
+    // persistenced is not-found, but persistence mode is on: the mode is what counts.
+    let p = findings(&r, "driver.persistence")[0];
+    assert_eq!(p["severity"], "pass");
+    assert_eq!(p["evidence"]["unit"]["load_state"], "not-found");
+}
+
+#[test]
+fn fabric_manager_enabled_without_nvswitches_is_flagged() {
+    let bus = PrivateBus::start(&[("nvidia-fabricmanager.service", "loaded", "failed", "failed", "enabled")]);
+    let (_, r, _) = doctor("h100-pcie-single", "h100-pcie-vm-unsupported", None, Some(&bus.address), &[]);
+    let m = findings(&r, "fabric.manager-running")[0];
+    assert_eq!(m["severity"], "warn");
+    assert!(m["remedy"].as_str().unwrap().contains("systemctl disable --now nvidia-fabricmanager"));
+}
+
+#[test]
+fn without_a_system_bus_unit_checks_are_unknown_with_the_reason() {
+    let (_, r, _) = doctor("hgx-8gpu-healthy", "hgx-8gpu-healthy", None, Some("unix:path=/nonexistent/bus"), &[]);
+    let m = findings(&r, "fabric.manager-running")[0];
+    assert_eq!(m["severity"], "unknown");
+    let why = m["summary"].as_str().unwrap();
+    assert!(why.contains("cannot ask systemd") && why.contains("no system D-Bus"), "{why}");
+    assert_eq!(bad(&r), vec![]);
 }

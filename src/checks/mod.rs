@@ -268,6 +268,22 @@ pub(crate) mod testutil {
                 secure_boot: Fact::Value(SecureBoot::Disabled),
                 uptime_s: Some(3600.0),
             },
+            units: Fact::Value(vec![
+                UnitState {
+                    name: "nvidia-persistenced.service".into(),
+                    load_state: "loaded".into(),
+                    active_state: "active".into(),
+                    sub_state: "running".into(),
+                    unit_file_state: "enabled".into(),
+                },
+                UnitState {
+                    name: "nvidia-fabricmanager.service".into(),
+                    load_state: "loaded".into(),
+                    active_state: "active".into(),
+                    sub_state: "running".into(),
+                    unit_file_state: "enabled".into(),
+                },
+            ]),
             packages: Fact::Value(vec![Package {
                 name: "nvidia-fabricmanager-550".into(),
                 version: "550.90.07-1".into(),

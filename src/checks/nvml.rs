@@ -154,21 +154,41 @@ fn init(s: &Snapshot) -> Finding {
     f.evidence("library", &failure.library).evidence("kind", failure.kind)
 }
 
-fn persistence(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+fn persistence(s: &Snapshot, g: &NvmlGpu) -> Finding {
     const ID: &str = "driver.persistence";
-    match &g.persistence_mode {
-        Nv::Value(true) => Finding::pass(ID, "persistence mode on"),
-        Nv::Value(false) => Finding::warn(ID, "persistence mode off")
+    let unit = s.unit(PERSISTENCED);
+    let f = match (&g.persistence_mode, unit) {
+        (Nv::Value(true), Some(u)) if u.active_state != "active" => {
+            Finding::pass(ID, "persistence mode on").detail(format!("nvidia-persistenced is {}: the mode was set another way (`nvidia-smi -pm 1`), which does not survive a reboot.", u.active_state))
+        }
+        (Nv::Value(true), _) => Finding::pass(ID, "persistence mode on"),
+        (Nv::Value(false), u) => Finding::warn(ID, "persistence mode off")
             .detail("Without persistence the driver tears the GPU down whenever no client holds it: every CUDA start pays seconds of initialisation, and state such as ECC counters and clocks is reloaded.")
-            .remedy("`systemctl enable --now nvidia-persistenced` (the daemon NVIDIA recommends over `nvidia-smi -pm 1`)."),
-        other => missing(ID, "persistence mode", other),
-    }
+            .remedy(match u {
+                Some(u) if !u.exists() => "Install nvidia-persistenced (it ships with the driver's utilities) and `systemctl enable --now nvidia-persistenced`.",
+                Some(u) if u.active_state == "failed" => "nvidia-persistenced failed: read `journalctl -u nvidia-persistenced -b`, then `systemctl restart nvidia-persistenced`.",
+                _ => "`systemctl enable --now nvidia-persistenced` (the daemon NVIDIA recommends over `nvidia-smi -pm 1`).",
+            }),
+        (other, _) => return missing(ID, "persistence mode", other),
+    };
+    f.evidence("unit", unit)
 }
+
+const FABRIC_MANAGER: &str = "nvidia-fabricmanager.service";
+const PERSISTENCED: &str = "nvidia-persistenced.service";
 
 fn manager_running(s: &Snapshot) -> Finding {
     const ID: &str = "fabric.manager-running";
+    let unit = s.unit(FABRIC_MANAGER);
     if !has_nvswitches(s) {
-        return Finding::pass(ID, "no NVSwitch in this VM: the fabric manager is not needed here");
+        // Enabled without NVSwitches, it exits with NV_WARN_NOTHING_TO_DO and leaves a failed unit.
+        return match unit.filter(|u| u.exists() && (u.active_state == "failed" || u.unit_file_state == "enabled")) {
+            Some(u) => Finding::warn(ID, format!("nvidia-fabricmanager is {} in a VM without NVSwitches", if u.active_state == "failed" { "failed" } else { "enabled" }))
+                .detail("Without NVSwitches in the guest the fabric manager has nothing to manage and exits with NV_WARN_NOTHING_TO_DO, leaving a failed unit (and a degraded system) behind.")
+                .remedy("`systemctl disable --now nvidia-fabricmanager && systemctl reset-failed nvidia-fabricmanager`.")
+                .evidence("unit", u),
+            None => Finding::pass(ID, "no NVSwitch in this VM: the fabric manager is not needed here"),
+        };
     }
     let states: Vec<(String, &Nv<crate::snapshot::FabricInfo>)> =
         s.nvml().map(|n| n.devices.iter().map(|g| (gpu_label(g), &g.fabric)).collect()).unwrap_or_default();
@@ -181,17 +201,29 @@ fn manager_running(s: &Snapshot) -> Finding {
     // A GPU whose fabric state cannot be read (one that fell off the bus) says nothing about
     // the fabric manager; the others do.
     let readable = states.iter().filter(|(_, f)| f.value().is_some()).count();
-    let f = if !not_started.is_empty() {
-        Finding::fail(ID, "nvidia-fabricmanager is not running: the NVSwitch fabric was never set up")
-            .detail(format!("{} GPU(s) report fabric state not_started. Until the fabric manager trains NVLink through the NVSwitches, every CUDA program fails with error 802 (cudaErrorSystemNotReady, \"system not yet initialized\").", not_started.len()))
-            .remedy("Install nvidia-fabricmanager at exactly the driver's version (`nvidia-fabricmanager-<branch>`; `phq-agent install` does it) and `systemctl enable --now nvidia-fabricmanager`; check `journalctl -u nvidia-fabricmanager` for errors.")
-            .evidence("not_started", not_started)
-    } else if completed == readable && completed > 0 {
-        Finding::pass(ID, format!("fabric trained on {completed} GPU(s): the fabric manager did its job"))
-    } else {
-        Finding::unknown(ID, "the GPUs' fabric state does not say whether the fabric manager runs (fabric info not supported or still in progress)")
+    let error_802 = "Until the fabric manager trains NVLink through the NVSwitches, every CUDA program fails with error 802 (cudaErrorSystemNotReady, \"system not yet initialized\").";
+    let f = match unit {
+        Some(u) if !u.exists() => Finding::fail(ID, "nvidia-fabricmanager is not installed")
+            .detail(format!("This VM sees NVSwitches. {error_802}"))
+            .remedy("Install nvidia-fabricmanager at exactly the driver's version (`phq-agent install` does it), then `systemctl enable --now nvidia-fabricmanager`."),
+        Some(u) if u.active_state != "active" => Finding::fail(ID, format!("nvidia-fabricmanager is {} ({})", u.active_state, u.sub_state))
+            .detail(format!("{error_802} {} GPU(s) report fabric state not_started.", not_started.len()))
+            .remedy(if u.active_state == "failed" {
+                "Read why: `journalctl -u nvidia-fabricmanager -b` (a version different from the driver's is the usual cause; see fabric.manager-version), fix it, then `systemctl restart nvidia-fabricmanager`."
+            } else {
+                "`systemctl enable --now nvidia-fabricmanager`."
+            }),
+        _ if !not_started.is_empty() => Finding::fail(ID, "nvidia-fabricmanager is not running: the NVSwitch fabric was never set up")
+            .detail(format!("{} GPU(s) report fabric state not_started. {error_802}", not_started.len()))
+            .remedy("Install nvidia-fabricmanager at exactly the driver's version (`nvidia-fabricmanager-<branch>`; `phq-agent install` does it) and `systemctl enable --now nvidia-fabricmanager`; check `journalctl -u nvidia-fabricmanager` for errors."),
+        Some(_) => Finding::pass(ID, format!("nvidia-fabricmanager is active; fabric trained on {completed} GPU(s)")),
+        // Without systemd's word the unit's state is unknown, even when a trained fabric says
+        // the fabric manager did run at some point.
+        None if completed == readable && completed > 0 => Finding::unknown(ID, format!("cannot ask systemd about nvidia-fabricmanager: {}", s.units.error().unwrap_or("unit unknown")))
+            .detail(format!("The fabric is trained on {completed} GPU(s), so it ran at some point.")),
+        None => Finding::unknown(ID, format!("neither systemd ({}) nor the GPUs' fabric state tell whether the fabric manager runs", s.units.error().unwrap_or("unit unknown"))),
     };
-    f.evidence("nvswitches", s.nvswitches().len())
+    f.evidence("nvswitches", s.nvswitches().len()).evidence("not_started", not_started).evidence("unit", unit)
 }
 
 fn manager_version(s: &Snapshot) -> Finding {
@@ -597,6 +629,21 @@ mod tests {
                 cluster_uuid: String::new(),
             });
         }
+        // A fabric manager left enabled without NVSwitches fails at every boot: say so.
+        let f = findings(&s);
+        let m = find(&f, "fabric.manager-running")[0];
+        assert_eq!(m.severity, Severity::Warn);
+        assert!(m.remedy.as_ref().unwrap().contains("systemctl disable --now nvidia-fabricmanager"));
+        // Not installed (as it should be): everything fabric passes, saying why.
+        if let Fact::Value(units) = &mut s.units {
+            units[1] = UnitState {
+                name: "nvidia-fabricmanager.service".into(),
+                load_state: "not-found".into(),
+                active_state: "inactive".into(),
+                sub_state: "dead".into(),
+                unit_file_state: String::new(),
+            };
+        }
         let f = findings(&s);
         for id in ["fabric.manager-running", "fabric.manager-version", "fabric.state"] {
             assert!(
@@ -604,6 +651,34 @@ mod tests {
                 "{id}"
             );
         }
+    }
+
+    #[test]
+    fn failed_fabric_manager_unit_points_at_its_journal() {
+        let mut s = healthy();
+        if let Fact::Value(units) = &mut s.units {
+            units[1].active_state = "failed".into();
+            units[1].sub_state = "failed".into();
+        }
+        let f = findings(&s);
+        let m = find(&f, "fabric.manager-running")[0];
+        assert_eq!(m.severity, Severity::Fail);
+        assert_eq!(m.summary, "nvidia-fabricmanager is failed (failed)");
+        assert!(m.remedy.as_ref().unwrap().contains("journalctl -u nvidia-fabricmanager"));
+    }
+
+    #[test]
+    fn persistence_off_with_missing_daemon() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).persistence_mode = Nv::Value(false);
+        if let Fact::Value(units) = &mut s.units {
+            units[0].load_state = "not-found".into();
+            units[0].active_state = "inactive".into();
+        }
+        let f = findings(&s);
+        let p = find(&f, "driver.persistence")[0];
+        assert_eq!(p.severity, Severity::Warn);
+        assert!(p.remedy.as_ref().unwrap().starts_with("Install nvidia-persistenced"));
     }
 
     #[test]

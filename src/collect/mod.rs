@@ -10,6 +10,7 @@ pub mod kmsg;
 pub mod nvml;
 pub mod packages;
 pub mod pci;
+pub mod units;
 
 use crate::snapshot::{CudaToolkit, Fact, Snapshot, Timestamp};
 use crate::sysroot::Sysroot;
@@ -51,6 +52,14 @@ pub fn snapshot(root: &Sysroot, nvml_source: &NvmlSource) -> Snapshot {
         cuda_toolkits: read_cuda_toolkits(root),
         kernel_log: kmsg::read(root),
         packages: packages::read(root),
+        units: if units::should_read(root.is_live()) {
+            units::read()
+        } else {
+            Fact::Error(format!(
+                "systemd not asked: --sysroot {} stands for another machine (set DBUS_SYSTEM_BUS_ADDRESS to ask a bus)",
+                root.root().display()
+            ))
+        },
         nvml: match nvml_source {
             NvmlSource::Library(lib) => nvml::read(lib),
             NvmlSource::Skip(why) => crate::snapshot::NvmlStatus::NotRead(why.clone()),

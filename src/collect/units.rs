@@ -1,0 +1,56 @@
+//! systemd unit states over D-Bus (zbus): `nvidia-persistenced` and `nvidia-fabricmanager`.
+//!
+//! `LoadUnit` (not `GetUnit`) so that a unit systemd has not loaded, or that does not exist, is
+//! still answered: its `LoadState` then says `not-found`. The system bus is the one in
+//! `DBUS_SYSTEM_BUS_ADDRESS` when set (tests start their own `dbus-daemon`), else the standard
+//! socket.
+
+use crate::snapshot::{Fact, UnitState};
+use zbus::blocking::{Connection, Proxy};
+use zbus::zvariant::OwnedObjectPath;
+
+/// The units the checks look at.
+pub const UNITS: &[&str] = &["nvidia-persistenced.service", "nvidia-fabricmanager.service"];
+
+const SYSTEMD: &str = "org.freedesktop.systemd1";
+const MANAGER_PATH: &str = "/org/freedesktop/systemd1";
+const MANAGER: &str = "org.freedesktop.systemd1.Manager";
+const UNIT: &str = "org.freedesktop.systemd1.Unit";
+
+/// Whether to ask the bus: on the live machine, or when a bus was named explicitly (a test's
+/// private `dbus-daemon`, or a support engineer pointing at one).
+pub fn should_read(live: bool) -> bool {
+    live || std::env::var_os("DBUS_SYSTEM_BUS_ADDRESS").is_some()
+}
+
+pub fn read() -> Fact<Vec<UnitState>> {
+    let conn = match Connection::system() {
+        Ok(c) => c,
+        Err(e) => return Fact::Error(format!("no system D-Bus to ask systemd: {e}")),
+    };
+    let manager = match Proxy::new(&conn, SYSTEMD, MANAGER_PATH, MANAGER) {
+        Ok(p) => p,
+        Err(e) => return Fact::Error(format!("systemd manager proxy: {e}")),
+    };
+    let mut out = Vec::new();
+    for name in UNITS {
+        match unit_state(&conn, &manager, name) {
+            Ok(u) => out.push(u),
+            Err(e) => return Fact::Error(format!("asking systemd about {name}: {e}")),
+        }
+    }
+    Fact::Value(out)
+}
+
+fn unit_state(conn: &Connection, manager: &Proxy<'_>, name: &str) -> zbus::Result<UnitState> {
+    let path: OwnedObjectPath = manager.call("LoadUnit", &(name,))?;
+    let unit = Proxy::new(conn, SYSTEMD, path, UNIT)?;
+    let prop = |p: &str| -> zbus::Result<String> { unit.get_property::<String>(p) };
+    Ok(UnitState {
+        name: name.to_string(),
+        load_state: prop("LoadState")?,
+        active_state: prop("ActiveState")?,
+        sub_state: prop("SubState").unwrap_or_default(),
+        unit_file_state: prop("UnitFileState").unwrap_or_default(),
+    })
+}

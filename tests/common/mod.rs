@@ -1,0 +1,241 @@
+//! Test parts shared by the black-box tests: the fake NVML library, a private `dbus-daemon`
+//! carrying a small systemd stand-in, and running the real binary.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use zbus::zvariant::OwnedObjectPath;
+
+pub fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The fake library, built once per test binary (cargo does not build a workspace member's
+/// cdylib for another package's tests).
+pub fn fake_nvml() -> &'static Path {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        if let Ok(p) = std::env::var("PHQ_FAKE_NVML_LIB") {
+            return PathBuf::from(p);
+        }
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "--quiet", "-p", "fake-nvml"])
+            .current_dir(repo())
+            .status()
+            .expect("run cargo build -p fake-nvml");
+        assert!(status.success(), "cargo build -p fake-nvml failed");
+        let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
+        target.join("debug/libfake_nvml.so")
+    })
+}
+
+/// One systemd unit as the stand-in reports it: (name, LoadState, ActiveState, SubState, UnitFileState).
+pub type Unit = (&'static str, &'static str, &'static str, &'static str, &'static str);
+
+pub const HEALTHY_UNITS: &[Unit] = &[
+    ("nvidia-persistenced.service", "loaded", "active", "running", "enabled"),
+    ("nvidia-fabricmanager.service", "loaded", "active", "running", "enabled"),
+];
+
+/// A private `dbus-daemon` with `org.freedesktop.systemd1` answered by this process. Killed on drop.
+pub struct PrivateBus {
+    pub address: String,
+    daemon: Child,
+    _dir: tempfile::TempDir,
+    _service: zbus::blocking::Connection,
+}
+
+impl Drop for PrivateBus {
+    fn drop(&mut self) {
+        let _ = self.daemon.kill();
+        let _ = self.daemon.wait();
+    }
+}
+
+struct Manager {
+    known: Vec<String>,
+}
+
+#[zbus::interface(name = "org.freedesktop.systemd1.Manager")]
+impl Manager {
+    /// Like systemd: any name gets an object; one it does not know has LoadState not-found.
+    fn load_unit(&self, name: &str) -> zbus::fdo::Result<OwnedObjectPath> {
+        let name = if self.known.iter().any(|k| k == name) { name } else { "unknown.service" };
+        OwnedObjectPath::try_from(unit_path(name)).map_err(|e| zbus::fdo::Error::Failed(e.to_string()))
+    }
+}
+
+struct UnitObject {
+    load: String,
+    active: String,
+    sub: String,
+    file: String,
+}
+
+#[zbus::interface(name = "org.freedesktop.systemd1.Unit")]
+impl UnitObject {
+    #[zbus(property)]
+    fn load_state(&self) -> String {
+        self.load.clone()
+    }
+    #[zbus(property)]
+    fn active_state(&self) -> String {
+        self.active.clone()
+    }
+    #[zbus(property)]
+    fn sub_state(&self) -> String {
+        self.sub.clone()
+    }
+    #[zbus(property)]
+    fn unit_file_state(&self) -> String {
+        self.file.clone()
+    }
+}
+
+/// systemd's object path escaping: every byte outside [A-Za-z0-9] becomes `_xx`.
+fn unit_path(name: &str) -> String {
+    let escaped: String = name
+        .bytes()
+        .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("_{b:02x}") })
+        .collect();
+    format!("/org/freedesktop/systemd1/unit/{escaped}")
+}
+
+impl PrivateBus {
+    pub fn start(units: &[Unit]) -> PrivateBus {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("bus");
+        let config = dir.path().join("bus.conf");
+        std::fs::write(
+            &config,
+            format!(
+                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN" "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>custom</type>
+  <listen>unix:path={}</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow send_destination="*"/>
+    <allow receive_sender="*"/>
+    <allow own="*"/>
+  </policy>
+</busconfig>
+"#,
+                socket.display()
+            ),
+        )
+        .unwrap();
+        let mut daemon = Command::new("dbus-daemon")
+            .arg(format!("--config-file={}", config.display()))
+            .args(["--nofork", "--print-address=1"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("dbus-daemon is needed for these tests (apt-get install dbus-daemon)");
+        let mut line = String::new();
+        BufReader::new(daemon.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let address = line.trim().to_string();
+        assert!(address.starts_with("unix:"), "dbus-daemon printed {address:?}");
+        let mut builder = zbus::blocking::connection::Builder::address(address.as_str())
+            .unwrap()
+            .name("org.freedesktop.systemd1")
+            .unwrap()
+            .serve_at("/org/freedesktop/systemd1", Manager { known: units.iter().map(|u| u.0.to_string()).collect() })
+            .unwrap()
+            .serve_at(
+                unit_path("unknown.service"),
+                UnitObject {
+                    load: "not-found".into(),
+                    active: "inactive".into(),
+                    sub: "dead".into(),
+                    file: String::new(),
+                },
+            )
+            .unwrap();
+        for (name, load, active, sub, file) in units {
+            builder = builder
+                .serve_at(
+                    unit_path(name),
+                    UnitObject {
+                        load: load.to_string(),
+                        active: active.to_string(),
+                        sub: sub.to_string(),
+                        file: file.to_string(),
+                    },
+                )
+                .unwrap();
+        }
+        let service = builder.build().expect("serve the systemd stand-in on the private bus");
+        PrivateBus { address, daemon, _dir: dir, _service: service }
+    }
+}
+
+/// `phq-agent doctor --json` over a fixture sysroot, the fake NVML with `scenario`, and `bus`.
+pub fn doctor(
+    sysroot: &str,
+    scenario: &str,
+    nvml_lib: Option<&Path>,
+    bus: Option<&str>,
+    extra: &[&str],
+) -> (i32, Value, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_phq-agent"));
+    cmd.args(["doctor", "--json", "--sysroot"])
+        .arg(repo().join("tests/fixtures/sysroots").join(sysroot))
+        .arg("--config")
+        .arg(repo().join("tests/fixtures/config/empty/config.toml"))
+        .arg("--nvml-lib")
+        .arg(nvml_lib.unwrap_or_else(|| fake_nvml()))
+        .args(extra)
+        .env("PHQ_FAKE_NVML_SCENARIO", repo().join("examples/scenarios").join(format!("{scenario}.json")))
+        .env_remove("NO_COLOR");
+    match bus {
+        Some(b) => cmd.env("DBUS_SYSTEM_BUS_ADDRESS", b),
+        None => cmd.env_remove("DBUS_SYSTEM_BUS_ADDRESS"),
+    };
+    let out: Output = cmd.output().expect("run phq-agent");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "{scenario}: {stderr}");
+    let report: Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{scenario}: not JSON ({e}): {stderr}"));
+    validate(&report);
+    (out.status.code().unwrap_or(-1), report, stderr)
+}
+
+pub fn validate(report: &Value) {
+    let schema: Value = serde_json::from_str(include_str!("../../schema/phq.status.v1.json")).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let errors: Vec<String> =
+        validator.iter_errors(report).map(|e| format!("{} at {}", e, e.instance_path())).collect();
+    assert!(errors.is_empty(), "report does not match schema/phq.status.v1.json: {errors:#?}");
+}
+
+pub fn findings<'a>(r: &'a Value, id: &str) -> Vec<&'a Value> {
+    r["findings"].as_array().unwrap().iter().filter(|f| f["id"] == id).collect()
+}
+
+/// (id, gpu, severity) of every warning and failure, sorted.
+pub fn bad(r: &Value) -> Vec<(String, String, String)> {
+    let mut v: Vec<_> = r["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["severity"] == "fail" || f["severity"] == "warn")
+        .map(|f| {
+            (
+                f["id"].as_str().unwrap().to_string(),
+                f["gpu"].as_str().unwrap_or("").to_string(),
+                f["severity"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+pub fn row(id: &str, gpu: &str, sev: &str) -> (String, String, String) {
+    (id.into(), gpu.into(), sev.into())
+}
