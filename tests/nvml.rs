@@ -255,3 +255,22 @@ fn without_a_system_bus_unit_checks_are_unknown_with_the_reason() {
     assert!(why.contains("cannot ask systemd") && why.contains("no system D-Bus"), "{why}");
     assert_eq!(bad(&r), vec![]);
 }
+
+#[test]
+fn a_bus_that_never_answers_does_not_hang_doctor() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("silent-bus");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    // Accept and hold connections without a word, like a wedged dbus-daemon.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in listener.incoming() {
+            held.push(c);
+        }
+    });
+    let address = format!("unix:path={}", socket.display());
+    let (_, r, _) = doctor("hgx-8gpu-healthy", "hgx-8gpu-healthy", None, Some(&address), &[]);
+    let m = findings(&r, "fabric.manager-running")[0];
+    assert_eq!(m["severity"], "unknown");
+    assert!(m["summary"].as_str().unwrap().contains("did not answer"), "{m}");
+}

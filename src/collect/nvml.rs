@@ -413,6 +413,89 @@ fn format_uuid(b: &[u8; 16]) -> String {
     )
 }
 
+/// Watches NVML's event set for Xid errors in a thread of its own, blocking in
+/// `nvmlEventSetWait` so an Xid is seen the moment the driver reports it (the service's path;
+/// `doctor` drains what is pending instead). The thread owns its own NVML handle, since an
+/// event set borrows the handle it came from. Dropping the watcher stops the thread within
+/// one wait period.
+pub struct XidWatcher {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// How long one blocking wait lasts before the thread looks at its stop flag.
+const WATCH_WAIT_MS: u32 = 250;
+
+impl XidWatcher {
+    /// Starts watching every GPU `library` lists; events arrive on the returned channel.
+    pub fn start(library: &str) -> Result<(XidWatcher, std::sync::mpsc::Receiver<NvmlXid>), NvmlFailure> {
+        let nvml =
+            Nvml::builder().lib_path(OsStr::new(library)).init().map_err(|e| classify_init_error(library, &e))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop_flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("nvml-xid".into())
+            .spawn(move || watch(&nvml, &stop_flag, &tx))
+            .map_err(|e| NvmlFailure {
+            kind: NvmlFailureKind::Other,
+            library: library.into(),
+            message: format!("cannot start the Xid thread: {e}"),
+        })?;
+        Ok((XidWatcher { stop, thread: Some(thread) }, rx))
+    }
+}
+
+impl Drop for XidWatcher {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn watch(nvml: &Nvml, stop: &std::sync::atomic::AtomicBool, tx: &std::sync::mpsc::Sender<NvmlXid>) {
+    let count = nvml.device_count().unwrap_or(0);
+    let Ok(mut set) = nvml.create_event_set() else { return };
+    for i in 0..count {
+        let Ok(d) = nvml.device_by_index(i) else { continue };
+        match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+            Ok(s) => set = s,
+            Err(e) => {
+                tracing::warn!(gpu = i, error = %e.error, "cannot watch this GPU for Xid events");
+                match nvml.create_event_set() {
+                    Ok(s) => set = s,
+                    Err(_) => return,
+                }
+            }
+        }
+    }
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        match set.wait(WATCH_WAIT_MS) {
+            Ok(ev) => {
+                let gpu = ev
+                    .device
+                    .pci_info()
+                    .ok()
+                    .and_then(|p| normalize_bus_id(&p.bus_id))
+                    .unwrap_or_else(|| format!("nvml:{}", ev.device.index().unwrap_or(u32::MAX)));
+                if let Some(nvml_wrapper::enums::event::XidError::Value(xid)) = ev.event_data {
+                    tracing::warn!(gpu = %gpu, xid, "Xid reported by NVML");
+                    if tx.send(NvmlXid { gpu, xid }).is_err() {
+                        return; // nobody listens any more
+                    }
+                }
+            }
+            Err(NvmlError::Timeout) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "NVML event wait failed; Xid watching stops");
+                return;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

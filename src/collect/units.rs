@@ -6,6 +6,7 @@
 //! socket.
 
 use crate::snapshot::{Fact, UnitState};
+use std::time::Duration;
 use zbus::blocking::{Connection, Proxy};
 use zbus::zvariant::OwnedObjectPath;
 
@@ -23,8 +24,28 @@ pub fn should_read(live: bool) -> bool {
     live || std::env::var_os("DBUS_SYSTEM_BUS_ADDRESS").is_some()
 }
 
+/// A bus that accepts but never answers must not hang the agent: the whole exchange gets this
+/// long, then the units are reported as unreadable.
+pub const TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Asks systemd, giving up after `TIMEOUT`. The exchange runs in a thread of its own because the
+/// D-Bus handshake itself has no timeout; a thread left waiting on a dead bus ends with the
+/// process.
 pub fn read() -> Fact<Vec<UnitState>> {
-    let conn = match Connection::system() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new().name("systemd-units".into()).spawn(move || {
+        let _ = tx.send(read_blocking());
+    });
+    if let Err(e) = spawned {
+        return Fact::Error(format!("cannot start the D-Bus thread: {e}"));
+    }
+    rx.recv_timeout(TIMEOUT).unwrap_or_else(|_| {
+        Fact::Error(format!("systemd did not answer on the system bus within {} s", TIMEOUT.as_secs()))
+    })
+}
+
+fn read_blocking() -> Fact<Vec<UnitState>> {
+    let conn = match zbus::blocking::connection::Builder::system().and_then(|b| b.method_timeout(TIMEOUT).build()) {
         Ok(c) => c,
         Err(e) => return Fact::Error(format!("no system D-Bus to ask systemd: {e}")),
     };

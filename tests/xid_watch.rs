@@ -1,0 +1,33 @@
+//! The blocking Xid watcher against the fake NVML: an Xid scheduled 300 ms after init arrives on
+//! the channel, from its own thread, and dropping the watcher stops that thread. (Its own test
+//! binary, since the scenario is named through the process environment.)
+
+mod common;
+
+use phq_agent::collect::nvml::XidWatcher;
+use std::time::Duration;
+
+#[test]
+fn xid_arrives_while_watching_and_the_watcher_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let scenario = dir.path().join("s.json");
+    std::fs::write(
+        &scenario,
+        r#"{"driver_version": "550.90.07", "devices": [
+            {"pci": {"bus_id": "00000000:09:00.0", "pci_device_id": "0x233010DE"}},
+            {"pci": {"bus_id": "00000000:0C:00.0", "pci_device_id": "0x233010DE"}, "xid_events": [{"xid": 79, "after_ms": 300}, {"xid": 79, "after_ms": 350}]}
+        ]}"#,
+    )
+    .unwrap();
+    // SAFETY (of intent): this test binary has one test, so no other thread reads the environment.
+    std::env::set_var("PHQ_FAKE_NVML_SCENARIO", &scenario);
+    let lib = common::fake_nvml().to_str().unwrap().to_string();
+    let (watcher, rx) = XidWatcher::start(&lib).expect("watch the fake NVML");
+    let first = rx.recv_timeout(Duration::from_secs(5)).expect("an Xid within 5 s");
+    assert_eq!((first.gpu.as_str(), first.xid), ("0000:0c:00.0", 79));
+    let second = rx.recv_timeout(Duration::from_secs(5)).expect("the repeat is not lost");
+    assert_eq!(second.xid, 79);
+    drop(watcher);
+    // The thread is gone: its sender was dropped with it.
+    assert!(rx.recv_timeout(Duration::from_secs(2)).is_err());
+}
