@@ -791,4 +791,108 @@ mod tests {
         gpu_mut(&mut s, 0).pcie.replay_counter = Nv::Value(60 * 40);
         assert_eq!(find(&findings(&s), "gpu.pcie-replay")[0].severity, Severity::Warn);
     }
+
+    fn one(s: &Snapshot, id: &str) -> Finding {
+        findings(s).into_iter().find(|f| f.id == id && f.gpu.as_deref() == Some("0000:09:00.0")).unwrap()
+    }
+
+    #[test]
+    fn ecc_mode_off_or_pending() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).ecc_mode = Nv::Value(CurrentPending { current: false, pending: false });
+        assert_eq!(one(&s, "gpu.ecc-mode").summary, "ECC is off");
+        gpu_mut(&mut s, 0).ecc_mode = Nv::Value(CurrentPending { current: true, pending: false });
+        let f = one(&s, "gpu.ecc-mode");
+        assert_eq!(f.severity, Severity::Warn);
+        assert_eq!(f.summary, "ECC on now, off after the next GPU reset");
+    }
+
+    #[test]
+    fn ecc_lifetime_and_corrected_counts_warn() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).ecc_aggregate = Nv::Value(EccCounts { corrected: 5, uncorrected: 3 });
+        assert_eq!(one(&s, "gpu.ecc-uncorrectable").severity, Severity::Warn);
+        gpu_mut(&mut s, 0).ecc_volatile =
+            Nv::Value(EccCounts { corrected: facts::MAX_CORRECTED_ECC + 1, uncorrected: 0 });
+        assert!(one(&s, "gpu.ecc-uncorrectable").summary.contains("corrected ECC errors"));
+    }
+
+    #[test]
+    fn row_remap_failure_and_limit_fail() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).remapped_rows =
+            Nv::Value(RemappedRows { correctable: 0, uncorrectable: 3, pending: false, failure: true });
+        assert_eq!(one(&s, "gpu.row-remap").severity, Severity::Fail);
+        gpu_mut(&mut s, 0).remapped_rows =
+            Nv::Value(RemappedRows { correctable: 0, uncorrectable: 513, pending: false, failure: false });
+        assert!(one(&s, "gpu.row-remap").summary.contains("limit 512"));
+    }
+
+    #[test]
+    fn temperature_bands() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).temperature_c = Nv::Value(83);
+        assert_eq!(one(&s, "gpu.temperature").severity, Severity::Warn);
+        gpu_mut(&mut s, 0).temperature_c = Nv::Value(87);
+        assert_eq!(one(&s, "gpu.temperature").severity, Severity::Fail);
+        gpu_mut(&mut s, 0).slowdown_temperature_c = Nv::NotSupported;
+        assert_eq!(one(&s, "gpu.temperature").severity, Severity::Pass);
+    }
+
+    #[test]
+    fn sw_thermal_warns_power_cap_passes() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).throttle_reasons = Nv::Value(vec!["sw_power_cap".into()]);
+        assert_eq!(one(&s, "gpu.throttle").severity, Severity::Pass);
+        gpu_mut(&mut s, 0).throttle_reasons = Nv::Value(vec!["sw_thermal_slowdown".into()]);
+        assert_eq!(one(&s, "gpu.throttle").severity, Severity::Warn);
+    }
+
+    #[test]
+    fn capped_power_limit_warns() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).power_limit_mw = Nv::Value(500_000);
+        let f = one(&s, "gpu.power-limit");
+        assert_eq!(f.severity, Severity::Warn);
+        assert_eq!(f.summary, "power capped at 500 W of the default 700 W");
+    }
+
+    #[test]
+    fn idle_gen_drop_passes_busy_gen_drop_warns() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).pcie.gen_current = Nv::Value(1);
+        assert_eq!(one(&s, "gpu.pcie-link").severity, Severity::Pass);
+        gpu_mut(&mut s, 0).utilization = Nv::Value(Utilization { gpu: 90, memory: 10 });
+        assert_eq!(one(&s, "gpu.pcie-link").severity, Severity::Warn);
+    }
+
+    #[test]
+    fn mig_pending_and_inforom() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).mig_mode = Nv::Value(CurrentPending { current: false, pending: true });
+        assert_eq!(one(&s, "gpu.mig-pending").severity, Severity::Warn);
+        gpu_mut(&mut s, 0).inforom_valid = Nv::Value(false);
+        assert_eq!(one(&s, "gpu.inforom").severity, Severity::Warn);
+    }
+
+    #[test]
+    fn nvlink_error_counters_warn_per_link() {
+        let mut s = healthy();
+        if let Nv::Value(l) = &mut gpu_mut(&mut s, 0).nvlinks {
+            l[3].crc_flit_errors = Nv::Value(12);
+        }
+        let f = one(&s, "nvlink.errors");
+        assert_eq!(f.severity, Severity::Warn);
+        assert_eq!(f.detail, "link 3: crc_flit 12");
+    }
+
+    #[test]
+    fn nvml_missing_a_gpu_the_driver_holds_fails() {
+        let mut s = healthy();
+        if let NvmlStatus::Ok(n) = &mut s.nvml {
+            n.devices.pop();
+        }
+        let f = findings(&s);
+        assert_eq!(find(&f, "nvml.init")[0].summary, "NVML sees 7 of the 8 GPUs bound to nvidia");
+    }
 }
