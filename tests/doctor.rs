@@ -2,6 +2,9 @@
 //! Each test asserts what a GPU engineer would check in the output: which check, which GPU,
 //! which severity, what remedy, and the exit code.
 
+mod common;
+
+use common::{bad, findings, validate};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -36,39 +39,10 @@ fn doctor(sysroot: &str, cfg: &str) -> (i32, Value) {
     (out.status.code().unwrap(), report)
 }
 
-fn validate(report: &Value) {
-    let schema: Value = serde_json::from_str(include_str!("../schema/phq.status.v1.json")).unwrap();
-    let validator = jsonschema::validator_for(&schema).expect("schema compiles");
-    let errors: Vec<String> =
-        validator.iter_errors(report).map(|e| format!("{} at {}", e, e.instance_path())).collect();
-    assert!(errors.is_empty(), "report does not match schema/phq.status.v1.json: {errors:#?}");
-}
-
-/// Findings with this id, as (gpu, severity) pairs.
-fn findings<'a>(r: &'a Value, id: &str) -> Vec<&'a Value> {
-    r["findings"].as_array().unwrap().iter().filter(|f| f["id"] == id).collect()
-}
-
 fn severity_of(r: &Value, id: &str, gpu: Option<&str>) -> String {
     let f = findings(r, id);
     let f = f.iter().find(|f| gpu.is_none_or(|g| f["gpu"] == g)).unwrap_or_else(|| panic!("no {id} for {gpu:?}"));
     f["severity"].as_str().unwrap().to_string()
-}
-
-fn bad(r: &Value) -> Vec<(String, String, String)> {
-    r["findings"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|f| f["severity"] == "fail" || f["severity"] == "warn")
-        .map(|f| {
-            (
-                f["id"].as_str().unwrap().into(),
-                f["gpu"].as_str().unwrap_or("").into(),
-                f["severity"].as_str().unwrap().into(),
-            )
-        })
-        .collect()
 }
 
 #[test]

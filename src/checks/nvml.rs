@@ -8,27 +8,6 @@ use super::Finding;
 use crate::facts::{self, ThrottleClass};
 use crate::snapshot::{FabricState, Nv, NvmlFailureKind, NvmlGpu, NvmlStatus, Snapshot};
 
-/// The ids judged from NVML, in catalogue order.
-pub const IDS: &[&str] = &[
-    "driver.persistence",
-    "nvml.init",
-    "fabric.manager-running",
-    "fabric.manager-version",
-    "fabric.state",
-    "nvlink.links-active",
-    "nvlink.errors",
-    "gpu.ecc-mode",
-    "gpu.ecc-uncorrectable",
-    "gpu.row-remap",
-    "gpu.throttle",
-    "gpu.temperature",
-    "gpu.power-limit",
-    "gpu.pcie-link",
-    "gpu.pcie-replay",
-    "gpu.mig-pending",
-    "gpu.inforom",
-];
-
 type PerGpu = fn(&Snapshot, &NvmlGpu) -> Finding;
 
 const PER_GPU: &[(&str, PerGpu)] = &[
@@ -57,7 +36,9 @@ pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
             NvmlStatus::Failed(f) => format!("NVML failed to initialise: {}", f.message),
             NvmlStatus::Ok(_) => String::new(),
         };
-        for id in IDS.iter().filter(|id| **id != "nvml.init") {
+        let ids =
+            ["fabric.manager-running", "fabric.manager-version"].into_iter().chain(PER_GPU.iter().map(|(id, _)| *id));
+        for id in ids {
             out.push(if no_gpu {
                 Finding::pass(id, "no NVIDIA GPU: nothing to check")
             } else {

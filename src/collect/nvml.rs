@@ -14,7 +14,8 @@ use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, Temper
 use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
-use nvml_wrapper::{Device, Nvml};
+use nvml_wrapper::struct_wrappers::event::EventData;
+use nvml_wrapper::{Device, EventSet, Nvml};
 use nvml_wrapper_sys::bindings::{nvmlGpuFabricInfo_t, nvmlReturn_t, NvmlLib};
 use std::ffi::OsStr;
 
@@ -55,7 +56,7 @@ pub fn read(library: &str) -> NvmlStatus {
             Err(e) => (None, unreadable_device(i, &e)),
         })
         .collect();
-    let (xid_events, events_error) = drain_xid_events(&nvml, &devices);
+    let (xid_events, events_error) = drain_xid_events(&nvml);
     NvmlStatus::Ok(NvmlInfo {
         library: library.into(),
         driver_version: nv(nvml.sys_driver_version()),
@@ -279,51 +280,54 @@ fn fabric_info(sys: &NvmlLib, d: &Device) -> Nv<FabricInfo> {
     }))
 }
 
-/// Drains the Xid events NVML has for these devices now (`wait(0)`), without blocking.
-fn drain_xid_events(nvml: &Nvml, devices: &[(Option<Device>, NvmlGpu)]) -> (Vec<NvmlXid>, Option<String>) {
-    let mut set = match nvml.create_event_set() {
-        Ok(s) => s,
-        Err(e) => return (Vec::new(), Some(format!("nvmlEventSetCreate: {e}"))),
-    };
+/// An event set with every GPU that accepts Xid events registered on it, how many did, and
+/// the last registration error.
+fn xid_event_set(nvml: &Nvml) -> Result<(EventSet<'_>, usize, Option<String>), String> {
+    let mut set = nvml.create_event_set().map_err(|e| format!("nvmlEventSetCreate: {e}"))?;
     let mut registered = 0;
     let mut last_error = None;
-    for (d, _) in devices {
-        let Some(d) = d else { continue };
+    for i in 0..nvml.device_count().unwrap_or(0) {
+        let Ok(d) = nvml.device_by_index(i) else { continue };
         match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
             Ok(s) => {
                 set = s;
                 registered += 1;
             }
             Err(e) => {
-                last_error = Some(format!("nvmlDeviceRegisterEvents: {}", e.error));
+                last_error = Some(format!("nvmlDeviceRegisterEvents (GPU {i}): {}", e.error));
                 // A failed registration frees the set (nvml-wrapper does so); start a new one.
-                match nvml.create_event_set() {
-                    Ok(s) => set = s,
-                    Err(e) => return (Vec::new(), Some(format!("nvmlEventSetCreate: {e}"))),
-                }
+                set = nvml.create_event_set().map_err(|e| format!("nvmlEventSetCreate: {e}"))?;
             }
         }
     }
+    Ok((set, registered, last_error))
+}
+
+/// The Xid in an NVML event, with the GPU named by its PCI address.
+fn xid_of(ev: &EventData<'_>) -> Option<NvmlXid> {
+    let Some(nvml_wrapper::enums::event::XidError::Value(xid)) = ev.event_data.as_ref().cloned() else { return None };
+    let gpu = ev
+        .device
+        .pci_info()
+        .ok()
+        .and_then(|p| normalize_bus_id(&p.bus_id))
+        .unwrap_or_else(|| format!("nvml:{}", ev.device.index().unwrap_or(u32::MAX)));
+    Some(NvmlXid { gpu, xid })
+}
+
+/// Drains the Xid events NVML has now (`wait(0)`), without blocking.
+fn drain_xid_events(nvml: &Nvml) -> (Vec<NvmlXid>, Option<String>) {
+    let (set, registered, mut last_error) = match xid_event_set(nvml) {
+        Ok(v) => v,
+        Err(e) => return (Vec::new(), Some(e)),
+    };
     if registered == 0 {
-        return (
-            Vec::new(),
-            last_error.or_else(|| (!devices.is_empty()).then(|| "no device accepted Xid events".into())),
-        );
+        return (Vec::new(), last_error.or_else(|| Some("no GPU accepted Xid events".into())));
     }
     let mut events = Vec::new();
     while events.len() < MAX_EVENTS_PER_SNAPSHOT {
         match set.wait(0) {
-            Ok(ev) => {
-                let gpu = ev
-                    .device
-                    .pci_info()
-                    .ok()
-                    .and_then(|p| normalize_bus_id(&p.bus_id))
-                    .unwrap_or_else(|| format!("nvml:{}", ev.device.index().unwrap_or(u32::MAX)));
-                if let Some(nvml_wrapper::enums::event::XidError::Value(xid)) = ev.event_data {
-                    events.push(NvmlXid { gpu, xid });
-                }
-            }
+            Ok(ev) => events.extend(xid_of(&ev)),
             Err(NvmlError::Timeout) => break,
             Err(e) => {
                 last_error = Some(format!("nvmlEventSetWait: {e}"));
@@ -456,35 +460,24 @@ impl Drop for XidWatcher {
 }
 
 fn watch(nvml: &Nvml, stop: &std::sync::atomic::AtomicBool, tx: &std::sync::mpsc::Sender<NvmlXid>) {
-    let count = nvml.device_count().unwrap_or(0);
-    let Ok(mut set) = nvml.create_event_set() else { return };
-    for i in 0..count {
-        let Ok(d) = nvml.device_by_index(i) else { continue };
-        match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
-            Ok(s) => set = s,
-            Err(e) => {
-                tracing::warn!(gpu = i, error = %e.error, "cannot watch this GPU for Xid events");
-                match nvml.create_event_set() {
-                    Ok(s) => set = s,
-                    Err(_) => return,
-                }
-            }
+    let set = match xid_event_set(nvml) {
+        Ok((set, _, None)) => set,
+        Ok((set, _, Some(e))) => {
+            tracing::warn!(error = %e, "some GPUs cannot be watched for Xid events");
+            set
         }
-    }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch for Xid events");
+            return;
+        }
+    };
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         match set.wait(WATCH_WAIT_MS) {
             Ok(ev) => {
-                let gpu = ev
-                    .device
-                    .pci_info()
-                    .ok()
-                    .and_then(|p| normalize_bus_id(&p.bus_id))
-                    .unwrap_or_else(|| format!("nvml:{}", ev.device.index().unwrap_or(u32::MAX)));
-                if let Some(nvml_wrapper::enums::event::XidError::Value(xid)) = ev.event_data {
-                    tracing::warn!(gpu = %gpu, xid, "Xid reported by NVML");
-                    if tx.send(NvmlXid { gpu, xid }).is_err() {
-                        return; // nobody listens any more
-                    }
+                let Some(x) = xid_of(&ev) else { continue };
+                tracing::warn!(gpu = %x.gpu, xid = x.xid, "Xid reported by NVML");
+                if tx.send(x).is_err() {
+                    return; // nobody listens any more
                 }
             }
             Err(NvmlError::Timeout) => {}
