@@ -88,6 +88,34 @@ pub struct Snapshot {
     pub packages: Fact<Vec<Package>>,
     /// systemd units of the driver's daemons, asked over D-Bus.
     pub units: Fact<Vec<UnitState>>,
+    /// The CUDA driver API: library, version, cuInit.
+    pub cuda: CudaStatus,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CudaStatus {
+    /// Not asked (a `--sysroot` stands for another machine).
+    NotRead(String),
+    Failed {
+        stage: CudaStage,
+        /// The CUresult, when CUDA gave one.
+        code: Option<i32>,
+        message: String,
+    },
+    Ok {
+        /// `cuDriverGetVersion`: 12040 for CUDA 12.4.
+        driver_api_version: i32,
+        devices: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CudaStage {
+    Library,
+    DriverVersion,
+    Init,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -4,12 +4,12 @@
 //! each, so nothing is ever silently skipped: a check this build cannot perform says so as
 //! `unknown` with the reason, and one that does not apply passes with a detail saying why.
 
+pub mod cuda;
 pub mod driver;
 pub mod gpu;
 pub mod host;
 pub mod nvml;
 pub mod pci;
-pub mod pending;
 
 use crate::snapshot::Snapshot;
 use serde::{Deserialize, Serialize};
@@ -178,7 +178,7 @@ pub fn run(s: &Snapshot, settings: &Settings) -> Vec<Finding> {
     driver::run(s, settings, &mut out);
     gpu::run(s, &mut out);
     nvml::run(s, &mut out);
-    pending::run(s, &mut out);
+    cuda::run(s, &mut out);
     let order = |id: &str| CATALOG.iter().position(|c| *c == id).unwrap_or(usize::MAX);
     out.sort_by_key(|f| order(&f.id)); // stable: per-GPU findings keep PCI order
     out
@@ -284,6 +284,7 @@ pub(crate) mod testutil {
                     unit_file_state: "enabled".into(),
                 },
             ]),
+            cuda: CudaStatus::Ok { driver_api_version: 12040, devices: 8 },
             packages: Fact::Value(vec![Package {
                 name: "nvidia-fabricmanager-550".into(),
                 version: "550.90.07-1".into(),

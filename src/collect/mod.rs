@@ -4,6 +4,7 @@
 //! Each reader returns text or a `Fact::Error` naming the file; each parser is a pure function
 //! of text with unit tests over real captured output.
 
+pub mod cuda;
 pub mod driver;
 pub mod host;
 pub mod kmsg;
@@ -57,6 +58,15 @@ pub fn snapshot(root: &Sysroot, nvml_source: &NvmlSource) -> Snapshot {
         } else {
             Fact::Error(format!(
                 "systemd not asked: --sysroot {} stands for another machine (set DBUS_SYSTEM_BUS_ADDRESS to ask a bus)",
+                root.root().display()
+            ))
+        },
+        // cuInit is asked on the live machine only: a fixture has no GPU to initialise.
+        cuda: if root.is_live() {
+            cuda::read()
+        } else {
+            crate::snapshot::CudaStatus::NotRead(format!(
+                "CUDA not asked: --sysroot {} stands for another machine",
                 root.root().display()
             ))
         },
