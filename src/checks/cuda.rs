@@ -30,7 +30,11 @@ pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
                     .detail(message.clone())
                     .remedy("Install the driver's compute libraries (`libnvidia-compute-<branch>` / `nvidia-driver-cuda`); `phq-agent install` does it.")
             });
-            out.push(Finding::unknown("cuda.init", "cuInit not tried: libcuda is not installed"));
+            out.push(if no_gpu {
+                Finding::pass("cuda.init", "no NVIDIA GPU: nothing to initialise")
+            } else {
+                Finding::unknown("cuda.init", "cuInit not tried: libcuda is not installed")
+            });
         }
         CudaStatus::Failed { stage: CudaStage::DriverVersion, message, .. } => {
             out.push(
