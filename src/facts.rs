@@ -347,6 +347,48 @@ pub enum ThrottleClass {
     Fail,
 }
 
+/// What a probe must reach on a GPU of a SKU (GB/s). `None`: no sourced floor, the figure is
+/// reported without judgement.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProbeFloors {
+    pub h2d_gbps: Option<f64>,
+    pub d2h_gbps: Option<f64>,
+    /// Device-local copy, counting bytes read plus bytes written (as the H200 reference figure).
+    pub d2d_gbps: Option<f64>,
+    /// One GPU↔GPU peer copy over NVLink through NVSwitches.
+    pub p2p_gbps: Option<f64>,
+}
+
+/// Host↔device pinned copies on a PCIe Gen5 x16 H100 VM: floor 48 GB/s (azurehpc-health-checks
+/// `nd96isr_h100_v5.conf`; ~52–57 typical per NVIDIA/nvbandwidth#6).
+const PCIE_GEN5_FLOOR_GBPS: f64 = 48.0;
+
+/// DCGM's HBM floor for H100 SXM is 1.905 TB/s against a 3.35 TB/s datasheet figure: 0.57 of
+/// the datasheet. The other SKUs' device-copy floors apply the same ratio to their datasheet
+/// bandwidth (hopper-facts.md SKU table), since DCGM publishes only H100 SXM's.
+const HBM_FLOOR_RATIO: f64 = 1.905 / 3.35;
+
+/// GPU↔GPU read over NVSwitch on HGX H100: floor 335 GB/s (azurehpc-health-checks). H200 has the
+/// same NVLink 4 fabric, so the same floor.
+const NVSWITCH_P2P_FLOOR_GBPS: f64 = 335.0;
+
+pub fn probe_floors(device_id: u16) -> ProbeFloors {
+    let hbm = |tbps: f64| Some(tbps * 1000.0 * HBM_FLOOR_RATIO);
+    let pcie = Some(PCIE_GEN5_FLOOR_GBPS);
+    match device_id {
+        0x2330 | 0x2339 | 0x2337 | 0x2338 | 0x2324 => {
+            ProbeFloors { h2d_gbps: pcie, d2h_gbps: pcie, d2d_gbps: hbm(3.35), p2p_gbps: Some(NVSWITCH_P2P_FLOOR_GBPS) }
+        }
+        0x2335 => {
+            ProbeFloors { h2d_gbps: pcie, d2h_gbps: pcie, d2d_gbps: hbm(4.8), p2p_gbps: Some(NVSWITCH_P2P_FLOOR_GBPS) }
+        }
+        0x2331 | 0x2322 => ProbeFloors { h2d_gbps: pcie, d2h_gbps: pcie, d2d_gbps: hbm(2.0), p2p_gbps: None },
+        0x2321 => ProbeFloors { h2d_gbps: pcie, d2h_gbps: pcie, d2d_gbps: hbm(3.9), p2p_gbps: None },
+        0x233b => ProbeFloors { h2d_gbps: pcie, d2h_gbps: pcie, d2d_gbps: hbm(4.8), p2p_gbps: None },
+        _ => ProbeFloors { h2d_gbps: None, d2h_gbps: None, d2d_gbps: None, p2p_gbps: None },
+    }
+}
+
 /// NVIDIA's Debian/Ubuntu repository signing key (3bf863cc).
 /// Source: NVIDIA CUDA repository `cuda-keyring`; hopper-facts.md "Install facts".
 pub const NVIDIA_REPO_KEY_FINGERPRINT: &str = "EB693B3035CD5710E231E123A4B469963BF863CC";

@@ -271,7 +271,7 @@ fn usage_errors_exit_64_and_unbuilt_commands_exit_3() {
     assert_eq!(phq(&["frobnicate"]).status.code(), Some(64));
     assert_eq!(phq(&["doctor", "--probe", "ludicrous"]).status.code(), Some(64));
     assert_eq!(phq(&["--help"]).status.code(), Some(0));
-    for cmd in ["install", "probe", "serve", "status"] {
+    for cmd in ["install", "serve", "status"] {
         let out = phq(&[cmd]);
         assert_eq!(out.status.code(), Some(3), "{cmd}");
         let err = String::from_utf8_lossy(&out.stderr);
@@ -302,7 +302,7 @@ fn table_for_people_respects_no_color_and_names_the_problem() {
 }
 
 #[test]
-fn probe_flag_reports_probes_as_not_built() {
+fn probe_flag_on_a_fixture_reports_probes_as_unknown() {
     let root = fixture("sysroots/hgx-8gpu-healthy");
     let out = phq(&[
         "doctor",
@@ -317,4 +317,32 @@ fn probe_flag_reports_probes_as_not_built() {
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(severity_of(&r, "probe.h2d-bandwidth", None), "unknown");
     assert_eq!(out.status.code(), Some(3));
+}
+
+#[test]
+fn probe_without_a_gpu_exits_3_naming_libcuda_and_never_panics() {
+    // The build and CI machines have no NVIDIA driver; on one that has, this does not apply.
+    let out = phq(&["probe", "--json", "--config", config("empty").to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if stderr.contains("libcuda.so was not found") {
+        assert_eq!(out.status.code(), Some(3));
+        assert!(!stderr.contains("panicked"));
+        let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+        validate(&r);
+        let f = findings(&r, "probe.h2d-bandwidth");
+        assert_eq!(f[0]["severity"], "unknown");
+        assert!(f[0]["summary"].as_str().unwrap().contains("libcuda.so was not found"));
+        assert_eq!(r["probes"], Value::Null);
+    }
+}
+
+#[test]
+fn the_binary_links_no_gpu_library() {
+    // NVML and CUDA are loaded at run time so the agent starts on a machine without a driver.
+    let out = Command::new("ldd").arg(env!("CARGO_BIN_EXE_phq-agent")).output().expect("ldd");
+    let libs = String::from_utf8_lossy(&out.stdout);
+    for gpu_lib in ["libcuda", "libnvidia-ml", "libcublas", "libcudart"] {
+        assert!(!libs.contains(gpu_lib), "{gpu_lib} is linked:\n{libs}");
+    }
+    assert!(libs.contains("libc.so"), "ldd gave no library list: {libs}");
 }

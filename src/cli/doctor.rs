@@ -1,6 +1,6 @@
 //! `phq-agent doctor`: collect (or load a bundle), check, print; optionally save a bundle.
 
-use crate::checks::{self, Finding, Settings};
+use crate::checks::{self, Settings};
 use crate::config::ProbeLevel;
 use crate::report::{self, bundle, table};
 use crate::snapshot::Timestamp;
@@ -36,11 +36,24 @@ impl Doctor {
             None => crate::collect::snapshot(&root, &crate::collect::NvmlSource::choose(g.nvml_lib.as_deref(), &root)),
         };
         let mut findings = checks::run(&snapshot, &Settings::from(&config));
+        let mut probes = None;
         if let Some(level) = self.probe.filter(|l| *l != ProbeLevel::None) {
-            findings.extend(probe_placeholders(level));
+            match (&self.from, root.is_live()) {
+                (Some(_), _) | (None, false) => findings.extend(crate::probe::unavailable(
+                    "probes measure this machine's GPUs, not a bundle or another --sysroot",
+                )),
+                (None, true) => match super::probe::probe_with_progress(&snapshot, level, &[], false) {
+                    Ok((report, targets)) => {
+                        findings.extend(crate::probe::judge(&report, &targets));
+                        probes = Some(report);
+                    }
+                    Err(e) => findings.extend(crate::probe::unavailable(&e.to_string())),
+                },
+            }
         }
         let agent_id = report::agent_id(&config.agent.id, &snapshot);
-        let report = report::build(&snapshot, findings, agent_id, started_at, 0);
+        let mut report = report::build(&snapshot, findings, agent_id, started_at, 0);
+        report.probes = probes.map(|p| serde_json::to_value(p).unwrap_or_default());
         let code = report::exit_code(&report.findings);
 
         if let Some(out) = &self.bundle {
@@ -53,7 +66,7 @@ impl Doctor {
                 .map_err(std::io::Error::from)
                 .and_then(|()| writeln!(stdout))
         } else {
-            let text = table::render(&report, table::terminal_width());
+            let text = table::render(&report, "phq-agent doctor", table::terminal_width());
             anstream::stdout().lock().write_all(text.as_bytes())
         };
         match written {
@@ -63,18 +76,4 @@ impl Doctor {
         }
         Ok(code)
     }
-}
-
-/// Probes were asked for but this build has none: say so per probe check.
-fn probe_placeholders(level: ProbeLevel) -> Vec<Finding> {
-    checks::CATALOG
-        .iter()
-        .filter(|id| id.starts_with("probe."))
-        .map(|id| {
-            Finding::unknown(
-                id,
-                format!("--probe {level:?} asked for, but this build has no CUDA probes yet").to_lowercase(),
-            )
-        })
-        .collect()
 }

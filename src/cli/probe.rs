@@ -1,15 +1,22 @@
-//! `phq-agent probe`: arguments are the contract of DESIGN.md; CUDA probes land with their issue.
+//! `phq-agent probe`: measure the GPUs through CUDA and judge them against their SKU's floors.
 
+use crate::checks::{self, Settings};
 use crate::config::ProbeLevel;
+use crate::probe::{self, Options};
+use crate::report::{self, table};
+use crate::snapshot::Timestamp;
+use crate::sysroot::Sysroot;
+use anyhow::Context;
 use clap::Args;
+use std::io::{IsTerminal, Write};
 
 #[derive(Debug, Args)]
 pub struct Probe {
     #[arg(long, value_enum, default_value = "quick")]
     pub level: ProbeLevel,
-    /// Only this GPU (CUDA index); repeat for several.
+    /// Only this GPU (index in PCI order, as nvidia-smi numbers them); repeat for several.
     #[arg(long, value_name = "N")]
-    pub gpu: Vec<u32>,
+    pub gpu: Vec<usize>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -19,7 +26,64 @@ pub struct Probe {
 }
 
 impl Probe {
-    pub fn run(self, _g: &super::Global) -> anyhow::Result<i32> {
-        super::not_built("probe", "CUDA probes are issue #4")
+    pub fn run(self, g: &super::Global) -> anyhow::Result<i32> {
+        let started_at = Timestamp::now();
+        let config = g.load_config()?;
+        let root = Sysroot::new(&g.sysroot);
+        let snapshot =
+            crate::collect::snapshot(&root, &crate::collect::NvmlSource::choose(g.nvml_lib.as_deref(), &root));
+        let level = if self.level == ProbeLevel::None { ProbeLevel::Quick } else { self.level };
+        let mut findings: Vec<checks::Finding> = checks::run(&snapshot, &Settings::from(&config))
+            .into_iter()
+            .filter(|f| f.id.starts_with("cuda."))
+            .collect();
+        let (probes, code) = match probe_with_progress(&snapshot, level, &self.gpu, self.force) {
+            Ok((report, targets)) => {
+                findings.extend(probe::judge(&report, &targets));
+                (Some(report), None)
+            }
+            Err(e) => {
+                eprintln!("phq-agent probe: cannot run: {e}");
+                findings.extend(probe::unavailable(&e.to_string()));
+                (None, Some(super::EXIT_UNKNOWN))
+            }
+        };
+        let mut rep = report::build(&snapshot, findings, report::agent_id(&config.agent.id, &snapshot), started_at, 0);
+        rep.probes = probes.map(|p| serde_json::to_value(p).unwrap_or_default());
+        let written = if self.json {
+            let mut out = std::io::stdout().lock();
+            serde_json::to_writer_pretty(&mut out, &rep).map_err(std::io::Error::from).and_then(|()| writeln!(out))
+        } else {
+            anstream::stdout()
+                .lock()
+                .write_all(table::render(&rep, "phq-agent probe", table::terminal_width()).as_bytes())
+        };
+        match written {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+            other => other.context("cannot write the report to stdout")?,
+        }
+        Ok(code.unwrap_or_else(|| report::exit_code(&rep.findings)))
     }
+}
+
+/// Runs the probes with a spinner on a terminal (every step named), plain otherwise.
+pub fn probe_with_progress(
+    snapshot: &crate::snapshot::Snapshot,
+    level: ProbeLevel,
+    only: &[usize],
+    force: bool,
+) -> Result<(probe::ProbeReport, Vec<probe::Target>), probe::cuda::Unavailable> {
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new_spinner();
+        b.enable_steady_tick(std::time::Duration::from_millis(120));
+        b
+    });
+    let result = probe::run_here(snapshot, &Options { level, only, force }, &mut |step| match &bar {
+        Some(b) => b.set_message(step.to_string()),
+        None => tracing::info!("probe: {step}"),
+    });
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    result
 }

@@ -1,2 +1,652 @@
-//! probe: CUDA measurements (cudarc, loaded at run time) and their judgement against per-SKU
-//! floors. Lands with the probes issue; `phq-agent probe` says so until then.
+//! probe: what a tenant will get from each GPU, measured through CUDA, judged against per-SKU
+//! floors (`facts::probe_floors`).
+//!
+//! The seam: `Backend` does the measuring (the CUDA implementation in `cuda.rs`; a small
+//! simulated GPU in the tests); `run` decides what to measure, on which GPUs and pairs, and
+//! never touches a GPU with compute processes unless forced; `judge` turns the report into
+//! `probe.*` findings. Everything but the backend is pure and unit-tested without a GPU.
+//!
+//! Method (nvbandwidth's): large buffers, many copies queued per sample and timed with CUDA
+//! events, several samples, the median reported.
+
+pub mod cuda;
+
+use crate::checks::Finding;
+use crate::config::ProbeLevel;
+use crate::facts::{self, ProbeFloors};
+use serde::{Deserialize, Serialize};
+
+/// How much a level measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LevelParams {
+    pub buffer_bytes: usize,
+    pub copies_per_sample: u32,
+    pub samples: u32,
+    /// Bytes of device memory the integrity test writes and reads back.
+    pub memtest_bytes: usize,
+    /// Square GEMM size.
+    pub gemm_n: usize,
+    pub gemm_reps: u32,
+}
+
+pub fn params(level: ProbeLevel) -> LevelParams {
+    const MIB: usize = 1 << 20;
+    match level {
+        // quick: well under 30 s for 8 GPUs (≈ 1.5 GiB of copies per direction per GPU).
+        ProbeLevel::None | ProbeLevel::Quick => LevelParams {
+            buffer_bytes: 64 * MIB,
+            copies_per_sample: 8,
+            samples: 3,
+            memtest_bytes: 1024 * MIB,
+            gemm_n: 4096,
+            gemm_reps: 5,
+        },
+        // standard and full: nvbandwidth's 512 MiB buffers and 16 copies per sample.
+        ProbeLevel::Standard => LevelParams {
+            buffer_bytes: 512 * MIB,
+            copies_per_sample: 16,
+            samples: 5,
+            memtest_bytes: 8192 * MIB,
+            gemm_n: 8192,
+            gemm_reps: 10,
+        },
+        ProbeLevel::Full => LevelParams {
+            buffer_bytes: 512 * MIB,
+            copies_per_sample: 16,
+            samples: 11,
+            memtest_bytes: 64 * 1024 * MIB,
+            gemm_n: 16384,
+            gemm_reps: 10,
+        },
+    }
+}
+
+/// A GPU the probes may run on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// CUDA ordinal (PCI order: the probes set `CUDA_DEVICE_ORDER=PCI_BUS_ID`).
+    pub ordinal: usize,
+    pub pci: String,
+    pub device_id: Option<u16>,
+    /// Compute processes NVML lists on it.
+    pub busy_pids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
+pub enum ProbeError {
+    /// The measurement cannot run here (no cuBLAS for the GEMM, …): `unknown`, not a failure.
+    #[error("{0}")]
+    Unavailable(String),
+    /// CUDA failed while measuring.
+    #[error("{0}")]
+    Cuda(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemtestResult {
+    pub bytes_tested: u64,
+    pub patterns: Vec<String>,
+    pub mismatches: u64,
+    /// Byte offset of the first mismatching word, and what was read there.
+    pub first_mismatch: Option<(u64, String)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GemmResult {
+    pub n: usize,
+    pub tflops_samples: Vec<f64>,
+    /// Largest relative difference between the GPU's result and the host reference on the
+    /// checked entries.
+    pub max_rel_error: f64,
+    pub checked_entries: usize,
+    pub library: String,
+}
+
+/// Measures one GPU or pair. Bandwidth methods return GB/s per sample.
+pub trait Backend {
+    fn h2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError>;
+    fn d2h(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError>;
+    /// Both directions at once; the sum of both.
+    fn bidir(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError>;
+    /// Device-local copy, counting bytes read plus written.
+    fn d2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError>;
+    fn can_access_peer(&mut self, src: usize, dst: usize) -> Result<bool, ProbeError>;
+    fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError>;
+    fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError>;
+    fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError>;
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Stat {
+    pub samples: Vec<f64>,
+    pub median: f64,
+}
+
+impl Stat {
+    pub fn of(samples: Vec<f64>) -> Option<Stat> {
+        let mut sorted: Vec<f64> = samples.iter().copied().filter(|v| v.is_finite()).collect();
+        if sorted.is_empty() {
+            return None;
+        }
+        sorted.sort_by(f64::total_cmp);
+        let mid = sorted.len() / 2;
+        let median = if sorted.len() % 2 == 1 { sorted[mid] } else { (sorted[mid - 1] + sorted[mid]) / 2.0 };
+        Some(Stat { samples, median })
+    }
+}
+
+/// A measurement: its figures, or why there are none.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome<T> {
+    Ok(T),
+    Error(ProbeError),
+}
+
+impl<T> From<Result<T, ProbeError>> for Outcome<T> {
+    fn from(r: Result<T, ProbeError>) -> Self {
+        match r {
+            Ok(v) => Outcome::Ok(v),
+            Err(e) => Outcome::Error(e),
+        }
+    }
+}
+
+fn bandwidth(r: Result<Vec<f64>, ProbeError>) -> Outcome<Stat> {
+    match r {
+        Ok(s) => Stat::of(s).map(Outcome::Ok).unwrap_or(Outcome::Error(ProbeError::Cuda("no valid sample".into()))),
+        Err(e) => Outcome::Error(e),
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuProbes {
+    pub ordinal: usize,
+    pub pci: String,
+    pub h2d_gbps: Outcome<Stat>,
+    pub d2h_gbps: Outcome<Stat>,
+    pub bidir_gbps: Outcome<Stat>,
+    pub d2d_gbps: Outcome<Stat>,
+    pub memory: Outcome<MemtestResult>,
+    pub gemm: Outcome<GemmResult>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerLink {
+    pub src: usize,
+    pub dst: usize,
+    pub peer_access: bool,
+    pub gbps: Option<Outcome<Stat>>,
+    /// `nvlink` when the pair copies faster than PCIe can (over 100 GB/s), `pcie` when it has
+    /// peer access below that, `none` without peer access.
+    pub scope: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Skipped {
+    pub pci: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProbeReport {
+    pub level: ProbeLevel,
+    pub params: LevelParams,
+    pub gpus: Vec<GpuProbes>,
+    pub peers: Vec<PeerLink>,
+    pub skipped: Vec<Skipped>,
+}
+
+/// Peer copies faster than this cannot have gone over PCIe Gen5 x16 (≈ 64 GB/s raw).
+const NVLINK_SCOPE_GBPS: f64 = 100.0;
+
+pub struct Options<'a> {
+    pub level: ProbeLevel,
+    /// Only these ordinals (empty: all).
+    pub only: &'a [usize],
+    /// Run on GPUs with compute processes too.
+    pub force: bool,
+}
+
+/// Runs the probes `opts` asks for. `progress` hears each step as it starts.
+pub fn run(
+    backend: &mut dyn Backend,
+    targets: &[Target],
+    opts: &Options<'_>,
+    progress: &mut dyn FnMut(&str),
+) -> ProbeReport {
+    let p = params(opts.level);
+    let mut report =
+        ProbeReport { level: opts.level, params: p, gpus: Vec::new(), peers: Vec::new(), skipped: Vec::new() };
+    let mut chosen: Vec<&Target> = Vec::new();
+    for t in targets.iter().filter(|t| opts.only.is_empty() || opts.only.contains(&t.ordinal)) {
+        if !t.busy_pids.is_empty() && !opts.force {
+            let pids: Vec<String> = t.busy_pids.iter().map(|p| p.to_string()).collect();
+            report.skipped.push(Skipped { pci: t.pci.clone(), reason: format!("{} compute process(es) run on it (pid {}); a probe never takes GPU time from a job (--force to run anyway)", pids.len(), pids.join(", ")) });
+            continue;
+        }
+        chosen.push(t);
+    }
+    for t in &chosen {
+        let g = t.ordinal;
+        let mut step = |what: &str| progress(&format!("GPU {g} ({}): {what}", t.pci));
+        step("host→device");
+        let h2d = bandwidth(backend.h2d(g, &p));
+        step("device→host");
+        let d2h = bandwidth(backend.d2h(g, &p));
+        step("bidirectional");
+        let bidir = bandwidth(backend.bidir(g, &p));
+        step("device copy");
+        let d2d = bandwidth(backend.d2d(g, &p));
+        step("memory integrity");
+        let memory = backend.memory_integrity(g, &p).into();
+        step("GEMM");
+        let gemm = backend.gemm(g, &p).into();
+        report.gpus.push(GpuProbes {
+            ordinal: g,
+            pci: t.pci.clone(),
+            h2d_gbps: h2d,
+            d2h_gbps: d2h,
+            bidir_gbps: bidir,
+            d2d_gbps: d2d,
+            memory,
+            gemm,
+        });
+    }
+    for a in &chosen {
+        for b in &chosen {
+            if a.ordinal == b.ordinal {
+                continue;
+            }
+            progress(&format!("GPU {} → GPU {}: peer copy", a.ordinal, b.ordinal));
+            let link = match backend.can_access_peer(a.ordinal, b.ordinal) {
+                Ok(true) => {
+                    let bw = bandwidth(backend.p2p(a.ordinal, b.ordinal, &p));
+                    let scope = match &bw {
+                        Outcome::Ok(s) if s.median >= NVLINK_SCOPE_GBPS => "nvlink",
+                        _ => "pcie",
+                    };
+                    PeerLink { src: a.ordinal, dst: b.ordinal, peer_access: true, gbps: Some(bw), scope: scope.into() }
+                }
+                Ok(false) => {
+                    PeerLink { src: a.ordinal, dst: b.ordinal, peer_access: false, gbps: None, scope: "none".into() }
+                }
+                Err(e) => PeerLink {
+                    src: a.ordinal,
+                    dst: b.ordinal,
+                    peer_access: false,
+                    gbps: Some(Outcome::Error(e)),
+                    scope: "none".into(),
+                },
+            };
+            report.peers.push(link);
+        }
+    }
+    report
+}
+
+/// Probes the GPUs of this machine: CUDA for the measuring, the snapshot for each GPU's SKU and
+/// for the compute processes that keep a probe off a GPU.
+pub fn run_here(
+    snapshot: &crate::snapshot::Snapshot,
+    opts: &Options<'_>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(ProbeReport, Vec<Target>), cuda::Unavailable> {
+    let (mut backend, pcis) = cuda::CudaBackend::open()?;
+    let targets: Vec<Target> = pcis
+        .into_iter()
+        .enumerate()
+        .map(|(ordinal, pci)| Target {
+            ordinal,
+            device_id: snapshot.gpus().iter().find(|g| g.address == pci).and_then(|g| g.device),
+            busy_pids: snapshot
+                .nvml_gpu(&pci)
+                .and_then(|g| g.processes.value())
+                .map(|ps| ps.iter().map(|p| p.pid).collect())
+                .unwrap_or_default(),
+            pci,
+        })
+        .collect();
+    Ok((run(&mut backend, &targets, opts, progress), targets))
+}
+
+/// Every probe check as `unknown` with the reason the probes could not run.
+pub fn unavailable(why: &str) -> Vec<Finding> {
+    crate::checks::CATALOG
+        .iter()
+        .filter(|id| id.starts_with("probe."))
+        .map(|id| Finding::unknown(id, format!("probes cannot run: {why}")))
+        .collect()
+}
+
+/// GEMM results must match the host reference this closely (relative). The inputs are small
+/// integers, exact in FP32, so any real difference is a wrong result, not rounding.
+pub const GEMM_TOLERANCE: f64 = 1e-4;
+
+/// Turns a report into `probe.*` findings against the floors of each GPU's SKU.
+pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let floors_of = |pci: &str| -> ProbeFloors {
+        targets
+            .iter()
+            .find(|t| t.pci == pci)
+            .and_then(|t| t.device_id)
+            .map(facts::probe_floors)
+            .unwrap_or(facts::probe_floors(0))
+    };
+    for s in &report.skipped {
+        for id in [
+            "probe.h2d-bandwidth",
+            "probe.d2h-bandwidth",
+            "probe.d2d-bandwidth",
+            "probe.memory-integrity",
+            "probe.gemm",
+            "probe.p2p-bandwidth",
+        ] {
+            out.push(Finding::unknown(id, format!("skipped: {}", s.reason)).gpu(&s.pci));
+        }
+    }
+    for g in &report.gpus {
+        let f = floors_of(&g.pci);
+        out.push(bandwidth_finding("probe.h2d-bandwidth", "host→device", &g.h2d_gbps, f.h2d_gbps, &g.pci));
+        out.push(bandwidth_finding("probe.d2h-bandwidth", "device→host", &g.d2h_gbps, f.d2h_gbps, &g.pci));
+        out.push(bandwidth_finding("probe.d2d-bandwidth", "device copy", &g.d2d_gbps, f.d2d_gbps, &g.pci));
+        out.push(memory_finding(&g.memory).gpu(&g.pci));
+        out.push(gemm_finding(&g.gemm).gpu(&g.pci));
+        out.push(p2p_finding(report, g, f.p2p_gbps));
+    }
+    out
+}
+
+fn bandwidth_finding(id: &str, what: &str, o: &Outcome<Stat>, floor: Option<f64>, pci: &str) -> Finding {
+    let f = match (o, floor) {
+        (Outcome::Error(ProbeError::Unavailable(why)), _) => Finding::unknown(id, format!("{what}: {why}")),
+        (Outcome::Error(e), _) => Finding::fail(id, format!("{what} copy failed: {e}")).remedy("Read `dmesg | grep NVRM` (an Xid during the copy?); restart the VM and probe again."),
+        (Outcome::Ok(s), Some(fl)) if s.median < fl => Finding::fail(id, format!("{what} {:.1} GB/s, below the floor of {fl:.0} GB/s", s.median))
+            .detail(if id == "probe.d2d-bandwidth" { "Device memory bandwidth this low means a throttled or faulty GPU (see gpu.throttle, gpu.temperature)." } else { "The PCIe link carries less than the SKU should: a degraded link (width or generation), a busy host, or a NUMA-remote pinned buffer." })
+            .remedy("Check gpu.pcie-link and gpu.throttle; probe again with nothing else running; if it stays low, report the GPU to the platform with this figure."),
+        (Outcome::Ok(s), Some(fl)) => Finding::pass(id, format!("{what} {:.1} GB/s (floor {fl:.0})", s.median)),
+        (Outcome::Ok(s), None) => Finding::pass(id, format!("{what} {:.1} GB/s (no floor for this SKU)", s.median)),
+    };
+    let f = match o {
+        Outcome::Ok(s) => f.evidence("median_gbps", s.median).evidence("samples_gbps", &s.samples),
+        Outcome::Error(_) => f,
+    };
+    f.gpu(pci).evidence("floor_gbps", floor)
+}
+
+fn memory_finding(o: &Outcome<MemtestResult>) -> Finding {
+    const ID: &str = "probe.memory-integrity";
+    match o {
+        Outcome::Error(ProbeError::Unavailable(why)) => Finding::unknown(ID, why.clone()),
+        Outcome::Error(e) => Finding::fail(ID, format!("memory test failed to run: {e}"))
+            .remedy("Read `dmesg | grep NVRM`; restart the VM and probe again."),
+        Outcome::Ok(m) if m.mismatches == 0 => Finding::pass(
+            ID,
+            format!(
+                "{} MiB written and read back with {} pattern(s), no mismatch",
+                m.bytes_tested >> 20,
+                m.patterns.len()
+            ),
+        )
+        .evidence("memtest", m),
+        Outcome::Ok(m) => {
+            let at = m
+                .first_mismatch
+                .as_ref()
+                .map(|(o, v)| format!(" (first at byte offset {o:#x}: read {v})"))
+                .unwrap_or_default();
+            Finding::fail(ID, format!("{} mismatching word(s) in {} MiB{at}", m.mismatches, m.bytes_tested >> 20))
+                .detail("The GPU returned different data than was written: its memory is corrupting data.")
+                .remedy("Drain the GPU, check gpu.ecc-uncorrectable and gpu.row-remap, reset it (restart the VM) and probe again; if mismatches remain, report it to the platform for replacement.")
+                .evidence("memtest", m)
+        }
+    }
+}
+
+fn gemm_finding(o: &Outcome<GemmResult>) -> Finding {
+    const ID: &str = "probe.gemm";
+    match o {
+        Outcome::Error(ProbeError::Unavailable(why)) => Finding::unknown(ID, why.clone()),
+        Outcome::Error(e) => Finding::fail(ID, format!("GEMM failed to run: {e}"))
+            .remedy("Read `dmesg | grep NVRM`; restart the VM and probe again."),
+        Outcome::Ok(g) => {
+            let tflops = Stat::of(g.tflops_samples.clone()).map(|s| s.median).unwrap_or(0.0);
+            let f = if g.max_rel_error > GEMM_TOLERANCE {
+                Finding::fail(ID, format!("GEMM {n}×{n} gave wrong results (relative error {:.2e})", g.max_rel_error, n = g.n))
+                    .detail("The GPU computed a different product than the host: a faulty GPU (compute or memory).")
+                    .remedy("Drain the GPU, reset it (restart the VM) and probe again; report it to the platform if it repeats.")
+            } else {
+                Finding::pass(
+                    ID,
+                    format!(
+                        "FP32 GEMM {n}×{n}: {tflops:.1} TFLOP/s, result checked on {} entries",
+                        g.checked_entries,
+                        n = g.n
+                    ),
+                )
+            };
+            f.evidence("gemm", g).evidence("median_tflops", tflops)
+        }
+    }
+}
+
+fn p2p_finding(report: &ProbeReport, g: &GpuProbes, floor: Option<f64>) -> Finding {
+    const ID: &str = "probe.p2p-bandwidth";
+    let row: Vec<&PeerLink> = report.peers.iter().filter(|l| l.src == g.ordinal).collect();
+    if row.is_empty() {
+        return Finding::pass(ID, "no other GPU probed: no peer copies").gpu(&g.pci);
+    }
+    let reach = |scope: &str| -> Vec<usize> { row.iter().filter(|l| l.scope == scope).map(|l| l.dst).collect() };
+    let (nvlink, pcie, none) = (reach("nvlink"), reach("pcie"), reach("none"));
+    let slowest = row
+        .iter()
+        .filter_map(|l| match &l.gbps {
+            Some(Outcome::Ok(s)) => Some((l.dst, s.median)),
+            _ => None,
+        })
+        .min_by(|a, b| a.1.total_cmp(&b.1));
+    let scope = format!("NVLink to {:?}, PCIe only to {:?}, no peer access to {:?}", nvlink, pcie, none);
+    let errors: Vec<String> = row
+        .iter()
+        .filter_map(|l| match &l.gbps {
+            Some(Outcome::Error(e)) => Some(format!("→ GPU {}: {e}", l.dst)),
+            _ => None,
+        })
+        .collect();
+    let f = if !errors.is_empty() {
+        Finding::fail(ID, format!("peer copies failed: {}", errors.join("; ")))
+            .remedy("Restart the VM; check nvlink.links-active and fabric.state.")
+    } else {
+        match (floor, slowest) {
+            (Some(fl), Some((dst, v))) if v < fl && !nvlink.is_empty() => Finding::fail(ID, format!("slowest peer copy {v:.0} GB/s (to GPU {dst}), below the floor of {fl:.0} GB/s"))
+                .detail(scope.clone())
+                .remedy("Check nvlink.links-active and nvlink.errors for the pair; restart the VM; report the GPUs to the platform if it stays low."),
+            (Some(fl), _) if nvlink.is_empty() && !(pcie.is_empty() && none.is_empty()) => Finding::warn(ID, "no NVLink between these GPUs in this VM".to_string())
+                .detail(format!("{scope}. SXM GPUs reach {fl:.0} GB/s and more over NVLink; without it collectives crawl over PCIe."))
+                .remedy("If the VM should have NVLink: pass the NVSwitches through (or have the host's fabric manager share them) and check fabric.state."),
+            (_, Some((dst, v))) => Finding::pass(ID, format!("slowest peer copy {v:.0} GB/s (to GPU {dst})")).detail(scope.clone()),
+            (_, None) => Finding::pass(ID, "no peer access between these GPUs (reported, no floor for this SKU)").detail(scope.clone()),
+        }
+    };
+    f.gpu(&g.pci).evidence("nvlink_to", nvlink).evidence("pcie_to", pcie).evidence("no_access_to", none)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checks::Severity;
+
+    /// A simulated HGX: fixed per-GPU bandwidths, an optional bad GPU, a peer matrix.
+    struct SimGpus {
+        h2d: Vec<f64>,
+        peer: bool,
+        p2p: f64,
+        bad_memory: Option<usize>,
+        no_cublas: bool,
+        calls: Vec<String>,
+    }
+
+    impl SimGpus {
+        fn hgx() -> Self {
+            SimGpus { h2d: vec![55.0; 8], peer: true, p2p: 370.0, bad_memory: None, no_cublas: false, calls: vec![] }
+        }
+    }
+
+    impl Backend for SimGpus {
+        fn h2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+            self.calls.push(format!("h2d {gpu}"));
+            Ok((0..p.samples).map(|i| self.h2d[gpu] + i as f64 * 0.1).collect())
+        }
+        fn d2h(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+            self.calls.push(format!("d2h {gpu}"));
+            Ok(vec![self.h2d[gpu]; p.samples as usize])
+        }
+        fn bidir(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+            Ok(vec![self.h2d[gpu] * 1.8; p.samples as usize])
+        }
+        fn d2d(&mut self, _gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+            Ok(vec![2900.0; p.samples as usize])
+        }
+        fn can_access_peer(&mut self, _a: usize, _b: usize) -> Result<bool, ProbeError> {
+            Ok(self.peer)
+        }
+        fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+            self.calls.push(format!("p2p {src}->{dst}"));
+            Ok(vec![self.p2p; p.samples as usize])
+        }
+        fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError> {
+            let bad = self.bad_memory == Some(gpu);
+            Ok(MemtestResult {
+                bytes_tested: p.memtest_bytes as u64,
+                patterns: vec!["0x00000000".into(), "0xffffffff".into()],
+                mismatches: if bad { 3 } else { 0 },
+                first_mismatch: bad.then(|| (0x1000, "0xfffffffe".into())),
+            })
+        }
+        fn gemm(&mut self, _gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+            if self.no_cublas {
+                return Err(ProbeError::Unavailable(
+                    "cuBLAS (libcublas.so.12) is not installed: the GEMM probe needs it".into(),
+                ));
+            }
+            Ok(GemmResult {
+                n: p.gemm_n,
+                tflops_samples: vec![50.0, 51.0, 49.0],
+                max_rel_error: 0.0,
+                checked_entries: 1024,
+                library: "cuBLAS".into(),
+            })
+        }
+    }
+
+    fn targets(n: usize) -> Vec<Target> {
+        (0..n)
+            .map(|i| Target {
+                ordinal: i,
+                pci: format!("0000:{:02x}:00.0", 9 + i),
+                device_id: Some(0x2330),
+                busy_pids: vec![],
+            })
+            .collect()
+    }
+
+    fn opts(level: ProbeLevel) -> Options<'static> {
+        Options { level, only: &[], force: false }
+    }
+
+    fn sev(f: &[Finding], id: &str, gpu: &str) -> Severity {
+        f.iter().find(|x| x.id == id && x.gpu.as_deref() == Some(gpu)).unwrap().severity
+    }
+
+    #[test]
+    fn medians_of_odd_and_even_sample_counts() {
+        assert_eq!(Stat::of(vec![3.0, 1.0, 2.0]).unwrap().median, 2.0);
+        assert_eq!(Stat::of(vec![4.0, 1.0, 2.0, 3.0]).unwrap().median, 2.5);
+        assert!(Stat::of(vec![f64::NAN]).is_none());
+    }
+
+    #[test]
+    fn healthy_hgx_passes_and_measures_every_ordered_pair() {
+        let mut b = SimGpus::hgx();
+        let t = targets(8);
+        let r = run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {});
+        assert_eq!(r.gpus.len(), 8);
+        assert_eq!(r.peers.len(), 56);
+        assert!(r.peers.iter().all(|l| l.scope == "nvlink"));
+        let f = judge(&r, &t);
+        assert!(f.iter().all(|x| x.severity == Severity::Pass), "{f:#?}");
+        assert_eq!(f.len(), 8 * 6);
+    }
+
+    #[test]
+    fn a_slow_link_fails_only_its_gpu() {
+        let mut b = SimGpus::hgx();
+        b.h2d[3] = 14.2; // NVIDIA/nvbandwidth#6: one GPU of an H100 VM at 14.2 GB/s
+        let t = targets(8);
+        let f = judge(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t);
+        assert_eq!(sev(&f, "probe.h2d-bandwidth", "0000:0c:00.0"), Severity::Fail);
+        assert_eq!(sev(&f, "probe.h2d-bandwidth", "0000:0b:00.0"), Severity::Pass);
+        let x = f.iter().find(|x| x.id == "probe.h2d-bandwidth" && x.severity == Severity::Fail).unwrap();
+        assert!(x.summary.contains("below the floor of 48 GB/s"), "{}", x.summary);
+    }
+
+    #[test]
+    fn busy_gpus_are_never_touched_without_force() {
+        let mut b = SimGpus::hgx();
+        let mut t = targets(2);
+        t[1].busy_pids = vec![4242];
+        let r = run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {});
+        assert_eq!(r.gpus.len(), 1);
+        assert!(!b.calls.iter().any(|c| c.contains(" 1") || c.contains("->1") || c.contains("1->")), "{:?}", b.calls);
+        let f = judge(&r, &t);
+        let skipped: Vec<_> = f.iter().filter(|x| x.gpu.as_deref() == Some("0000:0a:00.0")).collect();
+        assert!(skipped.iter().all(|x| x.severity == Severity::Unknown && x.summary.contains("pid 4242")));
+        let forced =
+            run(&mut SimGpus::hgx(), &t, &Options { level: ProbeLevel::Quick, only: &[], force: true }, &mut |_| {});
+        assert_eq!(forced.gpus.len(), 2);
+    }
+
+    #[test]
+    fn only_the_asked_gpus() {
+        let mut b = SimGpus::hgx();
+        let r =
+            run(&mut b, &targets(8), &Options { level: ProbeLevel::Quick, only: &[2, 5], force: false }, &mut |_| {});
+        assert_eq!(r.gpus.iter().map(|g| g.ordinal).collect::<Vec<_>>(), vec![2, 5]);
+        assert_eq!(r.peers.len(), 2);
+    }
+
+    #[test]
+    fn memory_mismatch_and_missing_cublas() {
+        let mut b = SimGpus::hgx();
+        b.bad_memory = Some(0);
+        b.no_cublas = true;
+        let t = targets(1);
+        let f = judge(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t);
+        let m = f.iter().find(|x| x.id == "probe.memory-integrity").unwrap();
+        assert_eq!(m.severity, Severity::Fail);
+        assert!(m.summary.contains("offset 0x1000"));
+        assert_eq!(f.iter().find(|x| x.id == "probe.gemm").unwrap().severity, Severity::Unknown);
+    }
+
+    #[test]
+    fn sxm_gpus_without_nvlink_warn_and_slow_nvlink_fails() {
+        let mut b = SimGpus::hgx();
+        b.p2p = 40.0;
+        let t = targets(2);
+        let f = judge(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t);
+        assert_eq!(sev(&f, "probe.p2p-bandwidth", "0000:09:00.0"), Severity::Warn);
+        let mut b = SimGpus::hgx();
+        b.p2p = 200.0;
+        let f = judge(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t);
+        assert_eq!(sev(&f, "probe.p2p-bandwidth", "0000:09:00.0"), Severity::Fail);
+    }
+
+    #[test]
+    fn quick_level_stays_small() {
+        let p = params(ProbeLevel::Quick);
+        // Bytes copied per GPU for the four bandwidth probes at the quick level.
+        let per_gpu = 4 * p.buffer_bytes * p.copies_per_sample as usize * p.samples as usize;
+        assert!(per_gpu <= 8 << 30, "{per_gpu}");
+    }
+}

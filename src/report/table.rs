@@ -52,9 +52,9 @@ fn who(gpus: &[&str]) -> String {
     }
 }
 
-pub fn render(r: &Report, width: usize) -> String {
+pub fn render(r: &Report, title: &str, width: usize) -> String {
     let mut o = String::new();
-    header(r, &mut o);
+    header(r, title, &mut o);
     let id_w = r.findings.iter().map(|f| f.id.len()).max().unwrap_or(10);
     for sev in [Severity::Fail, Severity::Warn, Severity::Unknown, Severity::Pass] {
         let of_sev: Vec<&Finding> = r.findings.iter().filter(|f| f.severity == sev).collect();
@@ -107,7 +107,7 @@ pub fn render(r: &Report, width: usize) -> String {
     o
 }
 
-fn header(r: &Report, o: &mut String) {
+fn header(r: &Report, title: &str, o: &mut String) {
     let h = &r.host;
     let mut parts: Vec<String> = Vec::new();
     parts.push(h.hostname.clone().unwrap_or_else(|| "(no hostname)".into()));
@@ -123,7 +123,7 @@ fn header(r: &Report, o: &mut String) {
         "bare-metal" => "bare metal".into(),
         _ => "virtualization unknown".into(),
     });
-    let _ = writeln!(o, "{BOLD}phq-agent doctor{BOLD:#}  {}", parts.join(" · "));
+    let _ = writeln!(o, "{BOLD}{title}{BOLD:#}  {}", parts.join(" · "));
     let mut gpu_line: Vec<String> = Vec::new();
     let mut models: Vec<(String, usize)> = Vec::new();
     for g in &r.gpus {
