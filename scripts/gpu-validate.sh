@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Hardware validation on a machine with a Hopper GPU: runs the release binary's doctor and quick
+# probes, measures the same copies with PyTorch (pinned host↔device and device copy, CUDA
+# events, same buffer size and copy count), and prints them side by side as ratios, plus each
+# figure against the link's physical limit.
+#
+#   scripts/gpu-validate.sh [path/to/phq-agent]        (default: target/release/phq-agent)
+#
+# Writes everything to $OUT (the device tool's output folder) or ./gpu-validation-<date>/.
+# Record the printed table, date, GPU and driver in docs/hardware-validation.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-target/release/phq-agent}
+out=${OUT:-gpu-validation-$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$out"
+# PyTorch and the probes then number GPUs the same way (PCI order, as nvidia-smi).
+export CUDA_DEVICE_ORDER=PCI_BUS_ID
+exec > >(tee "$out/summary.txt") 2>&1
+
+echo "== machine  $(date -u +%FT%TZ)  $(uname -r)"
+nvidia-smi --query-gpu=index,name,pci.bus_id,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.total --format=csv 2>&1 | tee "$out/nvidia-smi.csv"
+
+echo "== phq-agent doctor"
+/usr/bin/time -f "doctor wall %e s, peak RSS %M KiB" "$bin" doctor --json > "$out/doctor.json" 2> "$out/doctor.stderr"; echo "exit $?"
+tail -1 "$out/doctor.stderr"
+"$bin" doctor > "$out/doctor.txt" 2>&1; sed -n '1,60p' "$out/doctor.txt"
+
+echo "== phq-agent probe --level quick"
+/usr/bin/time -f "probe wall %e s" "$bin" probe --level quick --json > "$out/probe.json" 2> "$out/probe.stderr"; echo "exit $?"
+tail -3 "$out/probe.stderr"
+
+echo "== PyTorch peer"
+python3 - "$out/probe.json" > "$out/peer.json" <<'PY' || echo "PyTorch peer failed (is torch with CUDA installed?)"
+import json, statistics, sys
+import torch
+rep = json.load(open(sys.argv[1]))
+p = (rep.get("probes") or {}).get("params") or {"buffer_bytes": 64 << 20, "copies_per_sample": 8, "samples": 3}
+n, copies, samples = p["buffer_bytes"], p["copies_per_sample"], p["samples"]
+res = {}
+for gpu in range(torch.cuda.device_count()):
+    torch.cuda.set_device(gpu)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=f"cuda:{gpu}")
+    dev2 = torch.empty(n, dtype=torch.uint8, device=f"cuda:{gpu}")
+    def bw(fn, counted):
+        fn(); torch.cuda.synchronize()
+        out = []
+        for _ in range(samples):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(copies):
+                fn()
+            e.record(); torch.cuda.synchronize()
+            out.append(counted * copies / (s.elapsed_time(e) / 1000) / 1e9)
+        return statistics.median(out)
+    res[str(gpu)] = {
+        "index": gpu,
+        "h2d": bw(lambda: dev.copy_(host, non_blocking=True), n),
+        "d2h": bw(lambda: host.copy_(dev, non_blocking=True), n),
+        "d2d": bw(lambda: dev2.copy_(dev, non_blocking=True), 2 * n),
+    }
+print(json.dumps(res))
+PY
+
+echo "== side by side (GB/s; d2d counts bytes read + written)"
+python3 - "$out/probe.json" "$out/peer.json" "$out/doctor.json" <<'PY'
+import json, sys
+probe = json.load(open(sys.argv[1]))
+try:
+    peer = json.load(open(sys.argv[2]))
+except Exception:
+    peer = {}
+doctor = json.load(open(sys.argv[3]))
+models = {g["pci_address"]: g["model"] for g in doctor.get("gpus", [])}
+# Physical limits: PCIe Gen5 x16 carries 32 GT/s x 16 lanes x 128/130 / 8 = 63.0 GB/s per
+# direction; device copies are bounded by the HBM datasheet bandwidth (hopper-facts.md).
+HBM = {"H100 SXM5 80GB": 3350, "H100 PCIe": 2000, "H100 NVL": 3900, "H200 SXM": 4800, "H200 NVL": 4800}
+PCIE = 63.0
+gpus = (probe.get("probes") or {}).get("gpus", [])
+print(f"{'GPU':<14}{'what':<6}{'phq':>9}{'torch':>9}{'phq/torch':>11}{'limit':>8}{'phq/limit':>11}")
+for g in gpus:
+    pe = next((v for v in peer.values() if v.get("index") == g["ordinal"]), {})
+    for key, what in (("h2d_gbps", "h2d"), ("d2h_gbps", "d2h"), ("d2d_gbps", "d2d")):
+        o = g.get(key, {})
+        ours = o.get("ok", {}).get("median") if isinstance(o, dict) else None
+        theirs = pe.get(what)
+        limit = PCIE if what != "d2d" else HBM.get(models.get(g["pci"], ""), None)
+        r1 = f"{ours/theirs:.2f}" if ours and theirs else "-"
+        r2 = f"{ours/limit:.2f}" if ours and limit else "-"
+        print(f"{g['pci']:<14}{what:<6}{(ours or 0):>9.1f}{(theirs or 0):>9.1f}{r1:>11}{(limit or 0):>8.0f}{r2:>11}")
+for f in probe.get("findings", []):
+    if f["id"].startswith("probe.") and f["severity"] != "pass":
+        print(f"{f['severity'].upper():<8}{f['id']:<26}{f.get('gpu') or '':<14}{f['summary']}")
+PY
+echo "== files in $out"; ls "$out"
