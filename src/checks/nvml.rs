@@ -286,9 +286,18 @@ fn links_active(s: &Snapshot, g: &NvmlGpu) -> Finding {
         Finding::pass(ID, "NVLink not in use in this VM (no NVSwitch passed through, none trained by the host)")
     } else {
         let list = inactive.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(", ");
-        Finding::fail(ID, format!("{} of {} NVLinks inactive (links {list})", inactive.len(), links.len()))
-            .detail("GPU↔GPU bandwidth drops with every link down, and NCCL collectives slow to the weakest GPU.")
-            .remedy("Restart the VM to retrain the links; if they stay down, report the GPU and links to the platform (`nvidia-smi nvlink -s` shows the same).")
+        let summary = if active.is_empty() {
+            format!("all {} NVLinks inactive", links.len())
+        } else {
+            format!("{} of {} NVLinks inactive (links {list})", inactive.len(), links.len())
+        };
+        Finding::fail(ID, summary)
+            .detail(if active.is_empty() && has_nvswitches(s) {
+                "No link trained: when the fabric is not started (see fabric.state), this is why; otherwise the GPU's NVLink is down."
+            } else {
+                "GPU↔GPU bandwidth drops with every link down, and NCCL collectives slow to the weakest GPU."
+            })
+            .remedy("Start the fabric manager if fabric.state says not_started; else restart the VM to retrain the links, and if they stay down report the GPU and links to the platform (`nvidia-smi nvlink -s` shows the same).")
     };
     f.evidence("active", active).evidence("inactive", inactive)
 }
