@@ -11,5 +11,6 @@ pub mod facts;
 pub mod install;
 pub mod probe;
 pub mod report;
+pub mod serve;
 pub mod snapshot;
 pub mod sysroot;

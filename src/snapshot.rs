@@ -414,6 +414,14 @@ impl<T> Nv<T> {
         }
     }
 
+    /// The value mapped, the absence kept.
+    pub fn map_value<U>(&self, f: impl FnOnce(&T) -> U) -> Nv<U> {
+        match self {
+            Nv::Value(v) => Nv::Value(f(v)),
+            other => other.without_value(),
+        }
+    }
+
     /// Why there is no value, in words for a finding.
     pub fn why_not(&self) -> String {
         match self {

@@ -113,7 +113,13 @@ fn init_logging(g: &Global) {
             _ => tracing::Level::DEBUG,
         }
     };
-    let _ = tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(level).with_target(false).try_init();
+    use std::io::IsTerminal;
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
+        .with_max_level(level)
+        .with_target(false)
+        .try_init();
 }
 
 #[cfg(test)]

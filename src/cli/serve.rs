@@ -1,12 +1,127 @@
-//! `phq-agent serve`: the systemd service lands with its issue.
+//! `phq-agent serve`: the systemd service (rules at the top of `serve`).
 
+use crate::serve::{self, http, Inputs, Published, Seq, Shared};
+use crate::snapshot::Timestamp;
+use anyhow::Context;
 use clap::Args;
+use std::sync::{Arc, RwLock};
 
 #[derive(Debug, Args)]
 pub struct Serve {}
 
 impl Serve {
-    pub fn run(self, _g: &super::Global) -> anyhow::Result<i32> {
-        super::not_built("serve", "the service is issue #6")
+    pub fn run(self, g: &super::Global) -> anyhow::Result<i32> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .context("cannot start the async runtime")?;
+        runtime.block_on(run(g))
     }
+}
+
+fn token_of(config: &crate::config::Config) -> anyhow::Result<Option<String>> {
+    match serve::read_token(&config.http.token_file) {
+        Ok(t) => Ok(Some(t)),
+        // Missing: serve /healthz and refuse the rest until a token exists (first-start
+        // generation is the package's job). Unsafe (readable by others): refuse to start.
+        Err(e) if !config.http.token_file.exists() => {
+            tracing::error!(error = %e, "no token: /v1/status and /metrics will answer 503");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+async fn run(g: &super::Global) -> anyhow::Result<i32> {
+    // Signals first: systemd may send SIGHUP or SIGTERM as soon as READY=1 is out.
+    let mut term =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let mut hup =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).context("cannot watch SIGHUP")?;
+    let mut int =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    let mut config = g.load_config()?;
+    let mut inputs = Inputs {
+        sysroot: g.sysroot.clone(),
+        nvml_lib: g.nvml_lib.clone(),
+        token: token_of(&config)?,
+        config: config.clone(),
+        started_at: Timestamp::now(),
+    };
+    let listener = tokio::net::TcpListener::bind(config.http.listen)
+        .await
+        .with_context(|| format!("cannot listen on {} (http.listen)", config.http.listen))?;
+    tracing::info!(listen = %config.http.listen, "serving /healthz, /v1/status, /metrics");
+    let shared: Shared = Arc::new(RwLock::new(None));
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let server = tokio::spawn(http::serve(listener, shared.clone(), async move {
+        let _ = stop_rx.wait_for(|s| *s).await;
+    }));
+
+    let mut seq = Seq::load(&config.agent.state_dir);
+    let publish = |p: Published| {
+        let status = p.summary.clone();
+        match shared.write() {
+            Ok(mut guard) => *guard = Some(Arc::new(p)),
+            Err(poisoned) => *poisoned.into_inner() = Some(Arc::new(p)),
+        }
+        status
+    };
+    let snap = |inputs: Inputs, n: u64| tokio::task::spawn_blocking(move || serve::take_snapshot(&inputs, n));
+
+    let first = snap(inputs.clone(), seq.take()).await.context("the first snapshot failed")?;
+    let status = publish(first);
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
+    tracing::info!(%status, "ready");
+
+    let mut watchdog = watchdog_interval();
+    let mut ticker = tokio::time::interval(serve::SNAPSHOT_INTERVAL);
+    ticker.tick().await; // the first tick is immediate; the first snapshot is taken already
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {
+                match snap(inputs.clone(), seq.take()).await {
+                    Ok(p) => {
+                        let status = publish(p);
+                        let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+                    }
+                    Err(e) => tracing::error!(error = %e, "snapshot failed; serving the previous one"),
+                }
+            }
+            _ = async { match watchdog.as_mut() { Some(w) => { w.tick().await; } None => std::future::pending::<()>().await } } => {
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+            }
+            _ = hup.recv() => {
+                let reloaded = g.load_config().and_then(|new| token_of(&new).map(|token| (new, token)));
+                let status = match reloaded {
+                    Ok((new, token)) => {
+                        config = new;
+                        inputs.config = config.clone();
+                        inputs.token = token;
+                        tracing::info!("configuration reloaded");
+                        "configuration reloaded".to_string()
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "reload refused: keeping the previous configuration");
+                        format!("reload refused, previous configuration kept: {e}")
+                    }
+                };
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+            }
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+        }
+    }
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping, sd_notify::NotifyState::Status("stopping")]);
+    let _ = stop_tx.send(true);
+    let _ = server.await;
+    tracing::info!("stopped");
+    Ok(0)
+}
+
+/// Half of `WatchdogSec`, when systemd set one for this process.
+fn watchdog_interval() -> Option<tokio::time::Interval> {
+    let every = sd_notify::watchdog_enabled().filter(|d| !d.is_zero())?;
+    Some(tokio::time::interval(every / 2))
 }

@@ -1,0 +1,369 @@
+//! Prometheus metrics from a snapshot and its report, rendered once per snapshot (never per
+//! scrape) in both formats a scraper may ask for:
+//! - OpenMetrics 1.0 (prometheus-client's encoder), for `Accept: application/openmetrics-text`;
+//! - the classic text format 0.0.4, derived from it, which `promtool check metrics` lints
+//!   cleanly (OpenMetrics' counter family naming reads as lint errors there).
+//!
+//! Names follow Prometheus conventions: `phq_` prefix, snake_case, base units (celsius, watts,
+//! bytes, hertz, ratio), `_total` on counters. With `metrics.dcgm_compat`, the dcgm-exporter
+//! names and labels are added so NVIDIA's Grafana dashboard works unchanged.
+
+use crate::checks::Severity;
+use crate::report::{Health, Report};
+use crate::snapshot::{FabricState, Nv, NvmlGpu, Snapshot};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+type Labels = Vec<(String, String)>;
+type FGauge = Family<Labels, Gauge<f64, AtomicU64>>;
+type FCounter = Family<Labels, Counter<u64>>;
+
+/// Both renderings of one snapshot's metrics.
+#[derive(Debug, Clone, Default)]
+pub struct Rendered {
+    pub openmetrics: String,
+    pub text: String,
+}
+
+struct Families {
+    registry: Registry,
+}
+
+impl Families {
+    fn gauge(&mut self, name: &str, help: &str) -> FGauge {
+        let f = FGauge::default();
+        self.registry.register(name, help, f.clone());
+        f
+    }
+    fn counter(&mut self, name: &str, help: &str) -> FCounter {
+        let f = FCounter::default();
+        // prometheus-client appends `_total` to counter samples; register the family name.
+        self.registry.register(name.trim_end_matches("_total"), help, f.clone());
+        f
+    }
+}
+
+fn l(pairs: &[(&str, &str)]) -> Labels {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+fn set<T: Copy + Into<f64>>(f: &FGauge, labels: &Labels, v: &Nv<T>) {
+    if let Nv::Value(x) = v {
+        f.get_or_create(labels).set((*x).into());
+    }
+}
+
+pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
+    let mut fam = Families { registry: Registry::default() };
+    let info = fam.gauge("phq_agent_info", "The agent's version and id; always 1");
+    info.get_or_create(&l(&[("version", &r.agent.version), ("agent_id", &r.agent.agent_id)])).set(1.0);
+    let health = fam.gauge("phq_health_state", "1 for the VM's current health state, 0 for the others");
+    for (name, h) in [
+        ("healthy", Health::Healthy),
+        ("degraded", Health::Degraded),
+        ("unhealthy", Health::Unhealthy),
+        ("unknown", Health::Unknown),
+    ] {
+        health.get_or_create(&l(&[("state", name)])).set(if r.health == h { 1.0 } else { 0.0 });
+    }
+    let check = fam.gauge("phq_check_status", "Each check's result: 0 pass, 1 warn, 2 fail, 3 unknown");
+    for f in &r.findings {
+        let v = match f.severity {
+            Severity::Pass => 0.0,
+            Severity::Warn => 1.0,
+            Severity::Fail => 2.0,
+            Severity::Unknown => 3.0,
+        };
+        check.get_or_create(&l(&[("check", &f.id), ("gpu", f.gpu.as_deref().unwrap_or(""))])).set(v);
+    }
+
+    let gpu_info = fam.gauge("phq_gpu_info", "One series per GPU with its identity; always 1");
+    let temp = fam.gauge("phq_gpu_temperature_celsius", "GPU core temperature");
+    let slowdown =
+        fam.gauge("phq_gpu_slowdown_temperature_celsius", "Temperature at which the GPU starts to slow down");
+    let power = fam.gauge("phq_gpu_power_usage_watts", "Power draw");
+    let power_limit = fam.gauge("phq_gpu_power_limit_watts", "Enforced power limit");
+    let mem_total = fam.gauge("phq_gpu_memory_total_bytes", "Device memory");
+    let mem_used = fam.gauge("phq_gpu_memory_used_bytes", "Device memory in use");
+    let sm_clock = fam.gauge("phq_gpu_sm_clock_hertz", "SM clock");
+    let mem_clock = fam.gauge("phq_gpu_memory_clock_hertz", "Memory clock");
+    let util = fam.gauge("phq_gpu_utilization_ratio", "Fraction of time a kernel ran over the last sample period");
+    let throttle = fam.gauge("phq_gpu_clock_event_active", "1 while a clock-event (throttle) reason is active");
+    let ecc_vol = fam.gauge("phq_gpu_ecc_volatile_errors", "ECC errors since the last GPU reset, by type");
+    let ecc_agg = fam.counter("phq_gpu_ecc_aggregate_errors_total", "ECC errors over the GPU's life, by type");
+    let remapped = fam.gauge("phq_gpu_remapped_rows", "Rows remapped, by the kind of error that caused it");
+    let remap_pending = fam.gauge("phq_gpu_row_remap_pending", "1 while a row remap waits for a GPU reset");
+    let remap_failure = fam.gauge("phq_gpu_row_remap_failure", "1 when a row could not be remapped");
+    let pcie_gen = fam.gauge("phq_gpu_pcie_link_generation", "PCIe link generation, current and max");
+    let pcie_width = fam.gauge("phq_gpu_pcie_link_width_lanes", "PCIe link width, current and max");
+    let replays = fam.counter("phq_gpu_pcie_replays_total", "PCIe replays since the driver loaded");
+    let nvlink_active = fam.gauge("phq_gpu_nvlink_links_active", "NVLinks that are up");
+    let nvlink_err =
+        fam.counter("phq_gpu_nvlink_errors_total", "NVLink error counters summed over the GPU's links, by type");
+    let fabric = fam.gauge("phq_gpu_fabric_state", "1 for the GPU's NVSwitch fabric state");
+    let xid = fam.counter("phq_gpu_xid_errors_total", "Xid reports since boot, by code: every repeat counts");
+
+    let hostname = s.host.hostname.clone().unwrap_or_default();
+    let mut dcgm = dcgm_compat.then(|| Dcgm::new(&mut fam));
+    for g in &r.gpus {
+        let nv = s.nvml_gpu(&g.pci_address);
+        let uuid = g.uuid.clone().unwrap_or_default();
+        let base = l(&[("gpu", &g.pci_address), ("uuid", &uuid)]);
+        gpu_info
+            .get_or_create(&l(&[
+                ("gpu", &g.pci_address),
+                ("uuid", &uuid),
+                ("model", &g.model),
+                ("pci_id", &g.pci_id),
+                ("driver", g.driver.as_deref().unwrap_or("")),
+            ]))
+            .set(1.0);
+        for x in &g.xids {
+            let mut labels = base.clone();
+            labels.push(("xid".into(), x.code.clone()));
+            xid.get_or_create(&labels).inc_by(x.count as u64);
+        }
+        let Some(n) = nv else { continue };
+        set(&temp, &base, &n.temperature_c);
+        set(&slowdown, &base, &n.slowdown_temperature_c);
+        set(&power, &base, &n.power_usage_mw.map_value(|mw| *mw as f64 / 1000.0));
+        set(&power_limit, &base, &n.power_limit_mw.map_value(|mw| *mw as f64 / 1000.0));
+        set(&mem_total, &base, &n.memory.map_value(|m| m.total_bytes as f64));
+        set(&mem_used, &base, &n.memory.map_value(|m| m.used_bytes as f64));
+        set(&sm_clock, &base, &n.sm_clock_mhz.map_value(|c| *c as f64 * 1e6));
+        set(&mem_clock, &base, &n.mem_clock_mhz.map_value(|c| *c as f64 * 1e6));
+        set(&util, &base, &n.utilization.map_value(|u| u.gpu as f64 / 100.0));
+        if let Nv::Value(reasons) = &n.throttle_reasons {
+            for (_, name) in crate::collect::nvml::THROTTLE_REASONS {
+                let mut labels = base.clone();
+                labels.push(("reason".into(), name.to_string()));
+                throttle.get_or_create(&labels).set(if reasons.iter().any(|r| r == name) { 1.0 } else { 0.0 });
+            }
+        }
+        for (kind, v) in [
+            ("corrected", n.ecc_volatile.map_value(|e| e.corrected as f64)),
+            ("uncorrected", n.ecc_volatile.map_value(|e| e.uncorrected as f64)),
+        ] {
+            let mut labels = base.clone();
+            labels.push(("type".into(), kind.into()));
+            set(&ecc_vol, &labels, &v);
+        }
+        if let Nv::Value(e) = &n.ecc_aggregate {
+            for (kind, v) in [("corrected", e.corrected), ("uncorrected", e.uncorrected)] {
+                let mut labels = base.clone();
+                labels.push(("type".into(), kind.into()));
+                ecc_agg.get_or_create(&labels).inc_by(v);
+            }
+        }
+        if let Nv::Value(rr) = &n.remapped_rows {
+            for (kind, v) in [("correctable", rr.correctable), ("uncorrectable", rr.uncorrectable)] {
+                let mut labels = base.clone();
+                labels.push(("type".into(), kind.into()));
+                remapped.get_or_create(&labels).set(v as f64);
+            }
+            remap_pending.get_or_create(&base).set(if rr.pending { 1.0 } else { 0.0 });
+            remap_failure.get_or_create(&base).set(if rr.failure { 1.0 } else { 0.0 });
+        }
+        for (which, gen_v, width_v) in
+            [("current", &n.pcie.gen_current, &n.pcie.width_current), ("max", &n.pcie.gen_max, &n.pcie.width_max)]
+        {
+            let mut labels = base.clone();
+            labels.push(("link".into(), which.into()));
+            set(&pcie_gen, &labels, gen_v);
+            set(&pcie_width, &labels, width_v);
+        }
+        if let Nv::Value(c) = n.pcie.replay_counter {
+            replays.get_or_create(&base).inc_by(c as u64);
+        }
+        if let Nv::Value(links) = &n.nvlinks {
+            nvlink_active.get_or_create(&base).set(links.iter().filter(|k| k.active == Nv::Value(true)).count() as f64);
+            for (kind, pick) in [("replay", 0), ("recovery", 1), ("crc_flit", 2), ("crc_data", 3)] {
+                let sum: u64 = links
+                    .iter()
+                    .filter_map(|k| {
+                        [&k.replay_errors, &k.recovery_errors, &k.crc_flit_errors, &k.crc_data_errors][pick]
+                            .value()
+                            .copied()
+                    })
+                    .sum();
+                let mut labels = base.clone();
+                labels.push(("type".into(), kind.into()));
+                nvlink_err.get_or_create(&labels).inc_by(sum);
+            }
+        }
+        if let Nv::Value(f) = &n.fabric {
+            for (name, st) in [
+                ("not_supported", FabricState::NotSupported),
+                ("not_started", FabricState::NotStarted),
+                ("in_progress", FabricState::InProgress),
+                ("completed", FabricState::Completed),
+            ] {
+                let mut labels = base.clone();
+                labels.push(("state".into(), name.into()));
+                fabric.get_or_create(&labels).set(if f.state == st { 1.0 } else { 0.0 });
+            }
+        }
+        if let Some(d) = dcgm.as_mut() {
+            d.add(
+                n,
+                &uuid,
+                &g.model,
+                &hostname,
+                &g.pci_address,
+                g.xids.first().and_then(|x| x.code.parse::<f64>().ok()),
+            );
+        }
+    }
+    let mut openmetrics = String::new();
+    // Writing into a String cannot fail; an encoder error would be a bug in a metric name.
+    if encode(&mut openmetrics, &fam.registry).is_err() {
+        openmetrics.clear();
+    }
+    let text = to_text_format(&openmetrics);
+    Rendered { openmetrics, text }
+}
+
+/// The dcgm-exporter names NVIDIA's Grafana dashboard (12239) reads, with its labels.
+struct Dcgm {
+    temp: FGauge,
+    power: FGauge,
+    fb_used: FGauge,
+    fb_free: FGauge,
+    util: FGauge,
+    sm_clock: FGauge,
+    mem_clock: FGauge,
+    xid: FGauge,
+    replay: FGauge,
+}
+
+impl Dcgm {
+    fn new(f: &mut Families) -> Dcgm {
+        Dcgm {
+            temp: f.gauge("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)"),
+            power: f.gauge("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W)"),
+            fb_used: f.gauge("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB)"),
+            fb_free: f.gauge("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB)"),
+            util: f.gauge("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %)"),
+            sm_clock: f.gauge("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz)"),
+            mem_clock: f.gauge("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz)"),
+            xid: f.gauge("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered"),
+            replay: f.gauge("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "Total number of PCIe retries"),
+        }
+    }
+
+    fn add(&mut self, n: &NvmlGpu, uuid: &str, model: &str, hostname: &str, pci: &str, last_xid: Option<f64>) {
+        let idx = n.index.to_string();
+        let device = format!("nvidia{}", n.index);
+        let labels = l(&[
+            ("gpu", &idx),
+            ("UUID", uuid),
+            ("pci_bus_id", pci),
+            ("device", &device),
+            ("modelName", model),
+            ("Hostname", hostname),
+        ]);
+        set(&self.temp, &labels, &n.temperature_c);
+        set(&self.power, &labels, &n.power_usage_mw.map_value(|mw| *mw as f64 / 1000.0));
+        set(&self.fb_used, &labels, &n.memory.map_value(|m| (m.used_bytes >> 20) as f64));
+        set(&self.fb_free, &labels, &n.memory.map_value(|m| (m.total_bytes.saturating_sub(m.used_bytes) >> 20) as f64));
+        set(&self.util, &labels, &n.utilization.map_value(|u| u.gpu as f64));
+        set(&self.sm_clock, &labels, &n.sm_clock_mhz);
+        set(&self.mem_clock, &labels, &n.mem_clock_mhz);
+        set(&self.replay, &labels, &n.pcie.replay_counter);
+        self.xid.get_or_create(&labels).set(last_xid.unwrap_or(0.0));
+    }
+}
+
+/// OpenMetrics → Prometheus text 0.0.4: drop `# EOF` and `# UNIT`, and give counters their
+/// `_total` name in `# HELP`/`# TYPE`, as the classic format expects.
+pub fn to_text_format(om: &str) -> String {
+    let mut counters: Vec<String> = Vec::new();
+    for line in om.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            if let Some((name, "counter")) = rest.split_once(' ') {
+                counters.push(name.to_string());
+            }
+        }
+    }
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters.iter().any(|c| c == name).then(|| format!("{p}{name}_total {tail}"))
+        });
+        out.push_str(renamed.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checks::testutil::healthy;
+
+    fn rendered(dcgm: bool) -> Rendered {
+        let s = healthy();
+        let findings = crate::checks::run(&s, &crate::checks::Settings::default());
+        let r = crate::report::build(&s, findings, "vm-1".into(), s.observed_at, 1);
+        render(&s, &r, dcgm)
+    }
+
+    #[test]
+    fn openmetrics_and_text_carry_the_same_samples() {
+        let m = rendered(false);
+        assert!(m.openmetrics.ends_with("# EOF\n"));
+        assert!(!m.text.contains("# EOF"));
+        let samples = |t: &str| t.lines().filter(|l| !l.starts_with('#')).count();
+        assert_eq!(samples(&m.openmetrics), samples(&m.text));
+        assert!(
+            m.text.contains("# TYPE phq_gpu_xid_errors_total counter") || !m.text.contains("phq_gpu_xid_errors_total{")
+        );
+        assert!(m.text.contains("# TYPE phq_gpu_pcie_replays_total counter"));
+        assert!(m.openmetrics.contains("# TYPE phq_gpu_pcie_replays counter"));
+        assert!(
+            m.text.contains(
+                r#"phq_gpu_temperature_celsius{gpu="0000:09:00.0",uuid="GPU-3f1c0b7e-0000-4000-8000-000000000009"} 31"#
+            ),
+            "{}",
+            m.text
+        );
+        assert!(m.text.contains(r#"phq_gpu_power_usage_watts{gpu="0000:09:00.0""#));
+        assert!(m.text.contains(r#"phq_health_state{state="healthy"} 1"#));
+    }
+
+    #[test]
+    fn dcgm_names_only_when_asked() {
+        assert!(!rendered(false).text.contains("DCGM_FI_DEV_GPU_TEMP"));
+        let m = rendered(true);
+        assert!(m.text.contains(r#"DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-3f1c0b7e-0000-4000-8000-000000000009",pci_bus_id="0000:09:00.0",device="nvidia0",modelName="H100 SXM5 80GB",Hostname="vm"} 31"#), "{}", m.text);
+    }
+
+    #[test]
+    fn xid_repeats_are_counted() {
+        let mut s = healthy();
+        if let crate::snapshot::NvmlStatus::Ok(n) = &mut s.nvml {
+            n.xid_events = vec![
+                crate::snapshot::NvmlXid { gpu: "0000:0c:00.0".into(), xid: 79 },
+                crate::snapshot::NvmlXid { gpu: "0000:0c:00.0".into(), xid: 79 },
+            ];
+        }
+        let r = crate::report::build(
+            &s,
+            crate::checks::run(&s, &crate::checks::Settings::default()),
+            "vm".into(),
+            s.observed_at,
+            1,
+        );
+        let m = render(&s, &r, false);
+        assert!(m.text.contains(r#"phq_gpu_xid_errors_total{gpu="0000:0c:00.0",uuid="GPU-3f1c0b7e-0003-4000-8000-00000000000c",xid="79"} 2"#) || m.text.contains(r#"xid="79"} 2"#), "{}", m.text);
+    }
+}

@@ -1,0 +1,137 @@
+//! serve: the systemd service. One loop, with these rules:
+//!
+//! 1. A snapshot (collect → check → report) is taken at start, then every `SNAPSHOT_INTERVAL`,
+//!    and at once when NVML reports an Xid. Collecting is blocking I/O: it runs on the blocking
+//!    pool, one at a time; a request never triggers one.
+//! 2. Each snapshot is published whole (report JSON and both metrics renderings together) by
+//!    swapping one `Arc`; readers see the previous one until the swap, never a mix.
+//! 3. `READY=1` goes to systemd after the first publish, with a `STATUS=` line a person can read
+//!    in `systemctl status`; watchdog pings follow at half `WatchdogSec` while the loop runs.
+//! 4. SIGTERM/SIGINT: `STOPPING=1`, stop accepting, exit 0. SIGHUP: reload config and token;
+//!    an invalid new config is logged and the old one kept.
+//! 5. `seq` grows by one per snapshot and is persisted in `state_dir/seq` (atomic rename), so it
+//!    keeps growing across restarts.
+
+pub mod http;
+pub mod metrics;
+
+use crate::checks::{self, Settings};
+use crate::collect::NvmlSource;
+use crate::config::Config;
+use crate::report::{self, Health};
+use crate::snapshot::Timestamp;
+use crate::sysroot::Sysroot;
+use axum::body::Bytes;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+pub const SNAPSHOT_INTERVAL: Duration = Duration::from_secs(30);
+
+/// What the endpoints answer from: one snapshot, rendered once.
+#[derive(Debug, Clone)]
+pub struct Published {
+    pub health: Health,
+    pub report_json: Bytes,
+    pub metrics_text: Bytes,
+    pub metrics_openmetrics: Bytes,
+    /// The bearer token for `/v1/status` and `/metrics`; `None` refuses them.
+    pub token: Option<String>,
+    pub summary: String,
+}
+
+pub type Shared = Arc<RwLock<Option<Arc<Published>>>>;
+
+/// Reads the bearer token. A file that group or others can read is refused: the token is the
+/// only thing between the cluster network and the report.
+pub fn read_token(path: &Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        anyhow::bail!(
+            "{}: mode {mode:04o} lets other users read the token; refusing it (chmod 600 {})",
+            path.display(),
+            path.display()
+        );
+    }
+    let token =
+        std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?.trim().to_string();
+    if token.len() < 16 {
+        anyhow::bail!("{}: the token is shorter than 16 characters", path.display());
+    }
+    Ok(token)
+}
+
+/// The `seq` persisted in `state_dir`.
+pub struct Seq {
+    path: PathBuf,
+    next: u64,
+}
+
+impl Seq {
+    pub fn load(state_dir: &Path) -> Seq {
+        let path = state_dir.join("seq");
+        let last = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse::<u64>().ok()).unwrap_or(0);
+        Seq { path, next: last + 1 }
+    }
+
+    /// The next number; written down first so a crash never hands the same number out twice.
+    pub fn take(&mut self) -> u64 {
+        let n = self.next;
+        self.next += 1;
+        let tmp = self.path.with_extension("tmp");
+        let written = std::fs::create_dir_all(self.path.parent().unwrap_or(Path::new(".")))
+            .and_then(|()| std::fs::write(&tmp, n.to_string()))
+            .and_then(|()| {
+                std::fs::File::open(&tmp)?.sync_all()?;
+                std::fs::rename(&tmp, &self.path)
+            });
+        if let Err(e) = written {
+            tracing::warn!(path = %self.path.display(), error = %e, "cannot persist seq; it restarts from 1 after a restart");
+        }
+        n
+    }
+}
+
+/// Everything one snapshot needs, cloned into the blocking task.
+#[derive(Clone)]
+pub struct Inputs {
+    pub sysroot: PathBuf,
+    pub nvml_lib: Option<PathBuf>,
+    pub config: Config,
+    pub token: Option<String>,
+    pub started_at: Timestamp,
+}
+
+/// Collects, checks and renders one snapshot.
+pub fn take_snapshot(inputs: &Inputs, seq: u64) -> Published {
+    let root = Sysroot::new(&inputs.sysroot);
+    let snapshot = crate::collect::snapshot(&root, &NvmlSource::choose(inputs.nvml_lib.as_deref(), &root));
+    let findings = checks::run(&snapshot, &Settings::from(&inputs.config));
+    let report = report::build(
+        &snapshot,
+        findings,
+        report::agent_id(&inputs.config.agent.id, &snapshot),
+        inputs.started_at,
+        seq,
+    );
+    let m = metrics::render(&snapshot, &report, inputs.config.metrics.dcgm_compat);
+    let count = |sev| report.findings.iter().filter(|f| f.severity == sev).count();
+    let summary = format!(
+        "{} GPU(s), {}: {} failed, {} warning(s); snapshot {}",
+        report.gpus.len(),
+        format!("{:?}", report.health).to_lowercase(),
+        count(checks::Severity::Fail),
+        count(checks::Severity::Warn),
+        report.observed_at
+    );
+    Published {
+        health: report.health,
+        report_json: Bytes::from(serde_json::to_vec(&report).unwrap_or_default()),
+        metrics_text: Bytes::from(m.text),
+        metrics_openmetrics: Bytes::from(m.openmetrics),
+        token: inputs.token.clone(),
+        summary,
+    }
+}

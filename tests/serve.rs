@@ -1,0 +1,218 @@
+//! `phq-agent serve` as systemd runs it: the real binary, real HTTP on 127.0.0.1, sd_notify
+//! messages on a datagram socket, signals. Hostile clients are plain TCP sockets.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixDatagram;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "tok-3f1c0b7e0000400080000000";
+
+struct Agent {
+    child: Child,
+    port: u16,
+    notify: UnixDatagram,
+    _dir: tempfile::TempDir,
+    _bus: PrivateBus,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Starts serve over the healthy 8-GPU fixture, the fake NVML and a private bus, with a
+/// private NOTIFY_SOCKET; `token_mode` is the token file's mode.
+fn start(token_mode: u32, state_dir: Option<&Path>) -> (Agent, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let token = dir.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(token_mode)).unwrap();
+    let state = state_dir.map(Path::to_path_buf).unwrap_or_else(|| dir.path().join("state"));
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:{port}\"\ntoken_file = \"{}\"\n",
+            state.display(),
+            token.display()
+        ),
+    )
+    .unwrap();
+    let notify_path = dir.path().join("notify");
+    let notify = UnixDatagram::bind(&notify_path).unwrap();
+    notify.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let bus = PrivateBus::start(HEALTHY_UNITS);
+    let child = Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .arg("--sysroot")
+        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
+        .arg("--nvml-lib")
+        .arg(fake_nvml())
+        .env("PHQ_FAKE_NVML_SCENARIO", repo().join("examples/scenarios/hgx-8gpu-healthy.json"))
+        .env("NOTIFY_SOCKET", &notify_path)
+        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    (Agent { child, port, notify, _dir: dir, _bus: bus }, cfg)
+}
+
+fn recv(notify: &UnixDatagram) -> String {
+    let mut buf = [0u8; 4096];
+    let n = notify.recv(&mut buf).expect("an sd_notify message");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+fn wait_ready(a: &Agent) -> String {
+    let msg = recv(&a.notify);
+    assert!(msg.contains("READY=1"), "{msg}");
+    msg
+}
+
+/// A raw HTTP/1.1 GET; returns (status, headers+body).
+fn get(port: u16, path: &str, extra: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{extra}\r\n").unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, out)
+}
+
+fn body(resp: &str) -> &str {
+    resp.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("")
+}
+
+fn auth() -> String {
+    format!("Authorization: Bearer {TOKEN}\r\n")
+}
+
+#[test]
+fn ready_after_the_first_snapshot_then_serves_with_credentials_only() {
+    let (a, _) = start(0o600, None);
+    let ready = wait_ready(&a);
+    assert!(ready.contains("STATUS=8 GPU(s)"), "a STATUS= line a person can read: {ready}");
+
+    let (code, r) = get(a.port, "/healthz", "");
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(body(&r), "degraded\n"); // healthy fixture, but the CUDA checks are unknown here
+
+    for path in ["/v1/status", "/metrics"] {
+        assert_eq!(get(a.port, path, "").0, 401, "{path} without a token");
+        let (code, r) = get(a.port, path, "Authorization: Bearer wrong-token-of-some-length\r\n");
+        assert_eq!(code, 401, "{path} with a wrong token");
+        assert!(r.to_ascii_lowercase().contains("www-authenticate: bearer"));
+    }
+    let (code, r) = get(a.port, "/v1/status", &auth());
+    assert_eq!(code, 200);
+    let report: Value = serde_json::from_str(body(&r)).unwrap();
+    validate(&report);
+    assert_eq!(report["gpus"].as_array().unwrap().len(), 8);
+    assert!(report["seq"].as_u64().unwrap() >= 1);
+
+    let (code, r) = get(a.port, "/metrics", &auth());
+    assert_eq!(code, 200);
+    assert!(r.contains("text/plain; version=0.0.4"));
+    assert!(body(&r).contains("phq_gpu_temperature_celsius{"));
+    assert!(!body(&r).contains("# EOF"));
+    let (_, r) = get(a.port, "/metrics", &format!("{}Accept: application/openmetrics-text;version=1.0.0\r\n", auth()));
+    assert!(r.contains("application/openmetrics-text; version=1.0.0"));
+    assert!(body(&r).trim_end().ends_with("# EOF"));
+    assert_eq!(get(a.port, "/nothing-here", &auth()).0, 404);
+}
+
+#[test]
+fn sigterm_stops_cleanly_and_seq_survives_a_restart() {
+    let state = tempfile::tempdir().unwrap();
+    let (mut a, _) = start(0o600, Some(state.path()));
+    wait_ready(&a);
+    let (_, r) = get(a.port, "/v1/status", &auth());
+    let first: u64 = serde_json::from_str::<Value>(body(&r)).unwrap()["seq"].as_u64().unwrap();
+    unsafe { libc::kill(a.child.id() as i32, libc::SIGTERM) };
+    let stopping = recv(&a.notify);
+    assert!(stopping.contains("STOPPING=1"), "{stopping}");
+    let status = a.child.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+
+    let (b, _) = start(0o600, Some(state.path()));
+    wait_ready(&b);
+    let (_, r) = get(b.port, "/v1/status", &auth());
+    let second: u64 = serde_json::from_str::<Value>(body(&r)).unwrap()["seq"].as_u64().unwrap();
+    assert!(second > first, "seq must keep growing across restarts: {first} then {second}");
+}
+
+#[test]
+fn a_token_file_others_can_read_is_refused() {
+    let (mut a, _) = start(0o644, None);
+    let status = a.child.wait().unwrap();
+    assert_ne!(status.code(), Some(0));
+    let mut err = String::new();
+    a.child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(err.contains("mode 0644") && err.contains("chmod 600"), "{err}");
+}
+
+#[test]
+fn hostile_clients_do_not_stop_healthz() {
+    let (a, _) = start(0o600, None);
+    wait_ready(&a);
+    // slowloris: a request line, then nothing.
+    let mut slow: Vec<TcpStream> = (0..20)
+        .map(|_| {
+            let mut s = TcpStream::connect(("127.0.0.1", a.port)).unwrap();
+            s.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n").unwrap();
+            s
+        })
+        .collect();
+    // oversize headers
+    let huge = format!("X-Junk: {}\r\n", "a".repeat(64 * 1024));
+    let (code, _) = get(a.port, "/healthz", &huge);
+    assert!(code == 431 || code == 0 || code == 400, "oversize headers got {code}");
+    // healthz keeps answering meanwhile
+    let t = Instant::now();
+    assert_eq!(get(a.port, "/healthz", "").0, 200);
+    assert!(t.elapsed() < Duration::from_secs(5));
+    // and the slow connections are cut once the header timeout passes
+    std::thread::sleep(Duration::from_secs(6));
+    let mut closed = 0;
+    for s in slow.iter_mut() {
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut buf = [0u8; 256];
+        match s.read(&mut buf) {
+            Ok(0) => closed += 1,
+            Ok(_) => closed += 1, // an error response, then close
+            Err(_) => {}
+        }
+    }
+    assert_eq!(closed, 20, "slow clients must be cut after the header timeout");
+}
+
+#[test]
+fn sighup_reloads_and_a_bad_reload_keeps_the_old_config() {
+    let (a, cfg) = start(0o600, None);
+    wait_ready(&a);
+    let good = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, format!("{good}[agent]\n")).unwrap(); // duplicate table: invalid
+    unsafe { libc::kill(a.child.id() as i32, libc::SIGHUP) };
+    let msg = recv(&a.notify);
+    assert!(msg.contains("STATUS=reload refused, previous configuration kept"), "{msg}");
+    assert_eq!(get(a.port, "/healthz", "").0, 200, "still serving after a bad reload");
+    assert_eq!(get(a.port, "/v1/status", &auth()).0, 200);
+}
