@@ -1,5 +1,8 @@
 //! `phq-agent serve`: the systemd service (rules at the top of `serve`).
 
+use crate::collect::nvml::XidWatcher;
+use crate::report::Event;
+use crate::serve::push::{Pusher, Spool};
 use crate::serve::{self, http, Inputs, Published, Seq, Shared};
 use crate::snapshot::Timestamp;
 use anyhow::Context;
@@ -70,20 +73,95 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
     };
     let snap = |inputs: Inputs, n: u64| tokio::task::spawn_blocking(move || serve::take_snapshot(&inputs, n));
 
-    let first = snap(inputs.clone(), seq.take()).await.context("the first snapshot failed")?;
+    let (first, mut last_report) = snap(inputs.clone(), seq.take()).await.context("the first snapshot failed")?;
     let status = publish(first);
+
+    // Push: events through the spool, status latest-wins (rules in serve::push).
+    let (status_tx, status_rx) = tokio::sync::watch::channel::<Option<(u64, Vec<u8>)>>(None);
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let spool = if config.platform.url.is_empty() {
+        None
+    } else {
+        let spool = Spool::open(&config.agent.state_dir)
+            .with_context(|| format!("{}: cannot open the spool", config.agent.state_dir.display()))?;
+        let agent_id = last_report.agent.agent_id.clone();
+        let pusher = Pusher::new(&config.platform, &agent_id, spool.clone())?;
+        tokio::spawn(pusher.run(status_rx, wake.clone(), stop_tx.subscribe()));
+        tracing::info!(url = %config.platform.url, spooled = spool.len(), "pushing reports");
+        Some(spool)
+    };
+    let push_status = |report: &crate::report::Report| {
+        let _ = status_tx.send(Some((report.seq, serde_json::to_vec(report).unwrap_or_default())));
+    };
+    push_status(&last_report);
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
     tracing::info!(%status, "ready");
+
+    // Xids from NVML as they happen, from their own thread.
+    let (xid_tx, mut xid_rx) = tokio::sync::mpsc::unbounded_channel();
+    let _watcher = match crate::collect::NvmlSource::choose(
+        g.nvml_lib.as_deref(),
+        &crate::sysroot::Sysroot::new(&g.sysroot),
+    ) {
+        crate::collect::NvmlSource::Library(lib) => match XidWatcher::start(&lib) {
+            Ok((w, rx)) => {
+                std::thread::Builder::new()
+                    .name("xid-forward".into())
+                    .spawn(move || {
+                        for x in rx {
+                            if xid_tx.send(x).is_err() {
+                                return;
+                            }
+                        }
+                    })
+                    .context("cannot start the Xid forwarding thread")?;
+                Some(w)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e.message, "Xid events are not watched; the kernel log still shows them at each snapshot");
+                None
+            }
+        },
+        crate::collect::NvmlSource::Skip(_) => None,
+    };
+
+    // Writes an event to the spool before anything else happens with it.
+    let spool_event = |seq: &mut Seq, base: &crate::report::Report, event: Event| {
+        let Some(spool) = &spool else { return };
+        let mut r = base.clone();
+        r.seq = seq.take();
+        r.event = Some(event);
+        let body = serde_json::to_vec(&r).unwrap_or_default();
+        match spool.put(r.seq, &body) {
+            Ok(()) => wake.notify_one(),
+            // A full disk must not lose the event silently: say what and where.
+            Err(e) => tracing::error!(seq = r.seq, error = %e, "cannot write an event to the spool"),
+        }
+    };
 
     let mut watchdog = watchdog_interval();
     let mut ticker = tokio::time::interval(serve::SNAPSHOT_INTERVAL);
     ticker.tick().await; // the first tick is immediate; the first snapshot is taken already
     loop {
         tokio::select! {
+            // Signals, then Xids (spooled before anything else), then the schedule.
+            biased;
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            Some(x) = xid_rx.recv() => {
+                tracing::warn!(gpu = %x.gpu, xid = x.xid, "Xid");
+                spool_event(&mut seq, &last_report, Event::Xid { gpu: x.gpu, xid: x.xid, source: "nvml".into() });
+                ticker.reset_immediately(); // judge the GPU again now
+            }
             _ = ticker.tick() => {
                 match snap(inputs.clone(), seq.take()).await {
-                    Ok(p) => {
+                    Ok((p, report)) => {
+                        for event in serve::severity_changes(&last_report, &report) {
+                            spool_event(&mut seq, &report, event);
+                        }
                         let status = publish(p);
+                        push_status(&report);
+                        last_report = report;
                         let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
                     }
                     Err(e) => tracing::error!(error = %e, "snapshot failed; serving the previous one"),
@@ -109,8 +187,6 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
                 };
                 let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
             }
-            _ = term.recv() => break,
-            _ = int.recv() => break,
         }
     }
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping, sd_notify::NotifyState::Status("stopping")]);

@@ -103,6 +103,17 @@ pub struct Report {
     pub probes: Option<serde_json::Value>,
     /// The installer's state; `null` when no install has run.
     pub install: Option<serde_json::Value>,
+    /// Set on a pushed event report: what happened. Absent on periodic status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<Event>,
+}
+
+/// Something that happened, pushed through the spool so that it is never lost.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Event {
+    Xid { gpu: String, xid: u64, source: String },
+    SeverityChange { check: String, gpu: Option<String>, from: Severity, to: Severity, summary: String },
 }
 
 /// The agent id: configured, else the VM firmware UUID, else the hostname.
@@ -187,5 +198,6 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
         findings,
         probes: None,
         install: None,
+        event: None,
     }
 }

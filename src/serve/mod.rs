@@ -14,6 +14,7 @@
 
 pub mod http;
 pub mod metrics;
+pub mod push;
 
 use crate::checks::{self, Settings};
 use crate::collect::NvmlSource;
@@ -104,8 +105,8 @@ pub struct Inputs {
     pub started_at: Timestamp,
 }
 
-/// Collects, checks and renders one snapshot.
-pub fn take_snapshot(inputs: &Inputs, seq: u64) -> Published {
+/// Collects, checks and renders one snapshot; the report comes back too, for the events.
+pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     let root = Sysroot::new(&inputs.sysroot);
     let snapshot = crate::collect::snapshot(&root, &NvmlSource::choose(inputs.nvml_lib.as_deref(), &root));
     let findings = checks::run(&snapshot, &Settings::from(&inputs.config));
@@ -126,12 +127,33 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> Published {
         count(checks::Severity::Warn),
         report.observed_at
     );
-    Published {
+    let published = Published {
         health: report.health,
         report_json: Bytes::from(serde_json::to_vec(&report).unwrap_or_default()),
         metrics_text: Bytes::from(m.text),
         metrics_openmetrics: Bytes::from(m.openmetrics),
         token: inputs.token.clone(),
         summary,
-    }
+    };
+    (published, report)
+}
+
+/// Findings whose severity changed from `before` to `after`, as events.
+pub fn severity_changes(before: &report::Report, after: &report::Report) -> Vec<report::Event> {
+    let key = |f: &checks::Finding| (f.id.clone(), f.gpu.clone());
+    let old: std::collections::HashMap<_, _> = before.findings.iter().map(|f| (key(f), f.severity)).collect();
+    after
+        .findings
+        .iter()
+        .filter_map(|f| {
+            let was = old.get(&key(f)).copied()?;
+            (was != f.severity).then(|| report::Event::SeverityChange {
+                check: f.id.clone(),
+                gpu: f.gpu.clone(),
+                from: was,
+                to: f.severity,
+                summary: f.summary.clone(),
+            })
+        })
+        .collect()
 }

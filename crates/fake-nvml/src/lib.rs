@@ -67,6 +67,9 @@ pub fn code(name: &str) -> Ret {
 }
 
 struct State {
+    /// nvmlInit_v2 calls not yet matched by nvmlShutdown: NVML counts them, and only the last
+    /// shutdown tears the library down (an agent has several handles open at once).
+    refs: usize,
     scenario: Scenario,
     started: Instant,
     /// Event sets: registered devices, and how many of each device's Xid events were delivered.
@@ -142,6 +145,12 @@ unsafe fn put<T>(out: *mut T, v: T) -> Ret {
 
 #[no_mangle]
 pub extern "C" fn nvmlInit_v2() -> Ret {
+    // Held throughout, so two first inits cannot both load the scenario.
+    let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(s) = guard.as_mut() {
+        s.refs += 1;
+        return OK;
+    }
     let scenario = match std::env::var("PHQ_FAKE_NVML_SCENARIO") {
         Ok(path) => match std::fs::read_to_string(&path)
             .map_err(|e| e.to_string())
@@ -161,8 +170,7 @@ pub extern "C" fn nvmlInit_v2() -> Ret {
     if let Some(e) = &scenario.init_error {
         return code(e);
     }
-    let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
-    *guard = Some(State { scenario, started: Instant::now(), sets: HashMap::new(), next_set: 1 });
+    *guard = Some(State { refs: 1, scenario, started: Instant::now(), sets: HashMap::new(), next_set: 1 });
     OK
 }
 
@@ -174,8 +182,15 @@ pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> Ret {
 #[no_mangle]
 pub extern "C" fn nvmlShutdown() -> Ret {
     let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
-    match guard.take() {
-        Some(_) => OK,
+    match guard.as_mut() {
+        Some(s) if s.refs > 1 => {
+            s.refs -= 1;
+            OK
+        }
+        Some(_) => {
+            *guard = None;
+            OK
+        }
         None => UNINITIALIZED,
     }
 }

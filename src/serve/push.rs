@@ -1,0 +1,271 @@
+//! Pushing reports to the platform: `POST {platform.url}/v1/agents/{agent_id}/reports`.
+//!
+//! The rules of the loop:
+//! 1. One request in flight at a time. Spooled events go before periodic status.
+//! 2. An event (an Xid, a finding changing severity) is written to the spool —
+//!    `state_dir/spool/<seq>.json`, written to a temporary name, fsynced, renamed, directory
+//!    fsynced — before anything tries to send it, and deleted only after the platform answered
+//!    2xx. A crash between the two sends it again: at least once. `Idempotency-Key:
+//!    {agent_id}:{seq}` lets the platform drop the repeat.
+//! 3. Events leave in seq order: the oldest spooled event is retried until it is accepted, and
+//!    nothing overtakes it.
+//! 4. Periodic status is latest-wins and never spooled: while the platform is away, a newer
+//!    status replaces the waiting one.
+//! 5. Failures back off exponentially (0.5 s doubling to `MAX_BACKOFF`) with jitter, so a fleet
+//!    of agents does not hammer a recovering platform in step.
+//! 6. A 4xx other than 408/429 is a refusal, not an outage: a refused event is moved to
+//!    `spool/refused/` (kept, logged, never silently dropped) so it cannot block the queue.
+//! 7. The spool is bounded at `MAX_SPOOLED` events; past that, new events are still written
+//!    (no event is ever dropped) and the overflow is logged once per crossing.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+pub const MAX_SPOOLED: usize = 10_000;
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The on-disk queue of events.
+#[derive(Debug, Clone)]
+pub struct Spool {
+    dir: PathBuf,
+}
+
+impl Spool {
+    pub fn open(state_dir: &Path) -> std::io::Result<Spool> {
+        let dir = state_dir.join("spool");
+        std::fs::create_dir_all(dir.join("refused"))?;
+        Ok(Spool { dir })
+    }
+
+    /// Writes an event durably. Returns once it is on disk.
+    pub fn put(&self, seq: u64, body: &[u8]) -> std::io::Result<()> {
+        let name = format!("{seq:020}.json");
+        let tmp = self.dir.join(format!(".{name}.tmp"));
+        {
+            let mut f = std::fs::File::create(&tmp)?;
+            std::io::Write::write_all(&mut f, body)?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, self.dir.join(&name))?;
+        std::fs::File::open(&self.dir)?.sync_all()?;
+        let n = self.len();
+        if n == MAX_SPOOLED + 1 {
+            tracing::warn!(spooled = n, dir = %self.dir.display(), "the spool passed its bound of {MAX_SPOOLED} events; events are kept, the platform is far behind");
+        }
+        Ok(())
+    }
+
+    /// The oldest event: (seq, path).
+    pub fn oldest(&self) -> Option<(u64, PathBuf)> {
+        self.entries().into_iter().next()
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn entries(&self) -> Vec<(u64, PathBuf)> {
+        let mut v: Vec<(u64, PathBuf)> = std::fs::read_dir(&self.dir)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .filter_map(|e| {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        let seq = name.strip_suffix(".json")?.parse::<u64>().ok()?;
+                        Some((seq, e.path()))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    fn refuse(&self, path: &Path) {
+        if let Some(name) = path.file_name() {
+            let _ = std::fs::rename(path, self.dir.join("refused").join(name));
+        }
+    }
+}
+
+/// What `deliver` learned from one attempt.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    Accepted,
+    /// Try again later (connection failure, timeout, 5xx, 408, 429).
+    Retry(String),
+    /// The platform refuses this report for good (other 4xx).
+    Refused(String),
+}
+
+pub struct Pusher {
+    client: reqwest::Client,
+    url: String,
+    agent_id: String,
+    token_file: PathBuf,
+    spool: Spool,
+}
+
+impl Pusher {
+    pub fn new(config: &crate::config::PlatformConfig, agent_id: &str, spool: Spool) -> anyhow::Result<Pusher> {
+        let mut builder = reqwest::Client::builder().timeout(REQUEST_TIMEOUT).connect_timeout(REQUEST_TIMEOUT);
+        if !config.ca_file.is_empty() {
+            let pem = std::fs::read(&config.ca_file)
+                .map_err(|e| anyhow::anyhow!("{} (platform.ca_file): {e}", config.ca_file))?;
+            let cert = reqwest::Certificate::from_pem(&pem)
+                .map_err(|e| anyhow::anyhow!("{} (platform.ca_file): not a PEM certificate: {e}", config.ca_file))?;
+            builder = builder.add_root_certificate(cert);
+        }
+        let url = format!("{}/v1/agents/{}/reports", config.url.trim_end_matches('/'), agent_id);
+        Ok(Pusher {
+            client: builder.build()?,
+            url,
+            agent_id: agent_id.to_string(),
+            token_file: config.token_file.clone(),
+            spool,
+        })
+    }
+
+    async fn deliver(&self, seq: u64, body: Vec<u8>) -> Outcome {
+        // Read each time: a token rotated on disk is used from the next attempt on.
+        let token = match std::fs::read_to_string(&self.token_file) {
+            Ok(t) => t.trim().to_string(),
+            Err(e) => return Outcome::Retry(format!("{} (platform.token_file): {e}", self.token_file.display())),
+        };
+        let sent = self
+            .client
+            .post(&self.url)
+            .bearer_auth(token)
+            .header("Idempotency-Key", format!("{}:{seq}", self.agent_id))
+            .header("Content-Type", "application/json")
+            .body(body)
+            .send()
+            .await;
+        match sent {
+            Err(e) => Outcome::Retry(format!("POST {}: {e}", self.url)),
+            Ok(r) if r.status().is_success() => Outcome::Accepted,
+            Ok(r) if r.status().is_server_error() || r.status() == 408 || r.status() == 429 => {
+                Outcome::Retry(format!("POST {}: {}", self.url, r.status()))
+            }
+            Ok(r) => Outcome::Refused(format!("POST {}: {}", self.url, r.status())),
+        }
+    }
+
+    /// Runs until `stop` fires. `status` carries the latest periodic report (seq, body);
+    /// `wake` is notified whenever an event was spooled.
+    pub async fn run(
+        self,
+        mut status: tokio::sync::watch::Receiver<Option<(u64, Vec<u8>)>>,
+        wake: Arc<tokio::sync::Notify>,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) {
+        let mut backoff = Duration::ZERO;
+        let mut pending_status: Option<(u64, Vec<u8>)> = None;
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            if !backoff.is_zero() {
+                tokio::select! {
+                    _ = tokio::time::sleep(jittered(backoff)) => {}
+                    _ = stop.changed() => return,
+                }
+            }
+            if status.has_changed().unwrap_or(false) {
+                pending_status = status.borrow_and_update().clone();
+            }
+            let attempt = if let Some((seq, path)) = self.spool.oldest() {
+                match std::fs::read(&path) {
+                    Ok(body) => Some((seq, body, Some(path))),
+                    Err(e) => {
+                        tracing::error!(path = %path.display(), error = %e, "unreadable spooled event; moving it aside");
+                        self.spool.refuse(&path);
+                        continue;
+                    }
+                }
+            } else {
+                pending_status.take().map(|(seq, body)| (seq, body, None))
+            };
+            let Some((seq, body, spooled)) = attempt else {
+                backoff = Duration::ZERO;
+                tokio::select! {
+                    _ = wake.notified() => {}
+                    _ = status.changed() => {}
+                    _ = stop.changed() => return,
+                }
+                continue;
+            };
+            match self.deliver(seq, body.clone()).await {
+                Outcome::Accepted => {
+                    backoff = Duration::ZERO;
+                    if let Some(p) = spooled {
+                        if let Err(e) = std::fs::remove_file(&p) {
+                            tracing::error!(path = %p.display(), error = %e, "delivered, but cannot remove it from the spool; it will be sent again");
+                        }
+                    }
+                }
+                Outcome::Retry(why) => {
+                    backoff = (backoff * 2).clamp(Duration::from_millis(500), MAX_BACKOFF);
+                    tracing::warn!(seq, retry_in = ?backoff, "platform unreachable: {why}");
+                    if spooled.is_none() && pending_status.is_none() {
+                        pending_status = Some((seq, body)); // a newer status will replace it
+                    }
+                }
+                Outcome::Refused(why) => {
+                    backoff = Duration::ZERO;
+                    match spooled {
+                        Some(p) => {
+                            tracing::error!(seq, path = %p.display(), "platform refused an event: {why}; kept in spool/refused");
+                            self.spool.refuse(&p);
+                        }
+                        None => tracing::error!(seq, "platform refused a status report: {why}"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Between half and all of `d`, from the clock's low bits: enough spread that agents that
+/// failed together do not retry together.
+fn jittered(d: Duration) -> Duration {
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|t| t.subsec_nanos()).unwrap_or(0);
+    let frac = 0.5 + (nanos % 1000) as f64 / 2000.0;
+    d.mul_f64(frac)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spool_orders_by_seq_and_survives_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Spool::open(dir.path()).unwrap();
+        s.put(10, b"ten").unwrap();
+        s.put(9, b"nine").unwrap();
+        s.put(100, b"hundred").unwrap();
+        let s = Spool::open(dir.path()).unwrap();
+        assert_eq!(s.len(), 3);
+        let (seq, path) = s.oldest().unwrap();
+        assert_eq!(seq, 9);
+        assert_eq!(std::fs::read(&path).unwrap(), b"nine");
+        s.refuse(&path);
+        assert_eq!(s.oldest().unwrap().0, 10);
+        assert!(dir.path().join("spool/refused/00000000000000000009.json").exists());
+    }
+
+    #[test]
+    fn jitter_stays_within_half_and_whole() {
+        for _ in 0..100 {
+            let j = jittered(Duration::from_secs(10));
+            assert!(j >= Duration::from_secs(5) && j <= Duration::from_secs(10));
+        }
+    }
+}
