@@ -216,3 +216,27 @@ fn sighup_reloads_and_a_bad_reload_keeps_the_old_config() {
     assert_eq!(get(a.port, "/healthz", "").0, 200, "still serving after a bad reload");
     assert_eq!(get(a.port, "/v1/status", &auth()).0, 200);
 }
+
+#[test]
+fn metrics_pass_promtool() {
+    // promtool comes with Debian's `prometheus` package; .ci/run installs it.
+    if Command::new("promtool").arg("--version").output().is_err() {
+        eprintln!("promtool is not installed: skipped");
+        return;
+    }
+    let (a, _) = start(0o600, None);
+    wait_ready(&a);
+    let (_, r) = get(a.port, "/metrics", &auth());
+    let mut p = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    p.stdin.take().unwrap().write_all(body(&r).as_bytes()).unwrap();
+    let out = p.wait_with_output().unwrap();
+    let complaints = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "promtool check metrics: {complaints}");
+    assert!(complaints.trim().is_empty(), "promtool: {complaints}");
+}
