@@ -20,7 +20,7 @@ struct Agent {
     port: u16,
     notify: UnixDatagram,
     _dir: tempfile::TempDir,
-    _bus: PrivateBus,
+    bus: PrivateBus,
 }
 
 impl Drop for Agent {
@@ -71,7 +71,7 @@ fn start(token_mode: u32, state_dir: Option<&Path>) -> (Agent, std::path::PathBu
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    (Agent { child, port, notify, _dir: dir, _bus: bus }, cfg)
+    (Agent { child, port, notify, _dir: dir, bus }, cfg)
 }
 
 fn recv(notify: &UnixDatagram) -> String {
@@ -239,4 +239,75 @@ fn metrics_pass_promtool() {
     let complaints = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "promtool check metrics: {complaints}");
     assert!(complaints.trim().is_empty(), "promtool: {complaints}");
+}
+
+#[test]
+fn dbus_api_answers_and_signals_health_changes() {
+    let (a, cfg) = start(0o600, None);
+    wait_ready(&a);
+    let conn = zbus::blocking::connection::Builder::address(a.bus.address.as_str()).unwrap().build().unwrap();
+    let proxy =
+        zbus::blocking::Proxy::new(&conn, "ch.phoeniqs.Agent1", "/ch/phoeniqs/Agent1", "ch.phoeniqs.Agent1").unwrap();
+    let json: String = proxy.call("GetReport", &()).unwrap();
+    let report: Value = serde_json::from_str(&json).unwrap();
+    validate(&report);
+    assert_eq!(report["gpus"].as_array().unwrap().len(), 8);
+
+    let bad: Result<String, _> = proxy.call("RunProbes", &("ludicrous",));
+    assert!(bad.unwrap_err().to_string().contains("expected quick, standard or full"));
+    let probes: Value = serde_json::from_str(&proxy.call::<_, _, String>("RunProbes", &("quick",)).unwrap()).unwrap();
+    assert!(probes["findings"].as_array().unwrap().iter().all(|f| f["id"].as_str().unwrap().starts_with("probe.")));
+
+    // Expect 4 GPUs where there are 8: the next snapshot (SIGHUP takes one at once) is unhealthy.
+    let signals = zbus::blocking::MessageIterator::for_match_rule(
+        zbus::MatchRule::builder()
+            .msg_type(zbus::message::Type::Signal)
+            .interface("ch.phoeniqs.Agent1")
+            .unwrap()
+            .member("HealthChanged")
+            .unwrap()
+            .build(),
+        &conn,
+        Some(16),
+    )
+    .unwrap();
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("[agent]\n", "[agent]\nexpected_gpus = 4\n");
+    std::fs::write(&cfg, text).unwrap();
+    unsafe { libc::kill(a.child.id() as i32, libc::SIGHUP) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for m in signals {
+            let Ok(m) = m else { continue };
+            if let Ok((old, new)) = m.body().deserialize::<(String, String)>() {
+                let _ = tx.send((old, new));
+                return;
+            }
+        }
+    });
+    let (old, new) = rx.recv_timeout(Duration::from_secs(20)).expect("HealthChanged within 20 s");
+    assert_eq!(new, "unhealthy");
+    assert_ne!(old, "unhealthy");
+}
+
+#[test]
+fn status_asks_dbus_then_falls_back_to_http() {
+    let (a, cfg) = start(0o600, None);
+    wait_ready(&a);
+    let status = |bus: &str| {
+        Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+            .args(["status", "--json", "--config"])
+            .arg(&cfg)
+            .env("DBUS_SYSTEM_BUS_ADDRESS", bus)
+            .output()
+            .unwrap()
+    };
+    let over_dbus = status(&a.bus.address);
+    let r: Value = serde_json::from_slice(&over_dbus.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&over_dbus.stderr)));
+    validate(&r);
+    let over_http = status("unix:path=/nonexistent/bus");
+    let r: Value = serde_json::from_slice(&over_http.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&over_http.stderr)));
+    assert_eq!(r["gpus"].as_array().unwrap().len(), 8);
+    assert_eq!(over_http.status.code(), over_dbus.status.code());
 }

@@ -94,6 +94,22 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
         let _ = status_tx.send(Some((report.seq, serde_json::to_vec(report).unwrap_or_default())));
     };
     push_status(&last_report);
+    // ch.phoeniqs.Agent1 on the system bus; the agent serves HTTP without it if the bus is away.
+    let dbus = {
+        let shared = shared.clone();
+        let building = tokio::task::spawn_blocking(move || serve::dbus::serve(shared));
+        match tokio::time::timeout(std::time::Duration::from_secs(5), building).await {
+            Ok(Ok(Ok(conn))) => Some(conn),
+            Ok(Ok(Err(e))) => {
+                tracing::warn!(error = %e, "D-Bus API not served: {}", serve::dbus::NAME);
+                None
+            }
+            _ => {
+                tracing::warn!("D-Bus API not served: the system bus did not answer within 5 s");
+                None
+            }
+        }
+    };
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
     tracing::info!(%status, "ready");
 
@@ -161,6 +177,13 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
                         }
                         let status = publish(p);
                         push_status(&report);
+                        if report.health != last_report.health {
+                            let (old, new) = (format!("{:?}", last_report.health).to_lowercase(), format!("{:?}", report.health).to_lowercase());
+                            tracing::warn!(%old, %new, "health changed");
+                            if let Some(conn) = dbus.clone() {
+                                let _ = tokio::task::spawn_blocking(move || serve::dbus::health_changed(&conn, &old, &new)).await;
+                            }
+                        }
                         last_report = report;
                         let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
                     }
@@ -178,6 +201,7 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
                         inputs.config = config.clone();
                         inputs.token = token;
                         tracing::info!("configuration reloaded");
+                        ticker.reset_immediately(); // judge again under the new configuration
                         "configuration reloaded".to_string()
                     }
                     Err(e) => {

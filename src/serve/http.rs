@@ -6,7 +6,7 @@
 //!   `MAX_HEADER_BYTES`, and a connection lives at most `CONNECTION_LIFETIME`, so slow or
 //!   oversized clients cannot hold the agent.
 
-use super::{Published, Shared};
+use super::{current, Published, Shared};
 use crate::report::Health;
 use axum::body::Body;
 use axum::extract::State;
@@ -74,13 +74,6 @@ pub async fn serve(listener: TcpListener, shared: Shared, shutdown: impl std::fu
             }
             drop(permit);
         });
-    }
-}
-
-fn current(shared: &Shared) -> Option<Arc<Published>> {
-    match shared.read() {
-        Ok(g) => g.clone(),
-        Err(poisoned) => poisoned.into_inner().clone(),
     }
 }
 

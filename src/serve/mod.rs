@@ -12,6 +12,7 @@
 //! 5. `seq` grows by one per snapshot and is persisted in `state_dir/seq` (atomic rename), so it
 //!    keeps growing across restarts.
 
+pub mod dbus;
 pub mod http;
 pub mod metrics;
 pub mod push;
@@ -39,9 +40,19 @@ pub struct Published {
     /// The bearer token for `/v1/status` and `/metrics`; `None` refuses them.
     pub token: Option<String>,
     pub summary: String,
+    /// The snapshot itself, for the probes run on request.
+    pub snapshot: Arc<crate::snapshot::Snapshot>,
 }
 
 pub type Shared = Arc<RwLock<Option<Arc<Published>>>>;
+
+/// The published snapshot, if there is one yet.
+pub fn current(shared: &Shared) -> Option<Arc<Published>> {
+    match shared.read() {
+        Ok(g) => g.clone(),
+        Err(poisoned) => poisoned.into_inner().clone(),
+    }
+}
 
 /// Reads the bearer token. A file that group or others can read is refused: the token is the
 /// only thing between the cluster network and the report.
@@ -134,6 +145,7 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         metrics_openmetrics: Bytes::from(m.openmetrics),
         token: inputs.token.clone(),
         summary,
+        snapshot: Arc::new(snapshot),
     };
     (published, report)
 }
