@@ -104,6 +104,9 @@ pub fn not_built(command: &str, what: &str) -> anyhow::Result<i32> {
 }
 
 fn init_logging(g: &Global) {
+    use std::io::IsTerminal;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let level = if g.quiet {
         tracing::Level::ERROR
     } else {
@@ -113,13 +116,34 @@ fn init_logging(g: &Global) {
             _ => tracing::Level::DEBUG,
         }
     };
-    use std::io::IsTerminal;
+    // Under systemd, stderr is the journal: log there natively, so the fields (gpu, xid, check)
+    // become journal fields a person can filter on (`journalctl -u phq-agent GPU=0000:0c:00.0`).
+    let filter = tracing_subscriber::filter::LevelFilter::from_level(level);
+    if stderr_is_journal() {
+        if let Ok(journald) = tracing_journald::layer() {
+            let _ = tracing_subscriber::registry()
+                .with(journald.with_syslog_identifier("phq-agent".into()))
+                .with(filter)
+                .try_init();
+            return;
+        }
+    }
     let _ = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .with_max_level(level)
         .with_target(false)
         .try_init();
+}
+
+/// systemd sets `JOURNAL_STREAM=<dev>:<inode>` for a service whose stderr is the journal; it
+/// is only true if stderr is still that very stream (sd_journal_stream_fd(3)).
+fn stderr_is_journal() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Some(v) = std::env::var_os("JOURNAL_STREAM") else { return false };
+    let Some((dev, ino)) = v.to_str().and_then(|s| s.split_once(':')) else { return false };
+    let Ok(meta) = std::fs::metadata("/proc/self/fd/2") else { return false };
+    dev.parse::<u64>().ok() == Some(meta.dev()) && ino.parse::<u64>().ok() == Some(meta.ino())
 }
 
 #[cfg(test)]

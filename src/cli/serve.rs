@@ -51,6 +51,7 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
         token: token_of(&config)?,
         config: config.clone(),
         started_at: Timestamp::now(),
+        probes: None,
     };
     let listener = tokio::net::TcpListener::bind(config.http.listen)
         .await
@@ -155,6 +156,24 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
         }
     };
 
+    // Probes: at boot (before workloads start) if asked, then whenever every GPU has been idle
+    // and `probes.when_idle` has passed; never on a GPU with a compute process.
+    let (probe_tx, mut probe_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut last_probe = std::time::Instant::now();
+    let start_probes = |snapshot: Arc<crate::snapshot::Snapshot>, level: crate::config::ProbeLevel| {
+        let tx = probe_tx.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Some(p) = serve::run_probes(&snapshot, level) {
+                let _ = tx.send(p);
+            }
+        });
+    };
+    if config.probes.at_boot != crate::config::ProbeLevel::None {
+        if let Some(p) = serve::current(&shared) {
+            start_probes(p.snapshot.clone(), config.probes.at_boot);
+        }
+    }
+
     let mut watchdog = watchdog_interval();
     let mut ticker = tokio::time::interval(serve::SNAPSHOT_INTERVAL);
     ticker.tick().await; // the first tick is immediate; the first snapshot is taken already
@@ -168,6 +187,12 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
                 tracing::warn!(gpu = %x.gpu, xid = x.xid, "Xid");
                 spool_event(&mut seq, &last_report, Event::Xid { gpu: x.gpu, xid: x.xid, source: "nvml".into() });
                 ticker.reset_immediately(); // judge the GPU again now
+            }
+            Some(p) = probe_rx.recv() => {
+                tracing::info!(findings = p.1.len(), "probes finished");
+                inputs.probes = Some(Arc::new(p));
+                last_probe = std::time::Instant::now();
+                ticker.reset_immediately(); // publish them
             }
             _ = ticker.tick() => {
                 match snap(inputs.clone(), seq.take()).await {
@@ -185,6 +210,13 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
                             }
                         }
                         last_report = report;
+                        let level = if config.probes.at_boot == crate::config::ProbeLevel::None { crate::config::ProbeLevel::Quick } else { config.probes.at_boot };
+                        if let (Some(every), Some(p)) = (config.probes.when_idle, serve::current(&shared)) {
+                            if last_probe.elapsed() >= every && serve::all_gpus_idle(&p.snapshot) {
+                                last_probe = std::time::Instant::now();
+                                start_probes(p.snapshot.clone(), level);
+                            }
+                        }
                         let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
                     }
                     Err(e) => tracing::error!(error = %e, "snapshot failed; serving the previous one"),

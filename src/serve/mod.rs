@@ -114,6 +114,8 @@ pub struct Inputs {
     pub config: Config,
     pub token: Option<String>,
     pub started_at: Timestamp,
+    /// The last probe run's results and findings, carried into every report until the next.
+    pub probes: Option<Arc<(serde_json::Value, Vec<checks::Finding>)>>,
 }
 
 /// Collects, checks and renders one snapshot; the report comes back too, for the events.
@@ -148,6 +150,34 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         snapshot: Arc::new(snapshot),
     };
     (published, report)
+}
+
+/// Whether every GPU is idle: no compute process and no utilisation, per NVML. Unknown counts
+/// as busy: a probe must never take GPU time from a tenant's job.
+pub fn all_gpus_idle(s: &crate::snapshot::Snapshot) -> bool {
+    s.nvml().is_some_and(|n| {
+        n.devices.iter().all(|g| {
+            g.processes.value().is_some_and(|p| p.is_empty()) && g.utilization.value().is_some_and(|u| u.gpu == 0)
+        })
+    })
+}
+
+/// Runs the probes at `level` on this machine; `None` when they cannot run here (logged).
+pub fn run_probes(
+    snapshot: &crate::snapshot::Snapshot,
+    level: crate::config::ProbeLevel,
+) -> Option<(serde_json::Value, Vec<checks::Finding>)> {
+    match crate::probe::run_here(snapshot, &crate::probe::Options { level, only: &[], force: false }, &mut |step| {
+        tracing::info!("probe: {step}")
+    }) {
+        Ok((report, targets)) => {
+            Some((serde_json::to_value(&report).unwrap_or_default(), crate::probe::judge(&report, &targets)))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "probes cannot run");
+            None
+        }
+    }
 }
 
 /// Findings whose severity changed from `before` to `after`, as events.
