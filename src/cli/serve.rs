@@ -59,7 +59,8 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
     tracing::info!(listen = %config.http.listen, "serving /healthz, /v1/status, /metrics");
     let shared: Shared = Arc::new(RwLock::new(None));
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    let server = tokio::spawn(http::serve(listener, shared.clone(), async move {
+    let tls = serve::tls::acceptor(&config.http)?;
+    let server = tokio::spawn(http::serve(listener, shared.clone(), tls, async move {
         let _ = stop_rx.wait_for(|s| *s).await;
     }));
 

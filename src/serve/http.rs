@@ -12,6 +12,7 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, Response, StatusCode};
 use axum::routing::get;
+use axum::Extension;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -36,8 +37,17 @@ pub fn router(shared: Shared) -> Router {
         .with_state(shared)
 }
 
-/// Accepts connections until `shutdown` resolves.
-pub async fn serve(listener: TcpListener, shared: Shared, shutdown: impl std::future::Future<Output = ()>) {
+/// How the client on a connection proved itself, if it did (a verified client certificate).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ClientCert(pub bool);
+
+/// Accepts connections until `shutdown` resolves; HTTPS when `tls` is given.
+pub async fn serve(
+    listener: TcpListener,
+    shared: Shared,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
     let app = router(shared);
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     tokio::pin!(shutdown);
@@ -60,14 +70,24 @@ pub async fn serve(listener: TcpListener, shared: Shared, shutdown: impl std::fu
             drop(stream);
             continue;
         };
-        let service = TowerToHyperService::new(app.clone());
+        let app = app.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .max_buf_size(MAX_HEADER_BYTES)
-                .serve_connection(TokioIo::new(stream), service);
-            match tokio::time::timeout(CONNECTION_LIFETIME, conn).await {
+            let served = async {
+                match tls {
+                    None => connection(stream, app.layer(axum::Extension(ClientCert(false)))).await,
+                    Some(acceptor) => match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream)).await {
+                        Ok(Ok(tls_stream)) => {
+                            // With a client CA, a certificate present after the handshake is one it signed.
+                            let verified = tls_stream.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
+                            connection(tls_stream, app.layer(axum::Extension(ClientCert(verified)))).await
+                        }
+                        Ok(Err(e)) => Err(format!("TLS handshake: {e}")),
+                        Err(_) => Err("TLS handshake timed out".into()),
+                    },
+                }
+            };
+            match tokio::time::timeout(CONNECTION_LIFETIME, served).await {
                 Ok(Err(e)) => tracing::debug!(%peer, error = %e, "connection ended with an error"),
                 Err(_) => tracing::debug!(%peer, "connection lifetime reached; closed"),
                 Ok(Ok(())) => {}
@@ -75,6 +95,20 @@ pub async fn serve(listener: TcpListener, shared: Shared, shutdown: impl std::fu
             drop(permit);
         });
     }
+}
+
+/// One HTTP/1.1 connection with the header limits.
+async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static>(
+    stream: S,
+    app: Router,
+) -> Result<(), String> {
+    hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .max_buf_size(MAX_HEADER_BYTES)
+        .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app))
+        .await
+        .map_err(|e| e.to_string())
 }
 
 fn plain(status: StatusCode, body: &'static str) -> Response<Body> {
@@ -97,8 +131,11 @@ async fn healthz(State(shared): State<Shared>) -> Response<Body> {
     }
 }
 
-/// Checks the bearer token; `Some` is the refusal to send instead.
-fn refusal(p: &Published, headers: &HeaderMap) -> Option<Response<Body>> {
+/// Checks the client certificate or the bearer token; `Some` is the refusal to send instead.
+fn refusal(p: &Published, headers: &HeaderMap, cert: ClientCert) -> Option<Response<Body>> {
+    if cert.0 {
+        return None;
+    }
     let Some(expected) = p.token.as_deref() else {
         return Some(plain(StatusCode::SERVICE_UNAVAILABLE, "no token configured: see http.token_file\n"));
     };
@@ -124,9 +161,13 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn status(State(shared): State<Shared>, headers: HeaderMap) -> Response<Body> {
+async fn status(
+    State(shared): State<Shared>,
+    Extension(cert): Extension<ClientCert>,
+    headers: HeaderMap,
+) -> Response<Body> {
     let Some(p) = current(&shared) else { return plain(StatusCode::SERVICE_UNAVAILABLE, "starting\n") };
-    if let Some(r) = refusal(&p, &headers) {
+    if let Some(r) = refusal(&p, &headers, cert) {
         return r;
     }
     Response::builder()
@@ -135,9 +176,13 @@ async fn status(State(shared): State<Shared>, headers: HeaderMap) -> Response<Bo
         .unwrap_or_default()
 }
 
-async fn metrics(State(shared): State<Shared>, headers: HeaderMap) -> Response<Body> {
+async fn metrics(
+    State(shared): State<Shared>,
+    Extension(cert): Extension<ClientCert>,
+    headers: HeaderMap,
+) -> Response<Body> {
     let Some(p) = current(&shared) else { return plain(StatusCode::SERVICE_UNAVAILABLE, "starting\n") };
-    if let Some(r) = refusal(&p, &headers) {
+    if let Some(r) = refusal(&p, &headers, cert) {
         return r;
     }
     let wants_openmetrics = headers

@@ -16,6 +16,7 @@ pub mod dbus;
 pub mod http;
 pub mod metrics;
 pub mod push;
+pub mod tls;
 
 use crate::checks::{self, Settings};
 use crate::collect::NvmlSource;

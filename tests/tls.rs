@@ -1,0 +1,127 @@
+//! HTTPS and client certificates on the real service: certificates made for the test (rcgen),
+//! a reqwest client on 127.0.0.1.
+
+mod common;
+
+use common::*;
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Pki {
+    ca: String,
+    server: (String, String),
+    client: (String, String),
+    stranger: (String, String),
+}
+
+fn pki() -> Pki {
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let leaf = |names: Vec<String>, issuer: &CertifiedIssuer<'_, KeyPair>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(names).unwrap().signed_by(&key, issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let mut other_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    other_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let other_ca = CertifiedIssuer::self_signed(other_params, KeyPair::generate().unwrap()).unwrap();
+    Pki {
+        ca: ca.pem(),
+        server: leaf(vec!["localhost".into(), "127.0.0.1".into()], &ca),
+        client: leaf(vec!["platform-poller".into()], &ca),
+        stranger: leaf(vec!["someone-else".into()], &other_ca),
+    }
+}
+
+#[test]
+fn https_with_client_certificates_or_the_token() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let w = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let token = w("token", "tok-0123456789abcdef-tls\n");
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (cert, key, ca) = (w("server.pem", &pki.server.0), w("server.key", &pki.server.1), w("ca.pem", &pki.ca));
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let cfg = w(
+        "config.toml",
+        &format!(
+            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:{port}\"\ntoken_file = \"{}\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\nclient_ca = \"{}\"\n",
+            dir.path().join("state").display(),
+            token.display(),
+            cert.display(),
+            key.display(),
+            ca.display()
+        ),
+    );
+    let bus = PrivateBus::start(HEALTHY_UNITS);
+    let mut agent = Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .arg("--sysroot")
+        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
+        .arg("--nvml-lib")
+        .arg(fake_nvml())
+        .env("PHQ_FAKE_NVML_SCENARIO", repo().join("examples/scenarios/hgx-8gpu-healthy.json"))
+        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client = |identity: Option<&(String, String)>| {
+        let mut b = reqwest::Client::builder()
+            .add_root_certificate(reqwest::Certificate::from_pem(pki.ca.as_bytes()).unwrap())
+            .timeout(Duration::from_secs(5));
+        if let Some((c, k)) = identity {
+            b = b.identity(reqwest::Identity::from_pem(format!("{c}{k}").as_bytes()).unwrap());
+        }
+        b.build().unwrap()
+    };
+    let url = |path: &str| format!("https://localhost:{port}{path}");
+    rt.block_on(async {
+        let anonymous = client(None);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // readinessProbe-like: no certificate, no token
+        let health = loop {
+            match anonymous.get(url("/healthz")).send().await {
+                Ok(r) => break r,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "HTTPS never answered: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        assert_eq!(health.status(), 200);
+        // no certificate: the token is needed
+        assert_eq!(anonymous.get(url("/v1/status")).send().await.unwrap().status(), 401);
+        let with_token = anonymous.get(url("/v1/status")).bearer_auth("tok-0123456789abcdef-tls").send().await.unwrap();
+        assert_eq!(with_token.status(), 200);
+        // a certificate the client CA signed: no token needed
+        let poller = client(Some(&pki.client));
+        let r = poller.get(url("/metrics")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.text().await.unwrap().contains("phq_gpu_temperature_celsius"));
+        // a certificate from another CA: the handshake fails
+        let stranger = client(Some(&pki.stranger));
+        assert!(stranger.get(url("/v1/status")).send().await.is_err(), "a stranger's certificate must not get through");
+        // plain HTTP on the HTTPS port gets nothing
+        let plain = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().unwrap();
+        assert!(plain
+            .get(format!("http://127.0.0.1:{port}/healthz"))
+            .send()
+            .await
+            .map(|r| r.status() != 200)
+            .unwrap_or(true));
+    });
+    let _ = agent.kill();
+    let _ = agent.wait();
+}
