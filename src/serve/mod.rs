@@ -200,3 +200,57 @@ pub fn severity_changes(before: &report::Report, after: &report::Report) -> Vec<
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checks::testutil::healthy;
+
+    fn report_of(s: &crate::snapshot::Snapshot) -> report::Report {
+        report::build(s, checks::run(s, &Settings::default()), "vm".into(), s.observed_at, 1)
+    }
+
+    #[test]
+    fn a_severity_change_is_an_event_and_nothing_else_is() {
+        let before = healthy();
+        let mut after = healthy();
+        if let crate::snapshot::NvmlStatus::Ok(n) = &mut after.nvml {
+            n.devices[2].ecc_volatile =
+                crate::snapshot::Nv::Value(crate::snapshot::EccCounts { corrected: 0, uncorrected: 1 });
+        }
+        let events = severity_changes(&report_of(&before), &report_of(&after));
+        assert_eq!(events.len(), 1, "{events:?}");
+        match &events[0] {
+            report::Event::SeverityChange { check, gpu, from, to, .. } => {
+                assert_eq!(check, "gpu.ecc-uncorrectable");
+                assert_eq!(gpu.as_deref(), Some("0000:0b:00.0"));
+                assert_eq!((*from, *to), (checks::Severity::Pass, checks::Severity::Fail));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(severity_changes(&report_of(&before), &report_of(&before)).is_empty());
+    }
+
+    #[test]
+    fn seq_survives_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Seq::load(dir.path());
+        assert_eq!((s.take(), s.take()), (1, 2));
+        let mut s = Seq::load(dir.path());
+        assert_eq!(s.take(), 3);
+    }
+
+    #[test]
+    fn token_files_others_can_read_are_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t");
+        std::fs::write(&p, "0123456789abcdef0123\n").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o640)).unwrap();
+        assert!(read_token(&p).unwrap_err().to_string().contains("mode 0640"));
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_token(&p).unwrap(), "0123456789abcdef0123");
+        std::fs::write(&p, "short\n").unwrap();
+        assert!(read_token(&p).unwrap_err().to_string().contains("shorter than 16"));
+    }
+}
