@@ -12,7 +12,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -165,20 +165,7 @@ fn setup(platform_port: u16, xids: usize, spacing_ms: usize) -> Setup {
 }
 
 fn spawn(s: &Setup, scenario: &Path, bus: &PrivateBus) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_phq-agent"))
-        .args(["serve", "--config"])
-        .arg(&s.cfg)
-        .arg("--sysroot")
-        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
-        .arg("--nvml-lib")
-        .arg(fake_nvml())
-        .env("PHQ_FAKE_NVML_SCENARIO", scenario)
-        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
-        .env_remove("NOTIFY_SOCKET")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
+    serve_command(&s.cfg, scenario, bus).spawn().unwrap()
 }
 
 fn spool_len(dir: &Path) -> usize {

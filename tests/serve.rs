@@ -57,17 +57,8 @@ fn start(token_mode: u32, state_dir: Option<&Path>) -> (Agent, std::path::PathBu
     let notify = UnixDatagram::bind(&notify_path).unwrap();
     notify.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let bus = PrivateBus::start(HEALTHY_UNITS);
-    let child = Command::new(env!("CARGO_BIN_EXE_phq-agent"))
-        .args(["serve", "--config"])
-        .arg(&cfg)
-        .arg("--sysroot")
-        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
-        .arg("--nvml-lib")
-        .arg(fake_nvml())
-        .env("PHQ_FAKE_NVML_SCENARIO", repo().join("examples/scenarios/hgx-8gpu-healthy.json"))
+    let child = serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus)
         .env("NOTIFY_SOCKET", &notify_path)
-        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
-        .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();

@@ -7,7 +7,6 @@ use common::*;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 struct Pki {
@@ -62,19 +61,8 @@ fn https_with_client_certificates_or_the_token() {
         ),
     );
     let bus = PrivateBus::start(HEALTHY_UNITS);
-    let mut agent = Command::new(env!("CARGO_BIN_EXE_phq-agent"))
-        .args(["serve", "--config"])
-        .arg(&cfg)
-        .arg("--sysroot")
-        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
-        .arg("--nvml-lib")
-        .arg(fake_nvml())
-        .env("PHQ_FAKE_NVML_SCENARIO", repo().join("examples/scenarios/hgx-8gpu-healthy.json"))
-        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut agent =
+        serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus).spawn().unwrap();
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let client = |identity: Option<&(String, String)>| {
@@ -91,11 +79,12 @@ fn https_with_client_certificates_or_the_token() {
         let anonymous = client(None);
         let deadline = Instant::now() + Duration::from_secs(20);
         // readinessProbe-like: no certificate, no token
+        // (503 "starting" until the first snapshot is published)
         let health = loop {
             match anonymous.get(url("/healthz")).send().await {
-                Ok(r) => break r,
-                Err(e) => {
-                    assert!(Instant::now() < deadline, "HTTPS never answered: {e}");
+                Ok(r) if r.status() != 503 => break r,
+                other => {
+                    assert!(Instant::now() < deadline, "HTTPS never became ready: {other:?}");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }

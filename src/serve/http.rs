@@ -161,15 +161,28 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The published snapshot for a caller that proved itself; else the answer to send instead.
+fn published_for(
+    shared: &Shared,
+    headers: &HeaderMap,
+    cert: ClientCert,
+) -> Result<Arc<Published>, Box<Response<Body>>> {
+    let p = current(shared).ok_or_else(|| Box::new(plain(StatusCode::SERVICE_UNAVAILABLE, "starting\n")))?;
+    match refusal(&p, headers, cert) {
+        Some(r) => Err(Box::new(r)),
+        None => Ok(p),
+    }
+}
+
 async fn status(
     State(shared): State<Shared>,
     Extension(cert): Extension<ClientCert>,
     headers: HeaderMap,
 ) -> Response<Body> {
-    let Some(p) = current(&shared) else { return plain(StatusCode::SERVICE_UNAVAILABLE, "starting\n") };
-    if let Some(r) = refusal(&p, &headers, cert) {
-        return r;
-    }
+    let p = match published_for(&shared, &headers, cert) {
+        Ok(p) => p,
+        Err(r) => return *r,
+    };
     Response::builder()
         .header(header::CONTENT_TYPE, "application/json")
         .body(Body::from(p.report_json.clone()))
@@ -181,10 +194,10 @@ async fn metrics(
     Extension(cert): Extension<ClientCert>,
     headers: HeaderMap,
 ) -> Response<Body> {
-    let Some(p) = current(&shared) else { return plain(StatusCode::SERVICE_UNAVAILABLE, "starting\n") };
-    if let Some(r) = refusal(&p, &headers, cert) {
-        return r;
-    }
+    let p = match published_for(&shared, &headers, cert) {
+        Ok(p) => p,
+        Err(r) => return *r,
+    };
     let wants_openmetrics = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())

@@ -174,6 +174,23 @@ impl PrivateBus {
     }
 }
 
+/// `phq-agent serve` over the healthy 8-GPU fixture, the fake NVML with `scenario` and `bus`.
+pub fn serve_command(cfg: &Path, scenario: &Path, bus: &PrivateBus) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_phq-agent"));
+    c.args(["serve", "--config"])
+        .arg(cfg)
+        .arg("--sysroot")
+        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
+        .arg("--nvml-lib")
+        .arg(fake_nvml())
+        .env("PHQ_FAKE_NVML_SCENARIO", scenario)
+        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+        .env_remove("NOTIFY_SOCKET")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    c
+}
+
 /// `phq-agent doctor --json` over a fixture sysroot, the fake NVML with `scenario`, and `bus`.
 pub fn doctor(
     sysroot: &str,
