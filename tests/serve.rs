@@ -118,6 +118,13 @@ fn ready_after_the_first_snapshot_then_serves_with_credentials_only() {
     validate(&report);
     assert_eq!(report["gpus"].as_array().unwrap().len(), 8);
     assert!(report["seq"].as_u64().unwrap() >= 1);
+    // The service judges itself too: every catalogue id but the probes (none ran) is reported.
+    for id in phq_agent::checks::CATALOG.iter().filter(|id| !id.starts_with("probe.")) {
+        assert!(!findings(&report, id).is_empty(), "{id} missing from the service's report");
+    }
+    let auth_finding = findings(&report, "agent.endpoint-auth")[0];
+    assert_eq!(auth_finding["severity"], "pass");
+    assert_eq!(auth_finding["summary"], "bearer token required; loopback only");
 
     let (code, r) = get(a.port, "/metrics", &auth());
     assert_eq!(code, 200);

@@ -52,6 +52,7 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
         config: config.clone(),
         started_at: Timestamp::now(),
         probes: None,
+        push: Default::default(),
     };
     let listener = tokio::net::TcpListener::bind(config.http.listen)
         .await
@@ -87,7 +88,8 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
         let spool = Spool::open(&config.agent.state_dir)
             .with_context(|| format!("{}: cannot open the spool", config.agent.state_dir.display()))?;
         let agent_id = last_report.agent.agent_id.clone();
-        let pusher = Pusher::new(&config.platform, &agent_id, spool.clone())?;
+        let mut pusher = Pusher::new(&config.platform, &agent_id, spool.clone())?;
+        pusher.state = inputs.push.clone();
         tokio::spawn(pusher.run(status_rx, wake.clone(), stop_tx.subscribe()));
         tracing::info!(url = %config.platform.url, spooled = spool.len(), "pushing reports");
         Some(spool)

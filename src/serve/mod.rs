@@ -12,6 +12,7 @@
 //! 5. `seq` grows by one per snapshot and is persisted in `state_dir/seq` (atomic rename), so it
 //!    keeps growing across restarts.
 
+pub mod agent_checks;
 pub mod dbus;
 pub mod http;
 pub mod metrics;
@@ -117,20 +118,29 @@ pub struct Inputs {
     pub started_at: Timestamp,
     /// The last probe run's results and findings, carried into every report until the next.
     pub probes: Option<Arc<(serde_json::Value, Vec<checks::Finding>)>>,
+    /// What the push loop last saw, for agent.platform-reachable.
+    pub push: Arc<std::sync::Mutex<agent_checks::PushState>>,
 }
 
 /// Collects, checks and renders one snapshot; the report comes back too, for the events.
 pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     let root = Sysroot::new(&inputs.sysroot);
     let snapshot = crate::collect::snapshot(&root, &NvmlSource::choose(inputs.nvml_lib.as_deref(), &root));
-    let findings = checks::run(&snapshot, &Settings::from(&inputs.config));
-    let report = report::build(
+    let mut findings = checks::run(&snapshot, &Settings::from(&inputs.config));
+    if let Some(p) = &inputs.probes {
+        findings.extend(p.1.iter().cloned());
+    }
+    let push = inputs.push.lock().map(|g| g.clone()).unwrap_or_else(|p| p.into_inner().clone());
+    findings.push(agent_checks::platform_reachable(&inputs.config, &push));
+    findings.push(agent_checks::endpoint_auth(&inputs.config, inputs.token.is_some()));
+    let mut report = report::build(
         &snapshot,
         findings,
         report::agent_id(&inputs.config.agent.id, &snapshot),
         inputs.started_at,
         seq,
     );
+    report.probes = inputs.probes.as_ref().map(|p| p.0.clone());
     let m = metrics::render(&snapshot, &report, inputs.config.metrics.dcgm_compat);
     let count = |sev| report.findings.iter().filter(|f| f.severity == sev).count();
     let summary = format!(

@@ -104,6 +104,8 @@ enum Outcome {
 }
 
 pub struct Pusher {
+    /// Shared with the snapshot task for agent.platform-reachable.
+    pub state: Arc<std::sync::Mutex<super::agent_checks::PushState>>,
     client: reqwest::Client,
     url: String,
     agent_id: String,
@@ -123,6 +125,7 @@ impl Pusher {
         }
         let url = format!("{}/v1/agents/{}/reports", config.url.trim_end_matches('/'), agent_id);
         Ok(Pusher {
+            state: Default::default(),
             client: builder.build()?,
             url,
             agent_id: agent_id.to_string(),
@@ -200,7 +203,23 @@ impl Pusher {
                 }
                 continue;
             };
-            match self.deliver(seq, body.clone()).await {
+            let outcome = self.deliver(seq, body.clone()).await;
+            if let Ok(mut st) = self.state.lock() {
+                match &outcome {
+                    Outcome::Accepted => {
+                        st.last_accepted = Some(crate::snapshot::Timestamp::now());
+                        st.failing = None;
+                        st.last_refusal = None;
+                    }
+                    Outcome::Retry(why) => {
+                        let since = st.failing.as_ref().map(|f| f.0).unwrap_or_else(crate::snapshot::Timestamp::now);
+                        st.failing = Some((since, why.clone()));
+                    }
+                    Outcome::Refused(why) => st.last_refusal = Some(why.clone()),
+                }
+                st.spooled = self.spool.len();
+            }
+            match outcome {
                 Outcome::Accepted => {
                     backoff = Duration::ZERO;
                     if let Some(p) = spooled {
