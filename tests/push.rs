@@ -188,7 +188,10 @@ fn status_reports_arrive_with_token_and_idempotency_key() {
     let bus = PrivateBus::start(HEALTHY_UNITS);
     let mut agent = spawn(&s, &s.scenario, &bus);
     let deadline = Instant::now() + Duration::from_secs(20);
-    while xid_events(&platform.received()).len() < 3 && Instant::now() < deadline {
+    // Events go first; the periodic status follows once the spool is empty.
+    let has_status = |got: &[Received]| got.iter().any(|r| r.body.get("event").is_none());
+    while (xid_events(&platform.received()).len() < 3 || !has_status(&platform.received())) && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(50));
     }
     let _ = agent.kill();
@@ -202,7 +205,7 @@ fn status_reports_arrive_with_token_and_idempotency_key() {
         assert_eq!(r.key, format!("vm-push-test:{}", r.body["seq"]));
         validate(&r.body);
     }
-    assert!(got.iter().any(|r| r.body.get("event").is_none()), "a periodic status arrived");
+    assert!(has_status(&got), "a periodic status arrived");
     let xids: Vec<u64> = xid_events(&got).into_iter().map(|(_, x)| x).collect();
     assert_eq!(xids, vec![1000, 1001, 1002]);
 }
