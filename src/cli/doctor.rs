@@ -2,12 +2,10 @@
 
 use crate::checks::{self, Settings};
 use crate::config::ProbeLevel;
-use crate::report::{self, bundle, table};
+use crate::report::{self, bundle};
 use crate::snapshot::Timestamp;
 use crate::sysroot::Sysroot;
-use anyhow::Context;
 use clap::Args;
-use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Debug, Args)]
@@ -60,20 +58,7 @@ impl Doctor {
             bundle::write(out, &snapshot, &report, &root.recorded())?;
             eprintln!("phq-agent: bundle written to {}", out.display());
         }
-        let written = if self.json {
-            let mut stdout = std::io::stdout().lock();
-            serde_json::to_writer_pretty(&mut stdout, &report)
-                .map_err(std::io::Error::from)
-                .and_then(|()| writeln!(stdout))
-        } else {
-            let text = table::render(&report, "phq-agent doctor", table::terminal_width());
-            anstream::stdout().lock().write_all(text.as_bytes())
-        };
-        match written {
-            // `phq-agent doctor | head`: the reader left; that is not an error of ours.
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
-            other => other.context("cannot write the report to stdout")?,
-        }
+        super::print_report(&report, "phq-agent doctor", self.json)?;
         Ok(code)
     }
 }

@@ -97,6 +97,32 @@ impl Cli {
     }
 }
 
+/// Prints a report: pretty JSON, or the table for people (coloured where the terminal wants it).
+pub fn print_report(r: &crate::report::Report, title: &str, json: bool) -> anyhow::Result<()> {
+    if json {
+        let text = serde_json::to_string_pretty(r).map_err(|e| anyhow::anyhow!("cannot encode the report: {e}"))?;
+        print_out(&format!("{text}\n"), false)
+    } else {
+        print_out(&crate::report::table::render(r, title, crate::report::table::terminal_width()), true)
+    }
+}
+
+/// Writes the command's output to stdout (through anstream when `styled`, which strips colour
+/// for NO_COLOR and non-terminals). A reader that went away (`phq-agent doctor | head`) is not
+/// an error of ours.
+pub fn print_out(text: &str, styled: bool) -> anyhow::Result<()> {
+    use std::io::Write;
+    let written = if styled {
+        anstream::stdout().lock().write_all(text.as_bytes())
+    } else {
+        std::io::stdout().lock().write_all(text.as_bytes())
+    };
+    match written {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other.map_err(|e| anyhow::anyhow!("cannot write the report to stdout: {e}")),
+    }
+}
+
 /// A subcommand whose implementation has not landed: says so in one line, exits 3.
 pub fn not_built(command: &str, what: &str) -> anyhow::Result<i32> {
     eprintln!("phq-agent {command}: not built yet ({what})");

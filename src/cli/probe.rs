@@ -3,12 +3,11 @@
 use crate::checks::{self, Settings};
 use crate::config::ProbeLevel;
 use crate::probe::{self, Options};
-use crate::report::{self, table};
+use crate::report;
 use crate::snapshot::Timestamp;
 use crate::sysroot::Sysroot;
-use anyhow::Context;
 use clap::Args;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 
 #[derive(Debug, Args)]
 pub struct Probe {
@@ -50,18 +49,7 @@ impl Probe {
         };
         let mut rep = report::build(&snapshot, findings, report::agent_id(&config.agent.id, &snapshot), started_at, 0);
         rep.probes = probes.map(|p| serde_json::to_value(p).unwrap_or_default());
-        let written = if self.json {
-            let mut out = std::io::stdout().lock();
-            serde_json::to_writer_pretty(&mut out, &rep).map_err(std::io::Error::from).and_then(|()| writeln!(out))
-        } else {
-            anstream::stdout()
-                .lock()
-                .write_all(table::render(&rep, "phq-agent probe", table::terminal_width()).as_bytes())
-        };
-        match written {
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
-            other => other.context("cannot write the report to stdout")?,
-        }
+        super::print_report(&rep, "phq-agent probe", self.json)?;
         Ok(code.unwrap_or_else(|| report::exit_code(&rep.findings)))
     }
 }

@@ -1,7 +1,7 @@
 //! `phq-agent status`: the running service's report, asked over D-Bus (`ch.phoeniqs.Agent1`),
 //! else over HTTP from `http.listen` with the token in `http.token_file`.
 
-use crate::report::{self, table, Report};
+use crate::report::{self, Report};
 use anyhow::{bail, Context};
 use clap::Args;
 use std::io::{Read, Write};
@@ -26,31 +26,21 @@ impl Status {
             }
         };
         let r: Report = serde_json::from_str(&json).context("the service's report is not a phq.status/v1 report")?;
-        let written = if self.json {
-            let mut out = std::io::stdout().lock();
-            out.write_all(json.as_bytes()).and_then(|()| writeln!(out))
+        if self.json {
+            // The service's own JSON, as it sent it.
+            super::print_out(&format!("{json}\n"), false)?;
         } else {
-            anstream::stdout()
-                .lock()
-                .write_all(table::render(&r, "phq-agent status", table::terminal_width()).as_bytes())
-        };
-        match written {
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
-            other => other.context("cannot write the report to stdout")?,
+            super::print_report(&r, "phq-agent status", false)?;
         }
         Ok(report::exit_code(&r.findings))
     }
 }
 
-/// The D-Bus call, given 5 s in a thread of its own (a wedged bus must not hang `status`).
+/// The D-Bus call, given 5 s (a wedged bus must not hang `status`).
 fn over_dbus() -> anyhow::Result<String> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(crate::serve::dbus::get_report());
-    });
-    match rx.recv_timeout(Duration::from_secs(5)) {
+    match crate::collect::units::within(Duration::from_secs(5), crate::serve::dbus::get_report) {
         Ok(r) => Ok(r?),
-        Err(_) => bail!("the system bus did not answer within 5 s"),
+        Err(why) => bail!("{why}"),
     }
 }
 

@@ -32,16 +32,24 @@ pub const TIMEOUT: Duration = Duration::from_secs(3);
 /// D-Bus handshake itself has no timeout; a thread left waiting on a dead bus ends with the
 /// process.
 pub fn read() -> Fact<Vec<UnitState>> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let spawned = std::thread::Builder::new().name("systemd-units".into()).spawn(move || {
-        let _ = tx.send(read_blocking());
-    });
-    if let Err(e) = spawned {
-        return Fact::Error(format!("cannot start the D-Bus thread: {e}"));
+    match within(TIMEOUT, read_blocking) {
+        Ok(f) => f,
+        Err(why) => Fact::Error(format!("systemd: {why}")),
     }
-    rx.recv_timeout(TIMEOUT).unwrap_or_else(|_| {
-        Fact::Error(format!("systemd did not answer on the system bus within {} s", TIMEOUT.as_secs()))
-    })
+}
+
+/// Runs `f` in a thread of its own and waits at most `limit` for it: a D-Bus handshake has no
+/// timeout of its own, so a wedged bus must not hang the caller. A thread left waiting ends with
+/// the process.
+pub fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("dbus-call".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| format!("cannot start the D-Bus thread: {e}"))?;
+    rx.recv_timeout(limit).map_err(|_| format!("the system bus did not answer within {} s", limit.as_secs()))
 }
 
 fn read_blocking() -> Fact<Vec<UnitState>> {

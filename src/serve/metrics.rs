@@ -51,6 +51,13 @@ fn l(pairs: &[(&str, &str)]) -> Labels {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
+/// `base` with one more label.
+fn plus(base: &Labels, key: &str, value: &str) -> Labels {
+    let mut l = base.clone();
+    l.push((key.to_string(), value.to_string()));
+    l
+}
+
 fn set<T: Copy + Into<f64>>(f: &FGauge, labels: &Labels, v: &Nv<T>) {
     if let Nv::Value(x) = v {
         f.get_or_create(labels).set((*x).into());
@@ -123,8 +130,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
             ]))
             .set(1.0);
         for x in &g.xids {
-            let mut labels = base.clone();
-            labels.push(("xid".into(), x.code.clone()));
+            let labels = plus(&base, "xid", &x.code);
             xid.get_or_create(&labels).inc_by(x.count as u64);
         }
         let Some(n) = nv else { continue };
@@ -139,8 +145,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         set(&util, &base, &n.utilization.map_value(|u| u.gpu as f64 / 100.0));
         if let Nv::Value(reasons) = &n.throttle_reasons {
             for (_, name) in crate::collect::nvml::THROTTLE_REASONS {
-                let mut labels = base.clone();
-                labels.push(("reason".into(), name.to_string()));
+                let labels = plus(&base, "reason", name);
                 throttle.get_or_create(&labels).set(if reasons.iter().any(|r| r == name) { 1.0 } else { 0.0 });
             }
         }
@@ -148,21 +153,18 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
             ("corrected", n.ecc_volatile.map_value(|e| e.corrected as f64)),
             ("uncorrected", n.ecc_volatile.map_value(|e| e.uncorrected as f64)),
         ] {
-            let mut labels = base.clone();
-            labels.push(("type".into(), kind.into()));
+            let labels = plus(&base, "type", kind);
             set(&ecc_vol, &labels, &v);
         }
         if let Nv::Value(e) = &n.ecc_aggregate {
             for (kind, v) in [("corrected", e.corrected), ("uncorrected", e.uncorrected)] {
-                let mut labels = base.clone();
-                labels.push(("type".into(), kind.into()));
+                let labels = plus(&base, "type", kind);
                 ecc_agg.get_or_create(&labels).inc_by(v);
             }
         }
         if let Nv::Value(rr) = &n.remapped_rows {
             for (kind, v) in [("correctable", rr.correctable), ("uncorrectable", rr.uncorrectable)] {
-                let mut labels = base.clone();
-                labels.push(("type".into(), kind.into()));
+                let labels = plus(&base, "type", kind);
                 remapped.get_or_create(&labels).set(v as f64);
             }
             remap_pending.get_or_create(&base).set(if rr.pending { 1.0 } else { 0.0 });
@@ -171,8 +173,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         for (which, gen_v, width_v) in
             [("current", &n.pcie.gen_current, &n.pcie.width_current), ("max", &n.pcie.gen_max, &n.pcie.width_max)]
         {
-            let mut labels = base.clone();
-            labels.push(("link".into(), which.into()));
+            let labels = plus(&base, "link", which);
             set(&pcie_gen, &labels, gen_v);
             set(&pcie_width, &labels, width_v);
         }
@@ -190,8 +191,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
                             .copied()
                     })
                     .sum();
-                let mut labels = base.clone();
-                labels.push(("type".into(), kind.into()));
+                let labels = plus(&base, "type", kind);
                 nvlink_err.get_or_create(&labels).inc_by(sum);
             }
         }
@@ -202,8 +202,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
                 ("in_progress", FabricState::InProgress),
                 ("completed", FabricState::Completed),
             ] {
-                let mut labels = base.clone();
-                labels.push(("state".into(), name.into()));
+                let labels = plus(&base, "state", name);
                 fabric.get_or_create(&labels).set(if f.state == st { 1.0 } else { 0.0 });
             }
         }
