@@ -120,6 +120,8 @@ pub struct InstallConfig {
     pub driver_branch: String,
     pub repo_url: String,
     pub repo_key_fingerprint: String,
+    /// Replace an installed driver of another branch (or the proprietary flavour).
+    pub replace_driver: bool,
 }
 
 impl Default for InstallConfig {
@@ -129,6 +131,7 @@ impl Default for InstallConfig {
             driver_branch: "550".into(),
             repo_url: String::new(),
             repo_key_fingerprint: String::new(),
+            replace_driver: false,
         }
     }
 }

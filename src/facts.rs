@@ -393,6 +393,11 @@ pub fn probe_floors(device_id: u16) -> ProbeFloors {
 /// Source: NVIDIA CUDA repository `cuda-keyring`; hopper-facts.md "Install facts".
 pub const NVIDIA_REPO_KEY_FINGERPRINT: &str = "EB693B3035CD5710E231E123A4B469963BF863CC";
 
+/// NVIDIA's RHEL repository key, by the short id it is named after (`D42D0685.pub`). Its full
+/// fingerprint is not in hopper-facts.md, so the installer checks that the file holds one
+/// primary key ending in this id; `install.repo_key_fingerprint` pins the whole fingerprint.
+pub const NVIDIA_RHEL_REPO_KEY_ID: &str = "D42D0685";
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -142,6 +142,9 @@ pub struct Package {
     pub version: String,
     /// dpkg's state word: `installed`, `half-configured`, `unpacked`, …
     pub state: String,
+    /// Held at its version (`apt-mark hold`, `dnf versionlock`).
+    #[serde(default)]
+    pub held: bool,
 }
 
 impl Snapshot {

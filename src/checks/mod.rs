@@ -289,6 +289,7 @@ pub(crate) mod testutil {
                 name: "nvidia-fabricmanager-550".into(),
                 version: "550.90.07-1".into(),
                 state: "installed".into(),
+                held: false,
             }]),
             pci: Fact::Value(pci),
             driver: Driver {

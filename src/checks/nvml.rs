@@ -764,6 +764,7 @@ mod tests {
             name: "nvidia-fabricmanager-550".into(),
             version: "550.54.15-1".into(),
             state: "installed".into(),
+            held: false,
         }]);
         assert_eq!(find(&findings(&s), "fabric.manager-version")[0].severity, Severity::Fail);
         s.packages = Fact::Value(vec![]);

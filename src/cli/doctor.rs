@@ -52,6 +52,9 @@ impl Doctor {
         let agent_id = report::agent_id(&config.agent.id, &snapshot);
         let mut report = report::build(&snapshot, findings, agent_id, started_at, 0);
         report.probes = probes.map(|p| serde_json::to_value(p).unwrap_or_default());
+        if root.is_live() && self.from.is_none() {
+            report.install = crate::install::report_value(&config.agent.state_dir);
+        }
         let code = report::exit_code(&report.findings);
 
         if let Some(out) = &self.bundle {

@@ -1,6 +1,14 @@
-//! `phq-agent install`: arguments are the contract of DESIGN.md; the installer lands with its issue.
+//! `phq-agent install`: plan from this guest and the config, then apply — or print the plan.
+//!
+//! Exit codes: 0 installed and verified; 1 installed with warnings, or a reboot is required
+//! (`--reboot never`); 2 a step or the verification failed; 3 could not start (unsupported
+//! guest, another install running, not root); 64 usage.
 
+use crate::install::apply::{self, Options, RebootPolicy, Runner, Status, SystemRunner};
+use crate::install::{self, plan};
+use crate::sysroot::Sysroot;
 use clap::Args;
+use std::path::PathBuf;
 
 #[derive(Debug, Args)]
 pub struct Install {
@@ -10,19 +18,190 @@ pub struct Install {
     /// Driver branch (default: install.driver_branch from the config).
     #[arg(long, value_name = "N")]
     pub driver_branch: Option<String>,
+    /// Replace an installed driver of another branch or the proprietary flavour.
+    #[arg(long)]
+    pub replace_driver: bool,
     /// Print the plan, change nothing.
     #[arg(long)]
     pub dry_run: bool,
     /// Reboot when a step needs it (auto) or report that one is needed (never).
     #[arg(long, value_parser = ["auto", "never"], default_value = "auto")]
     pub reboot: String,
-    /// A mirror of NVIDIA's repository.
+    /// A mirror of NVIDIA's repository root (…/compute/cuda/repos).
     #[arg(long, value_name = "URL")]
     pub repo_url: Option<String>,
 }
 
+/// Checks whose trouble the verification reports: what the install itself is about.
+const VERIFIED: &[&str] = &["driver.", "pci.", "gpu.", "nvml.", "fabric.", "cuda."];
+
 impl Install {
-    pub fn run(self, _g: &super::Global) -> anyhow::Result<i32> {
-        super::not_built("install", "the installer is issue #5")
+    pub fn run(self, g: &super::Global) -> anyhow::Result<i32> {
+        let config = g.load_config()?;
+        let c = &config.install;
+        let branch_text = self.driver_branch.clone().unwrap_or_else(|| c.driver_branch.clone());
+        let Ok(driver_branch) = branch_text.trim().parse::<u32>() else {
+            eprintln!("phq-agent install: driver branch {branch_text:?} is not a number such as 550");
+            return Ok(super::EXIT_USAGE);
+        };
+        let settings = plan::Settings {
+            cuda: self.cuda.clone().unwrap_or_else(|| c.cuda.clone()),
+            driver_branch,
+            repo_url: self.repo_url.clone().unwrap_or_else(|| c.repo_url.clone()),
+            key_fingerprint: c.repo_key_fingerprint.clone(),
+            replace_driver: self.replace_driver || c.replace_driver,
+            state_dir: config.agent.state_dir.display().to_string(),
+        };
+        let root = Sysroot::new(&g.sysroot);
+        if !self.dry_run {
+            if !root.is_live() {
+                eprintln!("phq-agent install: --sysroot stands for another machine; only --dry-run can plan for it");
+                return Ok(super::EXIT_USAGE);
+            }
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            if unsafe { libc::geteuid() } != 0 {
+                eprintln!("phq-agent install: installing needs root (try sudo, or --dry-run to see the plan)");
+                return Ok(super::EXIT_UNKNOWN);
+            }
+        }
+        let state_dir = config.agent.state_dir.clone();
+        // Hold the lock from the first look at the machine to the last step: what is planned
+        // must be what is applied.
+        let _lock = if self.dry_run {
+            None
+        } else {
+            match apply::lock(&state_dir) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    eprintln!("phq-agent install: {e}");
+                    return Ok(super::EXIT_UNKNOWN);
+                }
+            }
+        };
+        let mut runner = SystemRunner::new(&state_dir);
+        let (the_plan, boot_id) = match make_plan(&root, &settings, &mut runner) {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("phq-agent install: {e}");
+                return Ok(super::EXIT_UNKNOWN);
+            }
+        };
+        if self.dry_run {
+            super::print_out(&plan::render(&the_plan), false)?;
+            return Ok(0);
+        }
+        eprintln!("phq-agent install: {}", the_plan.summary);
+        for f in &the_plan.findings {
+            eprintln!("  {} {}: {}", f.severity.label(), f.id, f.summary);
+        }
+        let mut progress = |line: &str| eprintln!("{line}");
+        let nvml_lib = g.nvml_lib.clone();
+        let sysroot = g.sysroot.clone();
+        let checks_settings = crate::checks::Settings::from(&config);
+        let mut verify = move || verify_now(&sysroot, nvml_lib.clone(), &checks_settings);
+        let mut reboot_now = reboot_through_logind;
+        let mut opts = Options {
+            state_dir: state_dir.clone(),
+            root: PathBuf::from("/"),
+            reboot: if self.reboot == "never" { RebootPolicy::Never } else { RebootPolicy::Auto },
+            boot_id,
+            network_tries: 4,
+            lock_wait: std::time::Duration::from_secs(600),
+            progress: &mut progress,
+            verify: &mut verify,
+            reboot_now: &mut reboot_now,
+        };
+        let st = match apply::apply(&the_plan, &mut runner, &mut opts) {
+            Ok(st) => st,
+            Err(e) => {
+                eprintln!("phq-agent install: {e}");
+                return Ok(2);
+            }
+        };
+        Ok(finish(&st))
     }
+}
+
+fn make_plan(
+    root: &Sysroot,
+    settings: &plan::Settings,
+    runner: &mut dyn Runner,
+) -> Result<(plan::Plan, Option<String>), String> {
+    let nvml = crate::collect::NvmlSource::Skip("not needed to plan".into());
+    let snapshot = crate::collect::snapshot(root, &nvml);
+    let rpm_guest = snapshot.host.os.value().is_some_and(|o| !plan::Distro::from_os(o).map(|d| d.is_deb()).unwrap_or(true));
+    let packages = (rpm_guest && root.is_live()).then(|| {
+        let args = ["-qa".to_string(), "--qf".into(), "%{NAME}\t%{VERSION}-%{RELEASE}\n".into()];
+        match runner.run("rpm", &args, &[]) {
+            Ok(o) if o.ok() => Ok(install::parse_rpm_qa(&o.stdout_text())),
+            Ok(o) => Err(format!("rpm -qa failed: {}", o.stderr.trim())),
+            Err(e) => Err(format!("rpm: {e}")),
+        }
+    });
+    let facts = install::gather(root, &snapshot, packages);
+    Ok((plan::plan(&facts, settings)?, snapshot.host.boot_id.clone()))
+}
+
+fn verify_now(sysroot: &std::path::Path, nvml_lib: Option<PathBuf>, settings: &crate::checks::Settings) -> Vec<crate::checks::Finding> {
+    let root = Sysroot::new(sysroot);
+    let source = crate::collect::NvmlSource::choose(nvml_lib.as_deref(), &root);
+    let snapshot = crate::collect::snapshot(&root, &source);
+    crate::checks::run(&snapshot, settings).into_iter().filter(|f| VERIFIED.iter().any(|p| f.id.starts_with(p))).collect()
+}
+
+/// logind's `Reboot(false)` (no interactive authorization: we are root), else `systemctl reboot`.
+fn reboot_through_logind() -> Result<(), String> {
+    let logind = crate::collect::units::within(std::time::Duration::from_secs(10), || -> zbus::Result<()> {
+        let conn = zbus::blocking::Connection::system()?;
+        conn.call_method(
+            Some("org.freedesktop.login1"),
+            "/org/freedesktop/login1",
+            Some("org.freedesktop.login1.Manager"),
+            "Reboot",
+            &(false,),
+        )?;
+        Ok(())
+    });
+    match logind {
+        Ok(Ok(())) => Ok(()),
+        other => {
+            let why = match other {
+                Ok(Err(e)) => e.to_string(),
+                Err(e) => e,
+                Ok(Ok(())) => String::new(),
+            };
+            tracing::warn!("logind reboot failed ({why}); trying systemctl reboot");
+            let status = std::process::Command::new("systemctl")
+                .arg("reboot")
+                .status()
+                .map_err(|e| format!("logind: {why}; systemctl: {e}"))?;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(format!("logind: {why}; systemctl reboot exited {status}"))
+            }
+        }
+    }
+}
+
+fn finish(st: &apply::State) -> i32 {
+    let worst = st.findings.iter().map(|f| f.severity).max();
+    let (line, code) = match st.status {
+        Status::Failed => (format!("failed: {}", st.error.clone().unwrap_or_default()), 2),
+        Status::RebootRequired => ("stopped: a reboot is required".to_string(), 1),
+        Status::Rebooting => ("rebooting; the install resumes after it".to_string(), 0),
+        Status::Running => ("stopped".to_string(), 2),
+        Status::Done => match worst {
+            Some(crate::checks::Severity::Fail) => ("installed, but verification found problems (phq-agent doctor)".into(), 2),
+            Some(crate::checks::Severity::Warn) => ("installed, with warnings".into(), 1),
+            _ => ("installed and verified".into(), 0),
+        },
+    };
+    eprintln!("phq-agent install: {line}");
+    for f in st.findings.iter().filter(|f| f.severity >= crate::checks::Severity::Warn) {
+        if let Some(r) = &f.remedy {
+            eprintln!("  {} {}: {}\n      → {r}", f.severity.label(), f.id, f.summary);
+        }
+    }
+    code
 }

@@ -46,6 +46,7 @@ pub fn parse_dpkg_status(text: &str) -> Vec<Package> {
             name: name.into(),
             version: version.into(),
             state: status.rsplit(' ').next().unwrap_or("").into(),
+            held: status.starts_with("hold "),
         });
     }
     out
@@ -70,6 +71,8 @@ mod tests {
         assert_eq!(p[0].name, "nvidia-fabricmanager-550");
         assert_eq!(upstream_version(&p[0].version), "550.90.07");
         assert_eq!(p[1].state, "half-configured");
+        assert!(!p[0].held);
+        assert!(parse_dpkg_status("Package: cuda-toolkit-12-4\nStatus: hold ok installed\nVersion: 1\n")[0].held);
         assert_eq!(upstream_version("1:550.90.07-0ubuntu0.22.04.1"), "550.90.07");
     }
 

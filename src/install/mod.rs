@@ -1,2 +1,102 @@
-//! install: plan (pure, from a Snapshot) and apply (journaled, resumable). Lands with the
-//! installer issue; `phq-agent install` says so until then.
+//! install: plan (pure, from a snapshot and the config) and apply (journaled, resumable,
+//! locked). `plan` decides, `apply` does, `pgp` is the trust gate for NVIDIA's key.
+
+pub mod apply;
+pub mod pgp;
+pub mod plan;
+
+use crate::snapshot::{Package, Snapshot};
+use crate::sysroot::Sysroot;
+use plan::{Distro, Facts};
+use std::collections::BTreeMap;
+
+/// The installer's view of a guest: the snapshot, plus the files the plan writes and the units
+/// enabled on disk (a chroot or an early boot has no systemd to ask). `packages` replaces the
+/// snapshot's when given (RPM guests, listed through `rpm -qa`).
+pub fn gather(root: &Sysroot, s: &Snapshot, packages: Option<Result<Vec<Package>, String>>) -> Facts {
+    let os = s.host.os.value().cloned().ok_or_else(|| s.host.os.error().unwrap_or("unreadable").to_string());
+    let distro = os.as_ref().ok().and_then(|o| Distro::from_os(o).ok());
+    let mut paths = vec![plan::NOUVEAU_CONF.to_string(), plan::DEBIAN_PIN_PATH.into(), plan::RHEL_REPO_PATH.into()];
+    if let Some(d) = &distro {
+        paths.push(d.apt_source_path());
+    }
+    let files: BTreeMap<String, String> = paths
+        .into_iter()
+        .filter_map(|p| root.read_string(p.trim_start_matches('/')).ok().map(|c| (p, c)))
+        .collect();
+    let enabled_units = root.list_dir(plan::WANTS_DIR.trim_start_matches('/')).unwrap_or_default();
+    let mut packages = packages.unwrap_or_else(|| match &s.packages {
+        crate::snapshot::Fact::Value(v) => Ok(v.clone()),
+        crate::snapshot::Fact::Error(e) => Err(e.clone()),
+    });
+    if let (Ok(ps), Ok(list)) = (&mut packages, root.read_string(plan::VERSIONLOCK_LIST.trim_start_matches('/'))) {
+        for p in ps.iter_mut() {
+            p.held |= versionlocked(&list, &p.name);
+        }
+    }
+    let modules = s.driver.modules.value().cloned().unwrap_or_default();
+    Facts {
+        os,
+        kernel: s.host.kernel_release.value().cloned(),
+        headers_present: s.host.kernel_headers.value().is_some_and(|h| h.present),
+        secure_boot: s.host.secure_boot.value().copied(),
+        gpus: s.gpus().len(),
+        nvswitches: s.pci.value().map(|p| p.iter().filter(|d| d.is_nvswitch()).count()).unwrap_or(0),
+        packages,
+        nouveau_off: !s.driver.nouveau.blacklisted_in.is_empty() && !s.driver.nouveau.modeset_off_in.is_empty(),
+        nouveau_loaded: modules.iter().any(|m| m == "nouveau"),
+        nvidia_loaded: modules
+            .iter()
+            .any(|m| m == "nvidia")
+            .then(|| s.driver.nvrm.value().map(|v| v.version.clone()).or(s.driver.module_version.clone()))
+            .flatten(),
+        enabled_units,
+        files,
+    }
+}
+
+/// `dnf versionlock` writes `name-epoch:version-release.*` lines.
+fn versionlocked(list: &str, name: &str) -> bool {
+    list.lines().map(str::trim).filter(|l| !l.starts_with('#')).any(|l| {
+        l.strip_prefix(name).and_then(|r| r.strip_prefix('-')).is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+    })
+}
+
+/// `rpm -qa --qf '%{NAME}\t%{VERSION}-%{RELEASE}\n'` → the NVIDIA and CUDA packages.
+pub fn parse_rpm_qa(text: &str) -> Vec<Package> {
+    text.lines()
+        .filter_map(|l| l.split_once('\t'))
+        .filter(|(n, _)| ["nvidia", "libnvidia", "cuda", "kmod-nvidia"].iter().any(|p| n.starts_with(p)))
+        .map(|(n, v)| Package { name: n.trim().into(), version: v.trim().into(), state: "installed".into(), held: false })
+        .collect()
+}
+
+/// The install journal as the report's `install` member; `None` when no install has run.
+pub fn report_value(state_dir: &std::path::Path) -> Option<serde_json::Value> {
+    match apply::load_state(state_dir) {
+        Ok(Some(st)) => serde_json::to_value(st).ok(),
+        Ok(None) => None,
+        Err(e) => Some(serde_json::json!({ "schema": apply::STATE_SCHEMA, "status": "unreadable", "error": e })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versionlock_lines() {
+        let list = "# Added lock\nkmod-nvidia-open-dkms-3:550.90.07-1.el9.*\nnvidia-driver-3:550.90.07-1.el9.*\n";
+        assert!(versionlocked(list, "kmod-nvidia-open-dkms"));
+        assert!(versionlocked(list, "nvidia-driver"));
+        assert!(!versionlocked(list, "nvidia"));
+        assert!(!versionlocked(list, "cuda-toolkit-12-4"));
+    }
+
+    #[test]
+    fn rpm_listing() {
+        let p = parse_rpm_qa("bash\t5.1.8-9.el9\nkmod-nvidia-open-dkms\t550.90.07-1.el9\ncuda-toolkit-12-4\t12.4.1-1\nbroken line\n");
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].name, "kmod-nvidia-open-dkms");
+    }
+}

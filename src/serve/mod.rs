@@ -141,6 +141,7 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         seq,
     );
     report.probes = inputs.probes.as_ref().map(|p| p.0.clone());
+    report.install = crate::install::report_value(&inputs.config.agent.state_dir);
     let m = metrics::render(&snapshot, &report, inputs.config.metrics.dcgm_compat);
     let count = |sev| report.findings.iter().filter(|f| f.severity == sev).count();
     let summary = format!(

@@ -1,0 +1,796 @@
+//! Apply a plan: every command through a `Runner` (program + arguments, never a shell), every
+//! finished step journaled in `state_dir/install/state.json` (written whole to a temporary
+//! file, fsynced, renamed), one installer at a time under a `flock`.
+//!
+//! Resuming is planning again: a step the machine already has is skipped by the plan, and one
+//! whose effect the plan cannot see (a hold, an enabled unit in a chroot) is skipped when the
+//! journal holds it with the same hash. A step killed half-way is not journaled, so it runs
+//! again — each is idempotent.
+
+use super::plan::{Action, Arg, Cmd, Plan, Retry};
+use crate::checks::{Finding, Severity};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+pub const STATE_SCHEMA: &str = "phq.install/v1";
+
+#[derive(Debug, Clone)]
+pub struct Output {
+    pub code: Option<i32>,
+    /// Bytes: `dpkg-deb --fsys-tarfile` writes a tar stream.
+    pub stdout: Vec<u8>,
+    pub stderr: String,
+}
+
+impl Output {
+    pub fn ok(&self) -> bool {
+        self.code == Some(0)
+    }
+
+    pub fn stdout_text(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+}
+
+/// The world the installer changes. The real one runs programs and fetches over HTTP; tests
+/// use a recording one.
+pub trait Runner {
+    fn run(&mut self, program: &str, args: &[String], env: &[(String, String)]) -> std::io::Result<Output>;
+    /// One download attempt of `url` to `to`.
+    fn fetch(&mut self, url: &str, to: &Path) -> Result<(), String>;
+    fn sleep(&mut self, d: Duration);
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RebootPolicy {
+    Auto,
+    Never,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Status {
+    Running,
+    RebootRequired,
+    Rebooting,
+    Failed,
+    Done,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub finished_at: String,
+    pub hash: String,
+    pub seconds: f64,
+}
+
+/// The journal, and the installer's state in reports (`install`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    pub schema: String,
+    pub status: Status,
+    pub plan: String,
+    pub started_at: String,
+    pub updated_at: String,
+    /// Steps finished, by id.
+    pub steps: BTreeMap<String, StepRecord>,
+    /// The boot in which a step that needs a reboot finished; cleared by the next boot.
+    /// `"unknown"` when the boot id could not be read (then only a person can tell).
+    pub reboot_pending_since: Option<String>,
+    pub reboot_reason: Option<String>,
+    pub reboots: u32,
+    pub error: Option<String>,
+    pub findings: Vec<Finding>,
+}
+
+impl State {
+    fn new(plan: &Plan) -> State {
+        let now = crate::snapshot::Timestamp::now().to_string();
+        State {
+            schema: STATE_SCHEMA.into(),
+            status: Status::Running,
+            plan: plan.summary.clone(),
+            started_at: now.clone(),
+            updated_at: now,
+            steps: BTreeMap::new(),
+            reboot_pending_since: None,
+            reboot_reason: None,
+            reboots: 0,
+            error: None,
+            findings: Vec::new(),
+        }
+    }
+}
+
+pub fn install_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("install")
+}
+
+pub fn state_path(state_dir: &Path) -> PathBuf {
+    install_dir(state_dir).join("state.json")
+}
+
+/// The journal as it is on disk; `Ok(None)` when no install has run.
+pub fn load_state(state_dir: &Path) -> Result<Option<State>, String> {
+    let path = state_path(state_dir);
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| format!("{}: {e}", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+/// Write `bytes` to `path` so that a crash leaves the old file or the new one, never a torn one.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".{}.phq-tmp", path.file_name().and_then(|n| n.to_str()).unwrap_or("file")));
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    File::open(dir)?.sync_all()
+}
+
+fn save(state_dir: &Path, st: &mut State) -> Result<(), String> {
+    st.updated_at = crate::snapshot::Timestamp::now().to_string();
+    let path = state_path(state_dir);
+    let json = serde_json::to_vec_pretty(st).map_err(|e| format!("cannot encode the journal: {e}"))?;
+    write_atomic(&path, &json, 0o644).map_err(|e| format!("{}: cannot write the journal: {e}", path.display()))
+}
+
+/// Held for the whole install; the kernel drops it when the process dies, `kill -9` included.
+pub struct Lock {
+    _file: File,
+}
+
+pub fn lock(state_dir: &Path) -> Result<Lock, String> {
+    let dir = install_dir(state_dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join("lock");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            let holder = holder.trim();
+            return Err(format!(
+                "another phq-agent install is running{} (it holds {}); wait for it, or see `journalctl -u phq-agent-install`",
+                if holder.is_empty() { String::new() } else { format!(" as pid {holder}") },
+                path.display()
+            ));
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(format!("{}: cannot lock: {e}", path.display())),
+    }
+    let _ = file.set_len(0);
+    let _ = writeln!(file, "{}", std::process::id());
+    Ok(Lock { _file: file })
+}
+
+/// What apply needs from outside the plan.
+pub struct Options<'a> {
+    pub state_dir: PathBuf,
+    /// Files the plan writes land under this root (`/` outside tests).
+    pub root: PathBuf,
+    pub reboot: RebootPolicy,
+    pub boot_id: Option<String>,
+    pub network_tries: u32,
+    /// How long to wait for a dpkg lock held by someone else.
+    pub lock_wait: Duration,
+    pub progress: &'a mut dyn FnMut(&str),
+    pub verify: &'a mut dyn FnMut() -> Vec<Finding>,
+    pub reboot_now: &'a mut dyn FnMut() -> Result<(), String>,
+}
+
+/// Runs the plan to its end, a failure, or a reboot; returns the journal as it was left.
+pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<State, String> {
+    let mut st = match load_state(&o.state_dir) {
+        Ok(Some(st)) => st,
+        Ok(None) => State::new(plan),
+        Err(e) => {
+            (o.progress)(&format!("the journal is unreadable ({e}); starting it afresh — every step is idempotent"));
+            State::new(plan)
+        }
+    };
+    st.plan = plan.summary.clone();
+    st.status = Status::Running;
+    st.error = None;
+    st.findings = plan.findings.clone();
+    // A different boot than the one that needed a reboot: it happened.
+    if let (Some(pending), Some(now)) = (&st.reboot_pending_since, &o.boot_id) {
+        if pending != now && pending != "unknown" {
+            st.reboot_pending_since = None;
+            st.reboot_reason = None;
+            st.reboots += 1;
+        }
+    }
+    save(&o.state_dir, &mut st)?;
+
+    let is_deb = plan.distro.is_deb();
+    let n = plan.steps.len();
+    for (i, step) in plan.steps.iter().enumerate() {
+        let head = format!("[{}/{n}] {}", i + 1, step.id);
+        // The reboot is decided by the journal as much as by the plan: a step of an earlier
+        // run in this same boot may be waiting for it.
+        if step.actions.iter().any(|a| matches!(a, Action::Reboot)) {
+            if st.reboot_pending_since.is_none() && st.reboots == 0 {
+                if let Some(r) = &plan.reboot_reason {
+                    st.reboot_pending_since = Some(o.boot_id.clone().unwrap_or_else(|| "unknown".into()));
+                    st.reboot_reason = Some(r.clone());
+                }
+            }
+            if st.reboot_pending_since.is_none() {
+                (o.progress)(&format!("{head}: not needed"));
+                continue;
+            }
+            let reason = st.reboot_reason.clone().unwrap_or_else(|| "a step needs it".into());
+            return Ok(reboot(&mut st, o, &head, &reason));
+        }
+        if let Some(why) = &step.done {
+            (o.progress)(&format!("{head}: already done ({why})"));
+            continue;
+        }
+        let hash = step.hash(is_deb);
+        if st.steps.get(step.id).is_some_and(|r| r.hash == hash) {
+            (o.progress)(&format!("{head}: done in an earlier run"));
+            continue;
+        }
+        if step.actions.iter().any(|a| matches!(a, Action::Verify)) {
+            (o.progress)(&format!("{head}: {}", step.title));
+            let wrong: Vec<Finding> = (o.verify)().into_iter().filter(|f| f.severity >= Severity::Warn).collect();
+            for f in &wrong {
+                (o.progress)(&format!("      {} {}: {}", f.severity.label(), f.id, f.summary));
+            }
+            st.findings.extend(wrong);
+            st.status = Status::Done;
+            save(&o.state_dir, &mut st)?;
+            return Ok(st);
+        }
+        (o.progress)(&format!("{head}: {}", step.title));
+        let started = Instant::now();
+        for action in &step.actions {
+            if let Err(e) = run_action(action, plan, runner, o) {
+                st.status = Status::Failed;
+                st.error = Some(format!("step {}: {}", step.id, e.message));
+                st.findings.push(e.finding(step.id));
+                save(&o.state_dir, &mut st)?;
+                return Ok(st);
+            }
+        }
+        let seconds = (started.elapsed().as_secs_f64() * 10.0).round() / 10.0;
+        (o.progress)(&format!("      ok ({seconds} s)"));
+        st.steps.insert(
+            step.id.to_string(),
+            StepRecord { finished_at: crate::snapshot::Timestamp::now().to_string(), hash, seconds },
+        );
+        if step.needs_reboot && st.reboot_pending_since.is_none() {
+            st.reboot_pending_since = Some(o.boot_id.clone().unwrap_or_else(|| "unknown".into()));
+            st.reboot_reason = Some(format!("step {} changed the kernel modules or the initramfs", step.id));
+        }
+        save(&o.state_dir, &mut st)?;
+    }
+    st.status = Status::Done;
+    save(&o.state_dir, &mut st)?;
+    Ok(st)
+}
+
+fn reboot(st: &mut State, o: &mut Options, head: &str, reason: &str) -> State {
+    match o.reboot {
+        RebootPolicy::Never => {
+            (o.progress)(&format!("{head}: a reboot is required ({reason}); not rebooting (--reboot never)"));
+            st.status = Status::RebootRequired;
+            st.findings.push(
+                Finding::warn("install.reboot-required", format!("reboot required: {reason}"))
+                    .remedy("Reboot the VM; phq-agent-install.service resumes the install (or run phq-agent install again)"),
+            );
+        }
+        RebootPolicy::Auto => {
+            (o.progress)(&format!("{head}: rebooting ({reason}); phq-agent-install.service resumes after it"));
+            st.status = Status::Rebooting;
+            let _ = save(&o.state_dir, st);
+            if let Err(e) = (o.reboot_now)() {
+                st.status = Status::RebootRequired;
+                st.error = Some(format!("could not reboot: {e}"));
+                st.findings.push(
+                    Finding::fail("install.reboot-required", format!("reboot required ({reason}), and rebooting failed: {e}"))
+                        .remedy("Reboot the VM by hand; the install resumes after it"),
+                );
+            }
+        }
+    }
+    let _ = save(&o.state_dir, st);
+    st.clone()
+}
+
+struct StepError {
+    message: String,
+    url: Option<String>,
+}
+
+impl StepError {
+    fn finding(&self, step: &str) -> Finding {
+        match &self.url {
+            Some(url) => Finding::fail("install.unreachable", format!("cannot reach {url}: {}", self.message))
+                .detail(format!("Step {step} needs the network; it was retried and gave up."))
+                .remedy("Check the VM's DNS and egress to that host (or set install.repo_url to a reachable mirror), then rerun phq-agent install")
+                .evidence("url", url),
+            None => Finding::fail("install.step-failed", format!("step {step} failed: {}", self.message))
+                .remedy("Fix what the message says and rerun phq-agent install; finished steps are not repeated (log: state_dir/install/log)"),
+        }
+    }
+}
+
+fn err(message: impl Into<String>) -> StepError {
+    StepError { message: message.into(), url: None }
+}
+
+fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<(), StepError> {
+    match a {
+        Action::Run(c) => {
+            let args = resolve_args(c, plan, runner)?;
+            run_cmd(c, &args, runner, o)
+        }
+        Action::Write { path, contents } => {
+            let target = under(&o.root, path);
+            (o.progress)(&format!("      write {path}"));
+            write_atomic(&target, contents.as_bytes(), 0o644).map_err(|e| err(format!("{}: {e}", target.display())))
+        }
+        Action::Fetch { url, to } => {
+            let target = under(&o.root, to);
+            if let Some(dir) = target.parent() {
+                std::fs::create_dir_all(dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
+            }
+            (o.progress)(&format!("      fetch {url}"));
+            let mut last = String::new();
+            for attempt in 1..=o.network_tries.max(1) {
+                match runner.fetch(url, &target) {
+                    Ok(()) => return Ok(()),
+                    Err(e) => last = e,
+                }
+                if attempt < o.network_tries {
+                    runner.sleep(Duration::from_secs(1 << attempt.min(5)));
+                }
+            }
+            Err(StepError { message: format!("{last} (tried {} times)", o.network_tries.max(1)), url: Some(url.clone()) })
+        }
+        Action::VerifyKey { file, deb_member, fingerprint } => {
+            let path = under(&o.root, file);
+            let key = match deb_member {
+                Some(member) => deb_member_bytes(&path, member, runner)?,
+                None => std::fs::read(&path).map_err(|e| err(format!("{}: {e}", path.display())))?,
+            };
+            super::pgp::verify(&key, fingerprint)
+                .map_err(|e| err(format!("{file} is not NVIDIA's repository key: {e}; nothing from it was trusted")))?;
+            (o.progress)(&format!("      key {} verified", super::pgp::spaced(fingerprint)));
+            Ok(())
+        }
+        Action::Reboot | Action::Verify => Ok(()),
+    }
+}
+
+fn under(root: &Path, abs: &str) -> PathBuf {
+    root.join(abs.trim_start_matches('/'))
+}
+
+/// `dpkg-deb --fsys-tarfile` unpacks whatever compression the .deb uses; the member is read
+/// from that tar stream without writing anything to disk.
+fn deb_member_bytes(deb: &Path, member: &str, runner: &mut dyn Runner) -> Result<Vec<u8>, StepError> {
+    let deb_s = deb.display().to_string();
+    let out = runner
+        .run("dpkg-deb", &["--fsys-tarfile".into(), deb_s.clone()], &[])
+        .map_err(|e| err(format!("dpkg-deb: {e}")))?;
+    if !out.ok() {
+        return Err(err(format!("{deb_s} is not a valid .deb: {}", out.stderr.trim())));
+    }
+    let mut archive = tar::Archive::new(out.stdout.as_slice());
+    let entries = archive.entries().map_err(|e| err(format!("{deb_s}: {e}")))?;
+    for entry in entries {
+        let mut entry = entry.map_err(|e| err(format!("{deb_s}: {e}")))?;
+        let path = entry.path().map(|p| p.display().to_string()).unwrap_or_default();
+        if path.trim_start_matches("./") == member {
+            let mut buf = Vec::new();
+            std::io::Read::read_to_end(&mut entry, &mut buf).map_err(|e| err(format!("{deb_s}: {e}")))?;
+            return Ok(buf);
+        }
+    }
+    Err(err(format!("{deb_s} holds no {member}")))
+}
+
+/// `Arg::AtDriverVersion` becomes `pkg=<the repository's version of pkg whose upstream part is
+/// the installed driver's>` (apt) or `pkg-<driver version>` (dnf).
+fn resolve_args(c: &Cmd, plan: &Plan, runner: &mut dyn Runner) -> Result<Vec<String>, StepError> {
+    let mut driver_version: Option<String> = None;
+    let mut out = Vec::new();
+    for a in &c.args {
+        match a {
+            Arg::Lit(s) => out.push(s.clone()),
+            Arg::AtDriverVersion(pkg) => {
+                if driver_version.is_none() {
+                    driver_version = Some(query_driver_version(plan, runner)?);
+                }
+                let dv = driver_version.as_deref().unwrap_or_default();
+                if plan.distro.is_deb() {
+                    out.push(format!("{pkg}={}", candidate_at(pkg, dv, runner)?));
+                } else {
+                    out.push(format!("{pkg}-{dv}"));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn query_driver_version(plan: &Plan, runner: &mut dyn Runner) -> Result<String, StepError> {
+    let pkg = plan.driver_package.as_deref().ok_or_else(|| err("no driver package to take the version from"))?;
+    let (program, args): (&str, Vec<String>) = if plan.distro.is_deb() {
+        ("dpkg-query", vec!["-W".into(), "-f=${Version}".into(), pkg.into()])
+    } else {
+        ("rpm", vec!["-q".into(), "--qf".into(), "%{VERSION}".into(), pkg.into()])
+    };
+    let out = runner.run(program, &args, &[]).map_err(|e| err(format!("{program}: {e}")))?;
+    let text = out.stdout_text();
+    let v = text.trim();
+    if !out.ok() || v.is_empty() {
+        return Err(err(format!("cannot read the installed version of {pkg}: {}", out.stderr.trim())));
+    }
+    Ok(crate::collect::packages::upstream_version(v).to_string())
+}
+
+/// The repository version of `pkg` whose upstream part equals `upstream` (`apt-cache madison`).
+fn candidate_at(pkg: &str, upstream: &str, runner: &mut dyn Runner) -> Result<String, StepError> {
+    let out = runner.run("apt-cache", &["madison".into(), pkg.into()], &[]).map_err(|e| err(format!("apt-cache: {e}")))?;
+    let versions = parse_madison(&out.stdout_text());
+    versions.iter().find(|v| crate::collect::packages::upstream_version(v) == upstream).cloned().ok_or_else(|| {
+        err(format!(
+            "the repository has no {pkg} at the driver's version {upstream} (it has: {}); fabric manager must equal the driver exactly",
+            if versions.is_empty() { "none".to_string() } else { versions.join(", ") }
+        ))
+    })
+}
+
+/// ` nvidia-fabricmanager-550 | 550.90.07-1 | http://… Packages` → versions.
+pub fn parse_madison(text: &str) -> Vec<String> {
+    text.lines().filter_map(|l| l.split('|').nth(1)).map(|v| v.trim().to_string()).filter(|v| !v.is_empty()).collect()
+}
+
+fn run_cmd(c: &Cmd, args: &[String], runner: &mut dyn Runner, o: &mut Options) -> Result<(), StepError> {
+    let shown = super::plan::render_cmd(&Cmd { args: args.iter().cloned().map(Arg::Lit).collect(), ..c.clone() }, true);
+    (o.progress)(&format!("      $ {shown}"));
+    let tries = if c.retry == Retry::Network { o.network_tries.max(1) } else { 1 };
+    let lock_deadline = Instant::now() + o.lock_wait;
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let out = runner.run(&c.program, args, &c.env).map_err(|e| {
+            err(match e.kind() {
+                std::io::ErrorKind::NotFound => format!("{} is not installed on this guest", c.program),
+                _ => format!("{}: {e}", c.program),
+            })
+        })?;
+        if out.ok() {
+            return Ok(());
+        }
+        let tail = tail_lines(&format!("{}\n{}", out.stdout_text(), out.stderr), 6);
+        if c.retry == Retry::DpkgLock && is_dpkg_lock(&out.stderr) && Instant::now() < lock_deadline {
+            (o.progress)("      another package manager holds the dpkg lock; waiting");
+            runner.sleep(Duration::from_secs(5));
+            continue;
+        }
+        if attempt < tries {
+            (o.progress)(&format!("      failed (exit {}); trying again", code(&out)));
+            runner.sleep(Duration::from_secs(1 << attempt.min(5)));
+            continue;
+        }
+        let message = format!("`{shown}` exited {}: {tail}", code(&out));
+        return Err(StepError { message, url: c.url.clone().filter(|_| c.retry == Retry::Network) });
+    }
+}
+
+fn code(o: &Output) -> String {
+    o.code.map(|c| c.to_string()).unwrap_or_else(|| "on a signal".into())
+}
+
+fn is_dpkg_lock(stderr: &str) -> bool {
+    stderr.contains("dpkg frontend lock") || stderr.contains("lock-frontend") || stderr.contains("/var/lib/dpkg/lock")
+}
+
+fn tail_lines(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    lines[lines.len().saturating_sub(n)..].join(" / ")
+}
+
+/// The real world: programs run with stdin closed and their output appended to `log`.
+pub struct SystemRunner {
+    pub log: Option<File>,
+}
+
+impl SystemRunner {
+    pub fn new(state_dir: &Path) -> SystemRunner {
+        let path = install_dir(state_dir).join("log");
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(path).ok();
+        SystemRunner { log }
+    }
+}
+
+impl Runner for SystemRunner {
+    fn run(&mut self, program: &str, args: &[String], env: &[(String, String)]) -> std::io::Result<Output> {
+        let out = std::process::Command::new(program)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(std::process::Stdio::null())
+            .output()?;
+        if let Some(log) = &mut self.log {
+            let _ = writeln!(log, "$ {program} {}", args.join(" "));
+            if program != "dpkg-deb" {
+                let _ = log.write_all(&out.stdout);
+            }
+            let _ = log.write_all(&out.stderr);
+            let _ = writeln!(log, "(exit {:?})", out.status.code());
+        }
+        Ok(Output { code: out.status.code(), stdout: out.stdout, stderr: String::from_utf8_lossy(&out.stderr).into() })
+    }
+
+    fn fetch(&mut self, url: &str, to: &Path) -> Result<(), String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start the HTTP client: {e}"))?;
+        let bytes = rt.block_on(async {
+            let client = reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(10))
+                .timeout(Duration::from_secs(120))
+                .build()
+                .map_err(|e| e.to_string())?;
+            let resp = client.get(url).send().await.map_err(|e| describe(&e))?;
+            if !resp.status().is_success() {
+                return Err(format!("HTTP {}", resp.status()));
+            }
+            resp.bytes().await.map_err(|e| describe(&e))
+        })?;
+        write_atomic(to, &bytes, 0o644).map_err(|e| format!("{}: {e}", to.display()))
+    }
+
+    fn sleep(&mut self, d: Duration) {
+        std::thread::sleep(d);
+    }
+}
+
+fn describe(e: &reqwest::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::install::plan::{self, Facts, Settings};
+    use crate::snapshot::{OsRelease, SecureBoot};
+
+    /// A small working stand-in for the machine: commands succeed unless told to fail, queries
+    /// answer like dpkg-query and apt-cache do, fetches write a file or fail like a dead network.
+    #[derive(Default)]
+    struct FakeMachine {
+        ran: Vec<String>,
+        fail_when: Option<String>,
+        offline: bool,
+        fetched: u32,
+        slept: Duration,
+        key: Vec<u8>,
+    }
+
+    impl Runner for FakeMachine {
+        fn run(&mut self, program: &str, args: &[String], _env: &[(String, String)]) -> std::io::Result<Output> {
+            let line = format!("{program} {}", args.join(" "));
+            self.ran.push(line.clone());
+            let ok = |stdout: &[u8]| Output { code: Some(0), stdout: stdout.to_vec(), stderr: String::new() };
+            if self.fail_when.as_deref().is_some_and(|f| line.contains(f)) {
+                return Ok(Output { code: Some(100), stdout: vec![], stderr: "E: Unable to locate package".into() });
+            }
+            Ok(match program {
+                "dpkg-query" => ok(b"550.90.07-0ubuntu1"),
+                "apt-cache" => ok(b" nvidia-fabricmanager-550 | 550.127.05-1 | http://r/ Packages\n nvidia-fabricmanager-550 | 550.90.07-1 | http://r/ Packages\n"),
+                "dpkg-deb" => {
+                    let mut b = tar::Builder::new(Vec::new());
+                    let mut h = tar::Header::new_gnu();
+                    h.set_size(self.key.len() as u64);
+                    h.set_mode(0o644);
+                    h.set_cksum();
+                    b.append_data(&mut h, "./usr/share/keyrings/cuda-archive-keyring.gpg", self.key.as_slice()).unwrap();
+                    ok(&b.into_inner().unwrap())
+                }
+                _ => ok(b""),
+            })
+        }
+        fn fetch(&mut self, url: &str, to: &Path) -> Result<(), String> {
+            self.fetched += 1;
+            if self.offline {
+                return Err(format!("error sending request for url ({url}): connection refused"));
+            }
+            std::fs::write(to, b"deb").map_err(|e| e.to_string())
+        }
+        fn sleep(&mut self, d: Duration) {
+            self.slept += d;
+        }
+    }
+
+    /// A v4 key packet and its fingerprint.
+    fn test_key() -> (Vec<u8>, String) {
+        let mut body = vec![4, 0x5f, 0, 0, 0, 22, 9, 0x2b, 0x06, 0x01, 0x04, 0x01, 0xda, 0x47, 0x0f, 0x01, 0x01, 0x07, 0x40];
+        body.extend([42u8; 32]);
+        let mut p = vec![0xc6, body.len() as u8];
+        p.extend(&body);
+        let fpr = crate::install::pgp::keys(&p).unwrap()[0].fingerprint.clone();
+        (p, fpr)
+    }
+
+    fn fresh_ubuntu_hgx(state_dir: &str, fpr: &str) -> (Facts, Settings) {
+        let f = Facts {
+            os: Ok(OsRelease { id: "ubuntu".into(), id_like: vec![], version_id: "22.04".into(), pretty_name: String::new() }),
+            kernel: Some("5.15.0-113-generic".into()),
+            headers_present: true,
+            secure_boot: Some(SecureBoot::Disabled),
+            gpus: 8,
+            nvswitches: 4,
+            packages: Ok(vec![]),
+            nouveau_off: false,
+            nouveau_loaded: true,
+            nvidia_loaded: None,
+            enabled_units: vec![],
+            files: Default::default(),
+        };
+        let s = Settings {
+            cuda: "12.4".into(),
+            driver_branch: 550,
+            repo_url: String::new(),
+            key_fingerprint: fpr.into(),
+            replace_driver: false,
+            state_dir: state_dir.into(),
+        };
+        (f, s)
+    }
+
+    struct Run {
+        state: State,
+        progress: Vec<String>,
+        rebooted: bool,
+    }
+
+    fn apply_once(p: &Plan, m: &mut FakeMachine, dir: &Path, policy: RebootPolicy, boot: &str) -> Run {
+        let mut lines = Vec::new();
+        let mut rebooted = false;
+        let mut progress = |l: &str| lines.push(l.to_string());
+        let mut verify = || vec![Finding::pass("driver.loaded", "ok"), Finding::warn("gpu.ecc", "3 corrected")];
+        let mut reboot_now = || {
+            rebooted = true;
+            Ok(())
+        };
+        let mut o = Options {
+            state_dir: dir.to_path_buf(),
+            root: dir.join("root"),
+            reboot: policy,
+            boot_id: Some(boot.into()),
+            network_tries: 4,
+            lock_wait: Duration::from_secs(1),
+            progress: &mut progress,
+            verify: &mut verify,
+            reboot_now: &mut reboot_now,
+        };
+        let state = apply(p, m, &mut o).unwrap();
+        Run { state, progress: lines, rebooted }
+    }
+
+    #[test]
+    fn fresh_install_reboots_once_resumes_and_verifies() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, fpr) = test_key();
+        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
+        let p = plan::plan(&f, &s).unwrap();
+        let mut m = FakeMachine { key, ..Default::default() };
+
+        let first = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(first.rebooted);
+        assert_eq!(first.state.status, Status::Rebooting);
+        // Fabric manager is pinned to the repository version whose upstream equals the driver's.
+        assert!(m.ran.iter().any(|l| l.contains("install nvidia-fabricmanager-550=550.90.07-1 libnvidia-nscq-550=")), "{:#?}", m.ran);
+        assert!(m.ran.iter().any(|l| l.starts_with("apt-mark hold nvidia-driver-550-open")));
+        // The nouveau file landed, atomically, under the root.
+        assert_eq!(std::fs::read_to_string(dir.path().join("root/etc/modprobe.d/blacklist-nouveau.conf")).unwrap(), plan::NOUVEAU_CONF_TEXT);
+        let on_disk = load_state(dir.path()).unwrap().unwrap();
+        assert_eq!(on_disk.status, Status::Rebooting);
+        assert_eq!(on_disk.reboot_pending_since.as_deref(), Some("boot-1"));
+
+        // The resume unit runs again after the reboot: nothing is repeated, verification runs.
+        let ran_before = m.ran.len();
+        let second = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-2");
+        assert!(!second.rebooted);
+        assert_eq!(m.ran.len(), ran_before, "nothing may run twice: {:#?}", &m.ran[ran_before..]);
+        assert_eq!(second.state.status, Status::Done);
+        assert_eq!(second.state.reboots, 1);
+        assert!(second.state.findings.iter().any(|f| f.id == "gpu.ecc"));
+        assert!(second.progress.iter().any(|l| l.contains("done in an earlier run")));
+    }
+
+    #[test]
+    fn a_failed_step_is_journaled_and_the_rerun_starts_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, fpr) = test_key();
+        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
+        let p = plan::plan(&f, &s).unwrap();
+        let mut m = FakeMachine { key, fail_when: Some("cuda-toolkit-12-4".into()), ..Default::default() };
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::Failed);
+        assert!(r.state.error.as_deref().unwrap().starts_with("step toolkit:"), "{:?}", r.state.error);
+        let f = r.state.findings.iter().find(|f| f.id == "install.step-failed").unwrap();
+        assert!(f.summary.contains("Unable to locate package"), "{}", f.summary);
+        assert_eq!(m.ran.iter().filter(|l| l.contains("cuda-toolkit-12-4")).count(), 4, "network retries");
+
+        m.fail_when = None;
+        m.ran.clear();
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert!(m.ran[0].contains("install cuda-toolkit-12-4"), "{:#?}", m.ran);
+        assert_eq!(r.state.status, Status::RebootRequired);
+        assert!(r.state.findings.iter().any(|f| f.id == "install.reboot-required"));
+    }
+
+    #[test]
+    fn an_unreachable_repository_names_the_url_after_bounded_retries() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, fpr) = test_key();
+        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
+        let p = plan::plan(&f, &s).unwrap();
+        let mut m = FakeMachine { key, offline: true, ..Default::default() };
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(m.fetched, 4);
+        assert_eq!(m.slept, Duration::from_secs(2 + 4 + 8));
+        let f = r.state.findings.iter().find(|f| f.id == "install.unreachable").unwrap();
+        assert!(f.summary.contains("https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2204/x86_64/cuda-keyring_1.1-1_all.deb"));
+        assert!(m.ran.is_empty(), "nothing may run after the repository step failed");
+    }
+
+    #[test]
+    fn a_wrong_key_is_never_trusted() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, _) = test_key();
+        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), crate::facts::NVIDIA_REPO_KEY_FINGERPRINT);
+        let p = plan::plan(&f, &s).unwrap();
+        let mut m = FakeMachine { key, ..Default::default() };
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::Failed);
+        assert!(r.state.error.as_deref().unwrap().contains("is not NVIDIA's repository key"));
+        assert!(!m.ran.iter().any(|l| l.starts_with("dpkg -i")), "{:#?}", m.ran);
+    }
+
+    #[test]
+    fn the_lock_refuses_a_second_installer() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = lock(dir.path()).unwrap();
+        let e = lock(dir.path()).err().unwrap();
+        assert!(e.contains("another phq-agent install is running") && e.contains(&std::process::id().to_string()), "{e}");
+        drop(held);
+        assert!(lock(dir.path()).is_ok());
+    }
+
+    #[test]
+    fn madison_output() {
+        let v = parse_madison(" nvidia-fabricmanager-550 | 550.90.07-1 | http://r/ Packages\n\ngarbage\n");
+        assert_eq!(v, ["550.90.07-1"]);
+    }
+}

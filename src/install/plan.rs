@@ -1,0 +1,826 @@
+//! The plan: a pure function from what the guest is (`Facts`) and what the operator asked
+//! (`Settings`) to the list of steps that make it a working GPU guest. Nothing here runs or
+//! reads anything, so every distro × GPU layout × Secure Boot × install state is a golden test.
+//!
+//! Each step is idempotent and says when the machine already has what it does (`done`), so a
+//! second run, or a run after a `kill -9`, plans only what is missing.
+
+use crate::checks::Finding;
+use crate::facts;
+use crate::snapshot::{OsRelease, Package, SecureBoot};
+use std::collections::BTreeMap;
+
+/// NVIDIA's repository root; each distro lives in `<root>/<dir>/x86_64/`.
+pub const NVIDIA_REPO_ROOT: &str = "https://developer.download.nvidia.com/compute/cuda/repos";
+/// The keyring package NVIDIA publishes in each Debian/Ubuntu repository directory.
+pub const CUDA_KEYRING_DEB: &str = "cuda-keyring_1.1-1_all.deb";
+/// Where `cuda-keyring` puts the repository key (it is what apt's `signed-by` names).
+pub const CUDA_KEYRING_MEMBER: &str = "usr/share/keyrings/cuda-archive-keyring.gpg";
+/// The RHEL repository key's file name: NVIDIA names it by the key's short id.
+pub const RHEL_KEY_FILE: &str = "D42D0685.pub";
+pub const RHEL_KEY_PATH: &str = "/etc/pki/rpm-gpg/RPM-GPG-KEY-NVIDIA-CUDA";
+pub const RHEL_REPO_PATH: &str = "/etc/yum.repos.d/cuda-rhel9.repo";
+pub const NOUVEAU_CONF: &str = "/etc/modprobe.d/blacklist-nouveau.conf";
+pub const NOUVEAU_CONF_TEXT: &str = "blacklist nouveau\noptions nouveau modeset=0\n";
+pub const DEBIAN_PIN_PATH: &str = "/etc/apt/preferences.d/phq-nvidia-driver-branch";
+pub const VERSIONLOCK_LIST: &str = "/etc/dnf/plugins/versionlock.list";
+/// systemd's wants directory: a unit linked here is enabled.
+pub const WANTS_DIR: &str = "/etc/systemd/system/multi-user.target.wants";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Distro {
+    Ubuntu2204,
+    Ubuntu2404,
+    Debian12,
+    /// RHEL 9 and its rebuilds; the id (`rhel`, `rocky`, `almalinux`) decides EPEL and CRB.
+    El9(String),
+}
+
+impl Distro {
+    pub fn from_os(os: &OsRelease) -> Result<Distro, String> {
+        let major = os.version_id.split('.').next().unwrap_or("");
+        let d = match (os.id.as_str(), os.version_id.as_str()) {
+            ("ubuntu", "22.04") => Distro::Ubuntu2204,
+            ("ubuntu", "24.04") => Distro::Ubuntu2404,
+            ("debian", v) if v.split('.').next() == Some("12") => Distro::Debian12,
+            (id @ ("rhel" | "rocky" | "almalinux"), _) if major == "9" => Distro::El9(id.into()),
+            _ => {
+                let supported: Vec<&str> = facts::SUPPORTED_OS.iter().map(|(_, _, name)| *name).collect();
+                let this = if os.pretty_name.is_empty() {
+                    format!("{} {}", os.id, os.version_id)
+                } else {
+                    os.pretty_name.clone()
+                };
+                return Err(format!("{this} is not a guest phq-agent install supports ({})", supported.join(", ")));
+            }
+        };
+        Ok(d)
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Distro::Ubuntu2204 => "Ubuntu 22.04".into(),
+            Distro::Ubuntu2404 => "Ubuntu 24.04".into(),
+            Distro::Debian12 => "Debian 12".into(),
+            Distro::El9(id) => {
+                facts::SUPPORTED_OS.iter().find(|(i, _, _)| i == id).map(|(_, _, n)| n.to_string()).unwrap_or_default()
+            }
+        }
+    }
+
+    /// The directory of NVIDIA's repository for this distro.
+    pub fn repo_dir(&self) -> &'static str {
+        match self {
+            Distro::Ubuntu2204 => "ubuntu2204",
+            Distro::Ubuntu2404 => "ubuntu2404",
+            Distro::Debian12 => "debian12",
+            Distro::El9(_) => "rhel9",
+        }
+    }
+
+    pub fn is_deb(&self) -> bool {
+        !matches!(self, Distro::El9(_))
+    }
+
+    /// The apt source `cuda-keyring` installs; a mirror replaces its contents.
+    pub fn apt_source_path(&self) -> String {
+        format!("/etc/apt/sources.list.d/cuda-{}-x86_64.list", self.repo_dir())
+    }
+}
+
+/// What the guest is, as far as installing is concerned. Built from a snapshot plus the few
+/// files the plan itself writes (`gather` in the parent module).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Facts {
+    pub os: Result<OsRelease, String>,
+    pub kernel: Option<String>,
+    pub headers_present: bool,
+    pub secure_boot: Option<SecureBoot>,
+    pub gpus: usize,
+    pub nvswitches: usize,
+    /// Installed packages; an error when they could not be listed (then nothing counts as done).
+    pub packages: Result<Vec<Package>, String>,
+    /// nouveau is blacklisted and `modeset=0` is set.
+    pub nouveau_off: bool,
+    pub nouveau_loaded: bool,
+    /// Version of the loaded `nvidia` module, if one is loaded.
+    pub nvidia_loaded: Option<String>,
+    /// Units linked in multi-user.target.wants.
+    pub enabled_units: Vec<String>,
+    /// The present contents of the files the plan writes (absent: not there).
+    pub files: BTreeMap<String, String>,
+}
+
+/// What the operator asked for: the `[install]` config with the command line on top.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub cuda: String,
+    pub driver_branch: u32,
+    /// A mirror of NVIDIA's repository root (`…/compute/cuda/repos`); empty for NVIDIA's own.
+    pub repo_url: String,
+    /// The pinned key fingerprint; empty for NVIDIA's (facts.rs).
+    pub key_fingerprint: String,
+    /// Replace a driver of another branch (or the proprietary flavour) that is installed.
+    pub replace_driver: bool,
+    pub state_dir: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Arg {
+    Lit(String),
+    /// This package at exactly the installed driver's version (`pkg=<ver>` for apt, `pkg-<ver>`
+    /// for dnf), looked up when the step runs: the driver is installed by then.
+    AtDriverVersion(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    Never,
+    /// A network fetch: a few tries with backoff, then a finding naming the URL.
+    Network,
+    /// Waits while another package manager holds the dpkg lock.
+    DpkgLock,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cmd {
+    pub program: String,
+    pub args: Vec<Arg>,
+    pub env: Vec<(String, String)>,
+    pub retry: Retry,
+    /// What the URL of a network command is, for the finding when it keeps failing.
+    pub url: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Run(Cmd),
+    /// Write a file atomically (0644).
+    Write { path: String, contents: String },
+    /// Download to a file, with bounded retries.
+    Fetch { url: String, to: String },
+    /// Trust gate: the key file (or the keyring inside a .deb) must be the pinned key.
+    VerifyKey { file: String, deb_member: Option<String>, fingerprint: String },
+    /// Reboot if a finished step needs it (logind; `--reboot never` reports instead).
+    Reboot,
+    /// Run the doctor's checks and keep what is wrong.
+    Verify,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    pub id: &'static str,
+    pub title: String,
+    pub actions: Vec<Action>,
+    /// Why nothing needs doing, when the machine already has it.
+    pub done: Option<String>,
+    /// Finishing this step leaves the running kernel on old modules or an old initramfs.
+    pub needs_reboot: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub distro: Distro,
+    pub kernel: String,
+    pub summary: String,
+    pub repo_base: String,
+    /// The package whose version is "the driver's version" (fabric manager must equal it).
+    pub driver_package: Option<String>,
+    pub steps: Vec<Step>,
+    /// What the plan will not do, and why; each with its remedy.
+    pub findings: Vec<Finding>,
+    /// Reboot even if no step runs: the installed driver is not the one loaded.
+    pub reboot_reason: Option<String>,
+}
+
+const DEB_ENV: &[(&str, &str)] = &[("DEBIAN_FRONTEND", "noninteractive")];
+
+fn cmd(program: &str, args: &[&str]) -> Cmd {
+    Cmd {
+        program: program.into(),
+        args: args.iter().map(|a| Arg::Lit(a.to_string())).collect(),
+        env: Vec::new(),
+        retry: Retry::Never,
+        url: None,
+    }
+}
+
+/// `apt-get` as an unattended installer runs it: no prompts, keep local config files, and wait
+/// up to ten minutes for a dpkg lock that someone else (unattended-upgrades, a person) holds.
+fn apt(verb: &str, packages: Vec<Arg>) -> Cmd {
+    let mut c = cmd(
+        "apt-get",
+        &[
+            "-y",
+            "-q",
+            "-o",
+            "DPkg::Lock::Timeout=600",
+            "-o",
+            "Dpkg::Options::=--force-confdef",
+            "-o",
+            "Dpkg::Options::=--force-confold",
+            verb,
+        ],
+    );
+    c.args.extend(packages);
+    c.env = DEB_ENV.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    c.retry = Retry::Network;
+    c
+}
+
+fn dnf(args: &[&str]) -> Cmd {
+    let mut c = cmd("dnf", &[&["-y", "-q"][..], args].concat());
+    c.retry = Retry::Network;
+    c
+}
+
+fn lits(v: &[String]) -> Vec<Arg> {
+    v.iter().map(|s| Arg::Lit(s.clone())).collect()
+}
+
+impl Facts {
+    fn package(&self, name: &str) -> Option<&Package> {
+        self.packages.as_ref().ok()?.iter().find(|p| p.name == name)
+    }
+
+    fn installed(&self, name: &str) -> bool {
+        self.package(name).is_some_and(|p| p.state == "installed")
+    }
+
+    fn unit_enabled(&self, unit: &str) -> bool {
+        self.enabled_units.iter().any(|u| u == unit)
+    }
+
+    fn file_is(&self, path: &str, contents: &str) -> bool {
+        self.files.get(path).is_some_and(|c| c == contents)
+    }
+}
+
+/// The driver found installed: its package, upstream version, branch, and whether it is the
+/// open-module flavour.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstalledDriver {
+    pub package: String,
+    pub version: String,
+    pub branch: Option<u32>,
+    pub open: bool,
+}
+
+/// Package names that carry "the driver" on each family, most specific first.
+pub fn installed_driver(packages: &[Package]) -> Option<InstalledDriver> {
+    let is_driver = |n: &str| {
+        (n.starts_with("nvidia-driver-") && n.chars().nth(14).is_some_and(|c| c.is_ascii_digit()))
+            || n == "nvidia-kernel-open-dkms"
+            || n == "nvidia-kernel-dkms"
+            || n == "kmod-nvidia-open-dkms"
+            || n == "kmod-nvidia-latest-dkms"
+    };
+    let p = packages.iter().find(|p| is_driver(&p.name))?;
+    let version = crate::collect::packages::upstream_version(&p.version).to_string();
+    Some(InstalledDriver {
+        package: p.name.clone(),
+        branch: facts::driver_branch(&version),
+        open: p.name.ends_with("-open") || p.name.contains("-open-"),
+        version,
+    })
+}
+
+/// The plan, or why there can be none (an unsupported guest, a CUDA the branch cannot run).
+pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
+    let os = f.os.as_ref().map_err(|e| format!("cannot tell which distribution this is: {e}"))?;
+    let distro = Distro::from_os(os)?;
+    let kernel = f.kernel.clone().ok_or("cannot tell the running kernel's release (/proc/sys/kernel/osrelease)")?;
+    let cuda = facts::major_minor(&s.cuda).filter(|c| c.starts_with("12.")).ok_or_else(|| {
+        format!("install.cuda = {:?}: phq-agent installs a CUDA 12 toolkit, such as \"12.4\"", s.cuda)
+    })?;
+    let cuda_min = facts::cuda_min_driver(&cuda)
+        .ok_or_else(|| format!("CUDA {cuda} is not in the driver table (12.0–12.6, 12.8, 12.9)"))?;
+    let b = s.driver_branch;
+    let min_branch = facts::driver_branch(cuda_min).unwrap_or(0);
+    if b < min_branch {
+        return Err(format!(
+            "CUDA {cuda} needs driver {cuda_min} or newer, and install.driver_branch is {b}: \
+             set driver_branch to {min_branch} or later, or pick an older CUDA 12"
+        ));
+    }
+    if b < facts::MIN_DRIVER_BRANCH {
+        return Err(format!("driver branch {b} predates CUDA 12 (needs {} or later)", facts::MIN_DRIVER_BRANCH));
+    }
+    let repo_root = if s.repo_url.is_empty() { NVIDIA_REPO_ROOT } else { s.repo_url.trim_end_matches('/') };
+    let repo_base = format!("{repo_root}/{}/x86_64/", distro.repo_dir());
+    let sb_on = f.secure_boot == Some(SecureBoot::Enabled);
+    let mut findings = Vec::new();
+    let mut steps = Vec::new();
+    let packages: &[Package] = f.packages.as_deref().unwrap_or(&[]);
+    let install_dir = format!("{}/install", s.state_dir.trim_end_matches('/'));
+    let cuda_dash = cuda.replace('.', "-");
+    let toolkit = format!("cuda-toolkit-{cuda_dash}");
+
+    // What is installed, and whether we may touch it.
+    let present = installed_driver(packages);
+    let keep = present.as_ref().filter(|d| (d.branch != Some(b) || !d.open) && !s.replace_driver);
+    if let Some(d) = keep {
+        let flavour = if d.open { "open" } else { "proprietary" };
+        findings.push(
+            Finding::warn(
+                "install.driver-kept",
+                format!("driver {} ({flavour} modules, {}) is installed; config asks branch {b}, open modules", d.version, d.package),
+            )
+            .detail("An installed driver is changed only when asked: it is kept, and fabric manager and holds follow it.")
+            .remedy(format!("To replace it: phq-agent install --driver-branch {b} --replace-driver (or install.replace_driver = true)")),
+        );
+        if let Some(kb) = d.branch {
+            if kb < min_branch {
+                findings.push(
+                    Finding::fail("install.cuda-driver", format!("CUDA {cuda} needs driver {cuda_min}; the kept driver is {}", d.version))
+                        .remedy(format!("Replace the driver (--replace-driver) or set install.cuda to a CUDA 12 that driver {kb} runs")),
+                );
+            }
+        }
+    }
+    let branch_of_fm = keep.and_then(|d| d.branch).unwrap_or(b);
+
+    // 0. A package manager left half-way (a killed dpkg, a failed DKMS build) is finished first.
+    let half: Vec<&Package> = packages.iter().filter(|p| p.state != "installed").collect();
+    if distro.is_deb() && !half.is_empty() {
+        steps.push(Step {
+            id: "repair",
+            title: format!(
+                "finish what dpkg left half-done ({})",
+                half.iter().map(|p| format!("{} {}", p.name, p.state)).collect::<Vec<_>>().join(", ")
+            ),
+            actions: vec![
+                Action::Run(Cmd { retry: Retry::DpkgLock, ..cmd("dpkg", &["--configure", "-a"]) }),
+                Action::Run(apt("install", lits(&["-f".into()]))),
+            ],
+            done: None,
+            needs_reboot: true,
+        });
+    }
+
+    // 1. NVIDIA's repository, trusted only once its key is the pinned one.
+    steps.push(repo_step(&distro, f, s, &repo_base, &install_dir));
+
+    // 2. Kernel headers: DKMS builds the modules against them.
+    let headers = if distro.is_deb() {
+        Action::Run(apt("install", lits(&[format!("linux-headers-{kernel}")])))
+    } else {
+        Action::Run(dnf(&["install", &format!("kernel-devel-{kernel}"), "kernel-headers"]))
+    };
+    steps.push(Step {
+        id: "headers",
+        title: format!("kernel headers for {kernel}"),
+        actions: vec![headers],
+        done: f.headers_present.then(|| format!("/lib/modules/{kernel}/build is there")),
+        needs_reboot: false,
+    });
+
+    // 3. nouveau off, in the initramfs too.
+    let initramfs = if distro.is_deb() { cmd("update-initramfs", &["-u"]) } else { cmd("dracut", &["--force"]) };
+    steps.push(Step {
+        id: "nouveau",
+        title: "blacklist nouveau and rebuild the initramfs".into(),
+        actions: vec![
+            Action::Write { path: NOUVEAU_CONF.into(), contents: NOUVEAU_CONF_TEXT.into() },
+            Action::Run(initramfs),
+        ],
+        done: f.nouveau_off.then(|| "nouveau is blacklisted with modeset=0".into()),
+        needs_reboot: f.nouveau_loaded,
+    });
+
+    // 4–6. Driver, persistence daemon, fabric manager.
+    let may_build_unsigned = !sb_on;
+    let ubuntu = matches!(distro, Distro::Ubuntu2204 | Distro::Ubuntu2404);
+    let (driver_pkgs, driver_package): (Vec<String>, String) = match &distro {
+        _ if keep.is_some() => (Vec::new(), keep.map(|d| d.package.clone()).unwrap_or_default()),
+        Distro::Ubuntu2204 | Distro::Ubuntu2404 if sb_on => (
+            vec![format!("nvidia-driver-{b}-server-open"), format!("linux-modules-nvidia-{b}-server-open-{kernel}")],
+            format!("nvidia-driver-{b}-server-open"),
+        ),
+        Distro::Ubuntu2204 | Distro::Ubuntu2404 => (vec![format!("nvidia-driver-{b}-open")], format!("nvidia-driver-{b}-open")),
+        Distro::Debian12 => (
+            vec!["nvidia-kernel-open-dkms".into(), format!("cuda-drivers-{b}"), "nvidia-persistenced".into()],
+            "nvidia-kernel-open-dkms".into(),
+        ),
+        Distro::El9(_) => (Vec::new(), "kmod-nvidia-open-dkms".into()),
+    };
+    // A driver already at the branch, open flavour, is the one to hold and to match.
+    let matching = present.as_ref().filter(|d| d.branch == Some(b) && d.open);
+    let (driver_pkgs, driver_package) = match matching {
+        Some(d) => {
+            let mut v: Vec<String> = vec![d.package.clone()];
+            v.extend(driver_pkgs.into_iter().filter(|p| !p.starts_with("nvidia-driver-") && *p != d.package));
+            (v, d.package.clone())
+        }
+        None => (driver_pkgs, driver_package),
+    };
+    let driver_allowed = keep.is_some() || may_build_unsigned || ubuntu;
+    if !driver_allowed {
+        findings.push(
+            Finding::fail("install.secure-boot", "Secure Boot is on: the driver's DKMS modules would be unsigned, so the driver is not installed")
+                .detail(format!(
+                    "{} has no signed precompiled NVIDIA modules; a module built by DKMS loads only once its signing key (MOK) is enrolled.",
+                    distro.name()
+                ))
+                .remedy(
+                    "Either turn Secure Boot off for this VM (KubeVirt: spec.domain.firmware.bootloader.efi.secureBoot: false) \
+                     and rerun phq-agent install; or enrol a MOK: install dkms, run `mokutil --import /var/lib/dkms/mok.pub`, \
+                     reboot, confirm the key in the MOK manager on the VM console, then rerun phq-agent install.",
+                ),
+        );
+    } else if keep.is_none() {
+        let replacing = present.as_ref().filter(|d| d.branch != Some(b) || !d.open);
+        let mut actions = Vec::new();
+        if let Some(old) = replacing {
+            let old_pkgs: Vec<String> = packages
+                .iter()
+                .filter(|p| {
+                    p.name == old.package
+                        || (p.name.starts_with("nvidia-fabricmanager") || p.name.starts_with("libnvidia-nscq")
+                            || p.name.starts_with("nvidia-fabric-manager"))
+                })
+                .map(|p| p.name.clone())
+                .collect();
+            if distro.is_deb() {
+                actions.push(Action::Run(cmd("apt-mark", &[&["unhold"][..], &old_pkgs.iter().map(String::as_str).collect::<Vec<_>>()].concat())));
+                actions.push(Action::Run(apt("purge", lits(&old_pkgs))));
+            } else {
+                actions.push(Action::Run(dnf(&[&["remove"][..], &old_pkgs.iter().map(String::as_str).collect::<Vec<_>>()].concat())));
+            }
+        }
+        match &distro {
+            Distro::Debian12 => {
+                actions.push(Action::Write { path: DEBIAN_PIN_PATH.into(), contents: debian_pin(b) });
+                actions.push(Action::Run(apt("install", lits(&driver_pkgs))));
+            }
+            Distro::El9(_) => {
+                actions.push(Action::Run(dnf(&["module", "install", &format!("nvidia-driver:{b}-open")])));
+            }
+            _ => actions.push(Action::Run(apt("install", lits(&driver_pkgs)))),
+        }
+        let done = present
+            .as_ref()
+            .filter(|d| d.branch == Some(b) && d.open && f.installed(&d.package))
+            .filter(|_| !matches!(distro, Distro::Debian12) || f.file_is(DEBIAN_PIN_PATH, &debian_pin(b)))
+            .map(|d| format!("{} {} is installed", d.package, d.version));
+        let title = match (&distro, sb_on) {
+            (Distro::Ubuntu2204 | Distro::Ubuntu2404, true) => {
+                format!("driver {b} with open kernel modules, Ubuntu's signed build for {kernel} (Secure Boot is on)")
+            }
+            _ => format!("driver {b} with open kernel modules"),
+        };
+        steps.push(Step { id: "driver", title, actions, done, needs_reboot: true });
+    }
+
+    if driver_allowed {
+        steps.push(Step {
+            id: "persistenced",
+            title: "enable nvidia-persistenced".into(),
+            actions: vec![Action::Run(cmd("systemctl", &["enable", "nvidia-persistenced.service"]))],
+            done: f.unit_enabled("nvidia-persistenced.service").then(|| "nvidia-persistenced is enabled".into()),
+            needs_reboot: false,
+        });
+    }
+
+    let (fm, nscq) = fabric_manager_names(&distro, branch_of_fm);
+    let fm_installed = f.package(&fm);
+    if f.nvswitches > 0 && driver_allowed {
+        let driver_version = keep.map(|d| d.version.clone()).or_else(|| present.as_ref().map(|d| d.version.clone()));
+        let fm_matches = fm_installed.is_some_and(|p| {
+            p.state == "installed"
+                && driver_version.as_deref() == Some(crate::collect::packages::upstream_version(&p.version))
+        });
+        let mut install = if distro.is_deb() { apt("install", Vec::new()) } else { dnf(&["install"]) };
+        install.args.push(Arg::AtDriverVersion(fm.clone()));
+        install.args.push(Arg::AtDriverVersion(nscq.clone()));
+        steps.push(Step {
+            id: "fabricmanager",
+            title: format!(
+                "{fm} at exactly the driver's version, enabled ({} NVSwitch{} visible)",
+                f.nvswitches,
+                if f.nvswitches == 1 { "" } else { "es" }
+            ),
+            actions: vec![
+                Action::Run(install),
+                Action::Run(cmd("systemctl", &["enable", "nvidia-fabricmanager.service"])),
+            ],
+            done: (fm_matches && f.unit_enabled("nvidia-fabricmanager.service"))
+                .then(|| format!("{fm} matches the driver and is enabled")),
+            needs_reboot: false,
+        });
+    } else if f.nvswitches == 0 && f.unit_enabled("nvidia-fabricmanager.service") {
+        steps.push(Step {
+            id: "fabricmanager-off",
+            title: "disable nvidia-fabricmanager: this VM sees no NVSwitch, so it can only fail".into(),
+            actions: vec![Action::Run(cmd("systemctl", &["disable", "nvidia-fabricmanager.service"]))],
+            done: None,
+            needs_reboot: false,
+        });
+    }
+
+    // 7. The toolkit.
+    if !findings.iter().any(|x| x.id == "install.cuda-driver") {
+        let action =
+            if distro.is_deb() { apt("install", lits(std::slice::from_ref(&toolkit))) } else { dnf(&["install", &toolkit]) };
+        steps.push(Step {
+            id: "toolkit",
+            title: format!("CUDA {cuda} toolkit ({toolkit}, needs driver ≥ {cuda_min})"),
+            actions: vec![Action::Run(action)],
+            done: f.installed(&toolkit).then(|| format!("{toolkit} is installed")),
+            needs_reboot: false,
+        });
+    }
+
+    // 8. Holds, so an unattended upgrade cannot split driver, fabric manager and toolkit.
+    let mut hold: Vec<String> = Vec::new();
+    if driver_allowed {
+        if distro.is_deb() {
+            hold.extend(driver_pkgs.iter().filter(|p| !p.starts_with("linux-modules-")).cloned());
+            if let Some(d) = keep {
+                hold.push(d.package.clone());
+            }
+        } else {
+            hold.extend(["kmod-nvidia-open-dkms".to_string(), "nvidia-driver".to_string()]);
+        }
+        if f.nvswitches > 0 {
+            hold.extend([fm.clone(), nscq.clone()]);
+        }
+    }
+    if steps.iter().any(|s| s.id == "toolkit") {
+        hold.push(toolkit.clone());
+    }
+    if !hold.is_empty() {
+        let all_held = f.packages.as_ref().is_ok_and(|ps| hold.iter().all(|h| ps.iter().any(|p| &p.name == h && p.held)));
+        let actions = if distro.is_deb() {
+            vec![Action::Run(cmd("apt-mark", &[&["hold"][..], &hold.iter().map(String::as_str).collect::<Vec<_>>()].concat()))]
+        } else {
+            vec![
+                Action::Run(dnf(&["install", "python3-dnf-plugin-versionlock"])),
+                Action::Run(cmd("dnf", &[&["versionlock", "add"][..], &hold.iter().map(String::as_str).collect::<Vec<_>>()].concat())),
+            ]
+        };
+        steps.push(Step {
+            id: "hold",
+            title: format!("hold versions: {}", hold.join(", ")),
+            actions,
+            done: all_held.then(|| "all held".into()),
+            needs_reboot: false,
+        });
+    }
+
+    // 9–10. Reboot when needed, then verify with the doctor's checks.
+    let reboot_reason = match (&present, &f.nvidia_loaded) {
+        _ if f.gpus == 0 || !driver_allowed => None,
+        (Some(d), Some(loaded)) if keep.is_some() || d.branch == Some(b) => {
+            (crate::collect::packages::upstream_version(loaded) != d.version)
+                .then(|| format!("driver {} is installed but {loaded} is loaded", d.version))
+        }
+        (Some(d), None) => Some(format!("driver {} is installed but not loaded", d.version)),
+        _ => None,
+    };
+    let pending_reboot = steps.iter().any(|s| s.done.is_none() && s.needs_reboot);
+    steps.push(Step {
+        id: "reboot",
+        title: "reboot if a step needs it".into(),
+        actions: vec![Action::Reboot],
+        done: (!pending_reboot && reboot_reason.is_none())
+            .then(|| "no step changes the modules or the initramfs, and the loaded driver is the installed one".into()),
+        needs_reboot: false,
+    });
+    steps.push(Step {
+        id: "verify",
+        title: "verify with the doctor's checks".into(),
+        actions: vec![Action::Verify],
+        done: None,
+        needs_reboot: false,
+    });
+
+    let gpus = match (f.gpus, f.nvswitches) {
+        (0, _) => "no GPU seen".to_string(),
+        (g, 0) => format!("{g} GPU{}, no NVSwitch", if g == 1 { "" } else { "s" }),
+        (g, n) => format!("{g} GPU{}, {n} NVSwitch{}", if g == 1 { "" } else { "s" }, if n == 1 { "" } else { "es" }),
+    };
+    let sb = match f.secure_boot {
+        Some(SecureBoot::Enabled) => "Secure Boot on",
+        Some(SecureBoot::Disabled) => "Secure Boot off",
+        Some(SecureBoot::NotEfi) => "BIOS boot (no Secure Boot)",
+        Some(SecureBoot::Unsupported) => "UEFI without Secure Boot",
+        None => "Secure Boot unknown",
+    };
+    let summary = format!(
+        "{}, kernel {kernel}, {gpus}, {sb} → driver {b} (open kernel modules), CUDA {cuda}",
+        distro.name()
+    );
+    if f.gpus == 0 {
+        findings.push(
+            Finding::warn("install.no-gpu", "no NVIDIA GPU is visible: the driver is installed, but nothing will use it yet")
+                .remedy("Check the VM spec's gpus[] / hostDevices, then run phq-agent doctor"),
+        );
+    }
+    if let Err(e) = &f.packages {
+        findings.push(Finding::unknown("install.packages", format!("installed packages unknown ({e}): every package step runs")));
+    }
+    Ok(Plan {
+        distro,
+        kernel,
+        summary,
+        repo_base,
+        driver_package: (!driver_package.is_empty()).then_some(driver_package),
+        steps,
+        findings,
+        reboot_reason,
+    })
+}
+
+fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: &str) -> Step {
+    if distro.is_deb() {
+        let fpr = if s.key_fingerprint.is_empty() { facts::NVIDIA_REPO_KEY_FINGERPRINT } else { &s.key_fingerprint };
+        let deb = format!("{install_dir}/{CUDA_KEYRING_DEB}");
+        let mut actions = vec![
+            Action::Fetch { url: format!("{base}{CUDA_KEYRING_DEB}"), to: deb.clone() },
+            Action::VerifyKey { file: deb.clone(), deb_member: Some(CUDA_KEYRING_MEMBER.into()), fingerprint: fpr.into() },
+            Action::Run(Cmd { retry: Retry::DpkgLock, ..cmd("dpkg", &["-i", &deb]) }),
+        ];
+        let source = apt_source(base);
+        let mirror = !s.repo_url.is_empty();
+        if mirror {
+            actions.push(Action::Write { path: distro.apt_source_path(), contents: source.clone() });
+        }
+        let mut update = apt("update", lits(&["--error-on=any".into()]));
+        update.url = Some(base.into());
+        actions.push(Action::Run(update));
+        let done = (f.installed("cuda-keyring") && (!mirror || f.file_is(&distro.apt_source_path(), &source)))
+            .then(|| "cuda-keyring is installed and its source is in place".into());
+        Step {
+            id: "repo",
+            title: format!("NVIDIA repository {base}, key {}", crate::install::pgp::spaced(fpr)),
+            actions,
+            done,
+            needs_reboot: false,
+        }
+    } else {
+        let key = format!("{install_dir}/{RHEL_KEY_FILE}");
+        let Distro::El9(id) = distro else { unreachable!("is_deb() is false only for El9") };
+        let (epel, crb) = if id == "rhel" {
+            (
+                dnf(&["install", "https://dl.fedoraproject.org/pub/epel/epel-release-latest-9.noarch.rpm"]),
+                cmd("subscription-manager", &["repos", "--enable", "codeready-builder-for-rhel-9-x86_64-rpms"]),
+            )
+        } else {
+            (dnf(&["install", "epel-release"]), cmd("dnf", &["config-manager", "--set-enabled", "crb"]))
+        };
+        let fpr = if s.key_fingerprint.is_empty() { facts::NVIDIA_RHEL_REPO_KEY_ID } else { &s.key_fingerprint };
+        let repo = rhel_repo(base);
+        let mut makecache = dnf(&["makecache"]);
+        makecache.url = Some(base.into());
+        Step {
+            id: "repo",
+            title: format!("NVIDIA repository {base} (with EPEL and CRB for DKMS), key {}", crate::install::pgp::spaced(fpr)),
+            actions: vec![
+                Action::Run(dnf(&["install", "dnf-plugins-core"])),
+                Action::Run(epel),
+                Action::Run(crb),
+                Action::Fetch { url: format!("{base}{RHEL_KEY_FILE}"), to: key.clone() },
+                Action::VerifyKey { file: key.clone(), deb_member: None, fingerprint: fpr.into() },
+                Action::Run(cmd("install", &["-m", "0644", &key, RHEL_KEY_PATH])),
+                Action::Run(cmd("rpm", &["--import", RHEL_KEY_PATH])),
+                Action::Write { path: RHEL_REPO_PATH.into(), contents: repo.clone() },
+                Action::Run(makecache),
+            ],
+            done: f.file_is(RHEL_REPO_PATH, &repo).then(|| format!("{RHEL_REPO_PATH} is in place")),
+            needs_reboot: false,
+        }
+    }
+}
+
+pub fn apt_source(base: &str) -> String {
+    format!("deb [signed-by=/{CUDA_KEYRING_MEMBER}] {base} /\n")
+}
+
+fn rhel_repo(base: &str) -> String {
+    format!(
+        "# Written by phq-agent install.\n[cuda-rhel9-x86_64]\nname=cuda-rhel9-x86_64\nbaseurl={base}\nenabled=1\ngpgcheck=1\ngpgkey=file://{RHEL_KEY_PATH}\n"
+    )
+}
+
+/// Debian's `cuda-drivers` meta package would take the newest branch; this keeps every NVIDIA
+/// driver package on the configured one.
+fn debian_pin(b: u32) -> String {
+    format!(
+        "# Written by phq-agent install: keep the NVIDIA driver on branch {b}.\nPackage: nvidia-* libnvidia-* libcuda* libxnvctrl* cuda-drivers* firmware-nvidia-*\nPin: version {b}.*\nPin-Priority: 1000\n"
+    )
+}
+
+/// Fabric manager and NSCQ package names: branch-suffixed below 580 on Debian/Ubuntu.
+pub fn fabric_manager_names(distro: &Distro, branch: u32) -> (String, String) {
+    match (distro.is_deb(), branch >= 580) {
+        (true, false) => (format!("nvidia-fabricmanager-{branch}"), format!("libnvidia-nscq-{branch}")),
+        (true, true) => ("nvidia-fabricmanager".into(), "libnvidia-nscq".into()),
+        (false, false) => ("nvidia-fabric-manager".into(), format!("libnvidia-nscq-{branch}")),
+        (false, true) => ("nvidia-fabric-manager".into(), "libnvidia-nscq".into()),
+    }
+}
+
+/// A command as a person would type it: arguments quoted where a shell would need it.
+pub fn render_cmd(c: &Cmd, is_deb: bool) -> String {
+    let mut parts: Vec<String> = c.env.iter().map(|(k, v)| format!("{k}={}", quote(v))).collect();
+    parts.push(quote(&c.program));
+    for a in &c.args {
+        parts.push(match a {
+            Arg::Lit(s) => quote(s),
+            Arg::AtDriverVersion(p) if is_deb => format!("{p}=<driver version>"),
+            Arg::AtDriverVersion(p) => format!("{p}-<driver version>"),
+        });
+    }
+    parts.join(" ")
+}
+
+fn quote(s: &str) -> String {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./:=+,@%<>".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// One line per thing an action does; what `--dry-run` prints and the journal hashes.
+pub fn render_action(a: &Action, is_deb: bool) -> Vec<String> {
+    match a {
+        Action::Run(c) => vec![format!("$ {}", render_cmd(c, is_deb))],
+        Action::Write { path, contents } => {
+            let mut v = vec![format!("write {path}:")];
+            v.extend(contents.lines().map(|l| format!("    | {l}")));
+            v
+        }
+        Action::Fetch { url, to } => vec![format!("fetch {url} → {to}")],
+        Action::VerifyKey { file, deb_member: Some(m), fingerprint } => {
+            vec![format!("verify that {m} inside {file} is key {} and no other", crate::install::pgp::spaced(fingerprint))]
+        }
+        Action::VerifyKey { file, deb_member: None, fingerprint } => {
+            vec![format!("verify that {file} is key {} and no other", crate::install::pgp::spaced(fingerprint))]
+        }
+        Action::Reboot => vec!["reboot through logind (systemctl reboot if logind is not there) when a finished step needs it; with --reboot never, report that one is needed".into()],
+        Action::Verify => vec!["collect a snapshot and run the doctor's driver, GPU, NVML and CUDA checks".into()],
+    }
+}
+
+impl Step {
+    /// Identifies what the step does; a journal entry counts only for the same hash.
+    pub fn hash(&self, is_deb: bool) -> String {
+        let mut h = sha1_smol::Sha1::new();
+        for a in &self.actions {
+            for l in render_action(a, is_deb) {
+                h.update(l.as_bytes());
+                h.update(b"\n");
+            }
+        }
+        h.digest().to_string()[..16].to_string()
+    }
+}
+
+/// The plan as a person reads it: every command it would run, and what is already done.
+pub fn render(p: &Plan) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "phq-agent install — plan for {}", p.summary);
+    let _ = writeln!(out, "repository: {}", p.repo_base);
+    if let Some(r) = &p.reboot_reason {
+        let _ = writeln!(out, "reboot: {r}");
+    }
+    let _ = writeln!(out);
+    let n = p.steps.len();
+    for (i, s) in p.steps.iter().enumerate() {
+        let _ = writeln!(out, "{:>2}/{n} {} — {}", i + 1, s.id, s.title);
+        match &s.done {
+            Some(why) if s.id == "reboot" => {
+                let _ = writeln!(out, "      ✓ not needed: {why}");
+            }
+            Some(why) => {
+                let _ = writeln!(out, "      ✓ already done: {why}");
+            }
+            None => {
+                for a in &s.actions {
+                    for l in render_action(a, p.distro.is_deb()) {
+                        let _ = writeln!(out, "      {l}");
+                    }
+                }
+                if s.needs_reboot {
+                    let _ = writeln!(out, "      (needs a reboot to take effect)");
+                }
+            }
+        }
+    }
+    if !p.findings.is_empty() {
+        let _ = writeln!(out, "\nnot done, and why:");
+        for f in &p.findings {
+            let _ = writeln!(out, "  {} {}: {}", f.severity.label(), f.id, f.summary);
+            if !f.detail.is_empty() {
+                let _ = writeln!(out, "      {}", f.detail);
+            }
+            if let Some(r) = &f.remedy {
+                let _ = writeln!(out, "      → {r}");
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,272 @@
+//! Golden plans: every supported distro × {1 GPU, 8 GPUs + NVSwitches} × {Secure Boot on, off}
+//! × {fresh, half-installed, done}. The plan is what `install --dry-run` prints, so a change to
+//! any command the installer runs shows up here as a diff a person reviews.
+//! Regenerate with `PHQ_UPDATE_GOLDEN=1 cargo test --test install_plans`.
+
+use phq_agent::install::plan::{self, Distro, Facts, Settings};
+use phq_agent::snapshot::{OsRelease, Package, SecureBoot};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+const DRIVER: &str = "550.90.07";
+
+struct Guest {
+    key: &'static str,
+    id: &'static str,
+    version: &'static str,
+    pretty: &'static str,
+    kernel: &'static str,
+}
+
+const GUESTS: &[Guest] = &[
+    Guest { key: "ubuntu2204", id: "ubuntu", version: "22.04", pretty: "Ubuntu 22.04.4 LTS", kernel: "5.15.0-113-generic" },
+    Guest { key: "ubuntu2404", id: "ubuntu", version: "24.04", pretty: "Ubuntu 24.04.1 LTS", kernel: "6.8.0-45-generic" },
+    Guest { key: "debian12", id: "debian", version: "12", pretty: "Debian GNU/Linux 12 (bookworm)", kernel: "6.1.0-27-cloud-amd64" },
+    Guest { key: "rhel9", id: "rhel", version: "9.4", pretty: "Red Hat Enterprise Linux 9.4 (Plow)", kernel: "5.14.0-427.13.1.el9_4.x86_64" },
+    Guest { key: "rocky9", id: "rocky", version: "9.4", pretty: "Rocky Linux 9.4 (Blue Onyx)", kernel: "5.14.0-427.13.1.el9_4.x86_64" },
+    Guest { key: "alma9", id: "almalinux", version: "9.4", pretty: "AlmaLinux 9.4 (Seafoam Ocelot)", kernel: "5.14.0-427.13.1.el9_4.x86_64" },
+];
+
+#[derive(Clone, Copy, PartialEq)]
+enum Stage {
+    Fresh,
+    Half,
+    Done,
+}
+
+fn pkg(name: &str, version: &str, state: &str, held: bool) -> Package {
+    Package { name: name.into(), version: version.into(), state: state.into(), held }
+}
+
+fn os(g: &Guest) -> OsRelease {
+    OsRelease { id: g.id.into(), id_like: vec![], version_id: g.version.into(), pretty_name: g.pretty.into() }
+}
+
+fn settings() -> Settings {
+    Settings {
+        cuda: "12.4".into(),
+        driver_branch: 550,
+        repo_url: String::new(),
+        key_fingerprint: String::new(),
+        replace_driver: false,
+        state_dir: "/var/lib/phq-agent".into(),
+    }
+}
+
+/// What each guest looks like once the installer is done with it.
+fn done_packages(g: &Guest, sb: bool, switches: bool) -> Vec<Package> {
+    let deb = g.id == "ubuntu" || g.id == "debian";
+    let mut v = Vec::new();
+    if deb {
+        v.push(pkg("cuda-keyring", "1.1-1", "installed", false));
+    }
+    match (g.id, sb) {
+        ("ubuntu", false) => v.push(pkg("nvidia-driver-550-open", &format!("{DRIVER}-0ubuntu1"), "installed", true)),
+        ("ubuntu", true) => {
+            v.push(pkg("nvidia-driver-550-server-open", &format!("{DRIVER}-0ubuntu0.22.04.1"), "installed", true));
+        }
+        ("debian", _) => {
+            v.push(pkg("nvidia-kernel-open-dkms", &format!("{DRIVER}-1"), "installed", true));
+            v.push(pkg("cuda-drivers-550", &format!("{DRIVER}-1"), "installed", true));
+            v.push(pkg("nvidia-persistenced", &format!("{DRIVER}-1"), "installed", true));
+        }
+        _ => {
+            v.push(pkg("kmod-nvidia-open-dkms", &format!("{DRIVER}-1.el9"), "installed", true));
+            v.push(pkg("nvidia-driver", &format!("{DRIVER}-1.el9"), "installed", true));
+        }
+    }
+    if switches {
+        let (fm, nscq) = if deb {
+            ("nvidia-fabricmanager-550", "libnvidia-nscq-550")
+        } else {
+            ("nvidia-fabric-manager", "libnvidia-nscq-550")
+        };
+        v.push(pkg(fm, &format!("{DRIVER}-1"), "installed", true));
+        v.push(pkg(nscq, &format!("{DRIVER}-1"), "installed", true));
+    }
+    v.push(pkg("cuda-toolkit-12-4", "12.4.1-1", "installed", true));
+    v
+}
+
+fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
+    let deb = g.id == "ubuntu" || g.id == "debian";
+    let distro = Distro::from_os(&os(g)).expect("supported");
+    let mut files = BTreeMap::new();
+    let mut units = Vec::new();
+    let (packages, headers, nouveau_off, nouveau_loaded, loaded) = match stage {
+        Stage::Fresh => (vec![], false, false, g.id != "debian", None),
+        Stage::Half => {
+            // An earlier run was killed: keyring in, driver unpacked but never configured, the
+            // headers missing so DKMS could not build; nouveau already off.
+            let mut p = vec![];
+            if deb {
+                p.push(pkg("cuda-keyring", "1.1-1", "installed", false));
+                let driver = if g.id == "debian" { "nvidia-kernel-open-dkms" } else { "nvidia-driver-550-open" };
+                p.push(pkg(driver, &format!("{DRIVER}-1"), "half-configured", false));
+            } else {
+                p.push(pkg("kmod-nvidia-open-dkms", &format!("{DRIVER}-1.el9"), "installed", false));
+            }
+            files.insert(plan::NOUVEAU_CONF.to_string(), plan::NOUVEAU_CONF_TEXT.to_string());
+            (p, false, true, false, None)
+        }
+        Stage::Done => {
+            files.insert(plan::NOUVEAU_CONF.to_string(), plan::NOUVEAU_CONF_TEXT.to_string());
+            if g.id == "debian" {
+                let pin = "# Written by phq-agent install: keep the NVIDIA driver on branch 550.\nPackage: nvidia-* libnvidia-* libcuda* libxnvctrl* cuda-drivers* firmware-nvidia-*\nPin: version 550.*\nPin-Priority: 1000\n";
+                files.insert(plan::DEBIAN_PIN_PATH.to_string(), pin.to_string());
+            }
+            if !deb {
+                let base = format!("{}/{}/x86_64/", plan::NVIDIA_REPO_ROOT, distro.repo_dir());
+                files.insert(
+                    plan::RHEL_REPO_PATH.to_string(),
+                    format!("# Written by phq-agent install.\n[cuda-rhel9-x86_64]\nname=cuda-rhel9-x86_64\nbaseurl={base}\nenabled=1\ngpgcheck=1\ngpgkey=file://{}\n", plan::RHEL_KEY_PATH),
+                );
+            }
+            units.push("nvidia-persistenced.service".to_string());
+            if switches {
+                units.push("nvidia-fabricmanager.service".to_string());
+            }
+            (done_packages(g, sb, switches), true, true, false, Some(DRIVER.to_string()))
+        }
+    };
+    // A Secure Boot guest that could not get a driver has none loaded and none installed.
+    let sb_blocks = sb && g.id != "ubuntu";
+    let packages =
+        if stage == Stage::Done && sb_blocks { packages.into_iter().filter(|p| p.name.starts_with("cuda")).collect() } else { packages };
+    Facts {
+        os: Ok(os(g)),
+        kernel: Some(g.kernel.into()),
+        headers_present: headers,
+        secure_boot: Some(if sb { SecureBoot::Enabled } else { SecureBoot::Disabled }),
+        gpus: if switches { 8 } else { 1 },
+        nvswitches: if switches { 4 } else { 0 },
+        packages: Ok(packages),
+        nouveau_off,
+        nouveau_loaded,
+        nvidia_loaded: if sb_blocks { None } else { loaded },
+        enabled_units: if sb_blocks { vec![] } else { units },
+        files,
+    }
+}
+
+fn golden_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/plans")
+}
+
+#[test]
+fn golden_plans() {
+    let update = std::env::var_os("PHQ_UPDATE_GOLDEN").is_some();
+    let mut mismatches = Vec::new();
+    let mut count = 0;
+    for g in GUESTS {
+        for switches in [false, true] {
+            for sb in [false, true] {
+                for (stage, sname) in [(Stage::Fresh, "fresh"), (Stage::Half, "half-installed"), (Stage::Done, "done")] {
+                    let name = format!(
+                        "{}-{}-sb-{}-{sname}.txt",
+                        g.key,
+                        if switches { "8gpu-nvswitch" } else { "1gpu" },
+                        if sb { "on" } else { "off" }
+                    );
+                    let p = plan::plan(&facts(g, switches, sb, stage), &settings()).expect("a plan");
+                    let text = plan::render(&p);
+                    let path = golden_dir().join(&name);
+                    count += 1;
+                    if update {
+                        std::fs::create_dir_all(golden_dir()).unwrap();
+                        std::fs::write(&path, &text).unwrap();
+                    } else if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+                        mismatches.push(name);
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(count, 72);
+    assert!(mismatches.is_empty(), "plans differ from tests/golden/plans (PHQ_UPDATE_GOLDEN=1 to accept): {mismatches:?}");
+}
+
+/// The properties the golden files are reviewed for, asserted so a careless regeneration
+/// cannot hide a broken rule.
+#[test]
+fn plan_rules() {
+    for g in GUESTS {
+        for sb in [false, true] {
+            for switches in [false, true] {
+                let fresh = plan::plan(&facts(g, switches, sb, Stage::Fresh), &settings()).unwrap();
+                let text = plan::render(&fresh);
+                // Fabric manager only when the NVSwitches are visible, and only at the driver's version.
+                assert_eq!(text.contains("fabricmanager —"), switches && (!sb || g.id == "ubuntu"), "{} {text}", g.key);
+                if switches && !sb {
+                    assert!(text.contains("=<driver version>") || text.contains("-<driver version>"));
+                }
+                // Secure Boot: Ubuntu's signed modules, elsewhere a finding and no unsigned module.
+                if sb && g.id == "ubuntu" {
+                    assert!(text.contains("linux-modules-nvidia-550-server-open-"), "{text}");
+                }
+                if sb && g.id != "ubuntu" {
+                    assert!(fresh.steps.iter().all(|s| s.id != "driver"));
+                    assert!(fresh.findings.iter().any(|f| f.id == "install.secure-boot" && f.remedy.as_deref().unwrap_or("").contains("mokutil")));
+                }
+                // Always open kernel modules, always a hold, always verification last.
+                assert!(!text.contains("nvidia-driver-550 ") && !text.contains("cuda-drivers ") && !text.contains("kmod-nvidia-latest"));
+                assert_eq!(fresh.steps.last().map(|s| s.id), Some("verify"));
+                assert!(fresh.steps.iter().any(|s| s.id == "hold"));
+                // Done: nothing left to run but the reboot check and verification.
+                let done = plan::plan(&facts(g, switches, sb, Stage::Done), &settings()).unwrap();
+                let pending: Vec<&str> = done.steps.iter().filter(|s| s.done.is_none()).map(|s| s.id).collect();
+                assert_eq!(pending, ["verify"], "{} sb={sb} switches={switches}: {}", g.key, plan::render(&done));
+                assert_eq!(done.reboot_reason, None);
+            }
+        }
+    }
+}
+
+#[test]
+fn unsupported_guests_and_impossible_settings_say_what_is_supported() {
+    let mut f = facts(&GUESTS[0], false, false, Stage::Fresh);
+    f.os = Ok(OsRelease { id: "centos".into(), id_like: vec![], version_id: "7".into(), pretty_name: "CentOS Linux 7 (Core)".into() });
+    let e = plan::plan(&f, &settings()).unwrap_err();
+    assert!(e.contains("CentOS Linux 7") && e.contains("Ubuntu 22.04") && e.contains("Rocky Linux 9"), "{e}");
+
+    let f = facts(&GUESTS[0], false, false, Stage::Fresh);
+    let e = plan::plan(&f, &Settings { cuda: "12.6".into(), ..settings() }).unwrap_err();
+    assert!(e.contains("560.28.03") && e.contains("driver_branch"), "{e}");
+    let e = plan::plan(&f, &Settings { cuda: "11.8".into(), ..settings() }).unwrap_err();
+    assert!(e.contains("CUDA 12"), "{e}");
+}
+
+#[test]
+fn another_branch_is_kept_unless_asked() {
+    let g = &GUESTS[0];
+    let mut f = facts(g, true, false, Stage::Done);
+    f.packages = Ok(vec![
+        pkg("cuda-keyring", "1.1-1", "installed", false),
+        pkg("nvidia-driver-535", "535.183.01-0ubuntu1", "installed", false),
+        pkg("nvidia-fabricmanager-535", "535.183.01-1", "installed", false),
+    ]);
+    f.nvidia_loaded = Some("535.183.01".into());
+    let kept = plan::plan(&f, &settings()).unwrap();
+    let text = plan::render(&kept);
+    assert!(kept.findings.iter().any(|x| x.id == "install.driver-kept"), "{text}");
+    assert!(kept.steps.iter().all(|s| s.id != "driver"), "{text}");
+    // 535 is too old for CUDA 12.4: said, and the toolkit is not installed against it.
+    assert!(kept.findings.iter().any(|x| x.id == "install.cuda-driver"), "{text}");
+    assert!(text.contains("hold versions: nvidia-driver-535, nvidia-fabricmanager-535"), "{text}");
+
+    let replaced = plan::plan(&f, &Settings { replace_driver: true, ..settings() }).unwrap();
+    let text = plan::render(&replaced);
+    assert!(text.contains("purge nvidia-driver-535 nvidia-fabricmanager-535"), "{text}");
+    assert!(text.contains("install nvidia-driver-550-open"), "{text}");
+}
+
+#[test]
+fn a_mirror_replaces_the_source_and_keeps_the_pin() {
+    let f = facts(&GUESTS[2], false, false, Stage::Fresh);
+    let s = Settings { repo_url: "http://mirror.example/cuda/repos/".into(), ..settings() };
+    let text = plan::render(&plan::plan(&f, &s).unwrap());
+    assert!(text.contains("fetch http://mirror.example/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb"), "{text}");
+    assert!(text.contains("write /etc/apt/sources.list.d/cuda-debian12-x86_64.list"), "{text}");
+    assert!(text.contains("| deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] http://mirror.example/cuda/repos/debian12/x86_64/ /"));
+    assert!(text.contains("EB69 3B30 35CD 5710 E231 E123 A4B4 6996 3BF8 63CC"));
+}
