@@ -266,16 +266,71 @@ fn bad_bundle_and_bad_config_are_clear_errors() {
 }
 
 #[test]
-fn usage_errors_exit_64_and_unbuilt_commands_exit_3() {
+fn usage_errors_exit_64() {
     assert_eq!(phq(&["doctor", "--no-such-flag"]).status.code(), Some(64));
     assert_eq!(phq(&["frobnicate"]).status.code(), Some(64));
     assert_eq!(phq(&["doctor", "--probe", "ludicrous"]).status.code(), Some(64));
     assert_eq!(phq(&["--help"]).status.code(), Some(0));
-    let out = phq(&["install"]);
+    // Never the real installer here: a bad branch and a foreign sysroot stop it before it plans.
+    let out = phq(&["install", "--driver-branch", "five-fifty"]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a number such as 550"));
+    let root = fixture("sysroots/hgx-8gpu-nouveau");
+    let out = phq(&["install", "--sysroot", root.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("only --dry-run can plan for it"));
+}
+
+#[test]
+fn install_dry_run_prints_the_plan_for_fixture_guests() {
+    let cfg = config("empty");
+    for (name, must) in [
+        (
+            "hgx-8gpu-nouveau",
+            &[
+                "Ubuntu 22.04",
+                "4 NVSwitches",
+                "install nvidia-driver-550-open",
+                "nvidia-fabricmanager-550=<driver version>",
+                "(needs a reboot",
+            ][..],
+        ),
+        (
+            "rocky9-h100-pcie-fresh",
+            &[
+                "Rocky Linux 9",
+                "dnf -y -q module install nvidia-driver:550-open",
+                "dracut --force",
+                "config-manager --set-enabled crb",
+            ][..],
+        ),
+        (
+            "debian12-hgx-fresh",
+            &[
+                "Debian 12",
+                "Pin: version 550.*",
+                "install nvidia-kernel-open-dkms cuda-drivers-550 nvidia-persistenced",
+                "apt-mark hold",
+            ][..],
+        ),
+        (
+            "hgx-8gpu-healthy",
+            &["✓ already done: nvidia-driver-550-server-open 550.90.07 is installed", "✓ not needed"][..],
+        ),
+    ] {
+        let root = fixture(&format!("sysroots/{name}"));
+        let out =
+            phq(&["install", "--dry-run", "--sysroot", root.to_str().unwrap(), "--config", cfg.to_str().unwrap()]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        for m in must {
+            assert!(text.contains(m), "{name}: no {m:?} in\n{text}");
+        }
+    }
+    let root = fixture("sysroots/garbage");
+    let out = phq(&["install", "--dry-run", "--sysroot", root.to_str().unwrap(), "--config", cfg.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(3));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("not built yet"), "{err}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("phq-agent install:"));
 }
 
 #[test]

@@ -19,12 +19,48 @@ struct Guest {
 }
 
 const GUESTS: &[Guest] = &[
-    Guest { key: "ubuntu2204", id: "ubuntu", version: "22.04", pretty: "Ubuntu 22.04.4 LTS", kernel: "5.15.0-113-generic" },
-    Guest { key: "ubuntu2404", id: "ubuntu", version: "24.04", pretty: "Ubuntu 24.04.1 LTS", kernel: "6.8.0-45-generic" },
-    Guest { key: "debian12", id: "debian", version: "12", pretty: "Debian GNU/Linux 12 (bookworm)", kernel: "6.1.0-27-cloud-amd64" },
-    Guest { key: "rhel9", id: "rhel", version: "9.4", pretty: "Red Hat Enterprise Linux 9.4 (Plow)", kernel: "5.14.0-427.13.1.el9_4.x86_64" },
-    Guest { key: "rocky9", id: "rocky", version: "9.4", pretty: "Rocky Linux 9.4 (Blue Onyx)", kernel: "5.14.0-427.13.1.el9_4.x86_64" },
-    Guest { key: "alma9", id: "almalinux", version: "9.4", pretty: "AlmaLinux 9.4 (Seafoam Ocelot)", kernel: "5.14.0-427.13.1.el9_4.x86_64" },
+    Guest {
+        key: "ubuntu2204",
+        id: "ubuntu",
+        version: "22.04",
+        pretty: "Ubuntu 22.04.4 LTS",
+        kernel: "5.15.0-113-generic",
+    },
+    Guest {
+        key: "ubuntu2404",
+        id: "ubuntu",
+        version: "24.04",
+        pretty: "Ubuntu 24.04.1 LTS",
+        kernel: "6.8.0-45-generic",
+    },
+    Guest {
+        key: "debian12",
+        id: "debian",
+        version: "12",
+        pretty: "Debian GNU/Linux 12 (bookworm)",
+        kernel: "6.1.0-27-cloud-amd64",
+    },
+    Guest {
+        key: "rhel9",
+        id: "rhel",
+        version: "9.4",
+        pretty: "Red Hat Enterprise Linux 9.4 (Plow)",
+        kernel: "5.14.0-427.13.1.el9_4.x86_64",
+    },
+    Guest {
+        key: "rocky9",
+        id: "rocky",
+        version: "9.4",
+        pretty: "Rocky Linux 9.4 (Blue Onyx)",
+        kernel: "5.14.0-427.13.1.el9_4.x86_64",
+    },
+    Guest {
+        key: "alma9",
+        id: "almalinux",
+        version: "9.4",
+        pretty: "AlmaLinux 9.4 (Seafoam Ocelot)",
+        kernel: "5.14.0-427.13.1.el9_4.x86_64",
+    },
 ];
 
 #[derive(Clone, Copy, PartialEq)]
@@ -131,8 +167,11 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
     };
     // A Secure Boot guest that could not get a driver has none loaded and none installed.
     let sb_blocks = sb && g.id != "ubuntu";
-    let packages =
-        if stage == Stage::Done && sb_blocks { packages.into_iter().filter(|p| p.name.starts_with("cuda")).collect() } else { packages };
+    let packages = if stage == Stage::Done && sb_blocks {
+        packages.into_iter().filter(|p| p.name.starts_with("cuda")).collect()
+    } else {
+        packages
+    };
     Facts {
         os: Ok(os(g)),
         kernel: Some(g.kernel.into()),
@@ -144,6 +183,7 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
         nouveau_off,
         nouveau_loaded,
         nvidia_loaded: if sb_blocks { None } else { loaded },
+        dpkg_interrupted: false,
         enabled_units: if sb_blocks { vec![] } else { units },
         files,
     }
@@ -161,7 +201,8 @@ fn golden_plans() {
     for g in GUESTS {
         for switches in [false, true] {
             for sb in [false, true] {
-                for (stage, sname) in [(Stage::Fresh, "fresh"), (Stage::Half, "half-installed"), (Stage::Done, "done")] {
+                for (stage, sname) in [(Stage::Fresh, "fresh"), (Stage::Half, "half-installed"), (Stage::Done, "done")]
+                {
                     let name = format!(
                         "{}-{}-sb-{}-{sname}.txt",
                         g.key,
@@ -183,7 +224,10 @@ fn golden_plans() {
         }
     }
     assert_eq!(count, 72);
-    assert!(mismatches.is_empty(), "plans differ from tests/golden/plans (PHQ_UPDATE_GOLDEN=1 to accept): {mismatches:?}");
+    assert!(
+        mismatches.is_empty(),
+        "plans differ from tests/golden/plans (PHQ_UPDATE_GOLDEN=1 to accept): {mismatches:?}"
+    );
 }
 
 /// The properties the golden files are reviewed for, asserted so a careless regeneration
@@ -206,10 +250,16 @@ fn plan_rules() {
                 }
                 if sb && g.id != "ubuntu" {
                     assert!(fresh.steps.iter().all(|s| s.id != "driver"));
-                    assert!(fresh.findings.iter().any(|f| f.id == "install.secure-boot" && f.remedy.as_deref().unwrap_or("").contains("mokutil")));
+                    assert!(fresh.findings.iter().any(
+                        |f| f.id == "install.secure-boot" && f.remedy.as_deref().unwrap_or("").contains("mokutil")
+                    ));
                 }
                 // Always open kernel modules, always a hold, always verification last.
-                assert!(!text.contains("nvidia-driver-550 ") && !text.contains("cuda-drivers ") && !text.contains("kmod-nvidia-latest"));
+                assert!(
+                    !text.contains("nvidia-driver-550 ")
+                        && !text.contains("cuda-drivers ")
+                        && !text.contains("kmod-nvidia-latest")
+                );
                 assert_eq!(fresh.steps.last().map(|s| s.id), Some("verify"));
                 assert!(fresh.steps.iter().any(|s| s.id == "hold"));
                 // Done: nothing left to run but the reboot check and verification.
@@ -225,7 +275,12 @@ fn plan_rules() {
 #[test]
 fn unsupported_guests_and_impossible_settings_say_what_is_supported() {
     let mut f = facts(&GUESTS[0], false, false, Stage::Fresh);
-    f.os = Ok(OsRelease { id: "centos".into(), id_like: vec![], version_id: "7".into(), pretty_name: "CentOS Linux 7 (Core)".into() });
+    f.os = Ok(OsRelease {
+        id: "centos".into(),
+        id_like: vec![],
+        version_id: "7".into(),
+        pretty_name: "CentOS Linux 7 (Core)".into(),
+    });
     let e = plan::plan(&f, &settings()).unwrap_err();
     assert!(e.contains("CentOS Linux 7") && e.contains("Ubuntu 22.04") && e.contains("Rocky Linux 9"), "{e}");
 
@@ -265,7 +320,10 @@ fn a_mirror_replaces_the_source_and_keeps_the_pin() {
     let f = facts(&GUESTS[2], false, false, Stage::Fresh);
     let s = Settings { repo_url: "http://mirror.example/cuda/repos/".into(), ..settings() };
     let text = plan::render(&plan::plan(&f, &s).unwrap());
-    assert!(text.contains("fetch http://mirror.example/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb"), "{text}");
+    assert!(
+        text.contains("fetch http://mirror.example/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb"),
+        "{text}"
+    );
     assert!(text.contains("write /etc/apt/sources.list.d/cuda-debian12-x86_64.list"), "{text}");
     assert!(text.contains("| deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] http://mirror.example/cuda/repos/debian12/x86_64/ /"));
     assert!(text.contains("EB69 3B30 35CD 5710 E231 E123 A4B4 6996 3BF8 63CC"));

@@ -129,7 +129,8 @@ fn make_plan(
 ) -> Result<(plan::Plan, Option<String>), String> {
     let nvml = crate::collect::NvmlSource::Skip("not needed to plan".into());
     let snapshot = crate::collect::snapshot(root, &nvml);
-    let rpm_guest = snapshot.host.os.value().is_some_and(|o| !plan::Distro::from_os(o).map(|d| d.is_deb()).unwrap_or(true));
+    let rpm_guest =
+        snapshot.host.os.value().is_some_and(|o| !plan::Distro::from_os(o).map(|d| d.is_deb()).unwrap_or(true));
     let packages = (rpm_guest && root.is_live()).then(|| {
         let args = ["-qa".to_string(), "--qf".into(), "%{NAME}\t%{VERSION}-%{RELEASE}\n".into()];
         match runner.run("rpm", &args, &[]) {
@@ -142,11 +143,18 @@ fn make_plan(
     Ok((plan::plan(&facts, settings)?, snapshot.host.boot_id.clone()))
 }
 
-fn verify_now(sysroot: &std::path::Path, nvml_lib: Option<PathBuf>, settings: &crate::checks::Settings) -> Vec<crate::checks::Finding> {
+fn verify_now(
+    sysroot: &std::path::Path,
+    nvml_lib: Option<PathBuf>,
+    settings: &crate::checks::Settings,
+) -> Vec<crate::checks::Finding> {
     let root = Sysroot::new(sysroot);
     let source = crate::collect::NvmlSource::choose(nvml_lib.as_deref(), &root);
     let snapshot = crate::collect::snapshot(&root, &source);
-    crate::checks::run(&snapshot, settings).into_iter().filter(|f| VERIFIED.iter().any(|p| f.id.starts_with(p))).collect()
+    crate::checks::run(&snapshot, settings)
+        .into_iter()
+        .filter(|f| VERIFIED.iter().any(|p| f.id.starts_with(p)))
+        .collect()
 }
 
 /// logind's `Reboot(false)` (no interactive authorization: we are root), else `systemctl reboot`.
@@ -192,7 +200,9 @@ fn finish(st: &apply::State) -> i32 {
         Status::Rebooting => ("rebooting; the install resumes after it".to_string(), 0),
         Status::Running => ("stopped".to_string(), 2),
         Status::Done => match worst {
-            Some(crate::checks::Severity::Fail) => ("installed, but verification found problems (phq-agent doctor)".into(), 2),
+            Some(crate::checks::Severity::Fail) => {
+                ("installed, but verification found problems (phq-agent doctor)".into(), 2)
+            }
             Some(crate::checks::Severity::Warn) => ("installed, with warnings".into(), 1),
             _ => ("installed and verified".into(), 0),
         },

@@ -123,12 +123,6 @@ pub fn print_out(text: &str, styled: bool) -> anyhow::Result<()> {
     }
 }
 
-/// A subcommand whose implementation has not landed: says so in one line, exits 3.
-pub fn not_built(command: &str, what: &str) -> anyhow::Result<i32> {
-    eprintln!("phq-agent {command}: not built yet ({what})");
-    Ok(EXIT_UNKNOWN)
-}
-
 fn init_logging(g: &Global) {
     use std::io::IsTerminal;
     use tracing_subscriber::layer::SubscriberExt;

@@ -291,10 +291,9 @@ fn reboot(st: &mut State, o: &mut Options, head: &str, reason: &str) -> State {
         RebootPolicy::Never => {
             (o.progress)(&format!("{head}: a reboot is required ({reason}); not rebooting (--reboot never)"));
             st.status = Status::RebootRequired;
-            st.findings.push(
-                Finding::warn("install.reboot-required", format!("reboot required: {reason}"))
-                    .remedy("Reboot the VM; phq-agent-install.service resumes the install (or run phq-agent install again)"),
-            );
+            st.findings.push(Finding::warn("install.reboot-required", format!("reboot required: {reason}")).remedy(
+                "Reboot the VM; phq-agent-install.service resumes the install (or run phq-agent install again)",
+            ));
         }
         RebootPolicy::Auto => {
             (o.progress)(&format!("{head}: rebooting ({reason}); phq-agent-install.service resumes after it"));
@@ -304,8 +303,11 @@ fn reboot(st: &mut State, o: &mut Options, head: &str, reason: &str) -> State {
                 st.status = Status::RebootRequired;
                 st.error = Some(format!("could not reboot: {e}"));
                 st.findings.push(
-                    Finding::fail("install.reboot-required", format!("reboot required ({reason}), and rebooting failed: {e}"))
-                        .remedy("Reboot the VM by hand; the install resumes after it"),
+                    Finding::fail(
+                        "install.reboot-required",
+                        format!("reboot required ({reason}), and rebooting failed: {e}"),
+                    )
+                    .remedy("Reboot the VM by hand; the install resumes after it"),
                 );
             }
         }
@@ -363,7 +365,10 @@ fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options)
                     runner.sleep(Duration::from_secs(1 << attempt.min(5)));
                 }
             }
-            Err(StepError { message: format!("{last} (tried {} times)", o.network_tries.max(1)), url: Some(url.clone()) })
+            Err(StepError {
+                message: format!("{last} (tried {} times)", o.network_tries.max(1)),
+                url: Some(url.clone()),
+            })
         }
         Action::VerifyKey { file, deb_member, fingerprint } => {
             let path = under(&o.root, file);
@@ -450,7 +455,8 @@ fn query_driver_version(plan: &Plan, runner: &mut dyn Runner) -> Result<String, 
 
 /// The repository version of `pkg` whose upstream part equals `upstream` (`apt-cache madison`).
 fn candidate_at(pkg: &str, upstream: &str, runner: &mut dyn Runner) -> Result<String, StepError> {
-    let out = runner.run("apt-cache", &["madison".into(), pkg.into()], &[]).map_err(|e| err(format!("apt-cache: {e}")))?;
+    let out =
+        runner.run("apt-cache", &["madison".into(), pkg.into()], &[]).map_err(|e| err(format!("apt-cache: {e}")))?;
     let versions = parse_madison(&out.stdout_text());
     versions.iter().find(|v| crate::collect::packages::upstream_version(v) == upstream).cloned().ok_or_else(|| {
         err(format!(
@@ -553,11 +559,11 @@ impl Runner for SystemRunner {
                 .timeout(Duration::from_secs(120))
                 .build()
                 .map_err(|e| e.to_string())?;
-            let resp = client.get(url).send().await.map_err(|e| describe(&e))?;
+            let resp = client.get(url).send().await.map_err(|e| describe(&e.without_url()))?;
             if !resp.status().is_success() {
                 return Err(format!("HTTP {}", resp.status()));
             }
-            resp.bytes().await.map_err(|e| describe(&e))
+            resp.bytes().await.map_err(|e| describe(&e.without_url()))
         })?;
         write_atomic(to, &bytes, 0o644).map_err(|e| format!("{}: {e}", to.display()))
     }
@@ -633,7 +639,8 @@ mod tests {
 
     /// A v4 key packet and its fingerprint.
     fn test_key() -> (Vec<u8>, String) {
-        let mut body = vec![4, 0x5f, 0, 0, 0, 22, 9, 0x2b, 0x06, 0x01, 0x04, 0x01, 0xda, 0x47, 0x0f, 0x01, 0x01, 0x07, 0x40];
+        let mut body =
+            vec![4, 0x5f, 0, 0, 0, 22, 9, 0x2b, 0x06, 0x01, 0x04, 0x01, 0xda, 0x47, 0x0f, 0x01, 0x01, 0x07, 0x40];
         body.extend([42u8; 32]);
         let mut p = vec![0xc6, body.len() as u8];
         p.extend(&body);
@@ -643,7 +650,12 @@ mod tests {
 
     fn fresh_ubuntu_hgx(state_dir: &str, fpr: &str) -> (Facts, Settings) {
         let f = Facts {
-            os: Ok(OsRelease { id: "ubuntu".into(), id_like: vec![], version_id: "22.04".into(), pretty_name: String::new() }),
+            os: Ok(OsRelease {
+                id: "ubuntu".into(),
+                id_like: vec![],
+                version_id: "22.04".into(),
+                pretty_name: String::new(),
+            }),
             kernel: Some("5.15.0-113-generic".into()),
             headers_present: true,
             secure_boot: Some(SecureBoot::Disabled),
@@ -653,6 +665,7 @@ mod tests {
             nouveau_off: false,
             nouveau_loaded: true,
             nvidia_loaded: None,
+            dpkg_interrupted: false,
             enabled_units: vec![],
             files: Default::default(),
         };
@@ -709,10 +722,17 @@ mod tests {
         assert!(first.rebooted);
         assert_eq!(first.state.status, Status::Rebooting);
         // Fabric manager is pinned to the repository version whose upstream equals the driver's.
-        assert!(m.ran.iter().any(|l| l.contains("install nvidia-fabricmanager-550=550.90.07-1 libnvidia-nscq-550=")), "{:#?}", m.ran);
+        assert!(
+            m.ran.iter().any(|l| l.contains("install nvidia-fabricmanager-550=550.90.07-1 libnvidia-nscq-550=")),
+            "{:#?}",
+            m.ran
+        );
         assert!(m.ran.iter().any(|l| l.starts_with("apt-mark hold nvidia-driver-550-open")));
         // The nouveau file landed, atomically, under the root.
-        assert_eq!(std::fs::read_to_string(dir.path().join("root/etc/modprobe.d/blacklist-nouveau.conf")).unwrap(), plan::NOUVEAU_CONF_TEXT);
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("root/etc/modprobe.d/blacklist-nouveau.conf")).unwrap(),
+            plan::NOUVEAU_CONF_TEXT
+        );
         let on_disk = load_state(dir.path()).unwrap().unwrap();
         assert_eq!(on_disk.status, Status::Rebooting);
         assert_eq!(on_disk.reboot_pending_since.as_deref(), Some("boot-1"));
@@ -761,7 +781,9 @@ mod tests {
         assert_eq!(m.fetched, 4);
         assert_eq!(m.slept, Duration::from_secs(2 + 4 + 8));
         let f = r.state.findings.iter().find(|f| f.id == "install.unreachable").unwrap();
-        assert!(f.summary.contains("https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2204/x86_64/cuda-keyring_1.1-1_all.deb"));
+        assert!(f.summary.contains(
+            "https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2204/x86_64/cuda-keyring_1.1-1_all.deb"
+        ));
         assert!(m.ran.is_empty(), "nothing may run after the repository step failed");
     }
 
@@ -783,7 +805,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let held = lock(dir.path()).unwrap();
         let e = lock(dir.path()).err().unwrap();
-        assert!(e.contains("another phq-agent install is running") && e.contains(&std::process::id().to_string()), "{e}");
+        assert!(
+            e.contains("another phq-agent install is running") && e.contains(&std::process::id().to_string()),
+            "{e}"
+        );
         drop(held);
         assert!(lock(dir.path()).is_ok());
     }

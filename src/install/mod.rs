@@ -20,10 +20,8 @@ pub fn gather(root: &Sysroot, s: &Snapshot, packages: Option<Result<Vec<Package>
     if let Some(d) = &distro {
         paths.push(d.apt_source_path());
     }
-    let files: BTreeMap<String, String> = paths
-        .into_iter()
-        .filter_map(|p| root.read_string(p.trim_start_matches('/')).ok().map(|c| (p, c)))
-        .collect();
+    let files: BTreeMap<String, String> =
+        paths.into_iter().filter_map(|p| root.read_string(p.trim_start_matches('/')).ok().map(|c| (p, c))).collect();
     let enabled_units = root.list_dir(plan::WANTS_DIR.trim_start_matches('/')).unwrap_or_default();
     let mut packages = packages.unwrap_or_else(|| match &s.packages {
         crate::snapshot::Fact::Value(v) => Ok(v.clone()),
@@ -50,6 +48,7 @@ pub fn gather(root: &Sysroot, s: &Snapshot, packages: Option<Result<Vec<Package>
             .any(|m| m == "nvidia")
             .then(|| s.driver.nvrm.value().map(|v| v.version.clone()).or(s.driver.module_version.clone()))
             .flatten(),
+        dpkg_interrupted: root.list_dir("var/lib/dpkg/updates").is_ok_and(|v| !v.is_empty()),
         enabled_units,
         files,
     }
@@ -58,7 +57,9 @@ pub fn gather(root: &Sysroot, s: &Snapshot, packages: Option<Result<Vec<Package>
 /// `dnf versionlock` writes `name-epoch:version-release.*` lines.
 fn versionlocked(list: &str, name: &str) -> bool {
     list.lines().map(str::trim).filter(|l| !l.starts_with('#')).any(|l| {
-        l.strip_prefix(name).and_then(|r| r.strip_prefix('-')).is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+        l.strip_prefix(name)
+            .and_then(|r| r.strip_prefix('-'))
+            .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
     })
 }
 
@@ -67,7 +68,12 @@ pub fn parse_rpm_qa(text: &str) -> Vec<Package> {
     text.lines()
         .filter_map(|l| l.split_once('\t'))
         .filter(|(n, _)| ["nvidia", "libnvidia", "cuda", "kmod-nvidia"].iter().any(|p| n.starts_with(p)))
-        .map(|(n, v)| Package { name: n.trim().into(), version: v.trim().into(), state: "installed".into(), held: false })
+        .map(|(n, v)| Package {
+            name: n.trim().into(),
+            version: v.trim().into(),
+            state: "installed".into(),
+            held: false,
+        })
         .collect()
 }
 
@@ -95,7 +101,9 @@ mod tests {
 
     #[test]
     fn rpm_listing() {
-        let p = parse_rpm_qa("bash\t5.1.8-9.el9\nkmod-nvidia-open-dkms\t550.90.07-1.el9\ncuda-toolkit-12-4\t12.4.1-1\nbroken line\n");
+        let p = parse_rpm_qa(
+            "bash\t5.1.8-9.el9\nkmod-nvidia-open-dkms\t550.90.07-1.el9\ncuda-toolkit-12-4\t12.4.1-1\nbroken line\n",
+        );
         assert_eq!(p.len(), 2);
         assert_eq!(p[0].name, "kmod-nvidia-open-dkms");
     }

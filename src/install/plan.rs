@@ -105,6 +105,9 @@ pub struct Facts {
     pub nouveau_loaded: bool,
     /// Version of the loaded `nvidia` module, if one is loaded.
     pub nvidia_loaded: Option<String>,
+    /// dpkg was stopped in the middle (`/var/lib/dpkg/updates` is not empty): apt refuses to
+    /// work until `dpkg --configure -a` has run.
+    pub dpkg_interrupted: bool,
     /// Units linked in multi-user.target.wants.
     pub enabled_units: Vec<String>,
     /// The present contents of the files the plan writes (absent: not there).
@@ -156,11 +159,21 @@ pub struct Cmd {
 pub enum Action {
     Run(Cmd),
     /// Write a file atomically (0644).
-    Write { path: String, contents: String },
+    Write {
+        path: String,
+        contents: String,
+    },
     /// Download to a file, with bounded retries.
-    Fetch { url: String, to: String },
+    Fetch {
+        url: String,
+        to: String,
+    },
     /// Trust gate: the key file (or the keyring inside a .deb) must be the pinned key.
-    VerifyKey { file: String, deb_member: Option<String>, fingerprint: String },
+    VerifyKey {
+        file: String,
+        deb_member: Option<String>,
+        fingerprint: String,
+    },
     /// Reboot if a finished step needs it (logind; `--reboot never` reports instead).
     Reboot,
     /// Run the doctor's checks and keep what is wrong.
@@ -332,8 +345,13 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         if let Some(kb) = d.branch {
             if kb < min_branch {
                 findings.push(
-                    Finding::fail("install.cuda-driver", format!("CUDA {cuda} needs driver {cuda_min}; the kept driver is {}", d.version))
-                        .remedy(format!("Replace the driver (--replace-driver) or set install.cuda to a CUDA 12 that driver {kb} runs")),
+                    Finding::fail(
+                        "install.cuda-driver",
+                        format!("CUDA {cuda} needs driver {cuda_min}; the kept driver is {}", d.version),
+                    )
+                    .remedy(format!(
+                        "Replace the driver (--replace-driver) or set install.cuda to a CUDA 12 that driver {kb} runs"
+                    )),
                 );
             }
         }
@@ -342,13 +360,15 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
 
     // 0. A package manager left half-way (a killed dpkg, a failed DKMS build) is finished first.
     let half: Vec<&Package> = packages.iter().filter(|p| p.state != "installed").collect();
-    if distro.is_deb() && !half.is_empty() {
+    if distro.is_deb() && (!half.is_empty() || f.dpkg_interrupted) {
+        let what = if half.is_empty() {
+            "dpkg was interrupted".to_string()
+        } else {
+            half.iter().map(|p| format!("{} {}", p.name, p.state)).collect::<Vec<_>>().join(", ")
+        };
         steps.push(Step {
             id: "repair",
-            title: format!(
-                "finish what dpkg left half-done ({})",
-                half.iter().map(|p| format!("{} {}", p.name, p.state)).collect::<Vec<_>>().join(", ")
-            ),
+            title: format!("finish what dpkg left half-done ({what})"),
             actions: vec![
                 Action::Run(Cmd { retry: Retry::DpkgLock, ..cmd("dpkg", &["--configure", "-a"]) }),
                 Action::Run(apt("install", lits(&["-f".into()]))),
@@ -397,7 +417,9 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             vec![format!("nvidia-driver-{b}-server-open"), format!("linux-modules-nvidia-{b}-server-open-{kernel}")],
             format!("nvidia-driver-{b}-server-open"),
         ),
-        Distro::Ubuntu2204 | Distro::Ubuntu2404 => (vec![format!("nvidia-driver-{b}-open")], format!("nvidia-driver-{b}-open")),
+        Distro::Ubuntu2204 | Distro::Ubuntu2404 => {
+            (vec![format!("nvidia-driver-{b}-open")], format!("nvidia-driver-{b}-open"))
+        }
         Distro::Debian12 => (
             vec!["nvidia-kernel-open-dkms".into(), format!("cuda-drivers-{b}"), "nvidia-persistenced".into()],
             "nvidia-kernel-open-dkms".into(),
@@ -436,16 +458,24 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
                 .iter()
                 .filter(|p| {
                     p.name == old.package
-                        || (p.name.starts_with("nvidia-fabricmanager") || p.name.starts_with("libnvidia-nscq")
+                        || (p.name.starts_with("nvidia-fabricmanager")
+                            || p.name.starts_with("libnvidia-nscq")
                             || p.name.starts_with("nvidia-fabric-manager"))
                 })
                 .map(|p| p.name.clone())
                 .collect();
             if distro.is_deb() {
-                actions.push(Action::Run(cmd("apt-mark", &[&["unhold"][..], &old_pkgs.iter().map(String::as_str).collect::<Vec<_>>()].concat())));
+                actions.push(Action::Run(cmd(
+                    "apt-mark",
+                    &[&["unhold"][..], &old_pkgs.iter().map(String::as_str).collect::<Vec<_>>()].concat(),
+                )));
                 actions.push(Action::Run(apt("purge", lits(&old_pkgs))));
             } else {
-                actions.push(Action::Run(dnf(&[&["remove"][..], &old_pkgs.iter().map(String::as_str).collect::<Vec<_>>()].concat())));
+                actions.push(Action::Run(dnf(&[
+                    &["remove"][..],
+                    &old_pkgs.iter().map(String::as_str).collect::<Vec<_>>(),
+                ]
+                .concat())));
             }
         }
         match &distro {
@@ -520,8 +550,11 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
 
     // 7. The toolkit.
     if !findings.iter().any(|x| x.id == "install.cuda-driver") {
-        let action =
-            if distro.is_deb() { apt("install", lits(std::slice::from_ref(&toolkit))) } else { dnf(&["install", &toolkit]) };
+        let action = if distro.is_deb() {
+            apt("install", lits(std::slice::from_ref(&toolkit)))
+        } else {
+            dnf(&["install", &toolkit])
+        };
         steps.push(Step {
             id: "toolkit",
             title: format!("CUDA {cuda} toolkit ({toolkit}, needs driver ≥ {cuda_min})"),
@@ -550,13 +583,20 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         hold.push(toolkit.clone());
     }
     if !hold.is_empty() {
-        let all_held = f.packages.as_ref().is_ok_and(|ps| hold.iter().all(|h| ps.iter().any(|p| &p.name == h && p.held)));
+        let all_held =
+            f.packages.as_ref().is_ok_and(|ps| hold.iter().all(|h| ps.iter().any(|p| &p.name == h && p.held)));
         let actions = if distro.is_deb() {
-            vec![Action::Run(cmd("apt-mark", &[&["hold"][..], &hold.iter().map(String::as_str).collect::<Vec<_>>()].concat()))]
+            vec![Action::Run(cmd(
+                "apt-mark",
+                &[&["hold"][..], &hold.iter().map(String::as_str).collect::<Vec<_>>()].concat(),
+            ))]
         } else {
             vec![
                 Action::Run(dnf(&["install", "python3-dnf-plugin-versionlock"])),
-                Action::Run(cmd("dnf", &[&["versionlock", "add"][..], &hold.iter().map(String::as_str).collect::<Vec<_>>()].concat())),
+                Action::Run(cmd(
+                    "dnf",
+                    &[&["versionlock", "add"][..], &hold.iter().map(String::as_str).collect::<Vec<_>>()].concat(),
+                )),
             ]
         };
         steps.push(Step {
@@ -607,18 +647,22 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         Some(SecureBoot::Unsupported) => "UEFI without Secure Boot",
         None => "Secure Boot unknown",
     };
-    let summary = format!(
-        "{}, kernel {kernel}, {gpus}, {sb} → driver {b} (open kernel modules), CUDA {cuda}",
-        distro.name()
-    );
+    let summary =
+        format!("{}, kernel {kernel}, {gpus}, {sb} → driver {b} (open kernel modules), CUDA {cuda}", distro.name());
     if f.gpus == 0 {
         findings.push(
-            Finding::warn("install.no-gpu", "no NVIDIA GPU is visible: the driver is installed, but nothing will use it yet")
-                .remedy("Check the VM spec's gpus[] / hostDevices, then run phq-agent doctor"),
+            Finding::warn(
+                "install.no-gpu",
+                "no NVIDIA GPU is visible: the driver is installed, but nothing will use it yet",
+            )
+            .remedy("Check the VM spec's gpus[] / hostDevices, then run phq-agent doctor"),
         );
     }
     if let Err(e) = &f.packages {
-        findings.push(Finding::unknown("install.packages", format!("installed packages unknown ({e}): every package step runs")));
+        findings.push(Finding::unknown(
+            "install.packages",
+            format!("installed packages unknown ({e}): every package step runs"),
+        ));
     }
     Ok(Plan {
         distro,
@@ -638,7 +682,11 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
         let deb = format!("{install_dir}/{CUDA_KEYRING_DEB}");
         let mut actions = vec![
             Action::Fetch { url: format!("{base}{CUDA_KEYRING_DEB}"), to: deb.clone() },
-            Action::VerifyKey { file: deb.clone(), deb_member: Some(CUDA_KEYRING_MEMBER.into()), fingerprint: fpr.into() },
+            Action::VerifyKey {
+                file: deb.clone(),
+                deb_member: Some(CUDA_KEYRING_MEMBER.into()),
+                fingerprint: fpr.into(),
+            },
             Action::Run(Cmd { retry: Retry::DpkgLock, ..cmd("dpkg", &["-i", &deb]) }),
         ];
         let source = apt_source(base);
@@ -675,7 +723,10 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
         makecache.url = Some(base.into());
         Step {
             id: "repo",
-            title: format!("NVIDIA repository {base} (with EPEL and CRB for DKMS), key {}", crate::install::pgp::spaced(fpr)),
+            title: format!(
+                "NVIDIA repository {base} (with EPEL and CRB for DKMS), key {}",
+                crate::install::pgp::spaced(fpr)
+            ),
             actions: vec![
                 Action::Run(dnf(&["install", "dnf-plugins-core"])),
                 Action::Run(epel),
