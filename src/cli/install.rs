@@ -22,8 +22,12 @@ pub struct Install {
     #[arg(long)]
     pub replace_driver: bool,
     /// Print the plan, change nothing.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "resume")]
     pub dry_run: bool,
+    /// Continue an unfinished install (phq-agent-install.service at boot); exit 0 at once when
+    /// none is pending.
+    #[arg(long)]
+    pub resume: bool,
     /// Reboot when a step needs it (auto) or report that one is needed (never).
     #[arg(long, value_parser = ["auto", "never"], default_value = "auto")]
     pub reboot: String,
@@ -65,6 +69,25 @@ impl Install {
             }
         }
         let state_dir = config.agent.state_dir.clone();
+        if self.resume {
+            match apply::load_state(&state_dir) {
+                Ok(None) => {
+                    eprintln!("phq-agent install --resume: no install has run here; nothing to resume");
+                    return Ok(0);
+                }
+                Ok(Some(st)) if st.status == Status::Done => {
+                    eprintln!(
+                        "phq-agent install --resume: the install finished at {}; nothing to resume",
+                        st.updated_at
+                    );
+                    return Ok(0);
+                }
+                Ok(Some(st)) => {
+                    eprintln!("phq-agent install --resume: resuming ({:?} at {})", st.status, st.updated_at)
+                }
+                Err(e) => eprintln!("phq-agent install --resume: {e}; resuming from a fresh plan"),
+            }
+        }
         // Hold the lock from the first look at the machine to the last step: what is planned
         // must be what is applied.
         let _lock = if self.dry_run {

@@ -203,6 +203,9 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
                         for event in serve::severity_changes(&last_report, &report) {
                             spool_event(&mut seq, &report, event);
                         }
+                        if let Some(event) = serve::install_change(&last_report, &report) {
+                            spool_event(&mut seq, &report, event);
+                        }
                         let status = publish(p);
                         push_status(&report);
                         if report.health != last_report.health {

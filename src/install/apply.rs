@@ -600,6 +600,8 @@ mod tests {
         fetched: u32,
         slept: Duration,
         key: Vec<u8>,
+        /// `dpkg` answers "lock held" this many more times.
+        lock_busy: u32,
     }
 
     impl Runner for FakeMachine {
@@ -607,6 +609,11 @@ mod tests {
             let line = format!("{program} {}", args.join(" "));
             self.ran.push(line.clone());
             let ok = |stdout: &[u8]| Output { code: Some(0), stdout: stdout.to_vec(), stderr: String::new() };
+            if program == "dpkg" && self.lock_busy > 0 {
+                self.lock_busy -= 1;
+                let stderr = "dpkg: error: dpkg frontend lock was locked by another process with pid 4242".into();
+                return Ok(Output { code: Some(2), stdout: vec![], stderr });
+            }
             if self.fail_when.as_deref().is_some_and(|f| line.contains(f)) {
                 return Ok(Output { code: Some(100), stdout: vec![], stderr: "E: Unable to locate package".into() });
             }
@@ -811,6 +818,41 @@ mod tests {
         );
         drop(held);
         assert!(lock(dir.path()).is_ok());
+    }
+
+    #[test]
+    fn a_held_dpkg_lock_is_waited_for_then_given_up_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, fpr) = test_key();
+        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
+        let p = plan::plan(&f, &s).unwrap();
+        let mut m = FakeMachine { key: key.clone(), lock_busy: 3, ..Default::default() };
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::RebootRequired, "{:?}", r.state.error);
+        assert_eq!(m.ran.iter().filter(|l| l.starts_with("dpkg -i")).count(), 4);
+        assert!(r.progress.iter().any(|l| l.contains("holds the dpkg lock; waiting")));
+
+        // Held past lock_wait: a clear failure that names the holder.
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = FakeMachine { key, lock_busy: u32::MAX, ..Default::default() };
+        let mut lines = Vec::new();
+        let mut progress = |l: &str| lines.push(l.to_string());
+        let mut verify = Vec::new;
+        let mut reboot_now = || Ok(());
+        let mut o = Options {
+            state_dir: dir.path().to_path_buf(),
+            root: dir.path().join("root"),
+            reboot: RebootPolicy::Never,
+            boot_id: None,
+            network_tries: 1,
+            lock_wait: Duration::ZERO,
+            progress: &mut progress,
+            verify: &mut verify,
+            reboot_now: &mut reboot_now,
+        };
+        let st = apply(&p, &mut m, &mut o).unwrap();
+        assert_eq!(st.status, Status::Failed);
+        assert!(st.error.as_deref().unwrap().contains("locked by another process with pid 4242"), "{:?}", st.error);
     }
 
     #[test]

@@ -112,8 +112,23 @@ pub struct Report {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
 pub enum Event {
-    Xid { gpu: String, xid: u64, source: String },
-    SeverityChange { check: String, gpu: Option<String>, from: Severity, to: Severity, summary: String },
+    Xid {
+        gpu: String,
+        xid: u64,
+        source: String,
+    },
+    SeverityChange {
+        check: String,
+        gpu: Option<String>,
+        from: Severity,
+        to: Severity,
+        summary: String,
+    },
+    /// The installer finished, failed, or stopped for a reboot (`install.status` of the report).
+    Install {
+        status: String,
+        error: Option<String>,
+    },
 }
 
 /// The agent id: configured, else the VM firmware UUID, else the hostname.

@@ -193,6 +193,25 @@ pub fn run_probes(
 }
 
 /// Findings whose severity changed from `before` to `after`, as events.
+/// The installer reached an end (done, failed, reboot required) since the last snapshot: an
+/// event, so the platform hears of it even if the agent restarts before the next push.
+pub fn install_change(before: &report::Report, after: &report::Report) -> Option<report::Event> {
+    let key = |r: &report::Report| {
+        r.install.as_ref().map(|v| {
+            (
+                v["status"].as_str().unwrap_or_default().to_string(),
+                v["updated_at"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+    };
+    let (status, _) = key(after)?;
+    if key(before) == key(after) || !matches!(status.as_str(), "done" | "failed" | "reboot-required") {
+        return None;
+    }
+    let error = after.install.as_ref().and_then(|v| v["error"].as_str().map(String::from));
+    Some(report::Event::Install { status, error })
+}
+
 pub fn severity_changes(before: &report::Report, after: &report::Report) -> Vec<report::Event> {
     let key = |f: &checks::Finding| (f.id.clone(), f.gpu.clone());
     let old: std::collections::HashMap<_, _> = before.findings.iter().map(|f| (key(f), f.severity)).collect();
@@ -219,6 +238,29 @@ mod tests {
 
     fn report_of(s: &crate::snapshot::Snapshot) -> report::Report {
         report::build(s, checks::run(s, &Settings::default()), "vm".into(), s.observed_at, 1)
+    }
+
+    #[test]
+    fn the_installer_ending_is_an_event_once() {
+        let mut before = report_of(&healthy());
+        before.install = Some(serde_json::json!({"status": "rebooting", "updated_at": "t1", "error": null}));
+        let mut after = before.clone();
+        assert_eq!(install_change(&before, &after), None);
+        after.install = Some(serde_json::json!({"status": "running", "updated_at": "t2", "error": null}));
+        assert_eq!(install_change(&before, &after), None);
+        after.install = Some(
+            serde_json::json!({"schema": "phq.install/v1", "status": "failed", "updated_at": "t3", "error": "step toolkit: E"}),
+        );
+        assert_eq!(
+            install_change(&before, &after),
+            Some(report::Event::Install { status: "failed".into(), error: Some("step toolkit: E".into()) })
+        );
+        assert_eq!(install_change(&after, &after), None);
+        after.event = install_change(&before, &after);
+        let schema: serde_json::Value =
+            serde_json::from_str(include_str!("../../schema/phq.status.v1.json")).expect("schema is JSON");
+        let v = serde_json::to_value(&after).unwrap();
+        assert!(jsonschema::is_valid(&schema, &v), "{v:#}");
     }
 
     #[test]
