@@ -197,8 +197,9 @@ fn build_repo(root: &Path) -> String {
             version: &d550,
             depends: "",
             files: vec![("usr/src/nvidia-550.90.07/dkms.conf".into(), b"PACKAGE_NAME=nvidia\n".to_vec())],
-            // A DKMS build takes a while; a kill -9 lands in the middle of it.
-            postinst: "sleep 1",
+            // A DKMS build takes a while; the test's kill -9 lands in the middle of it, while
+            // the marker exists.
+            postinst: "touch /tmp/phq-dkms-building; sleep 2; rm -f /tmp/phq-dkms-building",
         },
         Deb { name: "nvidia-kernel-open-dkms", version: "560.35.03-1", depends: "", files: vec![], postinst: "" },
         Deb {
@@ -328,9 +329,9 @@ fn install(root: &Path, extra: &[&str]) -> Outcome {
     Outcome { code: out.status.code(), stderr: String::from_utf8_lossy(&out.stderr).into_owned() }
 }
 
-/// Starts an install and SIGKILLs its whole process group `after` the progress line naming
-/// `step` appears. Returns what it printed, and whether the kill happened.
-fn install_killed_in(root: &Path, step: &str, after: Duration, during: impl FnOnce()) -> (String, bool) {
+/// Starts an install and SIGKILLs its whole process group once the progress line naming `step`
+/// has appeared and `wait` has returned. Returns what it printed, and whether it killed.
+fn install_killed_in(root: &Path, step: &str, wait: impl FnOnce(), during: impl FnOnce()) -> (String, bool) {
     let mut child = install_command(root, &[]).spawn().unwrap();
     let pgid = child.id() as i32;
     let stderr = child.stderr.take().unwrap();
@@ -350,7 +351,7 @@ fn install_killed_in(root: &Path, step: &str, after: Duration, during: impl FnOn
                 seen.push_str(&line);
                 seen.push('\n');
                 if line.contains(&needle) {
-                    std::thread::sleep(after);
+                    wait();
                     if let Some(f) = during.take() {
                         f();
                     }
@@ -500,10 +501,25 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     let mut kills = 0;
     let mut transcript = String::new();
     for (i, step) in steps.iter().enumerate() {
-        // Alternate between killing at once and killing a moment in, inside apt or dpkg.
-        let after = Duration::from_millis(if i % 2 == 0 { 0 } else { 700 });
+        // Alternate between killing at once and a moment in, inside apt or dpkg; in the driver
+        // step, inside its maintainer script (the stand-in DKMS build).
+        let marker = killed.join("tmp/phq-dkms-building");
+        let (after, when) = match (*step, i % 2) {
+            ("driver", _) => (Duration::ZERO, "inside the driver's postinst".to_string()),
+            (_, 0) => (Duration::ZERO, "at once".to_string()),
+            _ => (Duration::from_millis(700), "700 ms in".to_string()),
+        };
+        let wait = || {
+            if *step == "driver" {
+                let deadline = Instant::now() + Duration::from_secs(120);
+                while !marker.exists() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            std::thread::sleep(after);
+        };
         let mut refused = None;
-        let (seen, did) = install_killed_in(&killed, step, after, || {
+        let (seen, did) = install_killed_in(&killed, step, wait, || {
             if *step == "driver" {
                 // A second installer while the first holds the lock is refused.
                 refused = Some(install(&killed, &[]));
@@ -511,11 +527,7 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
         });
         kills += did as u32;
         assert!(did, "never reached step {step}:\n{seen}");
-        transcript.push_str(&format!(
-            "--- run {} (SIGKILL to the process group {} ms into {step})\n{seen}",
-            i + 1,
-            after.as_millis()
-        ));
+        transcript.push_str(&format!("--- run {} (SIGKILL to the process group {when}, step {step})\n{seen}", i + 1));
         if let Some(r) = refused {
             assert_eq!(r.code, Some(3), "{}", r.stderr);
             assert!(r.stderr.contains("another phq-agent install is running"), "{}", r.stderr);

@@ -7,6 +7,7 @@ pub mod install;
 pub mod probe;
 pub mod serve;
 pub mod status;
+pub mod token;
 
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -71,6 +72,8 @@ pub enum Command {
     Serve(serve::Serve),
     /// Ask the running service for its report.
     Status(status::Status),
+    /// Create the HTTP bearer token if there is none (0600, owned by the service's user).
+    Token(token::Token),
 }
 
 impl Cli {
@@ -82,6 +85,7 @@ impl Cli {
             Command::Probe(c) => c.run(&self.global),
             Command::Serve(c) => c.run(&self.global),
             Command::Status(c) => c.run(&self.global),
+            Command::Token(c) => c.run(&self.global),
         };
         match result {
             Ok(code) => code,
