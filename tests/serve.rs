@@ -309,3 +309,45 @@ fn status_asks_dbus_then_falls_back_to_http() {
     assert_eq!(r["gpus"].as_array().unwrap().len(), 8);
     assert_eq!(over_http.status.code(), over_dbus.status.code());
 }
+
+#[test]
+fn grafana_dashboard_queries_only_metrics_the_agent_serves() {
+    let (a, _) = start(0o600, None);
+    wait_ready(&a);
+    let (_, r) = get(a.port, "/metrics", &auth());
+    let served: std::collections::HashSet<String> = body(&r)
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .flat_map(|l| {
+            // A counter family is typed by its name; its samples carry `_total`.
+            let mut w = l.split_whitespace();
+            let name = w.next().unwrap_or_default().to_string();
+            let total = (w.next() == Some("counter") && !name.ends_with("_total")).then(|| format!("{name}_total"));
+            std::iter::once(name).chain(total)
+        })
+        .collect();
+    // Counters of events (Xids) have no series until the first event; they count as served
+    // when the agent declares them.
+    let source = std::fs::read_to_string(common::repo().join("src/serve/metrics.rs")).unwrap();
+    let event_counters: Vec<&str> =
+        source.split("fam.counter(\"").skip(1).filter_map(|r| r.split('"').next()).collect();
+    let path = common::repo().join("dashboards/phq-agent.json");
+    let dash: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut used = 0;
+    for panel in dash["panels"].as_array().unwrap() {
+        for t in panel["targets"].as_array().unwrap() {
+            let expr = t["expr"].as_str().unwrap();
+            for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if word.starts_with("phq_") {
+                    used += 1;
+                    assert!(
+                        served.contains(word) || event_counters.contains(&word),
+                        "panel {:?} queries {word}, which /metrics does not serve: {served:?}",
+                        panel["title"]
+                    );
+                }
+            }
+        }
+    }
+    assert!(used >= 20, "{used}");
+}
