@@ -4,8 +4,8 @@
 #   scripts/build-packages.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v cargo-deb >/dev/null || cargo install --locked --quiet cargo-deb@3.6.3
-command -v cargo-generate-rpm >/dev/null || cargo install --locked --quiet cargo-generate-rpm@0.20.0
+command -v cargo-deb >/dev/null || cargo install --locked --quiet cargo-deb@3.8.0
+command -v cargo-generate-rpm >/dev/null || cargo install --locked --quiet cargo-generate-rpm@0.21.1
 start=$(date +%s)
 cargo build --locked --release -p phq-agent
 out=target/packages

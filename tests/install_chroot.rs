@@ -1,19 +1,17 @@
 //! The slow tier: the real `phq-agent install` inside a real Debian 12 root, against a real apt
-//! and a signed repository of stand-in packages served on 127.0.0.1.
+//! and a signed repository of stand-in packages served on 127.0.0.1 (tests/common/debian.rs).
 //!
 //! The root comes from `debootstrap --variant=minbase bookworm` (cached under
-//! target/phq-apt-root). Its /proc, /sys and /dev/kmsg are the files of the HGX fixture guest
+//! target/phq-debian). Its /proc, /sys and /dev/kmsg are the files of the HGX fixture guest
 //! (8 H100 SXM, 4 NVSwitches), so the installer plans for that machine while apt and dpkg do
-//! their real work on the root. The stand-ins carry NVIDIA's names and versions and nothing
-//! else: the keyring, the open DKMS driver (whose postinst takes a second, like a build), the
-//! persistence daemon and fabric manager with their units, NSCQ, the toolkit, the headers. A
-//! newer branch (560) and a newer 550 fabric manager are in the repository too, to prove the
-//! branch pin and the exact fabric-manager match.
+//! their real work on the root.
 //!
 //! Needs root and debootstrap; skipped with a note outside CI when either is missing.
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
+mod common;
+
+use common::debian::*;
+use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -21,58 +19,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 const KERNEL: &str = "6.1.0-27-cloud-amd64";
-const DRIVER: &str = "550.90.07";
+const DRIVER: &str = STANDIN_DRIVER;
 
-fn target_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/phq-apt-root")
-}
-
-fn runnable() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    let tools = ["debootstrap", "dpkg-deb", "apt-ftparchive", "gpg", "chroot"].iter().all(|t| which(t));
-    if root && tools {
-        return true;
-    }
-    let why = format!("needs root and debootstrap, dpkg-deb, apt-ftparchive, gpg (root: {root}, tools: {tools})");
-    assert!(std::env::var_os("CI").is_none(), "the chroot install test must run in CI: {why}");
-    eprintln!("SKIPPED install_chroot: {why}");
-    false
-}
-
-fn which(tool: &str) -> bool {
-    std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())).unwrap_or(false)
-        || Path::new("/usr/sbin").join(tool).is_file()
-}
-
-fn sh(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program).args(args).output().unwrap_or_else(|e| panic!("{program}: {e}"));
-    assert!(out.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The debootstrapped root, built once and kept: tests copy it.
 fn base_root() -> PathBuf {
-    let dir = target_dir();
-    std::fs::create_dir_all(&dir).unwrap();
-    let lock = std::fs::File::create(dir.join(".lock")).unwrap();
-    lock.lock().unwrap();
-    let base = dir.join("bookworm-minbase");
-    if !base.join(".phq-complete").exists() {
-        let tmp = dir.join("bookworm-minbase.tmp");
-        let _ = std::fs::remove_dir_all(&tmp);
-        let started = Instant::now();
-        let mirror = std::env::var("PHQ_DEBIAN_MIRROR").unwrap_or_else(|_| "http://deb.debian.org/debian".into());
-        sh(
-            "debootstrap",
-            &["--variant=minbase", "--include=systemd,initramfs-tools", "bookworm", tmp.to_str().unwrap(), &mirror],
-        );
-        std::fs::write(tmp.join(".phq-complete"), "").unwrap();
-        let _ = std::fs::remove_dir_all(&base);
-        std::fs::rename(&tmp, &base).unwrap();
-        eprintln!("timing: debootstrap took {:.0} s", started.elapsed().as_secs_f64());
-    }
-    base
+    debootstrap_cached("bookworm-minbase", "systemd,initramfs-tools")
 }
 
 /// A fresh copy of the base root with the HGX guest's /proc, /sys and kmsg, and the agent in it.
@@ -94,218 +44,6 @@ fn guest_root(work: &Path, repo_url: &str, fingerprint: &str) -> PathBuf {
     .unwrap();
     eprintln!("timing: root copied in {:.1} s", started.elapsed().as_secs_f64());
     root
-}
-
-/// One stand-in package, built with dpkg-deb.
-struct Deb<'a> {
-    name: &'a str,
-    version: &'a str,
-    depends: &'a str,
-    files: Vec<(String, Vec<u8>)>,
-    postinst: &'a str,
-}
-
-fn build_deb(out: &Path, d: &Deb) {
-    let dir = tempfile::tempdir().unwrap();
-    let debian = dir.path().join("DEBIAN");
-    std::fs::create_dir_all(&debian).unwrap();
-    let mut control = format!(
-        "Package: {}\nVersion: {}\nArchitecture: all\nMaintainer: phq-agent tests <tests@phq.invalid>\nDescription: stand-in for {} (phq-agent install test)\n",
-        d.name, d.version, d.name
-    );
-    if !d.depends.is_empty() {
-        control.push_str(&format!("Depends: {}\n", d.depends));
-    }
-    std::fs::write(debian.join("control"), control).unwrap();
-    if !d.postinst.is_empty() {
-        let p = debian.join("postinst");
-        std::fs::write(&p, format!("#!/bin/sh\nset -e\n{}\n", d.postinst)).unwrap();
-        sh("chmod", &["0755", p.to_str().unwrap()]);
-    }
-    for (path, data) in &d.files {
-        let f = dir.path().join(path.trim_start_matches('/'));
-        std::fs::create_dir_all(f.parent().unwrap()).unwrap();
-        std::fs::write(f, data).unwrap();
-    }
-    let file = out.join(format!("{}_{}_all.deb", d.name, d.version));
-    sh("dpkg-deb", &["--root-owner-group", "-Zgzip", "--build", dir.path().to_str().unwrap(), file.to_str().unwrap()]);
-}
-
-fn unit(desc: &str) -> Vec<u8> {
-    format!("[Unit]\nDescription={desc} (stand-in)\n[Service]\nExecStart=/bin/true\n[Install]\nWantedBy=multi-user.target\n").into_bytes()
-}
-
-/// The signed flat repository `<root>/debian12/x86_64/`, as NVIDIA lays it out. Returns the
-/// key's fingerprint.
-fn build_repo(root: &Path) -> String {
-    let repo = root.join("debian12/x86_64");
-    std::fs::create_dir_all(&repo).unwrap();
-    let gnupg = root.join(".gnupg");
-    std::fs::create_dir_all(&gnupg).unwrap();
-    sh("chmod", &["0700", gnupg.to_str().unwrap()]);
-    let g = gnupg.to_str().unwrap();
-    sh(
-        "gpg",
-        &[
-            "--homedir",
-            g,
-            "--batch",
-            "--passphrase",
-            "",
-            "--quick-gen-key",
-            "phq test repository <repo@phq.invalid>",
-            "ed25519",
-            "sign",
-            "never",
-        ],
-    );
-    let colons = sh("gpg", &["--homedir", g, "--with-colons", "--fingerprint"]);
-    let fpr = colons.lines().find(|l| l.starts_with("fpr:")).unwrap().split(':').nth(9).unwrap().to_string();
-    let key = Command::new("gpg").args(["--homedir", g, "--export", &fpr]).output().unwrap().stdout;
-    assert!(!key.is_empty());
-
-    let v = |s: &str| format!("{s}-1");
-    let d550 = v(DRIVER);
-    let fm_new = v("550.127.05");
-    let headers = format!("linux-headers-{KERNEL}");
-    let headers_postinst = format!(
-        "mkdir -p /lib/modules/{KERNEL} && ln -sfn /usr/src/linux-headers-{KERNEL} /lib/modules/{KERNEL}/build"
-    );
-    let debs = vec![
-        Deb {
-            name: "cuda-keyring",
-            version: "1.1-1",
-            depends: "",
-            files: vec![
-                ("usr/share/keyrings/cuda-archive-keyring.gpg".into(), key),
-                (
-                    "etc/apt/sources.list.d/cuda-debian12-x86_64.list".into(),
-                    b"deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/ /\n".to_vec(),
-                ),
-            ],
-            postinst: "",
-        },
-        Deb {
-            name: &headers,
-            version: "6.1.112-1",
-            depends: "",
-            files: vec![(format!("usr/src/linux-headers-{KERNEL}/Makefile"), b"# stand-in\n".to_vec())],
-            postinst: &headers_postinst,
-        },
-        Deb {
-            name: "nvidia-kernel-open-dkms",
-            version: &d550,
-            depends: "",
-            files: vec![("usr/src/nvidia-550.90.07/dkms.conf".into(), b"PACKAGE_NAME=nvidia\n".to_vec())],
-            // A DKMS build takes a while; the test's kill -9 lands in the middle of it, while
-            // the marker exists.
-            postinst: "touch /tmp/phq-dkms-building; sleep 2; rm -f /tmp/phq-dkms-building",
-        },
-        Deb { name: "nvidia-kernel-open-dkms", version: "560.35.03-1", depends: "", files: vec![], postinst: "" },
-        Deb {
-            name: "nvidia-persistenced",
-            version: &d550,
-            depends: "",
-            files: vec![("lib/systemd/system/nvidia-persistenced.service".into(), unit("NVIDIA Persistence Daemon"))],
-            postinst: "",
-        },
-        Deb {
-            name: "cuda-drivers-550",
-            version: &d550,
-            depends: "nvidia-kernel-open-dkms (>= 550), nvidia-kernel-open-dkms (<< 551), nvidia-persistenced",
-            files: vec![],
-            postinst: "",
-        },
-        Deb {
-            name: "nvidia-fabricmanager-550",
-            version: &d550,
-            depends: "",
-            files: vec![("lib/systemd/system/nvidia-fabricmanager.service".into(), unit("NVIDIA fabric manager"))],
-            postinst: "",
-        },
-        Deb {
-            name: "nvidia-fabricmanager-550",
-            version: &fm_new,
-            depends: "",
-            files: vec![("lib/systemd/system/nvidia-fabricmanager.service".into(), unit("NVIDIA fabric manager"))],
-            postinst: "",
-        },
-        Deb { name: "libnvidia-nscq-550", version: &d550, depends: "", files: vec![], postinst: "" },
-        Deb { name: "libnvidia-nscq-550", version: &fm_new, depends: "", files: vec![], postinst: "" },
-        Deb {
-            name: "cuda-toolkit-12-4",
-            version: "12.4.1-1",
-            depends: "",
-            files: vec![("usr/local/cuda-12.4/version.json".into(), br#"{"cuda":{"name":"CUDA SDK","version":"12.4.1"}}"#.to_vec())],
-            postinst: "sleep 1",
-        },
-    ];
-    for d in &debs {
-        build_deb(&repo, d);
-    }
-    // The keyring .deb is what the installer fetches by name; NVIDIA serves it beside the index.
-    let packages = Command::new("apt-ftparchive").arg("packages").arg(".").current_dir(&repo).output().unwrap();
-    std::fs::write(repo.join("Packages"), &packages.stdout).unwrap();
-    let release = Command::new("apt-ftparchive").arg("release").arg(".").current_dir(&repo).output().unwrap();
-    std::fs::write(repo.join("Release"), &release.stdout).unwrap();
-    sh(
-        "gpg",
-        &[
-            "--homedir",
-            g,
-            "--batch",
-            "--yes",
-            "--clearsign",
-            "-o",
-            repo.join("InRelease").to_str().unwrap(),
-            repo.join("Release").to_str().unwrap(),
-        ],
-    );
-    fpr
-}
-
-/// A static file server on 127.0.0.1: enough HTTP/1.1 for apt and reqwest.
-fn serve(dir: PathBuf) -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            let dir = dir.clone();
-            std::thread::spawn(move || {
-                let mut conn = conn;
-                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
-                let mut reader = BufReader::new(conn.try_clone().unwrap());
-                let mut first = String::new();
-                if reader.read_line(&mut first).is_err() {
-                    return;
-                }
-                loop {
-                    let mut l = String::new();
-                    if reader.read_line(&mut l).map(|n| n == 0).unwrap_or(true) || l == "\r\n" {
-                        break;
-                    }
-                }
-                let path = first.split_whitespace().nth(1).unwrap_or("/").to_string();
-                let rel = path.trim_start_matches('/');
-                let file = dir.join(rel);
-                let head = first.starts_with("HEAD");
-                let resp = match (rel.contains(".."), std::fs::read(&file)) {
-                    (false, Ok(body)) if file.is_file() => {
-                        let mut r =
-                            format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())
-                                .into_bytes();
-                        if !head {
-                            r.extend(body);
-                        }
-                        r
-                    }
-                    _ => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec(),
-                };
-                let _ = conn.write_all(&resp);
-            });
-        }
-    });
-    port
 }
 
 struct Outcome {
@@ -399,7 +137,7 @@ fn journal(root: &Path) -> serde_json::Value {
 
 #[test]
 fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
-    if !runnable() {
+    if !runnable("the chroot install test", &["debootstrap", "dpkg-deb", "apt-ftparchive", "gpg", "chroot"]) {
         return;
     }
     let t0 = Instant::now();
@@ -407,8 +145,8 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     eprintln!("timing: base root ready after {:.1} s", t0.elapsed().as_secs_f64());
     let work = tempfile::Builder::new().prefix("phq-chroot-").tempdir_in(target_dir()).unwrap();
     let repo_dir = work.path().join("repo");
-    let fpr = build_repo(&repo_dir);
-    let port = serve(repo_dir.clone());
+    let fpr = build_repo(&repo_dir, KERNEL);
+    let port = serve(repo_dir.clone()).port;
     let url = format!("http://127.0.0.1:{port}");
 
     // --- A clean install. ---

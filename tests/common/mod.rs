@@ -2,6 +2,8 @@
 //! carrying a small systemd stand-in, and running the real binary.
 #![allow(dead_code)]
 
+pub mod debian;
+
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

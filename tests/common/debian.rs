@@ -1,0 +1,320 @@
+//! A real Debian for the installer and packaging tests: a debootstrapped bookworm root (cached
+//! under target/), stand-in NVIDIA packages built with dpkg-deb under their real names and
+//! versions, a flat repository signed with a fresh test key, and a small HTTP server on
+//! 127.0.0.1 that serves it (and takes POSTs, as a platform double).
+//!
+//! The stand-ins carry NVIDIA's names and versions and nothing else: the keyring, the open DKMS
+//! driver (whose postinst takes two seconds, like a build, with a marker file while it runs),
+//! the persistence daemon and fabric manager with their units, NSCQ, the toolkit, the headers.
+//! A newer branch (560) and a newer 550 fabric manager are in the repository too, to prove the
+//! branch pin and the exact fabric-manager match.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The driver version the stand-ins carry.
+pub const STANDIN_DRIVER: &str = "550.90.07";
+
+pub fn target_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target")
+}
+
+/// Root and the tools, else a skip note (a failure in CI, which has them).
+pub fn runnable(what: &str, tools: &[&str]) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let have = tools.iter().all(|t| which(t));
+    if root && have {
+        return true;
+    }
+    let why = format!("{what} needs root and {} (root: {root}, tools: {have})", tools.join(", "));
+    assert!(std::env::var_os("CI").is_none(), "this test must run in CI: {why}");
+    eprintln!("SKIPPED: {why}");
+    false
+}
+
+pub fn which(tool: &str) -> bool {
+    std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())).unwrap_or(false)
+        || Path::new("/usr/sbin").join(tool).is_file()
+}
+
+pub fn sh(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program).args(args).output().unwrap_or_else(|e| panic!("{program}: {e}"));
+    assert!(out.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The debootstrapped root, built once and kept: tests copy it.
+/// `debootstrap --variant=minbase bookworm` with `include`, built once into target/<name> and
+/// kept (tests copy it). A lock file keeps two test binaries from building it at once.
+pub fn debootstrap_cached(name: &str, include: &str) -> PathBuf {
+    let dir = target_dir().join("phq-debian");
+    std::fs::create_dir_all(&dir).unwrap();
+    let lock = std::fs::File::create(dir.join(format!(".{name}.lock"))).unwrap();
+    lock.lock().unwrap();
+    let base = dir.join(name);
+    if !base.join(".phq-complete").exists() {
+        let tmp = dir.join(format!("{name}.tmp"));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let started = Instant::now();
+        let mirror = std::env::var("PHQ_DEBIAN_MIRROR").unwrap_or_else(|_| "http://deb.debian.org/debian".into());
+        sh(
+            "debootstrap",
+            &["--variant=minbase", &format!("--include={include}"), "bookworm", tmp.to_str().unwrap(), &mirror],
+        );
+        std::fs::write(tmp.join(".phq-complete"), "").unwrap();
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::rename(&tmp, &base).unwrap();
+        eprintln!("timing: debootstrap of {name} took {:.0} s", started.elapsed().as_secs_f64());
+    }
+    base
+}
+
+pub struct Deb<'a> {
+    pub name: &'a str,
+    pub version: &'a str,
+    pub depends: &'a str,
+    pub files: Vec<(String, Vec<u8>)>,
+    pub postinst: &'a str,
+}
+
+pub fn build_deb(out: &Path, d: &Deb) {
+    let dir = tempfile::tempdir().unwrap();
+    let debian = dir.path().join("DEBIAN");
+    std::fs::create_dir_all(&debian).unwrap();
+    let mut control = format!(
+        "Package: {}\nVersion: {}\nArchitecture: all\nMaintainer: phq-agent tests <tests@phq.invalid>\nDescription: stand-in for {} (phq-agent install test)\n",
+        d.name, d.version, d.name
+    );
+    if !d.depends.is_empty() {
+        control.push_str(&format!("Depends: {}\n", d.depends));
+    }
+    std::fs::write(debian.join("control"), control).unwrap();
+    if !d.postinst.is_empty() {
+        let p = debian.join("postinst");
+        std::fs::write(&p, format!("#!/bin/sh\nset -e\n{}\n", d.postinst)).unwrap();
+        sh("chmod", &["0755", p.to_str().unwrap()]);
+    }
+    for (path, data) in &d.files {
+        let f = dir.path().join(path.trim_start_matches('/'));
+        std::fs::create_dir_all(f.parent().unwrap()).unwrap();
+        std::fs::write(f, data).unwrap();
+    }
+    let file = out.join(format!("{}_{}_all.deb", d.name, d.version));
+    sh("dpkg-deb", &["--root-owner-group", "-Zgzip", "--build", dir.path().to_str().unwrap(), file.to_str().unwrap()]);
+}
+
+pub fn unit(desc: &str) -> Vec<u8> {
+    format!("[Unit]\nDescription={desc} (stand-in)\n[Service]\nExecStart=/bin/true\n[Install]\nWantedBy=multi-user.target\n").into_bytes()
+}
+
+/// The signed flat repository `<root>/debian12/x86_64/`, as NVIDIA lays it out. Returns the
+/// key's fingerprint.
+/// NVIDIA's flat repository layout `<root>/debian12/x86_64/` holding the stand-ins, signed
+/// with a fresh test key; `kernel` names the headers package. Returns the key's fingerprint.
+pub fn build_repo(root: &Path, kernel: &str) -> String {
+    let repo = root.join("debian12/x86_64");
+    std::fs::create_dir_all(&repo).unwrap();
+    let gnupg = root.join(".gnupg");
+    std::fs::create_dir_all(&gnupg).unwrap();
+    sh("chmod", &["0700", gnupg.to_str().unwrap()]);
+    let g = gnupg.to_str().unwrap();
+    sh(
+        "gpg",
+        &[
+            "--homedir",
+            g,
+            "--batch",
+            "--passphrase",
+            "",
+            "--quick-gen-key",
+            "phq test repository <repo@phq.invalid>",
+            "ed25519",
+            "sign",
+            "never",
+        ],
+    );
+    let colons = sh("gpg", &["--homedir", g, "--with-colons", "--fingerprint"]);
+    let fpr = colons.lines().find(|l| l.starts_with("fpr:")).unwrap().split(':').nth(9).unwrap().to_string();
+    let key = Command::new("gpg").args(["--homedir", g, "--export", &fpr]).output().unwrap().stdout;
+    assert!(!key.is_empty());
+
+    let v = |s: &str| format!("{s}-1");
+    let d550 = v(STANDIN_DRIVER);
+    let fm_new = v("550.127.05");
+    let headers = format!("linux-headers-{kernel}");
+    let headers_postinst = format!(
+        "mkdir -p /lib/modules/{kernel} && ln -sfn /usr/src/linux-headers-{kernel} /lib/modules/{kernel}/build"
+    );
+    let debs = vec![
+        Deb {
+            name: "cuda-keyring",
+            version: "1.1-1",
+            depends: "",
+            files: vec![
+                ("usr/share/keyrings/cuda-archive-keyring.gpg".into(), key),
+                (
+                    "etc/apt/sources.list.d/cuda-debian12-x86_64.list".into(),
+                    b"deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/ /\n".to_vec(),
+                ),
+            ],
+            postinst: "",
+        },
+        Deb {
+            name: &headers,
+            version: "6.1.112-1",
+            depends: "",
+            files: vec![(format!("usr/src/linux-headers-{kernel}/Makefile"), b"# stand-in\n".to_vec())],
+            postinst: &headers_postinst,
+        },
+        Deb {
+            name: "nvidia-kernel-open-dkms",
+            version: &d550,
+            depends: "",
+            files: vec![("usr/src/nvidia-550.90.07/dkms.conf".into(), b"PACKAGE_NAME=nvidia\n".to_vec())],
+            // A DKMS build takes a while; the test's kill -9 lands in the middle of it, while
+            // the marker exists.
+            postinst: "touch /tmp/phq-dkms-building; sleep 2; rm -f /tmp/phq-dkms-building",
+        },
+        Deb { name: "nvidia-kernel-open-dkms", version: "560.35.03-1", depends: "", files: vec![], postinst: "" },
+        Deb {
+            name: "nvidia-persistenced",
+            version: &d550,
+            depends: "",
+            files: vec![("lib/systemd/system/nvidia-persistenced.service".into(), unit("NVIDIA Persistence Daemon"))],
+            postinst: "",
+        },
+        Deb {
+            name: "cuda-drivers-550",
+            version: &d550,
+            depends: "nvidia-kernel-open-dkms (>= 550), nvidia-kernel-open-dkms (<< 551), nvidia-persistenced",
+            files: vec![],
+            postinst: "",
+        },
+        Deb {
+            name: "nvidia-fabricmanager-550",
+            version: &d550,
+            depends: "",
+            files: vec![("lib/systemd/system/nvidia-fabricmanager.service".into(), unit("NVIDIA fabric manager"))],
+            postinst: "",
+        },
+        Deb {
+            name: "nvidia-fabricmanager-550",
+            version: &fm_new,
+            depends: "",
+            files: vec![("lib/systemd/system/nvidia-fabricmanager.service".into(), unit("NVIDIA fabric manager"))],
+            postinst: "",
+        },
+        Deb { name: "libnvidia-nscq-550", version: &d550, depends: "", files: vec![], postinst: "" },
+        Deb { name: "libnvidia-nscq-550", version: &fm_new, depends: "", files: vec![], postinst: "" },
+        Deb {
+            name: "cuda-toolkit-12-4",
+            version: "12.4.1-1",
+            depends: "",
+            files: vec![("usr/local/cuda-12.4/version.json".into(), br#"{"cuda":{"name":"CUDA SDK","version":"12.4.1"}}"#.to_vec())],
+            postinst: "sleep 1",
+        },
+    ];
+    for d in &debs {
+        build_deb(&repo, d);
+    }
+    // The keyring .deb is what the installer fetches by name; NVIDIA serves it beside the index.
+    let packages = Command::new("apt-ftparchive").arg("packages").arg(".").current_dir(&repo).output().unwrap();
+    std::fs::write(repo.join("Packages"), &packages.stdout).unwrap();
+    let release = Command::new("apt-ftparchive").arg("release").arg(".").current_dir(&repo).output().unwrap();
+    std::fs::write(repo.join("Release"), &release.stdout).unwrap();
+    sh(
+        "gpg",
+        &[
+            "--homedir",
+            g,
+            "--batch",
+            "--yes",
+            "--clearsign",
+            "-o",
+            repo.join("InRelease").to_str().unwrap(),
+            repo.join("Release").to_str().unwrap(),
+        ],
+    );
+    fpr
+}
+
+/// What the server was sent with POST: path, headers (lower-case names), body.
+#[derive(Debug, Clone)]
+pub struct Post {
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+pub struct Server {
+    pub port: u16,
+    pub posts: Arc<Mutex<Vec<Post>>>,
+}
+
+/// Serves `dir` on 127.0.0.1 (GET and HEAD; enough HTTP/1.1 for apt, curl and reqwest) and
+/// answers every POST with 202, keeping it.
+pub fn serve(dir: PathBuf) -> Server {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let posts = Arc::new(Mutex::new(Vec::new()));
+    let kept = posts.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let dir = dir.clone();
+            let kept = kept.clone();
+            std::thread::spawn(move || handle(conn, &dir, &kept));
+        }
+    });
+    Server { port, posts }
+}
+
+fn handle(mut conn: std::net::TcpStream, dir: &Path, kept: &Mutex<Vec<Post>>) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+    let Ok(clone) = conn.try_clone() else { return };
+    let mut reader = BufReader::new(clone);
+    let mut first = String::new();
+    if reader.read_line(&mut first).is_err() {
+        return;
+    }
+    let mut headers = Vec::new();
+    loop {
+        let mut l = String::new();
+        if reader.read_line(&mut l).map(|n| n == 0).unwrap_or(true) || l == "\r\n" {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+        }
+    }
+    let path = first.split_whitespace().nth(1).unwrap_or("/").to_string();
+    if first.starts_with("POST") {
+        let len: usize =
+            headers.iter().find(|(k, _)| k == "content-length").and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
+        let mut body = vec![0u8; len];
+        if reader.read_exact(&mut body).is_ok() {
+            kept.lock().unwrap().push(Post { path, headers, body });
+            let _ = conn.write_all(b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        }
+        return;
+    }
+    let rel = path.trim_start_matches('/');
+    let file = dir.join(rel);
+    let head = first.starts_with("HEAD");
+    let resp = match (rel.contains(".."), std::fs::read(&file)) {
+        (false, Ok(body)) if file.is_file() => {
+            let mut r =
+                format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len()).into_bytes();
+            if !head {
+                r.extend(body);
+            }
+            r
+        }
+        _ => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec(),
+    };
+    let _ = conn.write_all(&resp);
+}

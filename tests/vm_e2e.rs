@@ -1,0 +1,238 @@
+//! The slowest tier: a Debian 12 VM booted under qemu (TCG) from a debootstrapped root with
+//! Debian's kernel and cloud-init, seeded (NoCloud) with the repository's own
+//! `cloud-init/debian-12.yaml`. Everything the guest fetches — the agent's .deb, the stand-in
+//! NVIDIA repository of the installer test, the platform it pushes to — is served by this test
+//! on the host's 127.0.0.1, which the guest reaches as 10.0.2.2 through qemu's user network;
+//! `/healthz` comes back through a port qemu forwards to 127.0.0.1. Nothing leaves the machine.
+//!
+//! It shows the whole path: first boot, cloud-init installs the package and starts the service,
+//! `phq-agent install` runs and asks for a reboot, cloud-init reboots, the install unit resumes
+//! and verifies, the service answers `/healthz`, and reports — the `install` event included —
+//! arrive at the platform double. The timeline is printed at the end.
+//!
+//! About ten minutes on a 2-core machine: it runs in CI (CI=true) or with PHQ_VM_E2E=1, and
+//! needs root, debootstrap, qemu-system-x86_64, cloud-localds and the .deb from
+//! scripts/build-packages.sh.
+
+mod common;
+
+use common::debian::*;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const GUEST_PACKAGES: &str = "systemd-sysv,udev,dbus,cloud-init,python3-cffi-backend,linux-image-amd64,\
+initramfs-tools,ifupdown,isc-dhcp-client,curl,ca-certificates";
+const HTTP_TOKEN: &str = "0123456789abcdef0123456789abcdef";
+
+struct Timeline {
+    t0: Instant,
+    events: Vec<(f64, String)>,
+}
+
+impl Timeline {
+    fn mark(&mut self, what: &str) {
+        let t = self.t0.elapsed().as_secs_f64();
+        eprintln!("[{t:7.1} s] {what}");
+        self.events.push((t, what.to_string()));
+    }
+}
+
+fn healthz(port: u16) -> Option<String> {
+    let mut s = std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: vm\r\nConnection: close\r\n\r\n").ok()?;
+    let mut r = String::new();
+    s.read_to_string(&mut r).ok()?;
+    r.starts_with("HTTP/1.1 200").then_some(r)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
+    if std::env::var_os("CI").is_none() && std::env::var_os("PHQ_VM_E2E").is_none() {
+        eprintln!("SKIPPED: the VM test takes about ten minutes; it runs in CI or with PHQ_VM_E2E=1");
+        return;
+    }
+    let tools =
+        ["debootstrap", "qemu-system-x86_64", "mkfs.ext4", "cloud-localds", "dpkg-deb", "apt-ftparchive", "gpg"];
+    if !runnable("the VM test", &tools) {
+        return;
+    }
+    let deb = std::fs::read_dir(target_dir().join("packages"))
+        .ok()
+        .and_then(|d| d.flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|e| e == "deb")))
+        .expect("the .deb (scripts/build-packages.sh; .ci/run builds it)");
+    let mut tl = Timeline { t0: Instant::now(), events: Vec::new() };
+
+    let base = debootstrap_cached("bookworm-guest", GUEST_PACKAGES);
+    tl.mark("guest root ready (debootstrap, cached under target/phq-debian)");
+    let kernel = std::fs::read_dir(base.join("lib/modules")).unwrap().flatten().next().unwrap().file_name();
+    let kernel = kernel.to_str().unwrap().to_string();
+
+    let work = tempfile::Builder::new().prefix("phq-vm-").tempdir_in(target_dir()).unwrap();
+    let w = work.path();
+    let www = w.join("www");
+    let fpr = build_repo(&www.join("repo"), &kernel);
+    std::fs::copy(&deb, www.join("phq-agent.deb")).unwrap();
+    let server = serve(www.clone());
+    let host = format!("http://10.0.2.2:{}", server.port);
+
+    // The repository's own user-data, its variables filled in as the operator guide says.
+    let template =
+        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cloud-init/debian-12.yaml")).unwrap();
+    let user_data = [
+        ("PHQ_PACKAGE_URL", format!("{host}/phq-agent.deb")),
+        ("PHQ_HTTP_TOKEN", HTTP_TOKEN.to_string()),
+        ("PHQ_PLATFORM_URL", format!("{host}/v1/reports")),
+        ("PHQ_PLATFORM_TOKEN", "platform-token-for-the-vm-test".to_string()),
+        ("PHQ_CUDA", "12.4".to_string()),
+        ("PHQ_DRIVER_BRANCH", "550".to_string()),
+        ("PHQ_REPO_URL", format!("{host}/repo")),
+        ("PHQ_REPO_KEY_FINGERPRINT", fpr.clone()),
+    ]
+    .iter()
+    .fold(template, |t, (k, v)| t.replace(&format!("${{{k}}}"), v));
+    assert!(!user_data.contains("${PHQ_"), "{user_data}");
+    std::fs::write(w.join("user-data"), &user_data).unwrap();
+    std::fs::write(w.join("meta-data"), "instance-id: phq-vm-e2e\nlocal-hostname: gpu-vm\n").unwrap();
+    sh(
+        "cloud-localds",
+        &[
+            w.join("seed.img").to_str().unwrap(),
+            w.join("user-data").to_str().unwrap(),
+            w.join("meta-data").to_str().unwrap(),
+        ],
+    );
+
+    // The disk: the root as it is, plus what a cloud image has and debootstrap does not.
+    let root = w.join("root");
+    sh("cp", &["-a", base.to_str().unwrap(), root.to_str().unwrap()]);
+    std::fs::write(root.join("etc/fstab"), "/dev/vda / ext4 defaults,errors=remount-ro 0 1\n").unwrap();
+    std::fs::write(root.join("etc/hostname"), "gpu-vm\n").unwrap();
+    std::fs::write(root.join("etc/cloud/cloud.cfg.d/99-phq-test.cfg"), "datasource_list: [NoCloud, None]\n").unwrap();
+    sh(
+        "mkfs.ext4",
+        &["-q", "-F", "-L", "root", "-d", root.to_str().unwrap(), w.join("disk.img").to_str().unwrap(), "4G"],
+    );
+    tl.mark("disk and NoCloud seed made from cloud-init/debian-12.yaml");
+
+    let fwd = free_port();
+    let console = w.join("console.log");
+    let mut qemu = Command::new("qemu-system-x86_64")
+        .args([
+            "-accel",
+            "tcg",
+            "-cpu",
+            "max",
+            "-m",
+            "2048",
+            "-smp",
+            "2",
+            "-nographic",
+            "-nodefaults",
+            "-no-user-config",
+        ])
+        .arg("-serial")
+        .arg(format!("file:{}", console.display()))
+        .arg("-kernel")
+        .arg(root.join(format!("boot/vmlinuz-{kernel}")))
+        .arg("-initrd")
+        .arg(root.join(format!("boot/initrd.img-{kernel}")))
+        .args(["-append", "root=/dev/vda rw console=ttyS0 net.ifnames=0"])
+        .arg("-drive")
+        .arg(format!("file={},if=virtio,format=raw", w.join("disk.img").display()))
+        .arg("-drive")
+        .arg(format!("file={},if=virtio,format=raw", w.join("seed.img").display()))
+        .args(["-netdev", &format!("user,id=n0,restrict=off,hostfwd=tcp:127.0.0.1:{fwd}-:9440")])
+        .args(["-device", "virtio-net-pci,netdev=n0", "-device", "virtio-rng-pci"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tl.mark("qemu started (TCG, 2 vCPUs, 2 GiB)");
+
+    // Follow the console and the servers until the install event arrives.
+    let deadline = Instant::now() + Duration::from_secs(30 * 60);
+    let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
+    let mut boots = 0;
+    let mut done_event = None;
+    while Instant::now() < deadline {
+        std::thread::sleep(Duration::from_secs(2));
+        if let Ok(Some(status)) = qemu.try_wait() {
+            let mut err = String::new();
+            let _ = qemu.stderr.take().unwrap().read_to_string(&mut err);
+            panic!("qemu exited ({status}): {err}");
+        }
+        let text = String::from_utf8_lossy(&std::fs::read(&console).unwrap_or_default()).into_owned();
+        let n = text.matches("Linux version ").count();
+        while boots < n {
+            boots += 1;
+            tl.mark(&format!("boot {boots}: kernel started"));
+        }
+        for (needle, what) in [
+            ("Cloud-init v.", "cloud-init started"),
+            ("Reached target", "systemd reached its first targets"),
+            ("finished at", "cloud-init finished (first boot)"),
+            ("reboot: Restarting system", "the VM rebooted (cloud-init's power_state, the installer asked)"),
+        ] {
+            if text.contains(needle) && seen.insert(needle.to_string()) {
+                tl.mark(what);
+            }
+        }
+        if !seen.contains("healthz") && healthz(fwd).is_some() {
+            seen.insert("healthz".into());
+            tl.mark("/healthz answered 200 through 127.0.0.1 (hostfwd)");
+        }
+        let posts = server.posts.lock().unwrap().clone();
+        let reports: Vec<serde_json::Value> = posts
+            .iter()
+            .filter(|p| p.path == "/v1/reports")
+            .filter_map(|p| serde_json::from_slice(&p.body).ok())
+            .collect();
+        if !reports.is_empty() && seen.insert("first-report".into()) {
+            let auth = posts[0].headers.iter().find(|(k, _)| k == "authorization").map(|(_, v)| v.clone());
+            assert_eq!(auth.as_deref(), Some("Bearer platform-token-for-the-vm-test"));
+            tl.mark(&format!("first report at the platform double (health {})", reports[0]["health"]));
+        }
+        for r in &reports {
+            let status = r["install"]["status"].as_str().unwrap_or("");
+            if !status.is_empty() && seen.insert(format!("install-{status}")) {
+                tl.mark(&format!("a report says install.status = {status}"));
+            }
+            if r["event"]["kind"] == "install" && done_event.is_none() {
+                tl.mark(&format!("install event at the platform double: {}", r["event"]));
+                done_event = Some(r.clone());
+            }
+        }
+        if done_event.is_some() && seen.contains("healthz") {
+            break;
+        }
+    }
+    let _ = qemu.kill();
+    let _ = qemu.wait();
+    let console_text = String::from_utf8_lossy(&std::fs::read(&console).unwrap_or_default()).into_owned();
+    let keep = target_dir().join("phq-vm-e2e-console.log");
+    let _ = std::fs::write(&keep, &console_text);
+    eprintln!("\ntimeline:");
+    for (t, what) in &tl.events {
+        eprintln!("  {t:7.1} s  {what}");
+    }
+    eprintln!("(console log kept at {})", keep.display());
+    let event = done_event
+        .unwrap_or_else(|| panic!("no install event reached the platform; console tail:\n{}", tail(&console_text)));
+    assert_eq!(event["event"]["status"], "done", "{event:#}");
+    assert_eq!(event["install"]["reboots"], 1, "{event:#}");
+    assert!(boots >= 2, "the VM never rebooted");
+    assert!(seen.contains("healthz"));
+}
+
+fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(60)..].join("\n")
+}
