@@ -30,6 +30,8 @@ fn guest_root(work: &Path, repo_url: &str, fingerprint: &str) -> PathBuf {
     let root = work.join("root");
     let started = Instant::now();
     sh("cp", &["-a", base_root().to_str().unwrap(), root.to_str().unwrap()]);
+    // Only the stand-in repository: apt in the root must not reach Debian's mirrors.
+    std::fs::write(root.join("etc/apt/sources.list"), "").unwrap();
     let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sysroots/debian12-hgx-fresh");
     for sub in ["proc", "sys"] {
         sh("cp", &["-a", &format!("{}/{sub}/.", fixture.display()), root.join(sub).to_str().unwrap()]);

@@ -71,11 +71,17 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
     let conffiles = chroot(&root, &["dpkg-query", "-W", "-f=${Conffiles}", "phq-agent"]);
     assert!(String::from_utf8_lossy(&conffiles.stdout).contains("/etc/phq-agent/config.toml"));
 
-    // The unit's first-start step, as systemd would run it (root, before the service).
+    // The unit's first-start step, as systemd would run it (root, before the service): it makes
+    // the HTTP token and hands over the platform token cloud-init wrote as root.
+    std::fs::write(root.join("etc/phq-agent/platform-token"), "platform-secret\n").unwrap();
+    std::fs::set_permissions(root.join("etc/phq-agent/platform-token"), std::fs::Permissions::from_mode(0o644))
+        .unwrap();
     let token = chroot(&root, &["phq-agent", "token", "--owner", "phq-agent"]);
     assert!(token.status.success(), "{token:?}");
-    let meta = std::fs::metadata(root.join("etc/phq-agent/token")).unwrap();
-    assert_eq!((meta.uid(), meta.permissions().mode() & 0o777), (uid, 0o600));
+    for t in ["etc/phq-agent/token", "etc/phq-agent/platform-token"] {
+        let meta = std::fs::metadata(root.join(t)).unwrap();
+        assert_eq!((meta.uid(), meta.permissions().mode() & 0o777), (uid, 0o600), "{t}");
+    }
     let unit = std::fs::read_to_string(root.join("lib/systemd/system/phq-agent.service")).unwrap();
     assert!(unit.contains("ExecStartPre=+/usr/bin/phq-agent token --owner phq-agent"));
 

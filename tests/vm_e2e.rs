@@ -2,8 +2,10 @@
 //! Debian's kernel and cloud-init, seeded (NoCloud) with the repository's own
 //! `cloud-init/debian-12.yaml`. Everything the guest fetches — the agent's .deb, the stand-in
 //! NVIDIA repository of the installer test, the platform it pushes to — is served by this test
-//! on the host's 127.0.0.1, which the guest reaches as 10.0.2.2 through qemu's user network;
-//! `/healthz` comes back through a port qemu forwards to 127.0.0.1. Nothing leaves the machine.
+//! on the host's 127.0.0.1. The guest's user network is restricted (`restrict=on`: no route to
+//! the host or beyond); its one way out is a `guestfwd` from 10.0.2.100:8080 to that server
+//! (through socat), and `/healthz` comes back through a port forwarded to 127.0.0.1. The
+//! guest's apt knows only the stand-in repository. Nothing leaves the machine.
 //!
 //! It shows the whole path: first boot, cloud-init installs the package and starts the service,
 //! `phq-agent install` runs and asks for a reboot, cloud-init reboots, the install unit resumes
@@ -39,13 +41,16 @@ impl Timeline {
     }
 }
 
+/// The status line and body of `/healthz`: 200 ok/degraded, 503 unhealthy (this VM has no GPU).
 fn healthz(port: u16) -> Option<String> {
     let mut s = std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(2)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
     s.write_all(b"GET /healthz HTTP/1.1\r\nHost: vm\r\nConnection: close\r\n\r\n").ok()?;
     let mut r = String::new();
     s.read_to_string(&mut r).ok()?;
-    r.starts_with("HTTP/1.1 200").then_some(r)
+    let status = r.lines().next()?.to_string();
+    let body = r.split("\r\n\r\n").nth(1)?.trim().to_string();
+    ["ok", "degraded", "unhealthy"].contains(&body.as_str()).then(|| format!("{status} {body}"))
 }
 
 fn free_port() -> u16 {
@@ -58,8 +63,16 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         eprintln!("SKIPPED: the VM test takes about ten minutes; it runs in CI or with PHQ_VM_E2E=1");
         return;
     }
-    let tools =
-        ["debootstrap", "qemu-system-x86_64", "mkfs.ext4", "cloud-localds", "dpkg-deb", "apt-ftparchive", "gpg"];
+    let tools = [
+        "debootstrap",
+        "qemu-system-x86_64",
+        "mkfs.ext4",
+        "cloud-localds",
+        "dpkg-deb",
+        "apt-ftparchive",
+        "gpg",
+        "socat",
+    ];
     if !runnable("the VM test", &tools) {
         return;
     }
@@ -80,7 +93,7 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     let fpr = build_repo(&www.join("repo"), &kernel);
     std::fs::copy(&deb, www.join("phq-agent.deb")).unwrap();
     let server = serve(www.clone());
-    let host = format!("http://10.0.2.2:{}", server.port);
+    let host = "http://10.0.2.100:8080".to_string();
 
     // The repository's own user-data, its variables filled in as the operator guide says.
     let template =
@@ -88,7 +101,7 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     let user_data = [
         ("PHQ_PACKAGE_URL", format!("{host}/phq-agent.deb")),
         ("PHQ_HTTP_TOKEN", HTTP_TOKEN.to_string()),
-        ("PHQ_PLATFORM_URL", format!("{host}/v1/reports")),
+        ("PHQ_PLATFORM_URL", host.clone()),
         ("PHQ_PLATFORM_TOKEN", "platform-token-for-the-vm-test".to_string()),
         ("PHQ_CUDA", "12.4".to_string()),
         ("PHQ_DRIVER_BRANCH", "550".to_string()),
@@ -115,6 +128,13 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     std::fs::write(root.join("etc/fstab"), "/dev/vda / ext4 defaults,errors=remount-ro 0 1\n").unwrap();
     std::fs::write(root.join("etc/hostname"), "gpu-vm\n").unwrap();
     std::fs::write(root.join("etc/cloud/cloud.cfg.d/99-phq-test.cfg"), "datasource_list: [NoCloud, None]\n").unwrap();
+    // A persistent journal, read from the disk image afterwards.
+    std::fs::create_dir_all(root.join("var/log/journal")).unwrap();
+    // The guest has no way to Debian's mirrors: only the stand-in repository is its apt source.
+    std::fs::write(root.join("etc/apt/sources.list"), "").unwrap();
+    // An initramfs of the modules this machine uses, as cloud images build it: the full set
+    // takes minutes to compress under TCG.
+    std::fs::write(root.join("etc/initramfs-tools/conf.d/phq-vm-test.conf"), "MODULES=dep\n").unwrap();
     sh(
         "mkfs.ext4",
         &["-q", "-F", "-L", "root", "-d", root.to_str().unwrap(), w.join("disk.img").to_str().unwrap(), "4G"],
@@ -148,7 +168,13 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         .arg(format!("file={},if=virtio,format=raw", w.join("disk.img").display()))
         .arg("-drive")
         .arg(format!("file={},if=virtio,format=raw", w.join("seed.img").display()))
-        .args(["-netdev", &format!("user,id=n0,restrict=off,hostfwd=tcp:127.0.0.1:{fwd}-:9440")])
+        .args([
+            "-netdev",
+            &format!(
+                "user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:{fwd}-:9440,guestfwd=tcp:10.0.2.100:8080-cmd:socat - TCP:127.0.0.1:{}",
+                server.port
+            ),
+        ])
         .args(["-device", "virtio-net-pci,netdev=n0", "-device", "virtio-rng-pci"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -185,14 +211,16 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
                 tl.mark(what);
             }
         }
-        if !seen.contains("healthz") && healthz(fwd).is_some() {
-            seen.insert("healthz".into());
-            tl.mark("/healthz answered 200 through 127.0.0.1 (hostfwd)");
+        if !seen.contains("healthz") {
+            if let Some(answer) = healthz(fwd) {
+                seen.insert("healthz".into());
+                tl.mark(&format!("/healthz answered through 127.0.0.1 (hostfwd): {answer}"));
+            }
         }
         let posts = server.posts.lock().unwrap().clone();
         let reports: Vec<serde_json::Value> = posts
             .iter()
-            .filter(|p| p.path == "/v1/reports")
+            .filter(|p| p.path.starts_with("/v1/agents/"))
             .filter_map(|p| serde_json::from_slice(&p.body).ok())
             .collect();
         if !reports.is_empty() && seen.insert("first-report".into()) {
@@ -224,12 +252,44 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         eprintln!("  {t:7.1} s  {what}");
     }
     eprintln!("(console log kept at {})", keep.display());
+    let journal = guest_journal(&w.join("disk.img"), &w.join("journal"));
+    let _ = std::fs::write(target_dir().join("phq-vm-e2e-journal.log"), &journal);
+    eprintln!("the guest's journal of the agent's units:\n{}", tail(&journal));
     let event = done_event
         .unwrap_or_else(|| panic!("no install event reached the platform; console tail:\n{}", tail(&console_text)));
     assert_eq!(event["event"]["status"], "done", "{event:#}");
     assert_eq!(event["install"]["reboots"], 1, "{event:#}");
     assert!(boots >= 2, "the VM never rebooted");
     assert!(seen.contains("healthz"));
+}
+
+/// The journal of the agent's units and cloud-init's final stage, read from the disk image.
+fn guest_journal(disk: &std::path::Path, out: &std::path::Path) -> String {
+    std::fs::create_dir_all(out).unwrap();
+    let dump =
+        Command::new("debugfs").arg("-R").arg(format!("rdump /var/log/journal {}", out.display())).arg(disk).output();
+    if dump.is_err() {
+        return "(debugfs is not installed: no journal)".into();
+    }
+    let out = Command::new("journalctl")
+        .arg("-D")
+        .arg(out.join("journal"))
+        .args([
+            "--no-pager",
+            "-o",
+            "short-monotonic",
+            "-u",
+            "phq-agent",
+            "-u",
+            "phq-agent-install",
+            "-u",
+            "cloud-final",
+        ])
+        .output();
+    match out {
+        Ok(o) => format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)),
+        Err(e) => format!("(journalctl: {e})"),
+    }
 }
 
 fn tail(s: &str) -> String {

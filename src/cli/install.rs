@@ -69,6 +69,21 @@ impl Install {
             }
         }
         let state_dir = config.agent.state_dir.clone();
+        // Hold the lock from the first look at the machine to the last step: what is planned
+        // must be what is applied.
+        let _lock = if self.dry_run {
+            None
+        } else {
+            let locked = if self.resume { apply::lock_wait(&state_dir) } else { apply::lock(&state_dir) };
+            match locked {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    eprintln!("phq-agent install: {e}");
+                    return Ok(super::EXIT_UNKNOWN);
+                }
+            }
+        };
+        // Decided under the lock: an install that was running when we asked has finished by now.
         if self.resume {
             match apply::load_state(&state_dir) {
                 Ok(None) => {
@@ -88,19 +103,6 @@ impl Install {
                 Err(e) => eprintln!("phq-agent install --resume: {e}; resuming from a fresh plan"),
             }
         }
-        // Hold the lock from the first look at the machine to the last step: what is planned
-        // must be what is applied.
-        let _lock = if self.dry_run {
-            None
-        } else {
-            match apply::lock(&state_dir) {
-                Ok(l) => Some(l),
-                Err(e) => {
-                    eprintln!("phq-agent install: {e}");
-                    return Ok(super::EXIT_UNKNOWN);
-                }
-            }
-        };
         let mut runner = SystemRunner::new(&state_dir);
         let (the_plan, boot_id) = match make_plan(&root, &settings, &mut runner) {
             Ok(p) => p,

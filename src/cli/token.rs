@@ -1,6 +1,8 @@
-//! `phq-agent token`: create the HTTP bearer token on first start. The service's unit runs it
-//! as root before the service (`ExecStartPre=+`): the token file lives in /etc/phq-agent, which
-//! the sandboxed service cannot write, and must be readable by the service's user alone.
+//! `phq-agent token`: create the HTTP bearer token on first start, and make both token files
+//! (HTTP and platform) the service's own. The service's unit runs it as root before the service
+//! (`ExecStartPre=+`): the files live in /etc/phq-agent, which the sandboxed service cannot
+//! write, and must be readable by the service's user alone. cloud-init writes them as root,
+//! before the package has created that user; this hands them over.
 
 use clap::Args;
 use std::ffi::CString;
@@ -16,12 +18,18 @@ pub struct Token {
 impl Token {
     pub fn run(self, g: &super::Global) -> anyhow::Result<i32> {
         let config = g.load_config()?;
+        let (uid, gid) = user_ids(&self.owner)?;
+        // Tokens someone (cloud-init, the operator) put there are theirs: never replaced, only
+        // given to the service's user and closed to everyone else.
+        for path in [&config.http.token_file, &config.platform.token_file] {
+            if path.exists() {
+                hand_over(path, uid, gid, &self.owner)?;
+            }
+        }
         let path = &config.http.token_file;
         if path.exists() {
-            // Someone (cloud-init, the operator) put one there: it is theirs, never replaced.
             return Ok(0);
         }
-        let (uid, gid) = user_ids(&self.owner)?;
         let mut bytes = [0u8; 32];
         std::fs::File::open("/dev/urandom")
             .and_then(|mut f| f.read_exact(&mut bytes))
@@ -34,6 +42,22 @@ impl Token {
         eprintln!("phq-agent token: created {} (0600, {})", path.display(), self.owner);
         Ok(0)
     }
+}
+
+fn hand_over(path: &std::path::Path, uid: u32, gid: u32, owner: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    if meta.uid() != uid || meta.gid() != gid {
+        std::os::unix::fs::chown(path, Some(uid), Some(gid))
+            .map_err(|e| anyhow::anyhow!("{}: cannot give the token to {owner}: {e}", path.display()))?;
+        eprintln!("phq-agent token: {} now belongs to {owner}", path.display());
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| anyhow::anyhow!("{}: cannot close the token to other users: {e}", path.display()))?;
+        eprintln!("phq-agent token: {} was readable by others; now 0600", path.display());
+    }
+    Ok(())
 }
 
 fn user_ids(name: &str) -> anyhow::Result<(u32, u32)> {

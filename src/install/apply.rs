@@ -150,6 +150,26 @@ pub struct Lock {
     _file: File,
 }
 
+/// Waits for the lock instead of refusing: `--resume` at boot, when cloud-init's own install
+/// may still be running.
+pub fn lock_wait(state_dir: &Path) -> Result<Lock, String> {
+    let dir = install_dir(state_dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    file.lock().map_err(|e| format!("{}: cannot lock: {e}", path.display()))?;
+    let mut file = file;
+    let _ = file.set_len(0);
+    let _ = writeln!(file, "{}", std::process::id());
+    Ok(Lock { _file: file })
+}
+
 pub fn lock(state_dir: &Path) -> Result<Lock, String> {
     let dir = install_dir(state_dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;

@@ -198,7 +198,13 @@ impl Pusher {
                 backoff = Duration::ZERO;
                 tokio::select! {
                     _ = wake.notified() => {}
-                    _ = status.changed() => {}
+                    // `changed()` marks the new value seen, so take it here: `has_changed()` at
+                    // the top of the loop would say false and the status would wait for the next.
+                    r = status.changed() => {
+                        if r.is_ok() {
+                            pending_status = status.borrow_and_update().clone();
+                        }
+                    }
                     _ = stop.changed() => return,
                 }
                 continue;
@@ -278,6 +284,44 @@ mod tests {
         s.refuse(&path);
         assert_eq!(s.oldest().unwrap().0, 10);
         assert!(dir.path().join("spool/refused/00000000000000000009.json").exists());
+    }
+
+    /// A status sent while the pusher is idle, waiting, is delivered (it once waited for the
+    /// next one, which met the same fate: periodic status never arrived).
+    #[test]
+    fn a_status_sent_to_an_idle_pusher_is_delivered() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let mut buf = [0u8; 65536];
+                let n = conn.read(&mut buf).unwrap_or(0);
+                let _ = tx.send(String::from_utf8_lossy(&buf[..n]).into_owned());
+                let _ = conn.write_all(b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            }
+        });
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("token"), "platform-token\n").unwrap();
+        let config = crate::config::PlatformConfig {
+            url: format!("http://127.0.0.1:{port}"),
+            token_file: dir.path().join("token"),
+            ..Default::default()
+        };
+        let pusher = Pusher::new(&config, "vm-1", Spool::open(dir.path()).unwrap()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let (status_tx, status_rx) = tokio::sync::watch::channel(None);
+            let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+            let task = tokio::spawn(pusher.run(status_rx, Arc::new(tokio::sync::Notify::new()), stop_rx));
+            tokio::time::sleep(Duration::from_millis(200)).await; // idle, waiting for work
+            status_tx.send(Some((7, b"{\"seq\":7}".to_vec()))).unwrap();
+            let got = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(5))).await.unwrap();
+            let request = got.expect("the status was never delivered");
+            assert!(request.starts_with("POST /v1/agents/vm-1/reports"), "{request}");
+            task.abort();
+        });
     }
 
     #[test]
