@@ -233,9 +233,11 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
             if !status.is_empty() && seen.insert(format!("install-{status}")) {
                 tl.mark(&format!("a report says install.status = {status}"));
             }
-            if r["event"]["kind"] == "install" && done_event.is_none() {
+            if r["event"]["kind"] == "install" && seen.insert(format!("event-{}", r["seq"])) {
                 tl.mark(&format!("install event at the platform double: {}", r["event"]));
-                done_event = Some(r.clone());
+                if r["event"]["status"] == "done" {
+                    done_event = Some(r.clone());
+                }
             }
         }
         if done_event.is_some() && seen.contains("healthz") {

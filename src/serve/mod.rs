@@ -193,24 +193,22 @@ pub fn run_probes(
 }
 
 /// Findings whose severity changed from `before` to `after`, as events.
-/// The installer reached an end (done, failed, reboot required) since the last snapshot: an
-/// event, so the platform hears of it even if the agent restarts before the next push.
-pub fn install_change(before: &report::Report, after: &report::Report) -> Option<report::Event> {
-    let key = |r: &report::Report| {
-        r.install.as_ref().map(|v| {
-            (
-                v["status"].as_str().unwrap_or_default().to_string(),
-                v["updated_at"].as_str().unwrap_or_default().to_string(),
-            )
-        })
-    };
-    let (status, _) = key(after)?;
-    if key(before) == key(after) || !matches!(status.as_str(), "done" | "failed" | "reboot-required") {
+/// The installer ended (done, failed, reboot required) in a state no event has gone out for:
+/// the event, and the key to mark it sent with. `sent` is that key of the last one
+/// (`state_dir/install-event-sent`), so neither a restart nor the reboot between the install's
+/// end and the agent's next snapshot loses the event, and none goes out twice.
+pub fn install_event(sent: Option<&str>, after: &report::Report) -> Option<(report::Event, String)> {
+    let v = after.install.as_ref()?;
+    let status = v["status"].as_str().unwrap_or_default().to_string();
+    let key = format!("{status} {}", v["updated_at"].as_str().unwrap_or_default());
+    if sent.map(str::trim) == Some(key.as_str()) || !matches!(status.as_str(), "done" | "failed" | "reboot-required") {
         return None;
     }
-    let error = after.install.as_ref().and_then(|v| v["error"].as_str().map(String::from));
-    Some(report::Event::Install { status, error })
+    let error = v["error"].as_str().map(String::from);
+    Some((report::Event::Install { status, error }, key))
 }
+
+pub const INSTALL_EVENT_SENT: &str = "install-event-sent";
 
 pub fn severity_changes(before: &report::Report, after: &report::Report) -> Vec<report::Event> {
     let key = |f: &checks::Finding| (f.id.clone(), f.gpu.clone());
@@ -242,21 +240,17 @@ mod tests {
 
     #[test]
     fn the_installer_ending_is_an_event_once() {
-        let mut before = report_of(&healthy());
-        before.install = Some(serde_json::json!({"status": "rebooting", "updated_at": "t1", "error": null}));
-        let mut after = before.clone();
-        assert_eq!(install_change(&before, &after), None);
+        let mut after = report_of(&healthy());
+        assert_eq!(install_event(None, &after), None, "no install ran");
         after.install = Some(serde_json::json!({"status": "running", "updated_at": "t2", "error": null}));
-        assert_eq!(install_change(&before, &after), None);
+        assert_eq!(install_event(None, &after), None);
         after.install = Some(
             serde_json::json!({"schema": "phq.install/v1", "status": "failed", "updated_at": "t3", "error": "step toolkit: E"}),
         );
-        assert_eq!(
-            install_change(&before, &after),
-            Some(report::Event::Install { status: "failed".into(), error: Some("step toolkit: E".into()) })
-        );
-        assert_eq!(install_change(&after, &after), None);
-        after.event = install_change(&before, &after);
+        let (event, key) = install_event(Some("reboot-required t1"), &after).unwrap();
+        assert_eq!(event, report::Event::Install { status: "failed".into(), error: Some("step toolkit: E".into()) });
+        assert_eq!(install_event(Some(&format!("{key}\n")), &after), None, "sent once");
+        after.event = Some(event);
         let schema: serde_json::Value =
             serde_json::from_str(include_str!("../../schema/phq.status.v1.json")).expect("schema is JSON");
         let v = serde_json::to_value(&after).unwrap();
