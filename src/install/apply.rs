@@ -150,9 +150,7 @@ pub struct Lock {
     _file: File,
 }
 
-/// Waits for the lock instead of refusing: `--resume` at boot, when cloud-init's own install
-/// may still be running.
-pub fn lock_wait(state_dir: &Path) -> Result<Lock, String> {
+fn lock_file(state_dir: &Path) -> Result<(File, PathBuf), String> {
     let dir = install_dir(state_dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let path = dir.join("lock");
@@ -163,40 +161,40 @@ pub fn lock_wait(state_dir: &Path) -> Result<Lock, String> {
         .truncate(false)
         .open(&path)
         .map_err(|e| format!("{}: {e}", path.display()))?;
-    file.lock().map_err(|e| format!("{}: cannot lock: {e}", path.display()))?;
-    let mut file = file;
-    let _ = file.set_len(0);
-    let _ = writeln!(file, "{}", std::process::id());
-    Ok(Lock { _file: file })
+    Ok((file, path))
 }
 
+/// Writes our pid into the lock file we hold, for the message another installer prints.
+fn claim(mut file: File) -> Lock {
+    let _ = file.set_len(0);
+    let _ = writeln!(file, "{}", std::process::id());
+    Lock { _file: file }
+}
+
+/// Waits for the lock instead of refusing: `--resume` at boot, when cloud-init's own install
+/// may still be running.
+pub fn lock_wait(state_dir: &Path) -> Result<Lock, String> {
+    let (file, path) = lock_file(state_dir)?;
+    file.lock().map_err(|e| format!("{}: cannot lock: {e}", path.display()))?;
+    Ok(claim(file))
+}
+
+/// The lock, or why not: another installer holds it (with its pid).
 pub fn lock(state_dir: &Path) -> Result<Lock, String> {
-    let dir = install_dir(state_dir);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let path = dir.join("lock");
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let (file, path) = lock_file(state_dir)?;
     match file.try_lock() {
-        Ok(()) => {}
+        Ok(()) => Ok(claim(file)),
         Err(std::fs::TryLockError::WouldBlock) => {
             let holder = std::fs::read_to_string(&path).unwrap_or_default();
             let holder = holder.trim();
-            return Err(format!(
+            Err(format!(
                 "another phq-agent install is running{} (it holds {}); wait for it, or see `journalctl -u phq-agent-install`",
                 if holder.is_empty() { String::new() } else { format!(" as pid {holder}") },
                 path.display()
-            ));
+            ))
         }
-        Err(std::fs::TryLockError::Error(e)) => return Err(format!("{}: cannot lock: {e}", path.display())),
+        Err(std::fs::TryLockError::Error(e)) => Err(format!("{}: cannot lock: {e}", path.display())),
     }
-    let _ = file.set_len(0);
-    let _ = writeln!(file, "{}", std::process::id());
-    Ok(Lock { _file: file })
 }
 
 /// What apply needs from outside the plan.
