@@ -69,9 +69,21 @@ fn install(root: &Path, extra: &[&str]) -> Outcome {
     Outcome { code: out.status.code(), stderr: String::from_utf8_lossy(&out.stderr).into_owned() }
 }
 
-/// Starts an install and SIGKILLs its whole process group once the progress line naming `step`
-/// has appeared and `wait` has returned. Returns what it printed, and whether it killed.
-fn install_killed_in(root: &Path, step: &str, wait: impl FnOnce(), during: impl FnOnce()) -> (String, bool) {
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kill {
+    /// Killed while a command of the step ran.
+    Running,
+    /// The step had nothing to do any more; killed as it said so.
+    AlreadyDone,
+    NotReached,
+}
+
+/// Starts an install and SIGKILLs its whole process group inside `step`: once the step's first
+/// command is running (50 ms after its line; for the driver step, once the stand-in DKMS
+/// postinst has made `marker`, after `during` ran), or at once when the step says it is
+/// already done. Decided by what the installer prints, not by a clock, so a slow or a fast
+/// machine kills in the same place. Returns what it printed and where it killed.
+fn install_killed_in(root: &Path, step: &str, marker: Option<&Path>, during: impl FnOnce()) -> (String, Kill) {
     let mut child = install_command(root, &[]).spawn().unwrap();
     let pgid = child.id() as i32;
     let stderr = child.stderr.take().unwrap();
@@ -81,32 +93,59 @@ fn install_killed_in(root: &Path, step: &str, wait: impl FnOnce(), during: impl 
             let _ = tx.send(line);
         }
     });
+    let kill = |child: &mut std::process::Child| {
+        // SAFETY: kill(2) on a process group we created; no memory is touched.
+        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+        let _ = child.wait();
+    };
     let mut seen = String::new();
     let mut during = Some(during);
-    let deadline = Instant::now() + Duration::from_secs(300);
+    let mut in_step = false;
     let needle = format!("] {step}: ");
+    let deadline = Instant::now() + Duration::from_secs(300);
     while Instant::now() < deadline {
-        match rx.recv_timeout(Duration::from_secs(1)) {
-            Ok(line) => {
-                seen.push_str(&line);
-                seen.push('\n');
-                if line.contains(&needle) {
-                    wait();
+        let line = match rx.recv_timeout(Duration::from_secs(1)) {
+            Ok(l) => l,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        seen.push_str(&line);
+        seen.push('\n');
+        if !in_step {
+            if line.contains(&needle) {
+                in_step = true;
+                if ["already done", "done in an earlier run", "not needed"].iter().any(|d| line.contains(d)) {
+                    kill(&mut child);
+                    return (seen, Kill::AlreadyDone);
+                }
+            }
+            continue;
+        }
+        let action = line.trim_start();
+        if action.starts_with("$ ")
+            || action.starts_with("fetch ")
+            || action.starts_with("write ")
+            || action.starts_with('[')
+        {
+            match marker {
+                Some(m) => {
+                    let until = Instant::now() + Duration::from_secs(120);
+                    while !m.exists() && Instant::now() < until {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    assert!(m.exists(), "the driver's postinst never ran:\n{seen}");
                     if let Some(f) = during.take() {
                         f();
                     }
-                    // SAFETY: kill(2) on a process group we created; no memory is touched.
-                    unsafe { libc::kill(-pgid, libc::SIGKILL) };
-                    let _ = child.wait();
-                    return (seen, true);
                 }
+                None => std::thread::sleep(Duration::from_millis(50)),
             }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            kill(&mut child);
+            return (seen, Kill::Running);
         }
     }
-    let _ = child.wait();
-    (seen, false)
+    kill(&mut child);
+    (seen, Kill::NotReached)
 }
 
 fn chroot_out(root: &Path, args: &[&str]) -> String {
@@ -241,34 +280,25 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     let mut kills = 0;
     let mut transcript = String::new();
     for (i, step) in steps.iter().enumerate() {
-        // Alternate between killing at once and a moment in, inside apt or dpkg; in the driver
-        // step, inside its maintainer script (the stand-in DKMS build).
         let marker = killed.join("tmp/phq-dkms-building");
-        let (after, when) = match (*step, i % 2) {
-            ("driver", _) => (Duration::ZERO, "inside the driver's postinst".to_string()),
-            (_, 0) => (Duration::ZERO, "at once".to_string()),
-            _ => (Duration::from_millis(700), "700 ms in".to_string()),
-        };
-        let wait = || {
-            if *step == "driver" {
-                let deadline = Instant::now() + Duration::from_secs(120);
-                while !marker.exists() && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-            std::thread::sleep(after);
-        };
         let mut refused = None;
-        let (seen, did) = install_killed_in(&killed, step, wait, || {
-            if *step == "driver" {
-                // A second installer while the first holds the lock is refused.
-                refused = Some(install(&killed, &[]));
-            }
+        let (seen, kill) = install_killed_in(&killed, step, (*step == "driver").then_some(marker.as_path()), || {
+            // A second installer while the first holds the lock (inside dpkg) is refused.
+            refused = Some(install(&killed, &[]));
         });
-        kills += did as u32;
-        assert!(did, "never reached step {step}:\n{seen}");
-        transcript.push_str(&format!("--- run {} (SIGKILL to the process group {when}, step {step})\n{seen}", i + 1));
-        if let Some(r) = refused {
+        assert_ne!(kill, Kill::NotReached, "never reached step {step}:\n{seen}");
+        kills += (kill == Kill::Running) as u32;
+        let when = match (kill, *step) {
+            (Kill::Running, "driver") => "inside the driver's postinst (the DKMS build)",
+            (Kill::Running, _) => "while its first command ran",
+            _ => "as it said it was already done",
+        };
+        transcript
+            .push_str(&format!("--- run {} (SIGKILL to the process group in step {step}, {when})\n{seen}", i + 1));
+        if *step == "driver" {
+            // Every earlier run was killed inside an earlier step, so the driver step runs here.
+            assert_eq!(kill, Kill::Running, "{seen}");
+            let r = refused.expect("the second installer ran");
             assert_eq!(r.code, Some(3), "{}", r.stderr);
             assert!(r.stderr.contains("another phq-agent install is running"), "{}", r.stderr);
         }

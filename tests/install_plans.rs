@@ -184,6 +184,13 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
         nouveau_loaded,
         nvidia_loaded: if sb_blocks { None } else { loaded },
         dpkg_interrupted: false,
+        // Fetched by every run that got past the repository step.
+        apt_lists: if stage == Stage::Fresh {
+            vec![]
+        } else {
+            let base = format!("{}/{}/x86_64/", plan::NVIDIA_REPO_ROOT, distro.repo_dir());
+            vec![format!("{}Packages.lz4", plan::apt_list_prefix(&base)), "lock".into()]
+        },
         enabled_units: if sb_blocks { vec![] } else { units },
         files,
     }

@@ -691,6 +691,7 @@ mod tests {
             nouveau_loaded: true,
             nvidia_loaded: None,
             dpkg_interrupted: false,
+            apt_lists: vec![],
             enabled_units: vec![],
             files: Default::default(),
         };

@@ -49,6 +49,7 @@ pub fn gather(root: &Sysroot, s: &Snapshot, packages: Option<Result<Vec<Package>
             .then(|| s.driver.nvrm.value().map(|v| v.version.clone()).or(s.driver.module_version.clone()))
             .flatten(),
         dpkg_interrupted: root.list_dir("var/lib/dpkg/updates").is_ok_and(|v| !v.is_empty()),
+        apt_lists: root.list_dir("var/lib/apt/lists").unwrap_or_default(),
         enabled_units,
         files,
     }

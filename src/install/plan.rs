@@ -108,6 +108,8 @@ pub struct Facts {
     /// dpkg was stopped in the middle (`/var/lib/dpkg/updates` is not empty): apt refuses to
     /// work until `dpkg --configure -a` has run.
     pub dpkg_interrupted: bool,
+    /// File names in /var/lib/apt/lists: whether a repository's index was ever fetched.
+    pub apt_lists: Vec<String>,
     /// Units linked in multi-user.target.wants.
     pub enabled_units: Vec<String>,
     /// The present contents of the files the plan writes (absent: not there).
@@ -697,8 +699,13 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
         let mut update = apt("update", lits(&["--error-on=any".into()]));
         update.url = Some(base.into());
         actions.push(Action::Run(update));
-        let done = (f.installed("cuda-keyring") && (!mirror || f.file_is(&distro.apt_source_path(), &source)))
-            .then(|| "cuda-keyring is installed and its source is in place".into());
+        // The index must be there too: a run killed during `apt-get update` left the keyring
+        // and the source in place but nothing to install from.
+        let index = apt_list_prefix(base);
+        let fetched = f.apt_lists.iter().any(|n| n.starts_with(&index) && n.contains("Packages"));
+        let done =
+            (f.installed("cuda-keyring") && fetched && (!mirror || f.file_is(&distro.apt_source_path(), &source)))
+                .then(|| "cuda-keyring is installed, its source in place and its index fetched".into());
         Step {
             id: "repo",
             title: format!("NVIDIA repository {base}, key {}", crate::install::pgp::spaced(fpr)),
@@ -742,6 +749,22 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
             needs_reboot: false,
         }
     }
+}
+
+/// How apt names the index files of a repository in /var/lib/apt/lists (`URItoFileName`): the
+/// URI without its scheme, `_` percent-quoted, `/` turned into `_`.
+pub fn apt_list_prefix(base: &str) -> String {
+    let rest = base.split_once("://").map(|(_, r)| r).unwrap_or(base);
+    let mut out = String::new();
+    for c in rest.trim_end_matches('/').chars() {
+        match c {
+            '_' => out.push_str("%5f"),
+            '/' => out.push('_'),
+            c => out.push(c),
+        }
+    }
+    out.push('_');
+    out
 }
 
 pub fn apt_source(base: &str) -> String {
@@ -874,4 +897,23 @@ pub fn render(p: &Plan) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn apt_names_index_files_as_it_does() {
+        // As found in /var/lib/apt/lists: on Ubuntu guests with NVIDIA's repository, and in the
+        // VM test's guest (`10.0.2.100:8080_repo_debian12_x86%5f64_Packages`).
+        assert_eq!(
+            apt_list_prefix("https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2204/x86_64/"),
+            "developer.download.nvidia.com_compute_cuda_repos_ubuntu2204_x86%5f64_"
+        );
+        assert_eq!(
+            apt_list_prefix("http://10.0.2.100:8080/repo/debian12/x86_64/"),
+            "10.0.2.100:8080_repo_debian12_x86%5f64_"
+        );
+    }
 }
