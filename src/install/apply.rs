@@ -706,6 +706,16 @@ mod tests {
         (f, s)
     }
 
+    /// A fresh 8-GPU Ubuntu guest's plan, its state directory, and a machine whose keyring
+    /// carries the test key; `pin` replaces the pinned fingerprint (default: the test key's).
+    fn fresh_install(pin: Option<&str>) -> (tempfile::TempDir, Plan, FakeMachine) {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, fpr) = test_key();
+        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), pin.unwrap_or(&fpr));
+        let p = plan::plan(&f, &s).unwrap();
+        (dir, p, FakeMachine { key, ..Default::default() })
+    }
+
     struct Run {
         state: State,
         progress: Vec<String>,
@@ -738,11 +748,7 @@ mod tests {
 
     #[test]
     fn fresh_install_reboots_once_resumes_and_verifies() {
-        let dir = tempfile::tempdir().unwrap();
-        let (key, fpr) = test_key();
-        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
-        let p = plan::plan(&f, &s).unwrap();
-        let mut m = FakeMachine { key, ..Default::default() };
+        let (dir, p, mut m) = fresh_install(None);
 
         let first = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
         assert!(first.rebooted);
@@ -776,11 +782,8 @@ mod tests {
 
     #[test]
     fn a_failed_step_is_journaled_and_the_rerun_starts_there() {
-        let dir = tempfile::tempdir().unwrap();
-        let (key, fpr) = test_key();
-        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
-        let p = plan::plan(&f, &s).unwrap();
-        let mut m = FakeMachine { key, fail_when: Some("cuda-toolkit-12-4".into()), ..Default::default() };
+        let (dir, p, mut m) = fresh_install(None);
+        m.fail_when = Some("cuda-toolkit-12-4".into());
         let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
         assert_eq!(r.state.status, Status::Failed);
         assert!(r.state.error.as_deref().unwrap().starts_with("step toolkit:"), "{:?}", r.state.error);
@@ -798,11 +801,8 @@ mod tests {
 
     #[test]
     fn an_unreachable_repository_names_the_url_after_bounded_retries() {
-        let dir = tempfile::tempdir().unwrap();
-        let (key, fpr) = test_key();
-        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
-        let p = plan::plan(&f, &s).unwrap();
-        let mut m = FakeMachine { key, offline: true, ..Default::default() };
+        let (dir, p, mut m) = fresh_install(None);
+        m.offline = true;
         let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
         assert_eq!(m.fetched, 4);
         assert_eq!(m.slept, Duration::from_secs(2 + 4 + 8));
@@ -815,11 +815,7 @@ mod tests {
 
     #[test]
     fn a_wrong_key_is_never_trusted() {
-        let dir = tempfile::tempdir().unwrap();
-        let (key, _) = test_key();
-        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), crate::facts::NVIDIA_REPO_KEY_FINGERPRINT);
-        let p = plan::plan(&f, &s).unwrap();
-        let mut m = FakeMachine { key, ..Default::default() };
+        let (dir, p, mut m) = fresh_install(Some(crate::facts::NVIDIA_REPO_KEY_FINGERPRINT));
         let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
         assert_eq!(r.state.status, Status::Failed);
         assert!(r.state.error.as_deref().unwrap().contains("is not NVIDIA's repository key"));
@@ -841,11 +837,8 @@ mod tests {
 
     #[test]
     fn a_held_dpkg_lock_is_waited_for_then_given_up_on() {
-        let dir = tempfile::tempdir().unwrap();
-        let (key, fpr) = test_key();
-        let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
-        let p = plan::plan(&f, &s).unwrap();
-        let mut m = FakeMachine { key: key.clone(), lock_busy: 3, ..Default::default() };
+        let (dir, p, mut m) = fresh_install(None);
+        m.lock_busy = 3;
         let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
         assert_eq!(r.state.status, Status::RebootRequired, "{:?}", r.state.error);
         assert_eq!(m.ran.iter().filter(|l| l.starts_with("dpkg -i")).count(), 4);
@@ -853,7 +846,7 @@ mod tests {
 
         // Held past lock_wait: a clear failure that names the holder.
         let dir = tempfile::tempdir().unwrap();
-        let mut m = FakeMachine { key, lock_busy: u32::MAX, ..Default::default() };
+        let mut m = FakeMachine { key: m.key.clone(), lock_busy: u32::MAX, ..Default::default() };
         let mut lines = Vec::new();
         let mut progress = |l: &str| lines.push(l.to_string());
         let mut verify = Vec::new;
