@@ -55,7 +55,11 @@ struct Outcome {
 
 fn install_command(root: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new("chroot");
-    c.arg(root).arg("/usr/bin/phq-agent").arg("install").arg("--reboot").arg("never").args(extra);
+    c.arg(root).arg("/usr/bin/phq-agent").arg("install");
+    if !extra.contains(&"--reboot") {
+        c.args(["--reboot", "never"]);
+    }
+    c.args(extra);
     c.env_clear().env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin").env("LANG", "C.UTF-8");
     c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     // Its own process group: a kill reaches apt and dpkg too, as when systemd stops a unit
@@ -146,6 +150,71 @@ fn install_killed_in(root: &Path, step: &str, marker: Option<&Path>, during: imp
     }
     kill(&mut child);
     (seen, Kill::NotReached)
+}
+
+/// `org.freedesktop.login1` on a private dbus-daemon listening where the root's system bus
+/// lives: records each `Reboot(interactive)` and reboots nothing.
+struct Logind {
+    calls: std::sync::Arc<std::sync::Mutex<Vec<bool>>>,
+    daemon: std::process::Child,
+    _service: zbus::blocking::Connection,
+}
+
+struct Login1Manager {
+    calls: std::sync::Arc<std::sync::Mutex<Vec<bool>>>,
+}
+
+#[zbus::interface(name = "org.freedesktop.login1.Manager")]
+impl Login1Manager {
+    fn reboot(&self, interactive: bool) {
+        self.calls.lock().unwrap().push(interactive);
+    }
+}
+
+impl Logind {
+    fn start(root: &Path) -> Logind {
+        let socket = root.join("run/dbus/system_bus_socket");
+        std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+        let _ = std::fs::remove_file(&socket);
+        let config = root.join("run/dbus/phq-test-bus.conf");
+        std::fs::write(
+            &config,
+            format!(
+                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN" "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig><type>custom</type><listen>unix:path={}</listen><auth>EXTERNAL</auth>
+<policy context="default"><allow send_destination="*"/><allow receive_sender="*"/><allow own="*"/></policy></busconfig>
+"#,
+                socket.display()
+            ),
+        )
+        .unwrap();
+        let mut daemon = Command::new("dbus-daemon")
+            .arg(format!("--config-file={}", config.display()))
+            .args(["--nofork", "--print-address=1"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("dbus-daemon");
+        let mut line = String::new();
+        BufReader::new(daemon.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let service = zbus::blocking::connection::Builder::address(line.trim())
+            .unwrap()
+            .name("org.freedesktop.login1")
+            .unwrap()
+            .serve_at("/org/freedesktop/login1", Login1Manager { calls: calls.clone() })
+            .unwrap()
+            .build()
+            .unwrap();
+        Logind { calls, daemon, _service: service }
+    }
+}
+
+impl Drop for Logind {
+    fn drop(&mut self) {
+        let _ = self.daemon.kill();
+        let _ = self.daemon.wait();
+    }
 }
 
 fn chroot_out(root: &Path, args: &[&str]) -> String {
@@ -250,6 +319,16 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     assert_eq!(second.code, Some(1), "{}", second.stderr);
     assert!(!second.stderr.contains("$ "), "the second run ran commands:\n{}", second.stderr);
     assert_eq!(dpkg_state(&clean), before);
+
+    // With --reboot auto the pending reboot goes to logind: a stand-in on a system bus whose
+    // socket is the root's /run/dbus/system_bus_socket takes the call.
+    let logind = Logind::start(&clean);
+    let rebooting = install(&clean, &["--reboot", "auto"]);
+    assert_eq!(rebooting.code, Some(0), "{}", rebooting.stderr);
+    assert!(rebooting.stderr.contains("rebooting; the install resumes after it"), "{}", rebooting.stderr);
+    assert_eq!(*logind.calls.lock().unwrap(), [false], "Reboot(interactive=false), once");
+    assert_eq!(journal(&clean)["status"], "rebooting");
+    drop(logind);
 
     // "Reboot": a new boot id and the driver loaded. The resumed install verifies and is done.
     std::fs::write(clean.join("proc/sys/kernel/random/boot_id"), "0b7e1d2c-3a4f-4b5e-8c6d-7e8f9a0b1c2d\n").unwrap();
