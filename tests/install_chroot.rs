@@ -176,29 +176,9 @@ impl Logind {
         let socket = root.join("run/dbus/system_bus_socket");
         std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
         let _ = std::fs::remove_file(&socket);
-        let config = root.join("run/dbus/phq-test-bus.conf");
-        std::fs::write(
-            &config,
-            format!(
-                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN" "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig><type>custom</type><listen>unix:path={}</listen><auth>EXTERNAL</auth>
-<policy context="default"><allow send_destination="*"/><allow receive_sender="*"/><allow own="*"/></policy></busconfig>
-"#,
-                socket.display()
-            ),
-        )
-        .unwrap();
-        let mut daemon = Command::new("dbus-daemon")
-            .arg(format!("--config-file={}", config.display()))
-            .args(["--nofork", "--print-address=1"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("dbus-daemon");
-        let mut line = String::new();
-        BufReader::new(daemon.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let (daemon, address) = common::dbus_daemon(&socket);
         let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let service = zbus::blocking::connection::Builder::address(line.trim())
+        let service = zbus::blocking::connection::Builder::address(address.as_str())
             .unwrap()
             .name("org.freedesktop.login1")
             .unwrap()

@@ -107,15 +107,14 @@ fn unit_path(name: &str) -> String {
     format!("/org/freedesktop/systemd1/unit/{escaped}")
 }
 
-impl PrivateBus {
-    pub fn start(units: &[Unit]) -> PrivateBus {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("bus");
-        let config = dir.path().join("bus.conf");
-        std::fs::write(
-            &config,
-            format!(
-                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN" "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+/// A `dbus-daemon` listening on `socket` that lets anyone send, receive and own any name; its
+/// config file lies beside the socket. Returns the daemon and the address it printed.
+pub fn dbus_daemon(socket: &Path) -> (Child, String) {
+    let config = socket.with_extension("conf");
+    std::fs::write(
+        &config,
+        format!(
+            r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN" "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
 <busconfig>
   <type>custom</type>
   <listen>unix:path={}</listen>
@@ -127,21 +126,28 @@ impl PrivateBus {
   </policy>
 </busconfig>
 "#,
-                socket.display()
-            ),
-        )
-        .unwrap();
-        let mut daemon = Command::new("dbus-daemon")
-            .arg(format!("--config-file={}", config.display()))
-            .args(["--nofork", "--print-address=1"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null()) // it complains about fd limits it may not raise in a container
-            .spawn()
-            .expect("dbus-daemon is needed for these tests (apt-get install dbus-daemon)");
-        let mut line = String::new();
-        BufReader::new(daemon.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let address = line.trim().to_string();
-        assert!(address.starts_with("unix:"), "dbus-daemon printed {address:?}");
+            socket.display()
+        ),
+    )
+    .unwrap();
+    let mut daemon = Command::new("dbus-daemon")
+        .arg(format!("--config-file={}", config.display()))
+        .args(["--nofork", "--print-address=1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null()) // it complains about fd limits it may not raise in a container
+        .spawn()
+        .expect("dbus-daemon is needed for these tests (apt-get install dbus-daemon)");
+    let mut line = String::new();
+    BufReader::new(daemon.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let address = line.trim().to_string();
+    assert!(address.starts_with("unix:"), "dbus-daemon printed {address:?}");
+    (daemon, address)
+}
+
+impl PrivateBus {
+    pub fn start(units: &[Unit]) -> PrivateBus {
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, address) = dbus_daemon(&dir.path().join("bus"));
         let mut builder = zbus::blocking::connection::Builder::address(address.as_str())
             .unwrap()
             .name("org.freedesktop.systemd1")
