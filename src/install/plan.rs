@@ -253,6 +253,12 @@ fn lits(v: &[String]) -> Vec<Arg> {
     v.iter().map(|s| Arg::Lit(s.clone())).collect()
 }
 
+/// `c` with the package names appended to its arguments.
+fn on(mut c: Cmd, packages: &[String]) -> Cmd {
+    c.args.extend(lits(packages));
+    c
+}
+
 impl Facts {
     fn package(&self, name: &str) -> Option<&Package> {
         self.packages.as_ref().ok()?.iter().find(|p| p.name == name)
@@ -467,17 +473,10 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
                 .map(|p| p.name.clone())
                 .collect();
             if distro.is_deb() {
-                actions.push(Action::Run(cmd(
-                    "apt-mark",
-                    &[&["unhold"][..], &old_pkgs.iter().map(String::as_str).collect::<Vec<_>>()].concat(),
-                )));
+                actions.push(Action::Run(on(cmd("apt-mark", &["unhold"]), &old_pkgs)));
                 actions.push(Action::Run(apt("purge", lits(&old_pkgs))));
             } else {
-                actions.push(Action::Run(dnf(&[
-                    &["remove"][..],
-                    &old_pkgs.iter().map(String::as_str).collect::<Vec<_>>(),
-                ]
-                .concat())));
+                actions.push(Action::Run(on(dnf(&["remove"]), &old_pkgs)));
             }
         }
         match &distro {
@@ -588,17 +587,11 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         let all_held =
             f.packages.as_ref().is_ok_and(|ps| hold.iter().all(|h| ps.iter().any(|p| &p.name == h && p.held)));
         let actions = if distro.is_deb() {
-            vec![Action::Run(cmd(
-                "apt-mark",
-                &[&["hold"][..], &hold.iter().map(String::as_str).collect::<Vec<_>>()].concat(),
-            ))]
+            vec![Action::Run(on(cmd("apt-mark", &["hold"]), &hold))]
         } else {
             vec![
                 Action::Run(dnf(&["install", "python3-dnf-plugin-versionlock"])),
-                Action::Run(cmd(
-                    "dnf",
-                    &[&["versionlock", "add"][..], &hold.iter().map(String::as_str).collect::<Vec<_>>()].concat(),
-                )),
+                Action::Run(on(cmd("dnf", &["versionlock", "add"]), &hold)),
             ]
         };
         steps.push(Step {
