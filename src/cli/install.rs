@@ -195,25 +195,20 @@ fn reboot_through_logind() -> Result<(), String> {
         )?;
         Ok(())
     });
-    match logind {
-        Ok(Ok(())) => Ok(()),
-        other => {
-            let why = match other {
-                Ok(Err(e)) => e.to_string(),
-                Err(e) => e,
-                Ok(Ok(())) => String::new(),
-            };
-            tracing::warn!("logind reboot failed ({why}); trying systemctl reboot");
-            let status = std::process::Command::new("systemctl")
-                .arg("reboot")
-                .status()
-                .map_err(|e| format!("logind: {why}; systemctl: {e}"))?;
-            if status.success() {
-                Ok(())
-            } else {
-                Err(format!("logind: {why}; systemctl reboot exited {status}"))
-            }
-        }
+    let why = match logind {
+        Ok(Ok(())) => return Ok(()),
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e,
+    };
+    tracing::warn!("logind reboot failed ({why}); trying systemctl reboot");
+    let status = std::process::Command::new("systemctl")
+        .arg("reboot")
+        .status()
+        .map_err(|e| format!("logind: {why}; systemctl: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("logind: {why}; systemctl reboot exited {status}"))
     }
 }
 
