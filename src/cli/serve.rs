@@ -163,16 +163,15 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
     // the install may have ended while the agent was down).
     let install_marker = config.agent.state_dir.join(serve::INSTALL_EVENT_SENT);
     let mut install_sent = std::fs::read_to_string(&install_marker).ok();
-    let mark_install_event = |key: &str| {
+    let mut install_ended = |seq: &mut Seq, report: &crate::report::Report| {
+        let Some((event, key)) = serve::install_event(install_sent.as_deref(), report) else { return };
+        spool_event(seq, report, event);
         if let Err(e) = crate::install::apply::write_atomic(&install_marker, key.as_bytes(), 0o600) {
             tracing::warn!(path = %install_marker.display(), error = %e, "cannot note the install event as sent; it may be sent again");
         }
-    };
-    if let Some((event, key)) = serve::install_event(install_sent.as_deref(), &last_report) {
-        spool_event(&mut seq, &last_report, event);
-        mark_install_event(&key);
         install_sent = Some(key);
-    }
+    };
+    install_ended(&mut seq, &last_report);
 
     // Probes: at boot (before workloads start) if asked, then whenever every GPU has been idle
     // and `probes.when_idle` has passed; never on a GPU with a compute process.
@@ -218,11 +217,7 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
                         for event in serve::severity_changes(&last_report, &report) {
                             spool_event(&mut seq, &report, event);
                         }
-                        if let Some((event, key)) = serve::install_event(install_sent.as_deref(), &report) {
-                            spool_event(&mut seq, &report, event);
-                            mark_install_event(&key);
-                            install_sent = Some(key);
-                        }
+                        install_ended(&mut seq, &report);
                         let status = publish(p);
                         push_status(&report);
                         if report.health != last_report.health {

@@ -192,7 +192,6 @@ pub fn run_probes(
     }
 }
 
-/// Findings whose severity changed from `before` to `after`, as events.
 /// The installer ended (done, failed, reboot required) in a state no event has gone out for:
 /// the event, and the key to mark it sent with. `sent` is that key of the last one
 /// (`state_dir/install-event-sent`), so neither a restart nor the reboot between the install's
@@ -210,6 +209,7 @@ pub fn install_event(sent: Option<&str>, after: &report::Report) -> Option<(repo
 
 pub const INSTALL_EVENT_SENT: &str = "install-event-sent";
 
+/// Findings whose severity changed from `before` to `after`, as events.
 pub fn severity_changes(before: &report::Report, after: &report::Report) -> Vec<report::Event> {
     let key = |f: &checks::Finding| (f.id.clone(), f.gpu.clone());
     let old: std::collections::HashMap<_, _> = before.findings.iter().map(|f| (key(f), f.severity)).collect();
