@@ -166,7 +166,7 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
     let mut install_ended = |seq: &mut Seq, report: &crate::report::Report| {
         let Some((event, key)) = serve::install_event(install_sent.as_deref(), report) else { return };
         spool_event(seq, report, event);
-        if let Err(e) = crate::install::apply::write_atomic(&install_marker, key.as_bytes(), 0o600) {
+        if let Err(e) = crate::durable::write(&install_marker, key.as_bytes(), 0o600) {
             tracing::warn!(path = %install_marker.display(), error = %e, "cannot note the install event as sent; it may be sent again");
         }
         install_sent = Some(key);

@@ -35,7 +35,7 @@ impl Token {
             .and_then(|mut f| f.read_exact(&mut bytes))
             .map_err(|e| anyhow::anyhow!("/dev/urandom: {e}"))?;
         let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        crate::install::apply::write_atomic(path, format!("{token}\n").as_bytes(), 0o600)
+        crate::durable::write(path, format!("{token}\n").as_bytes(), 0o600)
             .map_err(|e| anyhow::anyhow!("{}: cannot write the token: {e}", path.display()))?;
         std::os::unix::fs::chown(path, Some(uid), Some(gid))
             .map_err(|e| anyhow::anyhow!("{}: cannot give the token to {}: {e}", path.display(), self.owner))?;

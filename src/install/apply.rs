@@ -124,25 +124,11 @@ pub fn load_state(state_dir: &Path) -> Result<Option<State>, String> {
     }
 }
 
-/// Write `bytes` to `path` so that a crash leaves the old file or the new one, never a torn one.
-pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let dir = path.parent().unwrap_or(Path::new("/"));
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".{}.phq-tmp", path.file_name().and_then(|n| n.to_str()).unwrap_or("file")));
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, path)?;
-    File::open(dir)?.sync_all()
-}
-
 fn save(state_dir: &Path, st: &mut State) -> Result<(), String> {
     st.updated_at = crate::snapshot::Timestamp::now().to_string();
     let path = state_path(state_dir);
     let json = serde_json::to_vec_pretty(st).map_err(|e| format!("cannot encode the journal: {e}"))?;
-    write_atomic(&path, &json, 0o644).map_err(|e| format!("{}: cannot write the journal: {e}", path.display()))
+    crate::durable::write(&path, &json, 0o644).map_err(|e| format!("{}: cannot write the journal: {e}", path.display()))
 }
 
 /// Held for the whole install; the kernel drops it when the process dies, `kill -9` included.
@@ -365,7 +351,8 @@ fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options)
         Action::Write { path, contents } => {
             let target = under(&o.root, path);
             (o.progress)(&format!("      write {path}"));
-            write_atomic(&target, contents.as_bytes(), 0o644).map_err(|e| err(format!("{}: {e}", target.display())))
+            crate::durable::write(&target, contents.as_bytes(), 0o644)
+                .map_err(|e| err(format!("{}: {e}", target.display())))
         }
         Action::Fetch { url, to } => {
             let target = under(&o.root, to);
@@ -583,7 +570,7 @@ impl Runner for SystemRunner {
             }
             resp.bytes().await.map_err(|e| describe(&e.without_url()))
         })?;
-        write_atomic(to, &bytes, 0o644).map_err(|e| format!("{}: {e}", to.display()))
+        crate::durable::write(to, &bytes, 0o644).map_err(|e| format!("{}: {e}", to.display()))
     }
 
     fn sleep(&mut self, d: Duration) {

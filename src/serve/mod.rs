@@ -94,14 +94,7 @@ impl Seq {
     pub fn take(&mut self) -> u64 {
         let n = self.next;
         self.next += 1;
-        let tmp = self.path.with_extension("tmp");
-        let written = std::fs::create_dir_all(self.path.parent().unwrap_or(Path::new(".")))
-            .and_then(|()| std::fs::write(&tmp, n.to_string()))
-            .and_then(|()| {
-                std::fs::File::open(&tmp)?.sync_all()?;
-                std::fs::rename(&tmp, &self.path)
-            });
-        if let Err(e) = written {
+        if let Err(e) = crate::durable::write(&self.path, n.to_string().as_bytes(), 0o666) {
             tracing::warn!(path = %self.path.display(), error = %e, "cannot persist seq; it restarts from 1 after a restart");
         }
         n

@@ -41,15 +41,7 @@ impl Spool {
 
     /// Writes an event durably. Returns once it is on disk.
     pub fn put(&self, seq: u64, body: &[u8]) -> std::io::Result<()> {
-        let name = format!("{seq:020}.json");
-        let tmp = self.dir.join(format!(".{name}.tmp"));
-        {
-            let mut f = std::fs::File::create(&tmp)?;
-            std::io::Write::write_all(&mut f, body)?;
-            f.sync_all()?;
-        }
-        std::fs::rename(&tmp, self.dir.join(&name))?;
-        std::fs::File::open(&self.dir)?.sync_all()?;
+        crate::durable::write(&self.dir.join(format!("{seq:020}.json")), body, 0o666)?;
         let n = self.len();
         if n == MAX_SPOOLED + 1 {
             tracing::warn!(spooled = n, dir = %self.dir.display(), "the spool passed its bound of {MAX_SPOOLED} events; events are kept, the platform is far behind");
