@@ -2,26 +2,30 @@
 //! `gpus[].deviceName`, the NVSwitches as `hostDevices`, cloud-init from a Secret, a readiness
 //! probe on the agent's `/healthz` at the port the packaged config listens on, and a
 //! NetworkPolicy that opens that port to the poller and Prometheus only, and nothing else less
-//! than before. YAML is read with Python's yaml (cloud-init brings it).
+//! than before. YAML is read with the system Python's yaml module (cloud-init brings it).
+
+mod common;
 
 use serde_json::Value;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The YAML file as JSON, or None (a skip) without /usr/bin/python3 and its yaml module.
 fn yaml(rel: &str) -> Option<Value> {
+    let python = Path::new("/usr/bin/python3");
+    let has_yaml =
+        python.is_file() && Command::new(python).args(["-c", "import yaml"]).output().is_ok_and(|o| o.status.success());
+    if !has_yaml {
+        common::skip("needs /usr/bin/python3 with its yaml module (apt-get install python3-yaml)");
+        return None;
+    }
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel);
-    let out = Command::new("python3")
+    let out = Command::new(python)
         .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"])
         .arg(&path)
         .output()
-        .ok()?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("No module named 'yaml'"), "{rel}: {err}");
-        assert!(std::env::var_os("CI").is_none(), "CI must have python3-yaml");
-        eprintln!("SKIPPED: python3 has no yaml module");
-        return None;
-    }
+        .unwrap();
+    assert!(out.status.success(), "{rel}: {}", String::from_utf8_lossy(&out.stderr));
     Some(serde_json::from_slice(&out.stdout).unwrap())
 }
 
@@ -68,6 +72,25 @@ fn network_policy_opens_the_agent_port_to_two_peers_only() {
         p["protocol"] == proto
             && p["port"].as_u64().is_some_and(|lo| lo <= n && n <= p["endPort"].as_u64().unwrap_or(lo))
     };
+    // Exactly one rule opens the agent's port: to the poller and to Prometheus.
+    let opening: Vec<&Value> =
+        rules.iter().filter(|r| r["ports"].as_array().unwrap().iter().any(|p| covers(p, "TCP", port))).collect();
+    assert_eq!(opening.len(), 1, "one ingress rule must open TCP {port}: {rules:#?}");
+    let peers: Vec<String> = opening[0]["from"]
+        .as_array()
+        .expect("the rule for the agent's port names its peers")
+        .iter()
+        .map(|peer| {
+            // Both selectors in one peer: these pods of that namespace, not a whole namespace
+            // or a label any tenant could put on a pod of its own.
+            for selector in ["namespaceSelector", "podSelector"] {
+                let labels = &peer[selector]["matchLabels"];
+                assert!(labels.as_object().is_some_and(|m| !m.is_empty()), "{selector} in peer {peer}");
+            }
+            peer.to_string()
+        })
+        .collect();
+    assert_eq!(peers.len(), 2, "{peers:?}");
     for r in rules {
         let ports = r["ports"].as_array().unwrap();
         if ports.iter().any(|p| covers(p, "TCP", port)) {

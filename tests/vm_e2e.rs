@@ -53,14 +53,10 @@ fn healthz(port: u16) -> Option<String> {
     ["ok", "degraded", "unhealthy"].contains(&body.as_str()).then(|| format!("{status} {body}"))
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[test]
 fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
-    if std::env::var_os("CI").is_none() && std::env::var_os("PHQ_VM_E2E").is_none() {
-        eprintln!("SKIPPED: the VM test takes minutes; it runs in CI or with PHQ_VM_E2E=1");
+    if !common::in_ci() && std::env::var_os("PHQ_VM_E2E").is_none() {
+        common::skip("the VM test takes minutes; it runs in CI or with PHQ_VM_E2E=1");
         return;
     }
     let tools = [
@@ -141,7 +137,6 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     );
     tl.mark("disk and NoCloud seed made from cloud-init/debian-12.yaml");
 
-    let fwd = free_port();
     let console = w.join("console.log");
     let mut qemu = Command::new("qemu-system-x86_64")
         .args([
@@ -171,7 +166,7 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         .args([
             "-netdev",
             &format!(
-                "user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:{fwd}-:9440,guestfwd=tcp:10.0.2.100:8080-cmd:socat - TCP:127.0.0.1:{}",
+                "user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:0-:9440,guestfwd=tcp:10.0.2.100:8080-cmd:socat - TCP:127.0.0.1:{}",
                 server.port
             ),
         ])
@@ -181,7 +176,9 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    tl.mark("qemu started (TCG, 2 vCPUs, 2 GiB)");
+    // The forwarded port is the one the kernel gave qemu's listener (hostfwd port 0).
+    let fwd = common::listening_port(&mut qemu).expect("qemu listens for the forwarded /healthz port");
+    tl.mark(&format!("qemu started (TCG, 2 vCPUs, 2 GiB), /healthz forwarded from 127.0.0.1:{fwd}"));
 
     // Follow the console and the servers until the install event arrives.
     let deadline = Instant::now() + Duration::from_secs(30 * 60);

@@ -124,10 +124,16 @@ pub fn load_state(state_dir: &Path) -> Result<Option<State>, String> {
     }
 }
 
+/// The journal's bytes as written to `state.json`. cloud-init's user-data greps them for
+/// `"status": "reboot-required"` to decide on its reboot, so this encoding is a contract.
+pub fn journal_bytes(st: &State) -> Result<Vec<u8>, String> {
+    serde_json::to_vec_pretty(st).map_err(|e| format!("cannot encode the journal: {e}"))
+}
+
 fn save(state_dir: &Path, st: &mut State) -> Result<(), String> {
     st.updated_at = crate::snapshot::Timestamp::now().to_string();
     let path = state_path(state_dir);
-    let json = serde_json::to_vec_pretty(st).map_err(|e| format!("cannot encode the journal: {e}"))?;
+    let json = journal_bytes(st)?;
     crate::durable::write(&path, &json, 0o644).map_err(|e| format!("{}: cannot write the journal: {e}", path.display()))
 }
 

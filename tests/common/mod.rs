@@ -15,6 +15,47 @@ pub fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Whether this is CI's run, where every test must run: `.ci/run` sets `CI=true` and installs
+/// every tool the tests drive.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "0" && v != "false")
+}
+
+/// A test that cannot run here says so where a person sees it. Under CI it fails instead.
+/// Elsewhere the reason goes to stderr and to `target/phq-test-skips/`, which `scripts/test`
+/// lists at the end of the run (libtest shows nothing a passing test printed). The caller
+/// returns right after: `if !needs(..) { return; }`.
+#[track_caller]
+pub fn skip(why: &str) {
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    let crate_name = env!("CARGO_CRATE_NAME");
+    assert!(!in_ci(), "{crate_name}::{test} must run in CI, but: {why}");
+    eprintln!("SKIPPED {crate_name}::{test}: {why}");
+    let dir = repo().join("target/phq-test-skips");
+    if std::fs::create_dir_all(&dir).is_ok() {
+        let _ = std::fs::write(dir.join(format!("{crate_name}.{test}.txt")), format!("{crate_name}::{test} — {why}\n"));
+    }
+}
+
+/// Whether a program is on PATH (or in the sbin directories a non-root PATH may lack).
+pub fn have(tool: &str) -> bool {
+    std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file())).unwrap_or(false)
+        || ["/usr/sbin", "/sbin"].iter().any(|d| Path::new(d).join(tool).is_file())
+}
+
+/// The tools a test drives, each with the Debian package that brings it; a skip naming the
+/// missing ones otherwise (`scripts/test` installs them all).
+#[track_caller]
+pub fn needs(tools: &[(&str, &str)]) -> bool {
+    let missing: Vec<String> =
+        tools.iter().filter(|(t, _)| !have(t)).map(|(t, pkg)| format!("{t} (apt-get install {pkg})")).collect();
+    if missing.is_empty() {
+        return true;
+    }
+    skip(&format!("needs {}", missing.join(", ")));
+    false
+}
+
 /// The fake library, built once per test binary (cargo does not build a workspace member's
 /// cdylib for another package's tests).
 pub fn fake_nvml() -> &'static Path {
@@ -33,6 +74,50 @@ pub fn fake_nvml() -> &'static Path {
         let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
         target.join("debug/libfake_nvml.so")
     })
+}
+
+/// The TCP port `child` listens on, once it does, or None if it exits first (its stderr is
+/// left for the caller). The test gives the agent `127.0.0.1:0` and reads the port the kernel
+/// chose from /proc (the socket inodes among the child's descriptors against the LISTEN rows of
+/// its tcp tables): no port is picked, dropped and hoped for.
+pub fn listening_port(child: &mut Child) -> Option<u16> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if let Some(port) = listening_ports(child.id()).first() {
+            return Some(*port);
+        }
+        if let Ok(Some(_)) = child.try_wait() {
+            return None;
+        }
+        assert!(std::time::Instant::now() < deadline, "pid {} listened on no TCP port within 30 s", child.id());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// The TCP ports process `pid` is listening on (IPv4 and IPv6).
+pub fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .filter_map(|l| l.to_str()?.strip_prefix("socket:[")?.strip_suffix(']').map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut ports = vec![];
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for row in text.lines().skip(1) {
+            let cols: Vec<&str> = row.split_whitespace().collect();
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode; 0A = LISTEN
+            if cols.len() > 9 && cols[3] == "0A" && inodes.iter().any(|i| i == cols[9]) {
+                if let Some(port) = cols[1].rsplit(':').next().and_then(|h| u16::from_str_radix(h, 16).ok()) {
+                    ports.push(port);
+                }
+            }
+        }
+    }
+    ports
 }
 
 /// One systemd unit as the stand-in reports it: (name, LoadState, ActiveState, SubState, UnitFileState).
@@ -136,7 +221,7 @@ pub fn dbus_daemon(socket: &Path) -> (Child, String) {
         .stdout(Stdio::piped())
         .stderr(Stdio::null()) // it complains about fd limits it may not raise in a container
         .spawn()
-        .expect("dbus-daemon is needed for these tests (apt-get install dbus-daemon)");
+        .expect("dbus-daemon (PrivateBus::start checks that it is there)");
     let mut line = String::new();
     BufReader::new(daemon.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let address = line.trim().to_string();
@@ -145,7 +230,12 @@ pub fn dbus_daemon(socket: &Path) -> (Child, String) {
 }
 
 impl PrivateBus {
-    pub fn start(units: &[Unit]) -> PrivateBus {
+    /// The bus, or a skip when `dbus-daemon` is not installed.
+    #[track_caller]
+    pub fn start(units: &[Unit]) -> Option<PrivateBus> {
+        if !needs(&[("dbus-daemon", "dbus-daemon")]) {
+            return None;
+        }
         let dir = tempfile::tempdir().unwrap();
         let (daemon, address) = dbus_daemon(&dir.path().join("bus"));
         let mut builder = zbus::blocking::connection::Builder::address(address.as_str())
@@ -178,7 +268,7 @@ impl PrivateBus {
                 .unwrap();
         }
         let service = builder.build().expect("serve the systemd stand-in on the private bus");
-        PrivateBus { address, daemon, _dir: dir, _service: service }
+        Some(PrivateBus { address, daemon, _dir: dir, _service: service })
     }
 }
 
