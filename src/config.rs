@@ -86,9 +86,14 @@ impl Default for PlatformConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum ProbeLevel {
+    /// No probes (configuration only: `probes.at_boot = "none"`).
+    #[value(skip)]
     None,
+    /// 64 MiB copies, 1 GiB memory test, 4096² GEMM: seconds per GPU.
     Quick,
+    /// nvbandwidth's 512 MiB copies, 8 GiB memory test, 8192² GEMM.
     Standard,
+    /// More samples, 64 GiB memory test, 16384² GEMM: minutes.
     Full,
 }
 

@@ -389,14 +389,16 @@ pub fn probe_floors(device_id: u16) -> ProbeFloors {
     }
 }
 
-/// NVIDIA's Debian/Ubuntu repository signing key (3bf863cc).
-/// Source: NVIDIA CUDA repository `cuda-keyring`; hopper-facts.md "Install facts".
+/// NVIDIA's Debian/Ubuntu repository signing key (3bf863cc), the key inside `cuda-keyring`
+/// (`usr/share/keyrings/cuda-archive-keyring.gpg`). Source: NVIDIA's CUDA repository key
+/// rotation notice (April 2022) and the keyring package itself; docs/reference.md lists it.
 pub const NVIDIA_REPO_KEY_FINGERPRINT: &str = "EB693B3035CD5710E231E123A4B469963BF863CC";
 
-/// NVIDIA's RHEL repository key, by the short id it is named after (`D42D0685.pub`). Its full
-/// fingerprint is not in hopper-facts.md, so the installer checks that the file holds one
-/// primary key ending in this id; `install.repo_key_fingerprint` pins the whole fingerprint.
-pub const NVIDIA_RHEL_REPO_KEY_ID: &str = "D42D0685";
+/// NVIDIA's RHEL 9 repository key (the file `D42D0685.pub` in `…/repos/rhel9/x86_64/`), pinned
+/// by its whole fingerprint. Source: the key file itself (`gpg --show-keys D42D0685.pub`), as
+/// NVIDIA's repository serves it; the same 40 digits are pinned by public EL9 installers that
+/// verify it before `rpm --import`. docs/reference.md lists it.
+pub const NVIDIA_RHEL_REPO_KEY_FINGERPRINT: &str = "610C7B14E068A878070DA4E99CD0A493D42D0685";
 
 #[cfg(test)]
 mod tests {

@@ -59,6 +59,12 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
         "usr/share/dbus-1/system.d/ch.phoeniqs.Agent1.conf",
         "etc/phq-agent/config.toml",
         "usr/share/doc/phq-agent/README.md",
+        "usr/share/man/man1/phq-agent.1.gz",
+        "usr/share/man/man1/phq-agent-doctor.1.gz",
+        "usr/share/man/man1/phq-agent-install.1.gz",
+        "usr/share/bash-completion/completions/phq-agent",
+        "usr/share/zsh/vendor-completions/_phq-agent",
+        "usr/share/fish/vendor_completions.d/phq-agent.fish",
     ] {
         assert!(root.join(f).is_file(), "{f} is not installed");
     }
@@ -94,7 +100,7 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
 }
 
 #[test]
-fn deb_passes_lintian_without_errors() {
+fn deb_passes_lintian_without_errors_or_warnings() {
     let Some(deb) = package("deb") else { return };
     if !common::needs(&[("lintian", "lintian")]) {
         return;
@@ -102,8 +108,10 @@ fn deb_passes_lintian_without_errors() {
     let out = Command::new("lintian").args(["--no-tag-display-limit", "--info"]).arg(&deb).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     eprintln!("lintian {}:\n{text}", deb.display());
-    let errors: Vec<&str> = text.lines().filter(|l| l.starts_with("E: ")).collect();
-    assert!(errors.is_empty(), "lintian errors:\n{}", errors.join("\n"));
+    // Every warning the project could fix is fixed; the one it cannot is overridden with the
+    // reason (packaging/debian/lintian-overrides).
+    let errors: Vec<&str> = text.lines().filter(|l| l.starts_with("E: ") || l.starts_with("W: ")).collect();
+    assert!(errors.is_empty(), "lintian errors and warnings:\n{}", errors.join("\n"));
 }
 
 #[test]
@@ -122,6 +130,11 @@ fn rpm_carries_the_same_files_and_scripts() {
         "/usr/bin/phq-agent",
         "/usr/lib/systemd/system/phq-agent.service",
         "/usr/lib/systemd/system/phq-agent-install.service",
+        "/usr/share/man/man1/phq-agent.1.gz",
+        "/usr/share/man/man1/phq-agent-probe.1.gz",
+        "/usr/share/bash-completion/completions/phq-agent",
+        "/usr/share/zsh/site-functions/_phq-agent",
+        "/usr/share/fish/vendor_completions.d/phq-agent.fish",
         "/usr/lib/sysusers.d/phq-agent.conf",
         "/usr/lib/tmpfiles.d/phq-agent.conf",
         "/usr/share/dbus-1/system.d/ch.phoeniqs.Agent1.conf",

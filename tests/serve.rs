@@ -52,7 +52,7 @@ fn start(token_mode: u32, state_dir: Option<&Path>) -> Option<(Agent, std::path:
     let notify_path = dir.path().join("notify");
     let notify = UnixDatagram::bind(&notify_path).unwrap();
     notify.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return None };
+    let bus = PrivateBus::start(HEALTHY_UNITS)?;
     let mut child = serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus)
         .env("NOTIFY_SOCKET", &notify_path)
         .stderr(Stdio::piped())

@@ -10,6 +10,8 @@ use std::path::PathBuf;
 
 #[derive(Debug, Args)]
 pub struct Doctor {
+    #[command(flatten)]
+    pub machine: super::Machine,
     /// Print the phq.status/v1 report as JSON instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -28,10 +30,17 @@ impl Doctor {
     pub fn run(self, g: &super::Global) -> anyhow::Result<i32> {
         let started_at = Timestamp::now();
         let config = g.load_config()?;
-        let root = if self.bundle.is_some() { Sysroot::recording(&g.sysroot) } else { Sysroot::new(&g.sysroot) };
+        let root = if self.bundle.is_some() {
+            Sysroot::recording(&self.machine.sysroot)
+        } else {
+            Sysroot::new(&self.machine.sysroot)
+        };
         let snapshot = match &self.from {
             Some(path) => bundle::read_snapshot(path)?,
-            None => crate::collect::snapshot(&root, &crate::collect::NvmlSource::choose(g.nvml_lib.as_deref(), &root)),
+            None => crate::collect::snapshot(
+                &root,
+                &crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root),
+            ),
         };
         let mut findings = checks::run(&snapshot, &Settings::from(&config));
         let mut probes = None;

@@ -12,6 +12,8 @@ use std::path::PathBuf;
 
 #[derive(Debug, Args)]
 pub struct Install {
+    #[command(flatten)]
+    pub machine: super::Machine,
     /// CUDA 12 toolkit to install (default: install.cuda from the config).
     #[arg(long, value_name = "12.x")]
     pub cuda: Option<String>,
@@ -56,7 +58,7 @@ impl Install {
             replace_driver: self.replace_driver || c.replace_driver,
             state_dir: config.agent.state_dir.display().to_string(),
         };
-        let root = Sysroot::new(&g.sysroot);
+        let root = Sysroot::new(&self.machine.sysroot);
         if !self.dry_run {
             if !root.is_live() {
                 eprintln!("phq-agent install: --sysroot stands for another machine; only --dry-run can plan for it");
@@ -120,8 +122,8 @@ impl Install {
             eprintln!("  {} {}: {}", f.severity.label(), f.id, f.summary);
         }
         let mut progress = |line: &str| eprintln!("{line}");
-        let nvml_lib = g.nvml_lib.clone();
-        let sysroot = g.sysroot.clone();
+        let nvml_lib = self.machine.nvml_lib.clone();
+        let sysroot = self.machine.sysroot.clone();
         let checks_settings = crate::checks::Settings::from(&config);
         let mut verify = move || verify_now(&sysroot, nvml_lib.clone(), &checks_settings);
         let mut reboot_now = reboot_through_logind;

@@ -30,23 +30,30 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// Flags every subcommand takes.
 #[derive(Debug, Args)]
 pub struct Global {
-    /// Configuration file; drop-ins are read from config.d/ beside it.
+    /// Configuration file [default: /etc/phq-agent/config.toml]; drop-ins are read from
+    /// config.d/*.toml beside it.
     #[arg(long, global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Read /sys, /proc, /etc and /dev under this directory instead of / (fixtures, bundles).
-    #[arg(long, global = true, value_name = "DIR", default_value = "/")]
-    pub sysroot: PathBuf,
-    /// NVML library to load instead of libnvidia-ml.so.1.
-    #[arg(long, global = true, value_name = "PATH", env = "PHQ_NVML_LIB")]
-    pub nvml_lib: Option<PathBuf>,
     /// More log output on stderr (-v info, -vv debug).
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
     /// Only errors on stderr.
     #[arg(short, long, global = true, conflicts_with = "verbose")]
     pub quiet: bool,
+}
+
+/// Which machine to look at: the subcommands that read one (doctor, install, probe, serve).
+#[derive(Debug, Args)]
+pub struct Machine {
+    /// Read /sys, /proc, /etc and /dev under this directory instead of / (fixtures, bundles).
+    #[arg(long, value_name = "DIR", default_value = "/")]
+    pub sysroot: PathBuf,
+    /// NVML library to load instead of libnvidia-ml.so.1 (a fake one in tests).
+    #[arg(long, value_name = "PATH", env = "PHQ_NVML_LIB")]
+    pub nvml_lib: Option<PathBuf>,
 }
 
 impl Global {
@@ -63,17 +70,51 @@ impl Global {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Tell what is wrong with this VM's GPUs, driver and CUDA, and what to do about it.
+    #[command(after_help = EXIT_CODES_FINDINGS)]
     Doctor(doctor::Doctor),
     /// Install the NVIDIA driver (open kernel modules) and CUDA 12; resumable, idempotent.
+    #[command(after_help = "Exit codes: 0 installed and verified; 1 installed with warnings, or a reboot is \
+                            required; 2 a step or the verification failed; 3 could not start (unsupported \
+                            guest, another install running, not root); 64 usage.")]
     Install(install::Install),
     /// Measure the GPUs through CUDA: bandwidths, memory integrity, a checked GEMM.
+    #[command(after_help = EXIT_CODES_FINDINGS)]
     Probe(probe::Probe),
     /// Run as the systemd service: snapshots, HTTP, metrics, D-Bus, pushes.
+    #[command(after_help = "Exit codes: 0 stopped by SIGTERM or SIGINT; 3 could not start (configuration, \
+                            token, listen address); 64 usage.")]
     Serve(serve::Serve),
-    /// Ask the running service for its report.
+    /// Ask the running service for its report (over D-Bus, else HTTP).
+    #[command(after_help = "Exit codes: those of the service's report, as doctor's (0 passed, 1 a warning, \
+                            2 a failure, 3 unknown); 3 when the service answers neither on D-Bus nor over \
+                            HTTP; 64 usage.")]
     Status(status::Status),
     /// Create the HTTP bearer token if there is none (0600, owned by the service's user).
+    #[command(after_help = "Exit codes: 0 the token files exist and belong to the service's user; 3 they \
+                            could not be made so (the error says which and why); 64 usage.")]
     Token(token::Token),
+    /// Print shell completions (bash, zsh, fish) to stdout; the packages install them.
+    #[command(after_help = "Exit codes: 0 printed; 64 usage.")]
+    Completions(Completions),
+    /// Write the manual pages (phq-agent.1 and one per subcommand) into a directory; the
+    /// packages install them.
+    #[command(hide = true)]
+    Manpages {
+        /// The directory (it must exist).
+        dir: PathBuf,
+    },
+}
+
+/// Exit codes of the commands that judge findings: the monitoring-plugin convention.
+const EXIT_CODES_FINDINGS: &str = "Exit codes (monitoring-plugin convention): 0 every check passed; 1 a warning; \
+                                   2 a failure; 3 something could not be checked, or the command could not \
+                                   run (bad configuration, unreadable bundle); 64 usage.";
+
+#[derive(Debug, Args)]
+pub struct Completions {
+    /// The shell to complete for.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
 }
 
 impl Cli {
@@ -86,19 +127,36 @@ impl Cli {
             Command::Serve(c) => c.run(&self.global),
             Command::Status(c) => c.run(&self.global),
             Command::Token(c) => c.run(&self.global),
+            Command::Completions(c) => {
+                let mut out = Vec::new();
+                clap_complete::generate(c.shell, &mut <Cli as clap::CommandFactory>::command(), "phq-agent", &mut out);
+                print_out(&String::from_utf8_lossy(&out), false).map(|()| 0)
+            }
+            Command::Manpages { dir } => clap_mangen::generate_to(<Cli as clap::CommandFactory>::command(), &dir)
+                .map(|()| 0)
+                .map_err(|e| anyhow::anyhow!("{}: cannot write the manual pages: {e}", dir.display())),
         };
         match result {
             Ok(code) => code,
             Err(e) => {
-                // The whole chain: "what" first, then each "because".
-                eprintln!("phq-agent: error: {e}");
-                for cause in e.chain().skip(1) {
-                    eprintln!("  caused by: {cause}");
-                }
+                eprint!("{}", error_text(&e));
                 EXIT_UNKNOWN
             }
         }
     }
+}
+
+/// The whole chain, "what" first, then each "because" — each said once: a cause whose text the
+/// lines before already carry (an error that quotes its source) is not repeated.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut said = format!("phq-agent: error: {e}\n");
+    for cause in e.chain().skip(1) {
+        let text = cause.to_string();
+        if !said.contains(&text) {
+            said.push_str(&format!("  caused by: {text}\n"));
+        }
+    }
+    said
 }
 
 /// Prints a report: pretty JSON, or the table for people (coloured where the terminal wants it).
@@ -178,5 +236,49 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_flag_is_described_and_every_command_gives_its_exit_codes() {
+        let cli = Cli::command();
+        for sub in cli.get_subcommands().filter(|s| !s.is_hide_set()) {
+            let name = sub.get_name();
+            assert!(
+                sub.get_after_help().is_some_and(|h| h.to_string().contains("Exit codes")),
+                "{name} --help does not give its exit codes"
+            );
+            for arg in sub.get_arguments().filter(|a| !a.is_hide_set()) {
+                let id = arg.get_id().as_str();
+                if ["help", "version"].contains(&id) {
+                    continue;
+                }
+                assert!(arg.get_help().is_some(), "{name} --{id} has no description");
+            }
+        }
+    }
+
+    #[test]
+    fn probe_levels_on_the_command_line_are_the_ones_that_run() {
+        assert!(Cli::try_parse_from(["phq-agent", "probe", "--level", "none"]).is_err());
+        assert!(Cli::try_parse_from(["phq-agent", "doctor", "--probe", "none"]).is_err());
+        assert!(Cli::try_parse_from(["phq-agent", "probe", "--level", "standard"]).is_ok());
+    }
+
+    #[test]
+    fn status_and_token_take_no_machine_flags() {
+        for sub in ["status", "token"] {
+            assert!(Cli::try_parse_from(["phq-agent", sub, "--sysroot", "/x"]).is_err(), "{sub} --sysroot");
+            assert!(Cli::try_parse_from(["phq-agent", sub, "--nvml-lib", "/x"]).is_err(), "{sub} --nvml-lib");
+        }
+        assert!(Cli::try_parse_from(["phq-agent", "status", "--config", "/x"]).is_ok());
+    }
+
+    #[test]
+    fn an_error_that_quotes_its_cause_is_said_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory (os error 2)");
+        let e = anyhow::Error::new(io).context("/x: No such file or directory (os error 2)");
+        assert_eq!(error_text(&e), "phq-agent: error: /x: No such file or directory (os error 2)\n");
+        let e = anyhow::anyhow!("the disk is full").context("/x: cannot write the token");
+        assert_eq!(error_text(&e), "phq-agent: error: /x: cannot write the token\n  caused by: the disk is full\n");
     }
 }

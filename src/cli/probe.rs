@@ -11,6 +11,9 @@ use std::io::IsTerminal;
 
 #[derive(Debug, Args)]
 pub struct Probe {
+    #[command(flatten)]
+    pub machine: super::Machine,
+    /// How long and how hard: quick (seconds), standard, full (minutes).
     #[arg(long, value_enum, default_value = "quick")]
     pub level: ProbeLevel,
     /// Only this GPU (index in PCI order, as nvidia-smi numbers them); repeat for several.
@@ -28,9 +31,11 @@ impl Probe {
     pub fn run(self, g: &super::Global) -> anyhow::Result<i32> {
         let started_at = Timestamp::now();
         let config = g.load_config()?;
-        let root = Sysroot::new(&g.sysroot);
-        let snapshot =
-            crate::collect::snapshot(&root, &crate::collect::NvmlSource::choose(g.nvml_lib.as_deref(), &root));
+        let root = Sysroot::new(&self.machine.sysroot);
+        let snapshot = crate::collect::snapshot(
+            &root,
+            &crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root),
+        );
         let level = if self.level == ProbeLevel::None { ProbeLevel::Quick } else { self.level };
         let mut findings: Vec<checks::Finding> = checks::run(&snapshot, &Settings::from(&config))
             .into_iter()

@@ -10,7 +10,10 @@ use clap::Args;
 use std::sync::{Arc, RwLock};
 
 #[derive(Debug, Args)]
-pub struct Serve {}
+pub struct Serve {
+    #[command(flatten)]
+    pub machine: super::Machine,
+}
 
 impl Serve {
     pub fn run(self, g: &super::Global) -> anyhow::Result<i32> {
@@ -19,7 +22,7 @@ impl Serve {
             .enable_all()
             .build()
             .context("cannot start the async runtime")?;
-        runtime.block_on(run(g))
+        runtime.block_on(run(g, &self.machine))
     }
 }
 
@@ -36,7 +39,7 @@ fn token_of(config: &crate::config::Config) -> anyhow::Result<Option<String>> {
     }
 }
 
-async fn run(g: &super::Global) -> anyhow::Result<i32> {
+async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32> {
     // Signals first: systemd may send SIGHUP or SIGTERM as soon as READY=1 is out.
     let mut term =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("cannot watch SIGTERM")?;
@@ -46,8 +49,8 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("cannot watch SIGINT")?;
     let mut config = g.load_config()?;
     let mut inputs = Inputs {
-        sysroot: g.sysroot.clone(),
-        nvml_lib: g.nvml_lib.clone(),
+        sysroot: machine.sysroot.clone(),
+        nvml_lib: machine.nvml_lib.clone(),
         token: token_of(&config)?,
         config: config.clone(),
         started_at: Timestamp::now(),
@@ -120,8 +123,8 @@ async fn run(g: &super::Global) -> anyhow::Result<i32> {
     // Xids from NVML as they happen, from their own thread.
     let (xid_tx, mut xid_rx) = tokio::sync::mpsc::unbounded_channel();
     let _watcher = match crate::collect::NvmlSource::choose(
-        g.nvml_lib.as_deref(),
-        &crate::sysroot::Sysroot::new(&g.sysroot),
+        machine.nvml_lib.as_deref(),
+        &crate::sysroot::Sysroot::new(&machine.sysroot),
     ) {
         crate::collect::NvmlSource::Library(lib) => match XidWatcher::start(&lib) {
             Ok((w, rx)) => {

@@ -36,17 +36,18 @@ pub fn keys(data: &[u8]) -> Result<Vec<Key>, String> {
     Ok(out)
 }
 
-/// Ok when `data` holds exactly one primary key and it has `pinned` as its fingerprint
-/// (spaces and case ignored). `pinned` is the whole fingerprint, or a 16- or 8-digit key id
-/// that it must end with.
+/// Ok when `data` holds exactly one primary key and it has `pinned` as its whole fingerprint
+/// (spaces and case ignored). Only all 40 digits are accepted: a short key id (8 or 16 digits)
+/// is cheap to collide with a key of one's own making ("Evil 32", evil32.com), so a suffix
+/// match would trust an impostor.
 pub fn verify(data: &[u8], pinned: &str) -> Result<(), String> {
     let pinned: String = pinned.chars().filter(|c| !c.is_whitespace()).collect::<String>().to_ascii_uppercase();
-    if ![8, 16, 40].contains(&pinned.len()) || !pinned.chars().all(|c| c.is_ascii_hexdigit()) {
-        return Err(format!("{pinned:?} is not a key fingerprint (40 hex digits) or key id (8 or 16)"));
+    if pinned.len() != 40 || !pinned.chars().all(|c| c.is_ascii_hexdigit()) {
+        return Err(format!("{pinned:?} is not a whole key fingerprint (40 hex digits)"));
     }
     let primaries: Vec<String> = keys(data)?.into_iter().filter(|k| k.primary).map(|k| k.fingerprint).collect();
     match primaries.as_slice() {
-        [one] if one.ends_with(&pinned) => Ok(()),
+        [one] if *one == pinned => Ok(()),
         [one] => Err(format!("its key is {} — expected {}", spaced(one), spaced(&pinned))),
         [] => Err("it holds subkeys but no primary key".into()),
         many => Err(format!(
@@ -182,6 +183,9 @@ mod tests {
         let both = [a.clone(), b.clone()].concat();
         assert!(verify(&both, &fa).unwrap_err().contains("2 primary keys"));
         assert!(verify(&b, &fa).unwrap_err().contains("expected"));
+        // Its short ids are not enough, nor is any suffix.
+        assert!(verify(&a, &fa[32..]).unwrap_err().contains("40 hex digits"));
+        assert!(verify(&a, &fa[24..]).unwrap_err().contains("40 hex digits"));
         // A subkey beside the pinned primary is fine.
         let with_sub = [a, new_format(14, &key_body(3))].concat();
         assert_eq!(keys(&with_sub).unwrap().len(), 2);

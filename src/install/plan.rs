@@ -16,7 +16,8 @@ pub const NVIDIA_REPO_ROOT: &str = "https://developer.download.nvidia.com/comput
 pub const CUDA_KEYRING_DEB: &str = "cuda-keyring_1.1-1_all.deb";
 /// Where `cuda-keyring` puts the repository key (it is what apt's `signed-by` names).
 pub const CUDA_KEYRING_MEMBER: &str = "usr/share/keyrings/cuda-archive-keyring.gpg";
-/// The RHEL repository key's file name: NVIDIA names it by the key's short id.
+/// The RHEL repository key's file name: NVIDIA names it by the key's short id (the key is
+/// still checked against its whole fingerprint).
 pub const RHEL_KEY_FILE: &str = "D42D0685.pub";
 pub const RHEL_KEY_PATH: &str = "/etc/pki/rpm-gpg/RPM-GPG-KEY-NVIDIA-CUDA";
 pub const RHEL_REPO_PATH: &str = "/etc/yum.repos.d/cuda-rhel9.repo";
@@ -51,7 +52,9 @@ impl Distro {
                 } else {
                     os.pretty_name.clone()
                 };
-                return Err(format!("{this} is not a guest phq-agent install supports ({})", supported.join(", ")));
+                // os-release is the guest's text: quoted, so a control character cannot reach
+                // the terminal.
+                return Err(format!("{this:?} is not a guest phq-agent install supports ({})", supported.join(", ")));
             }
         };
         Ok(d)
@@ -717,7 +720,8 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
         } else {
             (dnf(&["install", "epel-release"]), cmd("dnf", &["config-manager", "--set-enabled", "crb"]))
         };
-        let fpr = if s.key_fingerprint.is_empty() { facts::NVIDIA_RHEL_REPO_KEY_ID } else { &s.key_fingerprint };
+        let fpr =
+            if s.key_fingerprint.is_empty() { facts::NVIDIA_RHEL_REPO_KEY_FINGERPRINT } else { &s.key_fingerprint };
         let repo = rhel_repo(base);
         let mut makecache = dnf(&["makecache"]);
         makecache.url = Some(base.into());
