@@ -73,7 +73,7 @@ except Exception:
 doctor = json.load(open(sys.argv[3]))
 models = {g["pci_address"]: g["model"] for g in doctor.get("gpus", [])}
 # Physical limits: PCIe Gen5 x16 carries 32 GT/s x 16 lanes x 128/130 / 8 = 63.0 GB/s per
-# direction; device copies are bounded by the HBM datasheet bandwidth (hopper-facts.md).
+# direction; device copies are bounded by the HBM datasheet bandwidth (docs/reference.md).
 HBM = {"H100 SXM5 80GB": 3350, "H100 PCIe": 2000, "H100 NVL": 3900, "H200 SXM": 4800, "H200 NVL": 4800}
 PCIE = 63.0
 gpus = (probe.get("probes") or {}).get("gpus", [])

@@ -1,8 +1,8 @@
 //! The numbers and names the checks judge by, in one place, each with its source.
 //!
-//! Source document for all of them: `shared/reference/hopper-facts.md`, which cites the
-//! upstream material (NVIDIA open-gpu-kernel-modules README, DCGM `diag-skus.yaml.in`, the
-//! NVIDIA Xid catalog, the CUDA toolkit release notes, azurehpc-health-checks).
+//! docs/reference.md lists every table and number here with its public source (NVIDIA's open
+//! GPU kernel modules README, DCGM `diag-skus.yaml.in`, the NVIDIA Xid catalog, the CUDA
+//! toolkit release notes, azurehpc-health-checks); change both together.
 
 /// A GPU model the agent knows by PCI device id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +91,8 @@ pub fn driver_branch(version: &str) -> Option<u32> {
     version.split('.').next()?.trim().parse().ok()
 }
 
-/// Guests `phq-agent install` supports (DESIGN.md). `id` and `VERSION_ID` major from os-release.
+/// Guests `phq-agent install` supports: those NVIDIA publishes a CUDA repository for
+/// (CUDA installation guide for Linux). `id` and `VERSION_ID` major from os-release.
 pub const SUPPORTED_OS: &[(&str, &str, &str)] = &[
     ("ubuntu", "22.04", "Ubuntu 22.04"),
     ("ubuntu", "24.04", "Ubuntu 24.04"),
@@ -365,7 +366,7 @@ const PCIE_GEN5_FLOOR_GBPS: f64 = 48.0;
 
 /// DCGM's HBM floor for H100 SXM is 1.905 TB/s against a 3.35 TB/s datasheet figure: 0.57 of
 /// the datasheet. The other SKUs' device-copy floors apply the same ratio to their datasheet
-/// bandwidth (hopper-facts.md SKU table), since DCGM publishes only H100 SXM's.
+/// bandwidth (NVIDIA datasheets; docs/reference.md), since DCGM publishes only H100 SXM's.
 const HBM_FLOOR_RATIO: f64 = 1.905 / 3.35;
 
 /// GPU↔GPU read over NVSwitch on HGX H100: floor 335 GB/s (azurehpc-health-checks). H200 has the

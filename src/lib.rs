@@ -1,7 +1,7 @@
 //! phq-agent: one binary inside a KubeVirt VM with NVIDIA Hopper GPUs passed through.
 //!
 //! collect (I/O) → `Snapshot` → check (pure) → `Finding`s → report (table, JSON, bundle).
-//! See DESIGN.md in the shared folder for the architecture and the contracts.
+//! docs/architecture.md is the map: the pipeline, the service's tasks, the test seams.
 
 pub mod checks;
 pub mod cli;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the fake-NVML scenarios (format v1, shared/fake-nvml-scenario.md) in this folder.
+"""Writes the fake-NVML scenarios (format v1, docs/fake-nvml-scenario.md) in this folder.
 
 The 8-GPU scenarios match the fixture sysroot tests/fixtures/sysroots/hgx-8gpu-healthy (GPUs on
 buses 09..10, NVSwitches on 11..14); the single-GPU one matches h100-pcie-single. Values follow

@@ -1,6 +1,6 @@
 //! check: pure functions from a `Snapshot` to `Finding`s. No I/O, no clock.
 //!
-//! Every check id of DESIGN.md appears in `CATALOG`; `run` returns at least one finding for
+//! Every documented check id (docs/checks.md) appears in `CATALOG`; `run` returns at least one finding for
 //! each, so nothing is ever silently skipped: a check this build cannot perform says so as
 //! `unknown` with the reason, and one that does not apply passes with a detail saying why.
 
@@ -112,7 +112,7 @@ impl From<&crate::config::Config> for Settings {
     }
 }
 
-/// Every check id (DESIGN.md, documented in docs/checks.md), in report order.
+/// Every check id (documented in docs/checks.md), in report order.
 pub const CATALOG: &[&str] = &[
     "host.os-supported",
     "host.virtualization",

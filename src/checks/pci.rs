@@ -98,7 +98,8 @@ fn driver_bound(s: &Snapshot, g: &PciDevice) -> Finding {
 }
 
 /// OVMF's 64-bit MMIO window must hold every GPU's BARs; this suggests a power of two with
-/// room to spare (BAR0 16 MiB + BAR1 128 GiB + BAR2 32 MiB per H100, per hopper-facts.md).
+/// room to spare (BAR0 16 MiB + BAR1 128 GiB + BAR2 32 MiB per H100, as `lspci -vvv` of an HGX H100 host
+/// shows them; docs/reference.md).
 pub fn suggested_mmio64_mb(gpus: usize) -> u64 {
     let need_mb = (gpus.max(1) as u64) * (128 * 1024 + 64) + 1024;
     need_mb.next_power_of_two()

@@ -32,7 +32,7 @@ impl Health {
     }
 }
 
-/// The monitoring-plugin exit code (DESIGN.md): 2 fail, 1 warn, 3 unknown, 0 all passed.
+/// The monitoring-plugin exit code (Nagios plugin guidelines, as monitoring-plugins.org keeps them): 2 fail, 1 warn, 3 unknown, 0 all passed.
 pub fn exit_code(findings: &[Finding]) -> i32 {
     match Health::of(findings) {
         Health::Unhealthy => 2,

@@ -1,6 +1,6 @@
 //! A small working NVML: a `cdylib` that exports the NVML C functions phq-agent calls and
 //! answers them from the JSON scenario named by `PHQ_FAKE_NVML_SCENARIO` (format v1,
-//! shared/fake-nvml-scenario.md), read at `nvmlInit_v2`.
+//! docs/fake-nvml-scenario.md), read at `nvmlInit_v2`.
 //!
 //! Rules of the format, kept here:
 //! - a field that is absent makes its call return `NVML_ERROR_NOT_SUPPORTED`, never a made-up

@@ -1,4 +1,4 @@
-//! The scenario file (format v1, shared/fake-nvml-scenario.md). Every field is optional: an
+//! The scenario file (format v1, docs/fake-nvml-scenario.md). Every field is optional: an
 //! absent one makes its NVML call answer `NVML_ERROR_NOT_SUPPORTED`. Unknown fields are kept
 //! out with `deny_unknown_fields` so a typo in a test scenario fails loudly instead of
 //! silently testing "not supported".
