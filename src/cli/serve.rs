@@ -57,8 +57,7 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
         probes: None,
         push: Default::default(),
     };
-    let listener = tokio::net::TcpListener::bind(config.http.listen)
-        .await
+    let listener = http::listen(config.http.listen)
         .with_context(|| format!("cannot listen on {} (http.listen)", config.http.listen))?;
     tracing::info!(listen = %config.http.listen, "serving /healthz, /v1/status, /metrics");
     let shared: Shared = Arc::new(RwLock::new(None));

@@ -2,9 +2,16 @@
 //! - only `/healthz` answers without credentials, and says only ok / degraded / unhealthy;
 //! - `/v1/status` and `/metrics` need the bearer token (compared in constant time);
 //! - every answer comes from the last published snapshot, never computed per request;
-//! - connections are capped, headers must arrive within `HEADER_TIMEOUT` and fit in
-//!   `MAX_HEADER_BYTES`, and a connection lives at most `CONNECTION_LIFETIME`, so slow or
-//!   oversized clients cannot hold the agent.
+//! - headers must arrive within `HEADER_TIMEOUT` and fit in `MAX_HEADER_BYTES`, and a
+//!   connection lives at most `CONNECTION_LIFETIME`, so slow or oversized clients cannot hold
+//!   the agent. `HEADER_TIMEOUT` is also the keep-alive idle timeout: hyper arms it whenever it
+//!   waits for the next request's head, on a new or a kept-alive connection;
+//! - admission (`Admission`) keeps one client from locking out the others, as nginx's
+//!   `limit_conn` and Envoy's overload manager do: at most `MAX_PER_PEER` connections per
+//!   source address, at most `MAX_CONNECTIONS` in all, and when the table is full a new
+//!   connection takes the place of an idle one (no request in flight: a kept-alive or a
+//!   half-sent one) of the address that holds the most. A readiness probe from another address
+//!   therefore always gets in.
 
 use super::{current, Published, Shared};
 use crate::report::Health;
@@ -15,13 +22,18 @@ use axum::routing::get;
 use axum::Extension;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::Notify;
 
 pub const MAX_CONNECTIONS: usize = 256;
+/// Connections one source address may hold. The readiness probe, the platform's poller and a
+/// Prometheus each need one or two; 16 leaves room for a proxy that funnels several clients.
+pub const MAX_PER_PEER: usize = 16;
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 pub const MAX_HEADER_BYTES: usize = 16 * 1024;
 pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
@@ -37,6 +49,21 @@ pub fn router(shared: Shared) -> Router {
         .with_state(shared)
 }
 
+/// The accept queue the listener asks for. A flood of connections arrives in bursts; once the
+/// kernel's queue of finished handshakes is full it drops the next SYN, and that client's retry
+/// comes a whole second later — a readiness probe with a 1 s timeout then fails. Rust's standard
+/// library (and mio) ask for 128; Go asks for the kernel's `net.core.somaxconn` (4096 on Linux
+/// 5.4 and later), which the kernel also caps this at.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds the endpoint's listener with `LISTEN_BACKLOG` (and `SO_REUSEADDR`, as std does).
+pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// How the client on a connection proved itself, if it did (a verified client certificate).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ClientCert(pub bool);
@@ -49,7 +76,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let app = router(shared);
-    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let admission = Arc::new(Admission::new(MAX_CONNECTIONS, MAX_PER_PEER));
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -63,52 +90,188 @@ pub async fn serve(
                 }
             },
         };
-        // At the cap, a new connection is closed at once rather than queued: a flood then
-        // costs the agent nothing, and the connections already open keep being served.
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, "connection limit reached; closing");
-            drop(stream);
-            continue;
+        // Refused: closed at once rather than queued, so a flood costs the agent nothing.
+        let slot = match Admission::admit(&admission, peer.ip()) {
+            Ok(slot) => slot,
+            Err(why) => {
+                tracing::debug!(%peer, "connection refused: {why}");
+                drop(stream);
+                continue;
+            }
         };
         let app = app.clone();
         let tls = tls.clone();
         tokio::spawn(async move {
             let served = async {
                 match tls {
-                    None => connection(stream, app.layer(axum::Extension(ClientCert(false)))).await,
+                    None => connection(stream, app.layer(axum::Extension(ClientCert(false))), slot.busy.clone()).await,
                     Some(acceptor) => match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream)).await {
                         Ok(Ok(tls_stream)) => {
                             // With a client CA, a certificate present after the handshake is one it signed.
                             let verified = tls_stream.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
-                            connection(tls_stream, app.layer(axum::Extension(ClientCert(verified)))).await
+                            connection(tls_stream, app.layer(axum::Extension(ClientCert(verified))), slot.busy.clone())
+                                .await
                         }
                         Ok(Err(e)) => Err(format!("TLS handshake: {e}")),
                         Err(_) => Err("TLS handshake timed out".into()),
                     },
                 }
             };
-            match tokio::time::timeout(CONNECTION_LIFETIME, served).await {
-                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "connection ended with an error"),
-                Err(_) => tracing::debug!(%peer, "connection lifetime reached; closed"),
-                Ok(Ok(())) => {}
+            tokio::select! {
+                ended = tokio::time::timeout(CONNECTION_LIFETIME, served) => match ended {
+                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "connection ended with an error"),
+                    Err(_) => tracing::debug!(%peer, "connection lifetime reached; closed"),
+                    Ok(Ok(())) => {}
+                },
+                // Another client needed the slot while this one had no request in flight.
+                _ = slot.evicted.notified() => tracing::debug!(%peer, "idle connection closed to admit another"),
             }
-            drop(permit);
+            drop(slot);
         });
     }
 }
 
-/// One HTTP/1.1 connection with the header limits.
+/// One HTTP/1.1 connection with the header limits; `busy` counts its requests in flight.
 async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static>(
     stream: S,
     app: Router,
+    busy: Arc<AtomicUsize>,
 ) -> Result<(), String> {
+    let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+        let app = app.clone();
+        let busy = busy.clone();
+        async move {
+            let _in_flight = InFlight::new(busy);
+            tower::ServiceExt::oneshot(app, req).await
+        }
+    });
     hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT)
         .max_buf_size(MAX_HEADER_BYTES)
-        .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app))
+        .serve_connection(TokioIo::new(stream), service)
         .await
         .map_err(|e| e.to_string())
+}
+
+/// Marks a connection busy while one of its requests is being answered.
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn new(busy: Arc<AtomicUsize>) -> InFlight {
+        busy.fetch_add(1, Ordering::SeqCst);
+        InFlight(busy)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Who holds the connection table. One lock, taken for a few map operations per accept and
+/// per close; never across an await.
+pub struct Admission {
+    max_total: usize,
+    max_per_peer: usize,
+    table: Mutex<Table>,
+}
+
+#[derive(Default)]
+struct Table {
+    next_id: u64,
+    /// Open connections by id: (peer, requests in flight, the eviction signal).
+    open: HashMap<u64, (IpAddr, Arc<AtomicUsize>, Arc<Notify>)>,
+    /// Ids per source address, oldest first.
+    by_peer: HashMap<IpAddr, Vec<u64>>,
+}
+
+/// One admitted connection; leaving the table when dropped.
+pub struct Slot {
+    id: u64,
+    peer: IpAddr,
+    pub busy: Arc<AtomicUsize>,
+    pub evicted: Arc<Notify>,
+    admission: Arc<Admission>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Ok(mut t) = self.admission.table.lock() {
+            t.remove(self.id, self.peer);
+        }
+    }
+}
+
+impl Table {
+    fn remove(&mut self, id: u64, peer: IpAddr) {
+        if self.open.remove(&id).is_some() {
+            if let Some(ids) = self.by_peer.get_mut(&peer) {
+                ids.retain(|i| *i != id);
+                if ids.is_empty() {
+                    self.by_peer.remove(&peer);
+                }
+            }
+        }
+    }
+
+    /// The oldest connection of `peer` with no request in flight.
+    fn idle_of(&self, peer: &IpAddr) -> Option<u64> {
+        self.by_peer
+            .get(peer)?
+            .iter()
+            .copied()
+            .find(|id| self.open.get(id).is_some_and(|c| c.1.load(Ordering::SeqCst) == 0))
+    }
+
+    /// Closes connection `id` (its task drops it) and forgets it at once, so its slot is free now.
+    fn evict(&mut self, id: u64) {
+        if let Some((peer, _, evicted)) = self.open.get(&id).cloned() {
+            evicted.notify_one();
+            self.remove(id, peer);
+        }
+    }
+}
+
+impl Admission {
+    pub fn new(max_total: usize, max_per_peer: usize) -> Admission {
+        Admission { max_total, max_per_peer, table: Mutex::new(Table::default()) }
+    }
+
+    /// A slot for a new connection from `peer`, or why there is none.
+    pub fn admit(this: &Arc<Admission>, peer: IpAddr) -> Result<Slot, &'static str> {
+        let peer = peer.to_canonical();
+        let mut t = this.table.lock().map_err(|_| "connection table poisoned")?;
+        if t.by_peer.get(&peer).map_or(0, Vec::len) >= this.max_per_peer {
+            // The address is at its own limit: it may only trade an idle connection for this one.
+            let id = t.idle_of(&peer).ok_or("this address holds its limit of busy connections")?;
+            t.evict(id);
+        } else if t.open.len() >= this.max_total {
+            // Full: the address holding the most gives up an idle connection.
+            let mut peers: Vec<(usize, IpAddr)> = t.by_peer.iter().map(|(p, ids)| (ids.len(), *p)).collect();
+            peers.sort_by(|a, b| b.0.cmp(&a.0));
+            let id = peers.iter().find_map(|(_, p)| t.idle_of(p)).ok_or("every connection is busy")?;
+            t.evict(id);
+        }
+        t.next_id += 1;
+        let id = t.next_id;
+        let busy = Arc::new(AtomicUsize::new(0));
+        let evicted = Arc::new(Notify::new());
+        t.open.insert(id, (peer, busy.clone(), evicted.clone()));
+        t.by_peer.entry(peer).or_default().push(id);
+        Ok(Slot { id, peer, busy, evicted, admission: this.clone() })
+    }
+
+    /// Connections open now (for tests and logs).
+    pub fn open(&self) -> usize {
+        self.table.lock().map(|t| t.open.len()).unwrap_or(0)
+    }
+
+    /// Connections `peer` holds now.
+    pub fn held_by(&self, peer: IpAddr) -> usize {
+        self.table.lock().map(|t| t.by_peer.get(&peer.to_canonical()).map_or(0, Vec::len)).unwrap_or(0)
+    }
 }
 
 fn plain(status: StatusCode, body: &'static str) -> Response<Body> {
@@ -213,6 +376,56 @@ async fn metrics(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn one_address_cannot_take_the_table_and_idle_connections_make_room() {
+        let a = Arc::new(Admission::new(4, 2));
+        let (x, y, z) = (ip("10.0.0.1"), ip("10.0.0.2"), ip("10.0.0.3"));
+        let x1 = Admission::admit(&a, x).unwrap();
+        let x2 = Admission::admit(&a, x).unwrap();
+        // x is at its own limit: a third connection takes the place of its oldest idle one.
+        x1.busy.store(1, Ordering::SeqCst);
+        let x3 = Admission::admit(&a, x).unwrap();
+        assert_eq!((a.open(), a.held_by(x)), (2, 2), "x2 made room for x3");
+        // With both of x's connections busy, x gets no more; others still get in.
+        x3.busy.store(1, Ordering::SeqCst);
+        assert_eq!(Admission::admit(&a, x).err(), Some("this address holds its limit of busy connections"));
+        let y1 = Admission::admit(&a, y).unwrap();
+        let y2 = Admission::admit(&a, y).unwrap();
+        assert_eq!(a.open(), 4);
+        // Full: z takes the place of the idle connection (y's oldest), not a busy one of x.
+        let z1 = Admission::admit(&a, z).unwrap();
+        assert_eq!((a.open(), a.held_by(x), a.held_by(y), a.held_by(z)), (4, 2, 1, 1));
+        // A slot already evicted leaves nothing behind when its task ends.
+        drop((x2, y1));
+        assert_eq!(a.open(), 4);
+        // Everyone busy: the newcomer is refused.
+        z1.busy.store(1, Ordering::SeqCst);
+        y2.busy.store(1, Ordering::SeqCst);
+        assert_eq!(Admission::admit(&a, ip("10.0.0.9")).err(), Some("every connection is busy"));
+        // A request finishing makes its connection evictable again.
+        y2.busy.store(0, Ordering::SeqCst);
+        assert!(Admission::admit(&a, ip("10.0.0.9")).is_ok());
+    }
+
+    #[test]
+    fn a_closed_connection_leaves_the_table_and_mapped_addresses_count_as_v4() {
+        let a = Arc::new(Admission::new(8, 2));
+        let s = Admission::admit(&a, ip("::ffff:127.0.0.1")).unwrap();
+        assert_eq!(a.open(), 1);
+        drop(s);
+        assert_eq!(a.open(), 0);
+        let v6 = Admission::admit(&a, ip("::ffff:127.0.0.1")).unwrap();
+        let v4 = Admission::admit(&a, ip("127.0.0.1")).unwrap();
+        v6.busy.store(1, Ordering::SeqCst);
+        v4.busy.store(1, Ordering::SeqCst);
+        assert!(Admission::admit(&a, ip("127.0.0.1")).is_err(), "one address, whichever way it is written");
+        assert_eq!(a.held_by(ip("127.0.0.1")), 2);
+    }
 
     #[test]
     fn token_comparison() {

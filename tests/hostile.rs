@@ -1,0 +1,243 @@
+//! The service in a hostile world, attacked over loopback as any pod of a cluster without a
+//! default-deny NetworkPolicy could attack it. Every loop here is bounded in count and time,
+//! and every address is on 127.0.0.0/8: the attackers bind source addresses of that range
+//! (127.0.0.2, 127.0.1.x) so the agent sees other clients than the readiness probe (127.0.0.1).
+
+mod common;
+
+use common::*;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
+use std::os::fd::FromRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "tok-hostile-0123456789abcdef";
+
+struct Agent {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+    _bus: PrivateBus,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The service over the healthy 8-GPU fixture and fake NVML, on a port the kernel picks, once
+/// `/healthz` answers with a snapshot behind it. None: a skip (no dbus-daemon).
+fn start() -> Option<Agent> {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n[probes]\nat_boot = \"none\"\n",
+            dir.path().join("state").display(),
+            token.display()
+        ),
+    )
+    .unwrap();
+    let bus = PrivateBus::start(HEALTHY_UNITS)?;
+    let mut child = serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let port = listening_port(&mut child).expect("the agent listens");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while healthz(port, Duration::from_secs(2)).is_none_or(|(code, _)| code == 503) {
+        assert!(Instant::now() < deadline, "the agent never published a snapshot");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Some(Agent { child, port, _dir: dir, _bus: bus })
+}
+
+/// A TCP connection to 127.0.0.1:`port` from source address `from` (any of 127.0.0.0/8).
+fn connect_from(from: Ipv4Addr, port: u16) -> std::io::Result<TcpStream> {
+    let sockaddr = |a: SocketAddrV4| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(*a.ip()).to_be() },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket calls on a descriptor this function owns; the sockaddr_in values
+    // live across the calls; on failure the descriptor is closed before returning.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let src = sockaddr(SocketAddrV4::new(from, 0));
+        let dst = sockaddr(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
+        if libc::bind(fd, (&src as *const libc::sockaddr_in).cast(), len) != 0
+            || libc::connect(fd, (&dst as *const libc::sockaddr_in).cast(), len) != 0
+        {
+            let e = std::io::Error::last_os_error();
+            libc::close(fd);
+            return Err(e);
+        }
+        Ok(TcpStream::from_raw_fd(fd))
+    }
+}
+
+/// GET /healthz from 127.0.0.1 within `limit`: (status, how long it took), or None.
+fn healthz(port: u16, limit: Duration) -> Option<(u16, Duration)> {
+    let t = Instant::now();
+    let mut s = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), limit).ok()?;
+    s.set_read_timeout(Some(limit.saturating_sub(t.elapsed()).max(Duration::from_millis(1)))).ok()?;
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: vm\r\nConnection: close\r\n\r\n").ok()?;
+    let mut r = String::new();
+    s.read_to_string(&mut r).ok()?;
+    let code = r.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, t.elapsed()))
+}
+
+/// The agent's resident memory, from /proc.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+}
+
+/// What one hostile connection does.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// Connects and sends nothing.
+    Idle,
+    /// Sends half a request head, then nothing (slowloris).
+    Partial,
+    /// Sends a whole request every 4 s on one kept-alive connection.
+    KeepAlive,
+}
+
+/// `n` hostile connections from `from`, kept up for `run_for`: each one the agent closes is
+/// opened again at once (the churn that kept the old server locked out). Returns how many
+/// connections it opened in all.
+fn attack(from: Ipv4Addr, port: u16, n: usize, run_for: Duration) -> std::thread::JoinHandle<usize> {
+    std::thread::spawn(move || {
+        let kinds = [Kind::Idle, Kind::Partial, Kind::KeepAlive];
+        let open = |kind: Kind| -> Option<(TcpStream, Instant)> {
+            let mut s = connect_from(from, port).ok()?;
+            s.set_nonblocking(true).ok()?;
+            match kind {
+                Kind::Idle => {}
+                Kind::Partial => {
+                    let _ = s.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n");
+                }
+                Kind::KeepAlive => {
+                    let _ = s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+                }
+            }
+            Some((s, Instant::now()))
+        };
+        let mut conns: Vec<(Kind, Option<(TcpStream, Instant)>)> =
+            (0..n).map(|i| (kinds[i % 3], open(kinds[i % 3]))).collect();
+        let mut opened = n;
+        let end = Instant::now() + run_for;
+        let mut buf = [0u8; 4096];
+        while Instant::now() < end {
+            for (kind, conn) in conns.iter_mut() {
+                let closed = match conn {
+                    None => true,
+                    Some((s, last)) => {
+                        let closed = match s.read(&mut buf) {
+                            Ok(0) => true,
+                            Ok(_) => false,
+                            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+                        };
+                        if !closed && *kind == Kind::KeepAlive && last.elapsed() >= Duration::from_secs(4) {
+                            let _ = s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+                            *last = Instant::now();
+                        }
+                        closed
+                    }
+                };
+                if closed {
+                    *conn = open(*kind);
+                    opened += 1;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        opened
+    })
+}
+
+/// Probes /healthz every 200 ms for `run_for`; returns (probes, the slowest, failures).
+fn probe_healthz(port: u16, run_for: Duration) -> (usize, Duration, Vec<String>) {
+    let (mut probes, mut slowest, mut failures) = (0, Duration::ZERO, vec![]);
+    let end = Instant::now() + run_for;
+    while Instant::now() < end {
+        let at = Instant::now();
+        match healthz(port, Duration::from_secs(1)) {
+            Some((200, took)) => slowest = slowest.max(took),
+            other => failures.push(format!("probe {probes}: {other:?} after {:.2?}", at.elapsed())),
+        }
+        probes += 1;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    (probes, slowest, failures)
+}
+
+fn raise_fd_limit() {
+    // SAFETY: getrlimit/setrlimit on a local struct.
+    unsafe {
+        let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 {
+            l.rlim_cur = l.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        }
+    }
+}
+
+/// The bar of issue #14: 1,000 hostile connections from one address (idle, half-sent and
+/// kept-alive, reopened as soon as they are closed) for 60 s; `/healthz` from another address
+/// answers 200 within 1 s every time, and the agent's memory stays bounded.
+#[test]
+fn a_thousand_connections_from_one_address_never_lock_out_healthz() {
+    raise_fd_limit();
+    let Some(agent) = start() else { return };
+    let rss_before = rss_kib(agent.child.id());
+    let run_for = Duration::from_secs(60);
+    let attacker = attack(Ipv4Addr::new(127, 0, 0, 2), agent.port, 1000, run_for);
+    std::thread::sleep(Duration::from_millis(500)); // the first thousand are in
+    let (probes, slowest, failures) = probe_healthz(agent.port, run_for - Duration::from_millis(500));
+    let opened = attacker.join().unwrap();
+    let rss_after = rss_kib(agent.child.id());
+    eprintln!(
+        "{probes} probes, slowest {slowest:.2?}; the attacker opened {opened} connections; agent RSS {rss_before} → {rss_after} KiB"
+    );
+    assert!(failures.is_empty(), "/healthz failed {} of {probes} times: {failures:#?}", failures.len());
+    assert!(probes >= 200, "only {probes} probes ran");
+    // Bounded: the connection table holds at most MAX_CONNECTIONS, each with a 16 KiB buffer.
+    assert!(rss_after < rss_before + 64 * 1024, "RSS grew from {rss_before} to {rss_after} KiB");
+}
+
+/// Many addresses together fill the table (a botnet of pods): a newcomer still gets in, in
+/// place of an idle connection.
+#[test]
+fn a_full_table_of_idle_connections_makes_room_for_healthz() {
+    raise_fd_limit();
+    let Some(agent) = start() else { return };
+    let total = phq_agent::serve::http::MAX_CONNECTIONS + 44;
+    let mut held = vec![];
+    for i in 0..total {
+        let from = Ipv4Addr::new(127, 0, 1 + (i / 250) as u8, 1 + (i % 250) as u8);
+        if let Ok(s) = connect_from(from, agent.port) {
+            held.push(s);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300)); // all accepted and registered
+    for n in 0..10 {
+        let got = healthz(agent.port, Duration::from_secs(1));
+        assert!(matches!(got, Some((200, _))), "probe {n} with {} idle connections held: {got:?}", held.len());
+    }
+}
