@@ -250,7 +250,7 @@ impl Admission {
         } else if t.open.len() >= this.max_total {
             // Full: the address holding the most gives up an idle connection.
             let mut peers: Vec<(usize, IpAddr)> = t.by_peer.iter().map(|(p, ids)| (ids.len(), *p)).collect();
-            peers.sort_by(|a, b| b.0.cmp(&a.0));
+            peers.sort_by_key(|p| std::cmp::Reverse(p.0));
             let id = peers.iter().find_map(|(_, p)| t.idle_of(p)).ok_or("every connection is busy")?;
             t.evict(id);
         }
