@@ -111,6 +111,8 @@ fn ready_after_the_first_snapshot_then_serves_with_credentials_only() {
         assert_eq!(code, 401, "{path} with a wrong token");
         assert!(r.to_ascii_lowercase().contains("www-authenticate: bearer"));
     }
+    // The scheme is case-insensitive (RFC 9110 §11.1).
+    assert_eq!(get(a.port, "/metrics", &format!("Authorization: bearer {TOKEN}\r\n")).0, 200);
     let (code, r) = get(a.port, "/v1/status", &auth());
     assert_eq!(code, 200);
     let report: Value = serde_json::from_str(body(&r)).unwrap();

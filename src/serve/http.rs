@@ -302,17 +302,20 @@ fn refusal(p: &Published, headers: &HeaderMap, cert: ClientCert) -> Option<Respo
     let Some(expected) = p.token.as_deref() else {
         return Some(plain(StatusCode::SERVICE_UNAVAILABLE, "no token configured: see http.token_file\n"));
     };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer).unwrap_or("");
     if constant_time_eq(given.trim().as_bytes(), expected.as_bytes()) {
         return None;
     }
     let mut r = plain(StatusCode::UNAUTHORIZED, "unauthorized\n");
     r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
     Some(r)
+}
+
+/// The token of an `Authorization: Bearer <token>` value. The scheme is case-insensitive
+/// (RFC 9110 §11.1: "bearer", "BEARER" and "Bearer" are one scheme).
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
 }
 
 /// Compares without an early exit, so the time taken says nothing about where a guess went
@@ -425,6 +428,15 @@ mod tests {
         v4.busy.store(1, Ordering::SeqCst);
         assert!(Admission::admit(&a, ip("127.0.0.1")).is_err(), "one address, whichever way it is written");
         assert_eq!(a.held_by(ip("127.0.0.1")), 2);
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer abc"), Some("abc"));
+        assert_eq!(bearer("BEARER  abc"), Some(" abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearerabc"), None);
     }
 
     #[test]

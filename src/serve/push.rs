@@ -15,7 +15,16 @@
 //!    of agents does not hammer a recovering platform in step.
 //! 6. A 4xx other than 408/429 is a refusal, not an outage: a refused event is moved to
 //!    `spool/refused/` (kept, logged, never silently dropped) so it cannot block the queue.
-//! 7. The spool is bounded at `MAX_SPOOLED` events; past that, new events are still written
+//! 7. Redirects are never followed. A 3xx is an error, retried and logged, and the event stays
+//!    spooled: following one would turn a POST into a GET (302/303, so a login page's 200
+//!    "accepts" an event that never arrived), send reports and the bearer token to another
+//!    origin (307/308), or downgrade HTTPS to plain HTTP. curl follows none unless told to
+//!    (`-L`), and then drops credentials on a change of host; Go's net/http drops them on a
+//!    change of domain. The platform's URL is configuration: if it moves, change
+//!    `platform.url`.
+//! 8. A `Retry-After` on 429 or 503 (RFC 9110 §10.2.3: seconds, or an HTTP date) is honoured,
+//!    capped at `MAX_RETRY_AFTER`, when it asks for longer than the backoff.
+//! 9. The spool is bounded at `MAX_SPOOLED` events; past that, new events are still written
 //!    (no event is ever dropped) and the overflow is logged once per crossing.
 
 use std::path::{Path, PathBuf};
@@ -23,6 +32,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// The longest wait a platform's `Retry-After` can impose.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(600);
 pub const MAX_SPOOLED: usize = 10_000;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -89,8 +100,9 @@ impl Spool {
 #[derive(Debug, PartialEq, Eq)]
 enum Outcome {
     Accepted,
-    /// Try again later (connection failure, timeout, 5xx, 408, 429).
-    Retry(String),
+    /// Try again later (connection failure, timeout, 5xx, 408, 429, a redirect), not before
+    /// the platform's `Retry-After` when it gave one.
+    Retry(String, Option<Duration>),
     /// The platform refuses this report for good (other 4xx).
     Refused(String),
 }
@@ -107,7 +119,10 @@ pub struct Pusher {
 
 impl Pusher {
     pub fn new(config: &crate::config::PlatformConfig, agent_id: &str, spool: Spool) -> anyhow::Result<Pusher> {
-        let mut builder = reqwest::Client::builder().timeout(REQUEST_TIMEOUT).connect_timeout(REQUEST_TIMEOUT);
+        let mut builder = reqwest::Client::builder()
+            .timeout(REQUEST_TIMEOUT)
+            .connect_timeout(REQUEST_TIMEOUT)
+            .redirect(reqwest::redirect::Policy::none()); // rule 7
         if !config.ca_file.is_empty() {
             let pem = std::fs::read(&config.ca_file)
                 .map_err(|e| anyhow::anyhow!("{} (platform.ca_file): {e}", config.ca_file))?;
@@ -130,7 +145,7 @@ impl Pusher {
         // Read each time: a token rotated on disk is used from the next attempt on.
         let token = match std::fs::read_to_string(&self.token_file) {
             Ok(t) => t.trim().to_string(),
-            Err(e) => return Outcome::Retry(format!("{} (platform.token_file): {e}", self.token_file.display())),
+            Err(e) => return Outcome::Retry(format!("{} (platform.token_file): {e}", self.token_file.display()), None),
         };
         let sent = self
             .client
@@ -142,10 +157,23 @@ impl Pusher {
             .send()
             .await;
         match sent {
-            Err(e) => Outcome::Retry(format!("POST {}: {e}", self.url)),
+            Err(e) => Outcome::Retry(format!("POST {}: {e}", self.url), None),
             Ok(r) if r.status().is_success() => Outcome::Accepted,
+            Ok(r) if r.status().is_redirection() => {
+                let to = r.headers().get(reqwest::header::LOCATION).and_then(|v| v.to_str().ok()).unwrap_or("nowhere");
+                Outcome::Retry(
+                    format!(
+                        "POST {}: {} to {to:?}, not followed (set platform.url to where the platform is)",
+                        self.url,
+                        r.status()
+                    ),
+                    None,
+                )
+            }
             Ok(r) if r.status().is_server_error() || r.status() == 408 || r.status() == 429 => {
-                Outcome::Retry(format!("POST {}: {}", self.url, r.status()))
+                let after =
+                    r.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()).and_then(retry_after);
+                Outcome::Retry(format!("POST {}: {}", self.url, r.status()), after)
             }
             Ok(r) => Outcome::Refused(format!("POST {}: {}", self.url, r.status())),
         }
@@ -209,7 +237,7 @@ impl Pusher {
                         st.failing = None;
                         st.last_refusal = None;
                     }
-                    Outcome::Retry(why) => {
+                    Outcome::Retry(why, _) => {
                         let since = st.failing.as_ref().map(|f| f.0).unwrap_or_else(crate::snapshot::Timestamp::now);
                         st.failing = Some((since, why.clone()));
                     }
@@ -226,8 +254,11 @@ impl Pusher {
                         }
                     }
                 }
-                Outcome::Retry(why) => {
+                Outcome::Retry(why, after) => {
                     backoff = (backoff * 2).clamp(Duration::from_millis(500), MAX_BACKOFF);
+                    if let Some(after) = after.filter(|a| *a > backoff) {
+                        backoff = after; // rule 8: jitter takes up to half of it off, as for any wait
+                    }
                     tracing::warn!(seq, retry_in = ?backoff, "platform unreachable: {why}");
                     if spooled.is_none() && pending_status.is_none() {
                         pending_status = Some((seq, body)); // a newer status will replace it
@@ -246,6 +277,31 @@ impl Pusher {
             }
         }
     }
+}
+
+/// A `Retry-After` value (RFC 9110 §10.2.3): delay-seconds or an HTTP date, capped at
+/// `MAX_RETRY_AFTER`; None when it is neither.
+fn retry_after(v: &str) -> Option<Duration> {
+    let wait = match v.trim().parse::<u64>() {
+        Ok(secs) => Duration::from_secs(secs),
+        Err(_) => {
+            let at = humantime::parse_rfc3339_weak(v.trim()).ok().or_else(|| httpdate(v.trim()))?;
+            at.duration_since(std::time::SystemTime::now()).unwrap_or(Duration::ZERO)
+        }
+    };
+    Some(wait.min(MAX_RETRY_AFTER))
+}
+
+/// An IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`), the form RFC 9110 requires senders to use.
+fn httpdate(v: &str) -> Option<std::time::SystemTime> {
+    let mut w = v.split_whitespace();
+    let (_, day, month, year, time, zone) = (w.next()?, w.next()?, w.next()?, w.next()?, w.next()?, w.next()?);
+    if zone != "GMT" || w.next().is_some() {
+        return None;
+    }
+    let months = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+    let month = months.iter().position(|m| *m == month)? + 1;
+    humantime::parse_rfc3339(&format!("{year}-{month:02}-{:02}T{time}Z", day.parse::<u32>().ok()?)).ok()
 }
 
 /// Between half and all of `d`, from the clock's low bits: enough spread that agents that
@@ -314,6 +370,142 @@ mod tests {
             assert!(request.starts_with("POST /v1/agents/vm-1/reports"), "{request}");
             task.abort();
         });
+    }
+
+    /// A platform double for one kind of answer: every request it gets (request line and
+    /// headers) goes to the channel; a POST is answered with `answer`'s head, anything else
+    /// (the GET a followed 302 becomes) with a login page's 200.
+    fn double(answer: String) -> (u16, std::sync::mpsc::Receiver<String>) {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                let (mut head, mut len) = (String::new(), 0usize);
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        len = v.trim().parse().unwrap_or(0);
+                    }
+                    head.push_str(&line);
+                }
+                let mut body = vec![0u8; len];
+                let _ = r.read_exact(&mut body);
+                let answer = if head.starts_with("POST ") { answer.as_str() } else { "HTTP/1.1 200 OK\r\n" };
+                let _ = tx.send(head);
+                let mut conn = conn;
+                let _ = conn.write_all(format!("{answer}Content-Length: 0\r\nConnection: close\r\n\r\n").as_bytes());
+            }
+        });
+        (port, rx)
+    }
+
+    fn pusher_for(url: String, dir: &Path) -> Pusher {
+        std::fs::write(dir.join("token"), "platform-secret\n").unwrap();
+        let config = crate::config::PlatformConfig { url, token_file: dir.join("token"), ..Default::default() };
+        Pusher::new(&config, "vm-1", Spool::open(dir).unwrap()).unwrap()
+    }
+
+    fn deliver_once(p: &Pusher) -> Outcome {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(p.deliver(1, b"{}".to_vec()))
+    }
+
+    /// Every redirect is an error to retry: the event is not sent on, the token goes nowhere
+    /// else, and the POST never becomes a GET.
+    #[test]
+    fn redirects_are_never_followed() {
+        let (elsewhere, elsewhere_got) = double("HTTP/1.1 200 OK\r\n".into());
+        for (status, location) in [
+            ("302 Found", "/login".to_string()),
+            ("303 See Other", "/login".to_string()),
+            ("307 Temporary Redirect", format!("http://127.0.0.1:{elsewhere}/v1/agents/vm-1/reports")),
+            ("308 Permanent Redirect", format!("http://localhost:{elsewhere}/v1/agents/vm-1/reports")),
+        ] {
+            let (port, got) = double(format!("HTTP/1.1 {status}\r\nLocation: {location}\r\n"));
+            let dir = tempfile::tempdir().unwrap();
+            let outcome = deliver_once(&pusher_for(format!("http://127.0.0.1:{port}"), dir.path()));
+            match &outcome {
+                Outcome::Retry(why, None) => assert!(why.contains("not followed") && why.contains(&location), "{why}"),
+                other => panic!("{status}: {other:?}"),
+            }
+            let first = got.recv_timeout(Duration::from_secs(5)).unwrap();
+            assert!(first.starts_with("POST /v1/agents/vm-1/reports"), "{first}");
+            assert!(got.recv_timeout(Duration::from_millis(300)).is_err(), "{status}: a second request followed");
+        }
+        assert!(elsewhere_got.recv_timeout(Duration::from_millis(300)).is_err(), "a report reached another origin");
+    }
+
+    /// An HTTPS platform that redirects to plain HTTP gets nothing sent in clear text.
+    #[test]
+    fn an_https_platform_redirecting_to_http_gets_no_token_in_clear() {
+        let (plain, plain_got) = double("HTTP/1.1 202 Accepted\r\n".into());
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap().self_signed(&key).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (cert_pem, key_pem) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+        std::fs::write(&cert_pem, cert.pem()).unwrap();
+        std::fs::write(&key_pem, key.serialize_pem()).unwrap();
+        let http = crate::config::HttpConfig {
+            tls_cert: cert_pem.display().to_string(),
+            tls_key: key_pem.display().to_string(),
+            ..Default::default()
+        };
+        let acceptor = crate::serve::tls::acceptor(&http).unwrap().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (tx, https_got) = std::sync::mpsc::channel();
+        rt.spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            while let Ok((tcp, _)) = listener.accept().await {
+                let Ok(mut tls) = acceptor.accept(tcp).await else { continue };
+                let mut buf = vec![0u8; 65536];
+                let n = tls.read(&mut buf).await.unwrap_or(0);
+                let _ = tx.send(String::from_utf8_lossy(&buf[..n]).into_owned());
+                let answer = format!(
+                    "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:{plain}/v1/agents/vm-1/reports\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+                let _ = tls.write_all(answer.as_bytes()).await;
+                let _ = tls.shutdown().await;
+            }
+        });
+        std::fs::write(dir.path().join("token"), "platform-secret\n").unwrap();
+        let config = crate::config::PlatformConfig {
+            url: format!("https://localhost:{port}"),
+            token_file: dir.path().join("token"),
+            ca_file: cert_pem.display().to_string(),
+            ..Default::default()
+        };
+        let pusher = Pusher::new(&config, "vm-1", Spool::open(dir.path()).unwrap()).unwrap();
+        let outcome = rt.block_on(pusher.deliver(1, b"{}".to_vec()));
+        assert!(matches!(&outcome, Outcome::Retry(why, _) if why.contains("307")), "{outcome:?}");
+        let got = https_got.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(got.contains("authorization: Bearer platform-secret"), "the HTTPS platform got the token: {got}");
+        assert!(plain_got.recv_timeout(Duration::from_millis(500)).is_err(), "something went out in clear text");
+    }
+
+    #[test]
+    fn retry_after_is_read_as_seconds_or_a_date_and_capped() {
+        assert_eq!(retry_after("120"), Some(Duration::from_secs(120)));
+        assert_eq!(retry_after("86400"), Some(MAX_RETRY_AFTER));
+        assert_eq!(retry_after("Sun, 06 Nov 1994 08:49:37 GMT"), Some(Duration::ZERO), "a date in the past");
+        let soon = httpdate("Tue, 01 Dec 2099 00:00:00 GMT").unwrap();
+        assert!(soon > std::time::SystemTime::now());
+        assert_eq!(retry_after("soon"), None);
+    }
+
+    #[test]
+    fn a_503_with_retry_after_waits_as_asked() {
+        let (port, _got) = double("HTTP/1.1 503 Service Unavailable\r\nRetry-After: 42\r\n".into());
+        let dir = tempfile::tempdir().unwrap();
+        let outcome = deliver_once(&pusher_for(format!("http://127.0.0.1:{port}"), dir.path()));
+        assert!(matches!(outcome, Outcome::Retry(_, Some(d)) if d == Duration::from_secs(42)), "{outcome:?}");
     }
 
     #[test]
