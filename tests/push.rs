@@ -200,8 +200,12 @@ fn status_reports_arrive_with_token_and_idempotency_key() {
     for r in &got {
         assert_eq!(r.path, "/v1/agents/vm-push-test/reports");
         assert_eq!(r.auth, "Bearer platform-secret-0123456789");
-        assert!(r.key.starts_with("vm-push-test:"), "{}", r.key);
-        assert_eq!(r.key, format!("vm-push-test:{}", r.body["seq"]));
+        // {agent_id}:{epoch}:{seq}, the epoch 16 hex digits, new at each start of the agent.
+        let parts: Vec<&str> = r.key.split(':').collect();
+        assert_eq!(parts.len(), 3, "{}", r.key);
+        assert_eq!(parts[0], "vm-push-test");
+        assert!(parts[1].len() == 16 && parts[1].bytes().all(|b| b.is_ascii_hexdigit()), "{}", r.key);
+        assert_eq!(parts[2], r.body["seq"].to_string());
         validate(&r.body);
     }
     assert!(has_status(&got), "a periodic status arrived");

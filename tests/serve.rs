@@ -197,6 +197,9 @@ fn hostile_clients_do_not_stop_healthz() {
         match s.read(&mut buf) {
             Ok(0) => closed += 1,
             Ok(_) => closed += 1, // an error response, then close
+            // Past MAX_PER_PEER, a newer connection from this address took the place of an idle
+            // one; closed with the half-sent head unread, the kernel resets it.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => closed += 1,
             Err(_) => {}
         }
     }

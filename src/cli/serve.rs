@@ -68,6 +68,8 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
     }));
 
     let mut seq = Seq::load(&config.agent.state_dir);
+    // This run's part of every Idempotency-Key (rules in serve::push).
+    let epoch = serve::push::new_epoch();
     let publish = |p: Published| {
         let status = p.summary.clone();
         match shared.write() {
@@ -87,7 +89,7 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
     let spool = if config.platform.url.is_empty() {
         None
     } else {
-        let spool = Spool::open(&config.agent.state_dir)
+        let spool = Spool::open(&config.agent.state_dir, &epoch)
             .with_context(|| format!("{}: cannot open the spool", config.agent.state_dir.display()))?;
         let agent_id = last_report.agent.agent_id.clone();
         let mut pusher = Pusher::new(&config.platform, &agent_id, spool.clone())?;

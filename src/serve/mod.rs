@@ -10,7 +10,8 @@
 //! 4. SIGTERM/SIGINT: `STOPPING=1`, stop accepting, exit 0. SIGHUP: reload config and token;
 //!    an invalid new config is logged and the old one kept.
 //! 5. `seq` grows by one per snapshot and is persisted in `state_dir/seq` (atomic rename), so it
-//!    keeps growing across restarts.
+//!    keeps growing across restarts; a lost or corrupt `seq` file resumes after the highest seq
+//!    in the spool, loudly, never from 0.
 
 pub mod agent_checks;
 pub mod dbus;
@@ -84,9 +85,30 @@ pub struct Seq {
 }
 
 impl Seq {
+    /// Resumes after the higher of `state_dir/seq` and the spool's highest seq. A `seq` file
+    /// that is there but unreadable or not a number is said loudly, never taken for 0: the
+    /// spool (and the epoch in every Idempotency-Key) keeps new numbers from meeting old ones.
     pub fn load(state_dir: &Path) -> Seq {
         let path = state_dir.join("seq");
-        let last = std::fs::read_to_string(&path).ok().and_then(|s| s.trim().parse::<u64>().ok()).unwrap_or(0);
+        let in_file = match std::fs::read_to_string(&path) {
+            Ok(text) => match text.trim().parse::<u64>() {
+                Ok(n) => Some(n),
+                Err(_) => {
+                    tracing::error!(path = %path.display(), content = %text.escape_debug().to_string().chars().take(40).collect::<String>(), "seq file is corrupt; resuming after the highest seq in the spool");
+                    None
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => {
+                tracing::error!(path = %path.display(), error = %e, "seq file is unreadable; resuming after the highest seq in the spool");
+                None
+            }
+        };
+        let spooled = push::Spool::highest_seq(state_dir);
+        if spooled > in_file {
+            tracing::warn!(path = %path.display(), seq_file = ?in_file, spool = ?spooled, "the spool is ahead of the seq file; resuming after the spool");
+        }
+        let last = in_file.max(spooled).unwrap_or(0);
         Seq { path, next: last + 1 }
     }
 
@@ -229,6 +251,31 @@ mod tests {
 
     fn report_of(s: &crate::snapshot::Snapshot) -> report::Report {
         report::build(s, checks::run(s, &Settings::default()), "vm".into(), s.observed_at, 1)
+    }
+
+    #[test]
+    fn a_corrupt_or_lost_seq_file_resumes_after_the_spool_not_at_zero() {
+        let dir = tempfile::tempdir().unwrap();
+        let spool = push::Spool::open(dir.path(), "e1").unwrap();
+        spool.put(41, b"{}").unwrap();
+        spool.put(42, b"{}").unwrap();
+        std::fs::write(dir.path().join("seq"), "\0\0garbage").unwrap();
+        assert_eq!(Seq::load(dir.path()).take(), 43, "corrupt: after the spool");
+        std::fs::remove_file(dir.path().join("seq")).unwrap();
+        assert_eq!(Seq::load(dir.path()).take(), 43, "lost: after the spool");
+        // A refused event still counts: its number was handed out.
+        std::fs::rename(
+            dir.path().join("spool/00000000000000000042-e1.json"),
+            dir.path().join("spool/refused/00000000000000000042-e1.json"),
+        )
+        .unwrap();
+        std::fs::remove_file(dir.path().join("spool/00000000000000000041-e1.json")).unwrap();
+        std::fs::write(dir.path().join("seq"), "7").unwrap();
+        assert_eq!(Seq::load(dir.path()).take(), 43, "behind the spool (a restored VM): after the spool");
+        std::fs::write(dir.path().join("seq"), "100\n").unwrap();
+        let mut seq = Seq::load(dir.path());
+        assert_eq!((seq.take(), seq.take()), (101, 102));
+        assert_eq!(Seq::load(dir.path()).take(), 103, "each number is written down before it is used");
     }
 
     #[test]

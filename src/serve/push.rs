@@ -6,7 +6,10 @@
 //!    `state_dir/spool/<seq>.json`, written to a temporary name, fsynced, renamed, directory
 //!    fsynced — before anything tries to send it, and deleted only after the platform answered
 //!    2xx. A crash between the two sends it again: at least once. `Idempotency-Key:
-//!    {agent_id}:{seq}` lets the platform drop the repeat.
+//!    {agent_id}:{epoch}:{seq}` lets the platform drop the repeat. The epoch is random per start
+//!    of the agent and kept in the spooled file's name, so a repeat keeps its key while a new
+//!    event can never reuse an old one — not after a lost `seq` file, nor after the VM is
+//!    restored from a snapshot and counts the same numbers again.
 //! 3. Events leave in seq order: the oldest spooled event is retried until it is accepted, and
 //!    nothing overtakes it.
 //! 4. Periodic status is latest-wins and never spooled: while the platform is away, a newer
@@ -41,18 +44,50 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct Spool {
     dir: PathBuf,
+    /// This run's epoch: new events are spooled under it.
+    epoch: String,
+}
+
+/// A spooled event: its seq, the epoch it was spooled under, its file.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Spooled {
+    pub seq: u64,
+    pub epoch: String,
+    pub path: PathBuf,
+}
+
+/// A new epoch: 16 hex digits from the kernel's random source (the clock and pid if that
+/// fails, which still differ from any earlier run's).
+pub fn new_epoch() -> String {
+    let mut bytes = [0u8; 8];
+    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes));
+    if random.is_err() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        bytes = (now.as_nanos() as u64 ^ (u64::from(std::process::id()) << 32)).to_le_bytes();
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Spool {
-    pub fn open(state_dir: &Path) -> std::io::Result<Spool> {
+    pub fn open(state_dir: &Path, epoch: &str) -> std::io::Result<Spool> {
         let dir = state_dir.join("spool");
         std::fs::create_dir_all(dir.join("refused"))?;
-        Ok(Spool { dir })
+        Ok(Spool { dir, epoch: epoch.to_string() })
+    }
+
+    pub fn epoch(&self) -> &str {
+        &self.epoch
+    }
+
+    /// The highest seq in the spool, refused events included: where a lost `seq` file resumes.
+    pub fn highest_seq(state_dir: &Path) -> Option<u64> {
+        let dir = state_dir.join("spool");
+        [entries_in(&dir), entries_in(&dir.join("refused"))].into_iter().flatten().map(|e| e.seq).max()
     }
 
     /// Writes an event durably. Returns once it is on disk.
     pub fn put(&self, seq: u64, body: &[u8]) -> std::io::Result<()> {
-        crate::durable::write(&self.dir.join(format!("{seq:020}.json")), body, 0o666)?;
+        crate::durable::write(&self.dir.join(format!("{seq:020}-{}.json", self.epoch)), body, 0o666)?;
         let n = self.len();
         if n == MAX_SPOOLED + 1 {
             tracing::warn!(spooled = n, dir = %self.dir.display(), "the spool passed its bound of {MAX_SPOOLED} events; events are kept, the platform is far behind");
@@ -60,8 +95,8 @@ impl Spool {
         Ok(())
     }
 
-    /// The oldest event: (seq, path).
-    pub fn oldest(&self) -> Option<(u64, PathBuf)> {
+    /// The oldest event.
+    pub fn oldest(&self) -> Option<Spooled> {
         self.entries().into_iter().next()
     }
 
@@ -73,20 +108,8 @@ impl Spool {
         self.len() == 0
     }
 
-    fn entries(&self) -> Vec<(u64, PathBuf)> {
-        let mut v: Vec<(u64, PathBuf)> = std::fs::read_dir(&self.dir)
-            .map(|rd| {
-                rd.filter_map(|e| e.ok())
-                    .filter_map(|e| {
-                        let name = e.file_name().to_string_lossy().into_owned();
-                        let seq = name.strip_suffix(".json")?.parse::<u64>().ok()?;
-                        Some((seq, e.path()))
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+    fn entries(&self) -> Vec<Spooled> {
+        entries_in(&self.dir)
     }
 
     fn refuse(&self, path: &Path) {
@@ -94,6 +117,27 @@ impl Spool {
             let _ = std::fs::rename(path, self.dir.join("refused").join(name));
         }
     }
+}
+
+/// The spooled events in `dir`, oldest first: `<seq>-<epoch>.json`, or `<seq>.json` as spooled
+/// before epochs (epoch `0`).
+fn entries_in(dir: &Path) -> Vec<Spooled> {
+    let mut v: Vec<Spooled> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let stem = name.strip_suffix(".json")?;
+                    let (seq, epoch) = stem.split_once('-').unwrap_or((stem, "0"));
+                    let epoch_ok = !epoch.is_empty() && epoch.bytes().all(|b| b.is_ascii_hexdigit());
+                    epoch_ok.then_some(())?;
+                    Some(Spooled { seq: seq.parse().ok()?, epoch: epoch.to_string(), path: e.path() })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
 }
 
 /// What `deliver` learned from one attempt.
@@ -141,7 +185,7 @@ impl Pusher {
         })
     }
 
-    async fn deliver(&self, seq: u64, body: Vec<u8>) -> Outcome {
+    async fn deliver(&self, seq: u64, epoch: &str, body: Vec<u8>) -> Outcome {
         // Read each time: a token rotated on disk is used from the next attempt on.
         let token = match std::fs::read_to_string(&self.token_file) {
             Ok(t) => t.trim().to_string(),
@@ -151,7 +195,7 @@ impl Pusher {
             .client
             .post(&self.url)
             .bearer_auth(token)
-            .header("Idempotency-Key", format!("{}:{seq}", self.agent_id))
+            .header("Idempotency-Key", format!("{}:{epoch}:{seq}", self.agent_id))
             .header("Content-Type", "application/json")
             .body(body)
             .send()
@@ -202,9 +246,9 @@ impl Pusher {
             if status.has_changed().unwrap_or(false) {
                 pending_status = status.borrow_and_update().clone();
             }
-            let attempt = if let Some((seq, path)) = self.spool.oldest() {
+            let attempt = if let Some(Spooled { seq, epoch, path }) = self.spool.oldest() {
                 match std::fs::read(&path) {
-                    Ok(body) => Some((seq, body, Some(path))),
+                    Ok(body) => Some((seq, epoch, body, Some(path))),
                     Err(e) => {
                         tracing::error!(path = %path.display(), error = %e, "unreadable spooled event; moving it aside");
                         self.spool.refuse(&path);
@@ -212,9 +256,9 @@ impl Pusher {
                     }
                 }
             } else {
-                pending_status.take().map(|(seq, body)| (seq, body, None))
+                pending_status.take().map(|(seq, body)| (seq, self.spool.epoch().to_string(), body, None))
             };
-            let Some((seq, body, spooled)) = attempt else {
+            let Some((seq, epoch, body, spooled)) = attempt else {
                 backoff = Duration::ZERO;
                 tokio::select! {
                     _ = wake.notified() => {}
@@ -229,7 +273,7 @@ impl Pusher {
                 }
                 continue;
             };
-            let outcome = self.deliver(seq, body.clone()).await;
+            let outcome = self.deliver(seq, &epoch, body.clone()).await;
             if let Ok(mut st) = self.state.lock() {
                 match &outcome {
                     Outcome::Accepted => {
@@ -320,18 +364,26 @@ mod tests {
     #[test]
     fn spool_orders_by_seq_and_survives_reopen() {
         let dir = tempfile::tempdir().unwrap();
-        let s = Spool::open(dir.path()).unwrap();
+        let s = Spool::open(dir.path(), "00aa").unwrap();
         s.put(10, b"ten").unwrap();
         s.put(9, b"nine").unwrap();
+        // A later run spools under its own epoch; the order is still by seq.
+        let s = Spool::open(dir.path(), "00bb").unwrap();
         s.put(100, b"hundred").unwrap();
-        let s = Spool::open(dir.path()).unwrap();
         assert_eq!(s.len(), 3);
-        let (seq, path) = s.oldest().unwrap();
-        assert_eq!(seq, 9);
-        assert_eq!(std::fs::read(&path).unwrap(), b"nine");
-        s.refuse(&path);
-        assert_eq!(s.oldest().unwrap().0, 10);
-        assert!(dir.path().join("spool/refused/00000000000000000009.json").exists());
+        let oldest = s.oldest().unwrap();
+        assert_eq!((oldest.seq, oldest.epoch.as_str()), (9, "00aa"), "a repeat keeps the epoch it was spooled under");
+        assert_eq!(std::fs::read(&oldest.path).unwrap(), b"nine");
+        s.refuse(&oldest.path);
+        assert_eq!(s.oldest().unwrap().seq, 10);
+        assert!(dir.path().join("spool/refused/00000000000000000009-00aa.json").exists());
+        assert_eq!(Spool::highest_seq(dir.path()), Some(100));
+        // Files spooled before epochs existed are still sent (epoch 0); strangers are ignored.
+        std::fs::write(dir.path().join("spool/00000000000000000001.json"), b"old").unwrap();
+        std::fs::write(dir.path().join("spool/notes.json"), b"?").unwrap();
+        std::fs::write(dir.path().join("spool/00000000000000000002-zz.json"), b"?").unwrap();
+        let oldest = s.oldest().unwrap();
+        assert_eq!((oldest.seq, oldest.epoch.as_str(), s.len()), (1, "0", 3));
     }
 
     /// A status sent while the pusher is idle, waiting, is delivered (it once waited for the
@@ -357,7 +409,7 @@ mod tests {
             token_file: dir.path().join("token"),
             ..Default::default()
         };
-        let pusher = Pusher::new(&config, "vm-1", Spool::open(dir.path()).unwrap()).unwrap();
+        let pusher = Pusher::new(&config, "vm-1", Spool::open(dir.path(), "e1").unwrap()).unwrap();
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let (status_tx, status_rx) = tokio::sync::watch::channel(None);
@@ -408,12 +460,12 @@ mod tests {
     fn pusher_for(url: String, dir: &Path) -> Pusher {
         std::fs::write(dir.join("token"), "platform-secret\n").unwrap();
         let config = crate::config::PlatformConfig { url, token_file: dir.join("token"), ..Default::default() };
-        Pusher::new(&config, "vm-1", Spool::open(dir).unwrap()).unwrap()
+        Pusher::new(&config, "vm-1", Spool::open(dir, "e1").unwrap()).unwrap()
     }
 
     fn deliver_once(p: &Pusher) -> Outcome {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(p.deliver(1, b"{}".to_vec()))
+        rt.block_on(p.deliver(1, "e1", b"{}".to_vec()))
     }
 
     /// Every redirect is an error to retry: the event is not sent on, the token goes nowhere
@@ -482,8 +534,8 @@ mod tests {
             ca_file: cert_pem.display().to_string(),
             ..Default::default()
         };
-        let pusher = Pusher::new(&config, "vm-1", Spool::open(dir.path()).unwrap()).unwrap();
-        let outcome = rt.block_on(pusher.deliver(1, b"{}".to_vec()));
+        let pusher = Pusher::new(&config, "vm-1", Spool::open(dir.path(), "e1").unwrap()).unwrap();
+        let outcome = rt.block_on(pusher.deliver(1, "e1", b"{}".to_vec()));
         assert!(matches!(&outcome, Outcome::Retry(why, _) if why.contains("307")), "{outcome:?}");
         let got = https_got.recv_timeout(Duration::from_secs(5)).unwrap();
         assert!(got.contains("authorization: Bearer platform-secret"), "the HTTPS platform got the token: {got}");
