@@ -169,11 +169,21 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
 }
 
+/// A configuration file is text of at most this size.
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// A configuration file's text: a regular file (a FIFO would hang the agent), at most
+/// `MAX_CONFIG_BYTES`, UTF-8.
+fn read_file(path: &Path) -> std::io::Result<String> {
+    let bytes = crate::sysroot::read_regular(path, false, MAX_CONFIG_BYTES)?;
+    String::from_utf8(bytes).map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "is not UTF-8 text"))
+}
+
 /// Loads `path` and the drop-ins beside it. A missing file is fine when `path` is the default
 /// (a fresh machine has none); a missing file named on the command line is an error.
 pub fn load(path: &Path, must_exist: bool) -> Result<Config, ConfigError> {
     let mut files = Vec::new();
-    match std::fs::read_to_string(path) {
+    match read_file(path) {
         Ok(text) => files.push((path.to_path_buf(), text)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !must_exist => {}
         Err(source) => return Err(ConfigError::Read { path: path.to_path_buf(), source }),
@@ -181,14 +191,18 @@ pub fn load(path: &Path, must_exist: bool) -> Result<Config, ConfigError> {
     let dropins = path.parent().unwrap_or(Path::new(".")).join("config.d");
     match std::fs::read_dir(&dropins) {
         Ok(entries) => {
+            // As systemd reads its drop-in directories (conf-files.c): `*.toml` names only,
+            // hidden and backup files skipped, and anything that is not a regular file (a FIFO,
+            // a device, a link to /dev/null) passed over rather than read.
             let mut names: Vec<PathBuf> = entries
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+                .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+                .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file()))
                 .collect();
             names.sort();
             for p in names {
-                let text =
-                    std::fs::read_to_string(&p).map_err(|source| ConfigError::Read { path: p.clone(), source })?;
+                let text = read_file(&p).map_err(|source| ConfigError::Read { path: p.clone(), source })?;
                 files.push((p, text));
             }
         }
@@ -357,6 +371,31 @@ mod tests {
         assert!(e.contains("u32") || e.contains("integer"), "{e}");
         let e = one("[platform]\ninterval = \"soon\"\n").unwrap_err().to_string();
         assert!(e.contains("platform.interval") && e.contains("duration"), "{e}");
+    }
+
+    #[test]
+    fn hidden_and_non_regular_dropins_are_passed_over_and_a_fifo_config_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let main = dir.path().join("config.toml");
+        std::fs::write(&main, "[agent]\nexpected_gpus = 2\n").unwrap();
+        let d = dir.path().join("config.d");
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join("10-real.toml"), "[agent]\nexpected_gpus = 4\n").unwrap();
+        std::fs::write(d.join(".20-hidden.toml"), "[agent]\nexpected_gpus = 5\n").unwrap();
+        let fifo = |p: &Path| {
+            let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+            // SAFETY: mkfifo with a valid C string.
+            assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        };
+        fifo(&d.join("30-fifo.toml"));
+        std::os::unix::fs::symlink("/dev/null", d.join("40-masked.toml")).unwrap();
+        let c = load(&main, true).unwrap();
+        assert_eq!(c.agent.expected_gpus, Some(4));
+        // The main file itself must be one: a FIFO there is a clear error, at once.
+        let other = dir.path().join("other.toml");
+        fifo(&other);
+        let e = load(&other, true).unwrap_err().to_string();
+        assert!(e.contains("other.toml") && e.contains("FIFO"), "{e}");
     }
 
     #[test]

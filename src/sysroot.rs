@@ -18,6 +18,54 @@ use std::sync::Mutex;
 /// fixture (or a hostile tree) must not make the agent allocate without bound.
 pub const MAX_FILE_BYTES: u64 = 4 << 20;
 
+/// Opens `path` for reading only if it is a regular file. It is opened non-blocking, so a FIFO
+/// planted where a file should be (`/proc/uptime` in a tree, a token, a drop-in) is refused at
+/// once instead of hanging the agent until a writer comes, and a character device (`/dev/zero`
+/// as a token) is refused instead of read without end. `nofollow`: a symlink in the last
+/// component is refused too (`O_NOFOLLOW`), for files that root opens in a directory another
+/// user can write.
+pub fn open_regular(path: &Path, nofollow: bool) -> io::Result<(File, fs::Metadata)> {
+    let flags = libc::O_NONBLOCK | libc::O_CLOEXEC | if nofollow { libc::O_NOFOLLOW } else { 0 };
+    let file = fs::OpenOptions::new().read(true).custom_flags(flags).open(path).map_err(|e| {
+        if nofollow && e.raw_os_error() == Some(libc::ELOOP) {
+            io::Error::new(io::ErrorKind::InvalidInput, "is a symbolic link; refusing to follow it")
+        } else {
+            e
+        }
+    })?;
+    let meta = file.metadata()?;
+    let ft = meta.file_type();
+    if !ft.is_file() {
+        let what = if ft.is_fifo() {
+            "a FIFO"
+        } else if ft.is_char_device() {
+            "a character device"
+        } else if ft.is_block_device() {
+            "a block device"
+        } else if ft.is_socket() {
+            "a socket"
+        } else if ft.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file"
+        };
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("is {what}, not a regular file")));
+    }
+    Ok((file, meta))
+}
+
+/// Reads a regular file (see `open_regular`) of at most `max` bytes; a larger one is an error,
+/// not a silent truncation.
+pub fn read_regular(path: &Path, nofollow: bool, max: u64) -> io::Result<Vec<u8>> {
+    let (file, _) = open_regular(path, nofollow)?;
+    let mut buf = Vec::new();
+    file.take(max + 1).read_to_end(&mut buf)?;
+    if buf.len() as u64 > max {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("is larger than {max} bytes")));
+    }
+    Ok(buf)
+}
+
 /// How many symlinks one lookup may follow before it is declared a loop (as Linux's ELOOP).
 const MAX_SYMLINK_HOPS: usize = 40;
 
@@ -128,7 +176,7 @@ impl Sysroot {
     pub fn read_bytes(&self, rel: &str) -> Result<Vec<u8>, PathError> {
         let err = |source| PathError { path: Self::display(rel), source };
         let path = self.resolve(rel)?;
-        let file = File::open(&path).map_err(err)?;
+        let (file, _) = open_regular(&path, false).map_err(err)?;
         let mut buf = Vec::new();
         file.take(MAX_FILE_BYTES).read_to_end(&mut buf).map_err(err)?;
         self.record(Recorded::File { path: rel.to_string(), contents: buf.clone() });
@@ -253,6 +301,27 @@ fn components(path: &str) -> Vec<String> {
 mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
+
+    #[test]
+    fn a_fifo_or_a_device_where_a_file_should_be_is_an_error_not_a_hang() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("proc")).unwrap();
+        let fifo = dir.path().join("proc/uptime");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo with a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        let root = Sysroot::new(dir.path());
+        let e = root.read_string("/proc/uptime").unwrap_err();
+        assert!(e.to_string().contains("/proc/uptime") && e.to_string().contains("FIFO"), "{e}");
+        let e = read_regular(Path::new("/dev/zero"), true, 64).unwrap_err();
+        assert!(e.to_string().contains("character device"), "{e}");
+        std::fs::write(dir.path().join("big"), [b'x'; 100]).unwrap();
+        assert!(read_regular(&dir.path().join("big"), true, 99).unwrap_err().to_string().contains("larger than 99"));
+        assert_eq!(read_regular(&dir.path().join("big"), true, 100).unwrap().len(), 100);
+        std::os::unix::fs::symlink(dir.path().join("big"), dir.path().join("link")).unwrap();
+        assert!(read_regular(&dir.path().join("link"), true, 100).unwrap_err().to_string().contains("symbolic link"));
+        assert_eq!(read_regular(&dir.path().join("link"), false, 100).unwrap().len(), 100);
+    }
 
     #[test]
     fn absolute_links_stay_inside_the_root() {

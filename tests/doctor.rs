@@ -241,6 +241,38 @@ fn bundle_round_trips_to_the_same_findings() {
     ]);
     assert_eq!(first.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&first.stderr).contains("bundle written to"));
+    // It holds the kernel log: the owner's alone.
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&bundle).unwrap().permissions().mode() & 0o777, 0o600);
+    // Never over an existing file, nor through a link planted at the name.
+    let again_to_same = phq(&[
+        "doctor",
+        "--json",
+        "--sysroot",
+        root.to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+        "--bundle",
+        bundle.to_str().unwrap(),
+    ]);
+    assert_eq!(again_to_same.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&again_to_same.stderr).contains("already exists"));
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "precious").unwrap();
+    let planted = dir.path().join("planted.tar.gz");
+    std::os::unix::fs::symlink(&victim, &planted).unwrap();
+    let through_link = phq(&[
+        "doctor",
+        "--json",
+        "--sysroot",
+        root.to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+        "--bundle",
+        planted.to_str().unwrap(),
+    ]);
+    assert_eq!(through_link.status.code(), Some(3));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
     let again = phq(&["doctor", "--json", "--from", bundle.to_str().unwrap(), "--config", cfg.to_str().unwrap()]);
     assert_eq!(again.status.code(), Some(2), "{}", String::from_utf8_lossy(&again.stderr));
     let (a, b): (Value, Value) =
@@ -266,6 +298,40 @@ fn bundle_round_trips_to_the_same_findings() {
     }
     let nvrm = Command::new("tar").arg("xzOf").arg(&bundle).arg("nvrm.log").output().unwrap();
     assert!(String::from_utf8_lossy(&nvrm.stdout).contains("NVRM: BAR1 is 0M @ 0x0 (PCI:0000:0a:00.0)"));
+}
+
+/// A hostile bundle: a GNU long-name entry that says it is 256 MiB long (zeros, a few hundred
+/// KiB compressed) before snapshot.json. The tar crate would read it whole into memory; the
+/// reader refuses it past 1 MiB, at once.
+#[test]
+fn a_bundle_with_a_huge_tar_header_extension_is_refused_in_bounded_memory() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("hostile.tar.gz");
+    let gz = flate2::write::GzEncoder::new(std::fs::File::create(&path).unwrap(), flate2::Compression::fast());
+    let mut tar = tar::Builder::new(gz);
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::GNULongName);
+    const LONG: u64 = 256 << 20;
+    h.set_size(LONG);
+    h.set_cksum();
+    let zeros = std::io::Read::take(std::io::repeat(0), LONG);
+    tar.append_data(&mut h, "././@LongLink", zeros).unwrap();
+    let mut h = tar::Header::new_gnu();
+    h.set_size(2);
+    h.set_cksum();
+    tar.append_data(&mut h, "snapshot.json", &b"{}"[..]).unwrap();
+    tar.into_inner().unwrap().finish().unwrap().flush().unwrap();
+
+    let out = phq(&["doctor", "--from", path.to_str().unwrap(), "--config", config("empty").to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("hostile.tar.gz") && err.contains("tar header extension"), "{err}");
+    // Every child waited for so far, this one included: the largest resident set among them.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage fills the struct we own.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) }, 0);
+    assert!(usage.ru_maxrss < 128 * 1024, "a child of this test reached {} KiB", usage.ru_maxrss);
 }
 
 #[test]

@@ -241,3 +241,156 @@ fn a_full_table_of_idle_connections_makes_room_for_healthz() {
         assert!(matches!(got, Some((200, _))), "probe {n} with {} idle connections held: {got:?}", held.len());
     }
 }
+
+fn mkfifo(path: &std::path::Path) {
+    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a valid C string.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0, "mkfifo {}", path.display());
+}
+
+/// Waits for `child` at most `limit`; kills it and fails if it is still running.
+fn wait_at_most(child: &mut Child, limit: Duration, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A FIFO where a file should be (in the tree doctor reads, as the service's token) is a clear
+/// error at once: opened blocking, it would wait for a writer that never comes.
+#[test]
+fn a_fifo_where_a_file_should_be_is_an_error_not_a_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let status = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
+        .arg(&root)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    mkfifo(&root.join("proc/uptime")); // the fixture has none; the agent reads it
+    std::fs::remove_file(root.join("proc/modules")).unwrap();
+    mkfifo(&root.join("proc/modules"));
+    let mut doctor = std::process::Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(["doctor", "--json", "--sysroot"])
+        .arg(&root)
+        .arg("--config")
+        .arg(repo().join("tests/fixtures/config/empty/config.toml"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_at_most(&mut doctor, Duration::from_secs(30), "doctor over a tree with a FIFO at /proc/uptime");
+
+    let token = dir.path().join("token");
+    mkfifo(&token);
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n",
+            dir.path().join("state").display(),
+            token.display()
+        ),
+    )
+    .unwrap();
+    let mut serve = std::process::Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .arg("--sysroot")
+        .arg(repo().join("tests/fixtures/sysroots/no-gpu"))
+        .env_remove("NOTIFY_SOCKET")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_at_most(&mut serve, Duration::from_secs(30), "serve with a FIFO as its token");
+    let mut err = String::new();
+    serve.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert_eq!(status.code(), Some(3), "{err}");
+    assert!(err.contains("token") && err.contains("FIFO"), "{err}");
+}
+
+/// `phq-agent token` runs as root before the service starts. A link planted where a token file
+/// should be (the directory may be one the service's user can write) is refused, and its target
+/// is neither chowned nor chmodded nor written.
+#[test]
+fn token_never_follows_a_planted_symlink() {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, "precious\n").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let token = dir.path().join("token");
+    std::os::unix::fs::symlink(&victim, &token).unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[http]\ntoken_file = \"{}\"\n[platform]\ntoken_file = \"{}\"\n",
+            token.display(),
+            dir.path().join("platform-token").display()
+        ),
+    )
+    .unwrap();
+    // The user running the test owns everything here, so the hand-over would be allowed.
+    // SAFETY: getpwuid returns a pointer into static storage, read at once.
+    let me =
+        unsafe { std::ffi::CStr::from_ptr((*libc::getpwuid(libc::geteuid())).pw_name) }.to_str().unwrap().to_string();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(["token", "--owner", &me, "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("symbolic link"), "{err}");
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(&victim).unwrap();
+    assert_eq!((meta.mode() & 0o777, std::fs::read_to_string(&victim).unwrap().as_str()), (0o644, "precious\n"));
+}
+
+/// A stop asked for while the first snapshot is still being taken (NVML attaching GPUs, here
+/// 30 s of it) is obeyed at once, not after the snapshot.
+#[test]
+fn sigterm_during_a_slow_first_snapshot_stops_at_once() {
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut s: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("examples/scenarios/hgx-8gpu-healthy.json")).unwrap(),
+    )
+    .unwrap();
+    s["init_delay_ms"] = 30_000.into();
+    let scenario = dir.path().join("slow.json");
+    std::fs::write(&scenario, serde_json::to_vec(&s).unwrap()).unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n",
+            dir.path().join("state").display(),
+            token.display()
+        ),
+    )
+    .unwrap();
+    let mut child = serve_command(&cfg, &scenario, &bus).spawn().unwrap();
+    listening_port(&mut child).expect("it listens before the first snapshot");
+    std::thread::sleep(Duration::from_millis(300)); // inside nvmlInit_v2 now
+    let asked = Instant::now();
+    // SAFETY: kill on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = wait_at_most(&mut child, Duration::from_secs(10), "serve after SIGTERM");
+    assert_eq!(status.code(), Some(0));
+    eprintln!("stopped {:.2?} after SIGTERM, during a 30 s first snapshot", asked.elapsed());
+}

@@ -22,7 +22,11 @@ impl Serve {
             .enable_all()
             .build()
             .context("cannot start the async runtime")?;
-        runtime.block_on(run(g, &self.machine))
+        let code = runtime.block_on(run(g, &self.machine));
+        // A snapshot still running on the blocking pool (a stop during the first one) is not
+        // waited for: the process is ending.
+        runtime.shutdown_background();
+        code
     }
 }
 
@@ -80,7 +84,13 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
     };
     let snap = |inputs: Inputs, n: u64| tokio::task::spawn_blocking(move || serve::take_snapshot(&inputs, n));
 
-    let (first, mut last_report) = snap(inputs.clone(), seq.take()).await.context("the first snapshot failed")?;
+    // Signals are served from the start: a stop during the first snapshot (NVML attaching
+    // eight GPUs, a wedged bus) is not kept waiting for it.
+    let (first, mut last_report) = tokio::select! {
+        taken = snap(inputs.clone(), seq.take()) => taken.context("the first snapshot failed")?,
+        _ = term.recv() => return Ok(stopped_before_ready("SIGTERM")),
+        _ = int.recv() => return Ok(stopped_before_ready("SIGINT")),
+    };
     let status = publish(first);
 
     // Push: events through the spool, status latest-wins (rules in serve::push).
@@ -272,6 +282,13 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
     let _ = server.await;
     tracing::info!("stopped");
     Ok(0)
+}
+
+/// A stop asked for before the first snapshot was ready.
+fn stopped_before_ready(signal: &str) -> i32 {
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    tracing::info!("{signal} before the first snapshot was ready; stopping");
+    0
 }
 
 /// Half of `WatchdogSec`, when systemd set one for this process.

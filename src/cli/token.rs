@@ -35,25 +35,30 @@ impl Token {
             .and_then(|mut f| f.read_exact(&mut bytes))
             .map_err(|e| anyhow::anyhow!("/dev/urandom: {e}"))?;
         let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        crate::durable::write(path, format!("{token}\n").as_bytes(), 0o600)
+        // Owner and mode set on the new file's descriptor before it takes the name: nothing
+        // is ever chowned by path (see durable::write_owned).
+        crate::durable::write_owned(path, format!("{token}\n").as_bytes(), 0o600, Some((uid, gid)))
             .map_err(|e| anyhow::anyhow!("{}: cannot write the token: {e}", path.display()))?;
-        std::os::unix::fs::chown(path, Some(uid), Some(gid))
-            .map_err(|e| anyhow::anyhow!("{}: cannot give the token to {}: {e}", path.display(), self.owner))?;
         eprintln!("phq-agent token: created {} (0600, {})", path.display(), self.owner);
         Ok(0)
     }
 }
 
+/// Gives an existing token file to the service's user, through its descriptor: opened without
+/// following a symlink and only if it is a regular file, so a link planted where the token
+/// should be (`/etc/shadow`) is refused rather than handed over — the tmpfiles(5) `z`/`Z`
+/// rule, which refuses to adjust through symlinks for the same reason.
 fn hand_over(path: &std::path::Path, uid: u32, gid: u32, owner: &str) -> anyhow::Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let meta = std::fs::metadata(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let (file, meta) = crate::sysroot::open_regular(path, true)
+        .map_err(|e| anyhow::anyhow!("{}: {e}; not handing it to {owner}", path.display()))?;
     if meta.uid() != uid || meta.gid() != gid {
-        std::os::unix::fs::chown(path, Some(uid), Some(gid))
+        std::os::unix::fs::fchown(&file, Some(uid), Some(gid))
             .map_err(|e| anyhow::anyhow!("{}: cannot give the token to {owner}: {e}", path.display()))?;
         eprintln!("phq-agent token: {} now belongs to {owner}", path.display());
     }
     if meta.permissions().mode() & 0o077 != 0 {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(|e| anyhow::anyhow!("{}: cannot close the token to other users: {e}", path.display()))?;
         eprintln!("phq-agent token: {} was readable by others; now 0600", path.display());
     }

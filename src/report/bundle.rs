@@ -9,7 +9,14 @@
 //! - `files/…`         every raw file and link the snapshot was built from, laid out like `/`,
 //!   so `doctor --sysroot files/` re-collects from them
 //!
-//! Reading a bundle never extracts it: only `snapshot.json` is read, with a size cap.
+//! Reading a bundle never extracts it: only `snapshot.json` is read, with a size cap. A bundle
+//! comes from elsewhere, so every size in it is bounded: special entries (GNU long names, PAX
+//! headers) are skipped unread and refused past `MAX_SPECIAL_BYTES`, as Go's archive/tar caps
+//! them, and no more than `MAX_SCANNED_BYTES` are decompressed looking for the snapshot.
+//!
+//! A bundle holds the kernel log, which `kernel.dmesg_restrict` keeps from other users: it is
+//! created with mode 0600 and never over an existing file (`O_EXCL`, then a hard link to the
+//! name asked for, which fails rather than replace a file or follow a planted link).
 
 use crate::snapshot::Snapshot;
 use crate::sysroot::Recorded;
@@ -23,6 +30,10 @@ use std::path::Path;
 
 pub const FORMAT: &str = "phq.bundle/v1";
 const MAX_SNAPSHOT_BYTES: u64 = 64 << 20;
+/// Go's archive/tar `maxSpecialFileSize`.
+const MAX_SPECIAL_BYTES: u64 = 1 << 20;
+/// Decompressed bytes read before giving up on finding `snapshot.json` (a gzip bomb's limit).
+const MAX_SCANNED_BYTES: u64 = 256 << 20;
 
 #[derive(Serialize)]
 struct Manifest<'a> {
@@ -35,20 +46,26 @@ struct Manifest<'a> {
 pub fn write(path: &Path, snapshot: &Snapshot, report: &super::Report, recorded: &[Recorded]) -> Result<()> {
     // Write beside the target and rename, so a crash or a full disk never leaves a truncated
     // bundle under the name the user asked for.
-    let tmp = path.with_extension("partial");
-    let result = write_to(&tmp, snapshot, report, recorded);
-    match result {
-        Ok(()) => std::fs::rename(&tmp, path)
-            .with_context(|| format!("{}: cannot move the bundle into place", path.display())),
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            Err(e)
-        }
+    if std::fs::symlink_metadata(path).is_ok() {
+        bail!("{}: already exists; give the bundle a new name", path.display());
     }
+    let tmp = path.with_extension("partial");
+    let result = write_to(&tmp, snapshot, report, recorded).and_then(|()| {
+        std::fs::hard_link(&tmp, path).with_context(|| format!("{}: cannot put the bundle in place", path.display()))
+    });
+    let _ = std::fs::remove_file(&tmp);
+    result
 }
 
 fn write_to(path: &Path, snapshot: &Snapshot, report: &super::Report, recorded: &[Recorded]) -> Result<()> {
-    let file = std::fs::File::create(path).with_context(|| format!("{}: cannot create the bundle", path.display()))?;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .with_context(|| format!("{}: cannot create the bundle", path.display()))?;
     let mut tar = tar::Builder::new(GzEncoder::new(file, flate2::Compression::default()));
     let manifest = Manifest {
         format: FORMAT,
@@ -103,13 +120,35 @@ fn add<W: std::io::Write>(tar: &mut tar::Builder<W>, name: &str, data: &[u8]) ->
 
 /// Reads the snapshot out of a bundle.
 pub fn read_snapshot(path: &Path) -> Result<Snapshot> {
-    let file = std::fs::File::open(path).with_context(|| format!("{}: cannot open the bundle", path.display()))?;
-    let mut archive = tar::Archive::new(GzDecoder::new(file));
-    let entries = archive.entries().with_context(|| format!("{}: not a gzip'd tar bundle", path.display()))?;
+    let (file, _) = crate::sysroot::open_regular(path, false)
+        .with_context(|| format!("{}: cannot open the bundle", path.display()))?;
+    let mut archive = tar::Archive::new(GzDecoder::new(file).take(MAX_SCANNED_BYTES));
+    // Raw: the tar crate would read a GNU long name or PAX header whole into memory to apply it
+    // to the next entry; this reader needs neither (it writes neither), so it skips them.
+    let mut entries = archive.entries().with_context(|| format!("{}: not a gzip'd tar bundle", path.display()))?;
+    entries = entries.raw(true);
     for entry in entries {
         let entry = entry.with_context(|| format!("{}: corrupt bundle", path.display()))?;
-        let name = entry.path().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+        let kind = entry.header().entry_type();
+        let size = entry.header().size().unwrap_or(u64::MAX);
+        if kind.is_gnu_longname()
+            || kind.is_gnu_longlink()
+            || kind.is_pax_global_extensions()
+            || kind.is_pax_local_extensions()
+        {
+            if size > MAX_SPECIAL_BYTES {
+                bail!("{}: a tar header extension of {size} bytes (more than {MAX_SPECIAL_BYTES}); not a phq-agent bundle", path.display());
+            }
+            continue;
+        }
+        let name = String::from_utf8_lossy(&entry.header().path_bytes()).into_owned();
         if name == "snapshot.json" {
+            if size > MAX_SNAPSHOT_BYTES {
+                bail!(
+                    "{}: snapshot.json is {size} bytes, more than a snapshot can be ({MAX_SNAPSHOT_BYTES})",
+                    path.display()
+                );
+            }
             let mut buf = Vec::new();
             entry
                 .take(MAX_SNAPSHOT_BYTES)
@@ -119,5 +158,9 @@ pub fn read_snapshot(path: &Path) -> Result<Snapshot> {
                 .with_context(|| format!("{}: snapshot.json is not a snapshot this agent can read", path.display()));
         }
     }
-    bail!("{}: no snapshot.json in it; is this a phq-agent bundle?", path.display())
+    bail!(
+        "{}: no snapshot.json in its first {} MiB; is this a phq-agent bundle?",
+        path.display(),
+        MAX_SCANNED_BYTES >> 20
+    )
 }

@@ -59,9 +59,15 @@ pub fn current(shared: &Shared) -> Option<Arc<Published>> {
 
 /// Reads the bearer token. A file that group or others can read is refused: the token is the
 /// only thing between the cluster network and the report.
+/// A bearer token is a line of text; anything longer is a mistake, or an attack.
+pub const MAX_TOKEN_BYTES: u64 = 4096;
+
 pub fn read_token(path: &Path) -> anyhow::Result<String> {
     use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    // A regular file of a few bytes, not a FIFO (a hang) or a device (endless bytes); a
+    // symlink is followed, since an operator may point the token at a secret mounted elsewhere.
+    let (file, meta) =
+        crate::sysroot::open_regular(path, false).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
         anyhow::bail!(
@@ -70,8 +76,16 @@ pub fn read_token(path: &Path) -> anyhow::Result<String> {
             path.display()
         );
     }
-    let token =
-        std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?.trim().to_string();
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_TOKEN_BYTES + 1), &mut bytes)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    if bytes.len() as u64 > MAX_TOKEN_BYTES {
+        anyhow::bail!("{}: larger than {MAX_TOKEN_BYTES} bytes; not a token", path.display());
+    }
+    let token = String::from_utf8(bytes)
+        .map_err(|_| anyhow::anyhow!("{}: the token is not text", path.display()))?
+        .trim()
+        .to_string();
     if token.len() < 16 {
         anyhow::bail!("{}: the token is shorter than 16 characters", path.display());
     }

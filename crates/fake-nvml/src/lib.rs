@@ -167,6 +167,9 @@ pub extern "C" fn nvmlInit_v2() -> Ret {
             return nvmlReturn_enum_NVML_ERROR_UNKNOWN;
         }
     };
+    if let Some(ms) = scenario.init_delay_ms {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
     if let Some(e) = &scenario.init_error {
         return code(e);
     }

@@ -10,6 +10,10 @@ use std::collections::BTreeMap;
 #[serde(deny_unknown_fields)]
 pub struct Scenario {
     pub init_error: Option<String>,
+    /// How long `nvmlInit_v2` takes. The real one attaches every GPU, which takes seconds on an
+    /// 8-GPU guest without persistence mode (NVIDIA's driver persistence documentation: with
+    /// no client holding the GPUs, each initialisation sets them up again).
+    pub init_delay_ms: Option<u64>,
     pub driver_version: Option<String>,
     pub nvml_version: Option<String>,
     pub cuda_driver_version: Option<i32>,
