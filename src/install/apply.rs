@@ -363,7 +363,7 @@ fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options)
         Action::Fetch { url, to } => {
             let target = under(&o.root, to);
             if let Some(dir) = target.parent() {
-                std::fs::create_dir_all(dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
+                private_dir(dir).map_err(err)?;
             }
             (o.progress)(&format!("      fetch {url}"));
             let mut last = String::new();
@@ -383,9 +383,13 @@ fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options)
         }
         Action::VerifyKey { file, deb_member, fingerprint } => {
             let path = under(&o.root, file);
+            if let Some(dir) = path.parent() {
+                private_dir(dir).map_err(err)?; // still root's alone, so what is checked is what installs
+            }
             let key = match deb_member {
                 Some(member) => deb_member_bytes(&path, member, runner)?,
-                None => std::fs::read(&path).map_err(|e| err(format!("{}: {e}", path.display())))?,
+                None => crate::sysroot::read_regular(&path, true, 1 << 20)
+                    .map_err(|e| err(format!("{}: {e}", path.display())))?,
             };
             super::pgp::verify(&key, fingerprint)
                 .map_err(|e| err(format!("{file} is not NVIDIA's repository key: {e}; nothing from it was trusted")))?;
@@ -394,6 +398,33 @@ fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options)
         }
         Action::Reboot | Action::Verify => Ok(()),
     }
+}
+
+/// Makes `dir` a directory only this process's user can write (mode 0700), or says why it
+/// cannot be: a symlink, or another user's directory, is refused rather than used.
+fn private_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(format!("{}: {e}", dir.display())),
+        _ => {}
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if !meta.file_type().is_dir() || meta.uid() != me {
+        return Err(format!(
+            "{}: not a directory of uid {me} (a symlink, or another user's); the installer keeps its downloads where only it can write — remove it and rerun",
+            dir.display()
+        ));
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| format!("{}: cannot close it to other users: {e}", dir.display()))?;
+    }
+    Ok(())
 }
 
 fn under(root: &Path, abs: &str) -> PathBuf {
@@ -804,6 +835,30 @@ mod tests {
             "https://developer.download.nvidia.com/compute/cuda/repos/ubuntu2204/x86_64/cuda-keyring_1.1-1_all.deb"
         ));
         assert!(m.ran.is_empty(), "nothing may run after the repository step failed");
+    }
+
+    #[test]
+    fn downloads_go_to_a_directory_only_the_installer_can_write() {
+        use std::os::unix::fs::PermissionsExt;
+        let (dir, p, mut m) = fresh_install(None);
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_ne!(r.state.status, Status::Failed, "{:?}", r.state.error);
+        let downloads = dir.path().join("root").join(plan::DOWNLOAD_DIR.trim_start_matches('/'));
+        assert_eq!(std::fs::metadata(&downloads).unwrap().permissions().mode() & 0o777, 0o700);
+        assert!(downloads.join(plan::CUDA_KEYRING_DEB).is_file());
+        assert!(!plan::DOWNLOAD_DIR.starts_with("/var/lib/phq-agent/"), "never in the service's own directory");
+
+        // A link planted where the directory should be is refused, and nothing is installed.
+        let (dir, p, mut m) = fresh_install(None);
+        let downloads = dir.path().join("root").join(plan::DOWNLOAD_DIR.trim_start_matches('/'));
+        std::fs::create_dir_all(downloads.parent().unwrap()).unwrap();
+        std::fs::create_dir_all(dir.path().join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), &downloads).unwrap();
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::Failed);
+        assert!(r.state.error.as_deref().unwrap().contains("a symlink, or another user's"), "{:?}", r.state.error);
+        assert!(!m.ran.iter().any(|l| l.starts_with("dpkg -i")), "{:#?}", m.ran);
+        assert_eq!(std::fs::read_dir(dir.path().join("elsewhere")).unwrap().count(), 0);
     }
 
     #[test]

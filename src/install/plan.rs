@@ -21,6 +21,11 @@ pub const CUDA_KEYRING_MEMBER: &str = "usr/share/keyrings/cuda-archive-keyring.g
 pub const RHEL_KEY_FILE: &str = "D42D0685.pub";
 pub const RHEL_KEY_PATH: &str = "/etc/pki/rpm-gpg/RPM-GPG-KEY-NVIDIA-CUDA";
 pub const RHEL_REPO_PATH: &str = "/etc/yum.repos.d/cuda-rhel9.repo";
+/// Where the installer downloads what it verifies and installs (the keyring package, the RHEL
+/// key). Root's alone (0700), and outside the service's state directory: the service's user
+/// owns that directory and could swap a verified file for another between the check and
+/// `dpkg -i`, or rename a root-owned subdirectory away and plant its own.
+pub const DOWNLOAD_DIR: &str = "/var/cache/phq-agent-install";
 pub const NOUVEAU_CONF: &str = "/etc/modprobe.d/blacklist-nouveau.conf";
 pub const NOUVEAU_CONF_TEXT: &str = "blacklist nouveau\noptions nouveau modeset=0\n";
 pub const DEBIAN_PIN_PATH: &str = "/etc/apt/preferences.d/phq-nvidia-driver-branch";
@@ -336,7 +341,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     let mut findings = Vec::new();
     let mut steps = Vec::new();
     let packages: &[Package] = f.packages.as_deref().unwrap_or(&[]);
-    let install_dir = format!("{}/install", s.state_dir.trim_end_matches('/'));
+    let install_dir = DOWNLOAD_DIR;
     let cuda_dash = cuda.replace('.', "-");
     let toolkit = format!("cuda-toolkit-{cuda_dash}");
 
@@ -390,7 +395,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     }
 
     // 1. NVIDIA's repository, trusted only once its key is the pinned one.
-    steps.push(repo_step(&distro, f, s, &repo_base, &install_dir));
+    steps.push(repo_step(&distro, f, s, &repo_base, install_dir));
 
     // 2. Kernel headers: DKMS builds the modules against them.
     let headers = if distro.is_deb() {
