@@ -394,3 +394,157 @@ fn sigterm_during_a_slow_first_snapshot_stops_at_once() {
     assert_eq!(status.code(), Some(0));
     eprintln!("stopped {:.2?} after SIGTERM, during a 30 s first snapshot", asked.elapsed());
 }
+
+/// A TCP port on 127.0.0.1 that refuses every connection for as long as the returned socket is
+/// held: bound, never listening, so nothing else can take the port meanwhile.
+fn refusing_port() -> (std::os::fd::OwnedFd, u16) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: socket/bind/getsockname on a descriptor this function owns and hands back.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0);
+        let mut a = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 0,
+            sin_addr: libc::in_addr { s_addr: u32::from(Ipv4Addr::LOCALHOST).to_be() },
+            sin_zero: [0; 8],
+        };
+        let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        assert_eq!(libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len), 0);
+        assert_eq!(libc::getsockname(fd, (&mut a as *mut libc::sockaddr_in).cast(), &mut len), 0);
+        (std::os::fd::OwnedFd::from_raw_fd(fd), u16::from_be(a.sin_port))
+    }
+}
+
+/// The storm of issue #14: 12,000 Xids in 12 s on two GPUs (three codes each) while the
+/// platform refuses every connection. The watchdog keeps being pinged, the spool stays small,
+/// the reports say how many Xids were merged, and every one of the 12,000 is accounted for in
+/// the spooled events' counts once their windows close.
+#[test]
+fn an_xid_storm_with_the_platform_down_keeps_the_watchdog_and_loses_no_xid() {
+    const XIDS: u64 = 12_000;
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let (_held, platform_port) = refusing_port();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("examples/scenarios/hgx-8gpu-healthy.json")).unwrap(),
+    )
+    .unwrap();
+    for (device, codes) in [(3usize, [13u64, 31, 43]), (4, [13, 31, 94])] {
+        s["devices"][device]["xid_events"] = (0..XIDS / 2)
+            .map(|i| serde_json::json!({"xid": codes[(i % 3) as usize], "after_ms": 500 + 2 * i}))
+            .collect();
+    }
+    let scenario = dir.path().join("storm.json");
+    std::fs::write(&scenario, serde_json::to_vec(&s).unwrap()).unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::write(dir.path().join("platform-token"), "platform-secret-0123456789\n").unwrap();
+    let state = dir.path().join("state");
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n[platform]\nurl = \"http://127.0.0.1:{platform_port}\"\ntoken_file = \"{}\"\n[probes]\nat_boot = \"none\"\n",
+            state.display(),
+            token.display(),
+            dir.path().join("platform-token").display()
+        ),
+    )
+    .unwrap();
+    let notify_path = dir.path().join("notify");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    notify.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    const WATCHDOG: Duration = Duration::from_secs(4);
+    let mut child = serve_command(&cfg, &scenario, &bus)
+        .env("NOTIFY_SOCKET", &notify_path)
+        .env("WATCHDOG_USEC", WATCHDOG.as_micros().to_string())
+        .spawn()
+        .unwrap();
+    let _agent = Agent {
+        port: listening_port(&mut child).expect("listens"),
+        child,
+        _dir: tempfile::tempdir().unwrap(),
+        _bus: bus,
+    };
+
+    // Spooled Xids and their counts, as the platform would get them.
+    let spooled = || -> (u64, usize, u64) {
+        let mut counted = 0;
+        let (mut files, mut bytes) = (0, 0);
+        for e in std::fs::read_dir(state.join("spool")).into_iter().flatten().flatten() {
+            if !e.file_name().to_string_lossy().ends_with(".json") {
+                continue;
+            }
+            let body = std::fs::read(e.path()).unwrap_or_default();
+            files += 1;
+            bytes += body.len() as u64;
+            let r: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            if r["event"]["kind"] == "xid" {
+                counted += r["event"]["count"].as_u64().unwrap_or(1);
+            }
+        }
+        (counted, files, bytes)
+    };
+    let (mut ready_at, mut last_ping, mut worst_gap) = (None, None::<Instant>, Duration::ZERO);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut buf = [0u8; 4096];
+    while Instant::now() < deadline {
+        if let Ok(n) = notify.recv(&mut buf) {
+            let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+            if msg.contains("READY=1") {
+                ready_at = Some(Instant::now());
+                last_ping = ready_at;
+            }
+            if msg.contains("WATCHDOG=1") {
+                if let Some(prev) = last_ping {
+                    worst_gap = worst_gap.max(prev.elapsed());
+                }
+                last_ping = Some(Instant::now());
+            }
+        }
+        if let Some(prev) = last_ping {
+            worst_gap = worst_gap.max(prev.elapsed());
+        }
+        if spooled().0 >= XIDS {
+            break;
+        }
+    }
+    let (counted, files, bytes) = spooled();
+    assert!(ready_at.is_some(), "never ready");
+    let xid_events = std::fs::read_dir(state.join("spool"))
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read_to_string(e.path()).is_ok_and(|t| t.contains("\"kind\":\"xid\"")))
+        .count() as u64;
+    // A report from after the storm (SIGHUP takes a snapshot at once) says what was merged.
+    // SAFETY: kill on our own child's pid.
+    unsafe { libc::kill(_agent.child.id() as i32, libc::SIGHUP) };
+    let status = || -> serde_json::Value {
+        let mut s = TcpStream::connect(("127.0.0.1", _agent.port)).unwrap();
+        write!(s, "GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        serde_json::from_str(r.split_once("\r\n\r\n").unwrap().1).unwrap()
+    };
+    let settled = Instant::now() + Duration::from_secs(15);
+    let mut report = status();
+    while report["agent"]["events"]["merged"] != XIDS - xid_events && Instant::now() < settled {
+        std::thread::sleep(Duration::from_millis(200));
+        report = status();
+    }
+    validate(&report);
+    let events = &report["agent"]["events"];
+    eprintln!(
+        "{XIDS} Xids → {files} spooled events ({xid_events} of them Xids), {bytes} bytes; counts sum to {counted}; merged {}, dropped {}; worst watchdog gap {worst_gap:.2?}",
+        events["merged"], events["dropped"]
+    );
+    assert_eq!(counted, XIDS, "every Xid is in some event's count");
+    assert!(files < 200, "{files} events for a storm of repeats");
+    assert!(bytes < 4 << 20, "{bytes} bytes spooled (the bound is 64 MiB; a storm of repeats needs a few KB)");
+    assert_eq!(events["dropped"], 0);
+    assert_eq!(events["merged"], XIDS - xid_events, "each Xid without an event of its own is counted as merged");
+    assert!(worst_gap < WATCHDOG, "the watchdog went {worst_gap:?} without a ping (WatchdogSec {WATCHDOG:?})");
+}

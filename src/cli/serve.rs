@@ -52,6 +52,17 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
     let mut int =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("cannot watch SIGINT")?;
     let mut config = g.load_config()?;
+    // This run's part of every Idempotency-Key (rules in serve::push).
+    let epoch = serve::push::new_epoch();
+    let spool = if config.platform.url.is_empty() {
+        None
+    } else {
+        Some(
+            Spool::open(&config.agent.state_dir, &epoch)
+                .with_context(|| format!("{}: cannot open the spool", config.agent.state_dir.display()))?,
+        )
+    };
+    let counters = Arc::new(serve::EventCounters::default());
     let mut inputs = Inputs {
         sysroot: machine.sysroot.clone(),
         nvml_lib: machine.nvml_lib.clone(),
@@ -60,6 +71,8 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
         started_at: Timestamp::now(),
         probes: None,
         push: Default::default(),
+        events: counters.clone(),
+        spool: spool.clone(),
     };
     let listener = http::listen(config.http.listen)
         .with_context(|| format!("cannot listen on {} (http.listen)", config.http.listen))?;
@@ -72,8 +85,6 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
     }));
 
     let mut seq = Seq::load(&config.agent.state_dir);
-    // This run's part of every Idempotency-Key (rules in serve::push).
-    let epoch = serve::push::new_epoch();
     let publish = |p: Published| {
         let status = p.summary.clone();
         match shared.write() {
@@ -96,17 +107,19 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
     // Push: events through the spool, status latest-wins (rules in serve::push).
     let (status_tx, status_rx) = tokio::sync::watch::channel::<Option<(u64, Vec<u8>)>>(None);
     let wake = Arc::new(tokio::sync::Notify::new());
-    let spool = if config.platform.url.is_empty() {
-        None
-    } else {
-        let spool = Spool::open(&config.agent.state_dir, &epoch)
-            .with_context(|| format!("{}: cannot open the spool", config.agent.state_dir.display()))?;
-        let agent_id = last_report.agent.agent_id.clone();
-        let mut pusher = Pusher::new(&config.platform, &agent_id, spool.clone())?;
-        pusher.state = inputs.push.clone();
-        tokio::spawn(pusher.run(status_rx, wake.clone(), stop_tx.subscribe()));
-        tracing::info!(url = %config.platform.url, spooled = spool.len(), "pushing reports");
-        Some(spool)
+    let writer = match &spool {
+        None => None,
+        Some(spool) => {
+            let agent_id = last_report.agent.agent_id.clone();
+            let mut pusher = Pusher::new(&config.platform, &agent_id, spool.clone())?;
+            pusher.state = inputs.push.clone();
+            tokio::spawn(pusher.run(status_rx, wake.clone(), stop_tx.subscribe()));
+            tracing::info!(url = %config.platform.url, spooled = spool.len(), "pushing reports");
+            Some(
+                serve::SpoolWriter::start(spool.clone(), wake.clone(), counters.clone())
+                    .context("cannot start the spool writer")?,
+            )
+        }
     };
     let push_status = |report: &crate::report::Report| {
         let _ = status_tx.send(Some((report.seq, serde_json::to_vec(report).unwrap_or_default())));
@@ -159,18 +172,15 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
         crate::collect::NvmlSource::Skip(_) => None,
     };
 
-    // Writes an event to the spool before anything else happens with it.
+    // Hands an event, with only what it is about, to the spool writer (rules 6 and 7).
     let spool_event = |seq: &mut Seq, base: &crate::report::Report, event: Event| {
-        let Some(spool) = &spool else { return };
-        let mut r = base.clone();
-        r.seq = seq.take();
-        r.event = Some(event);
-        let body = serde_json::to_vec(&r).unwrap_or_default();
-        match spool.put(r.seq, &body) {
-            Ok(()) => wake.notify_one(),
-            // A full disk must not lose the event silently: say what and where.
-            Err(e) => tracing::error!(seq = r.seq, error = %e, "cannot write an event to the spool"),
+        let Some(writer) = &writer else { return };
+        if let Event::Xid { count, .. } = &event {
+            counters.merged.fetch_add(count.saturating_sub(1), std::sync::atomic::Ordering::Relaxed);
         }
+        let mut r = crate::report::event_report(base, event);
+        r.seq = seq.take();
+        writer.send(r.seq, serde_json::to_vec(&r).unwrap_or_default());
     };
 
     // The installer's end, once per install state, across restarts and reboots (first at start:
@@ -205,19 +215,38 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
         }
     }
 
-    let mut watchdog = watchdog_interval();
+    // Rule 7: the watchdog on its own task, fed by the loop's heartbeat.
+    let started = std::time::Instant::now();
+    let heartbeat = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    if let Some(every) = sd_notify::watchdog_enabled().filter(|d| !d.is_zero()) {
+        tokio::spawn(watchdog(every / 2, started, heartbeat.clone()));
+    }
+    let mut xids = serve::XidWindow::default();
+    let mut beat = tokio::time::interval(std::time::Duration::from_secs(1));
     let mut ticker = tokio::time::interval(serve::SNAPSHOT_INTERVAL);
     ticker.tick().await; // the first tick is immediate; the first snapshot is taken already
     loop {
+        heartbeat.store(started.elapsed().as_millis() as u64, std::sync::atomic::Ordering::Relaxed);
         tokio::select! {
             // Signals, then Xids (spooled before anything else), then the schedule.
             biased;
             _ = term.recv() => break,
             _ = int.recv() => break,
             Some(x) = xid_rx.recv() => {
-                tracing::warn!(gpu = %x.gpu, xid = x.xid, "Xid");
-                spool_event(&mut seq, &last_report, Event::Xid { gpu: x.gpu, xid: x.xid, source: "nvml".into() });
-                ticker.reset_immediately(); // judge the GPU again now
+                // Rule 6: the first of a kind goes at once and is judged at once; repeats wait.
+                if let Some(event) = xids.note(&x.gpu, x.xid, std::time::Instant::now()) {
+                    tracing::warn!(gpu = %x.gpu, xid = x.xid, "Xid");
+                    spool_event(&mut seq, &last_report, event);
+                    ticker.reset_immediately(); // judge the GPU again now
+                }
+            }
+            _ = beat.tick() => {
+                for event in xids.due(std::time::Instant::now()) {
+                    if let Event::Xid { gpu, xid, count, .. } = &event {
+                        tracing::warn!(%gpu, xid, repeats = count, "Xid repeated within {} s", serve::XID_WINDOW.as_secs());
+                    }
+                    spool_event(&mut seq, &last_report, event);
+                }
             }
             Some(p) = probe_rx.recv() => {
                 tracing::info!(findings = p.1.len(), "probes finished");
@@ -254,9 +283,6 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
                     Err(e) => tracing::error!(error = %e, "snapshot failed; serving the previous one"),
                 }
             }
-            _ = async { match watchdog.as_mut() { Some(w) => { w.tick().await; } None => std::future::pending::<()>().await } } => {
-                let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
-            }
             _ = hup.recv() => {
                 let reloaded = g.load_config().and_then(|new| token_of(&new).map(|token| (new, token)));
                 let status = match reloaded {
@@ -278,6 +304,13 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
         }
     }
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping, sd_notify::NotifyState::Status("stopping")]);
+    // No counted repeat is left behind, and every event handed over reaches the disk.
+    for event in xids.close_all() {
+        spool_event(&mut seq, &last_report, event);
+    }
+    if let Some(w) = writer {
+        let _ = tokio::task::spawn_blocking(move || w.finish()).await;
+    }
     let _ = stop_tx.send(true);
     let _ = server.await;
     tracing::info!("stopped");
@@ -291,8 +324,25 @@ fn stopped_before_ready(signal: &str) -> i32 {
     0
 }
 
-/// Half of `WatchdogSec`, when systemd set one for this process.
-fn watchdog_interval() -> Option<tokio::time::Interval> {
-    let every = sd_notify::watchdog_enabled().filter(|d| !d.is_zero())?;
-    Some(tokio::time::interval(every / 2))
+/// Pings systemd's watchdog every `every` (half `WatchdogSec`) while the loop's heartbeat is
+/// younger than `LOOP_STALL`; stops, and says why once, when the loop is stuck.
+async fn watchdog(
+    every: std::time::Duration,
+    started: std::time::Instant,
+    heartbeat: Arc<std::sync::atomic::AtomicU64>,
+) {
+    let mut tick = tokio::time::interval(every);
+    let mut stalled = false;
+    loop {
+        tick.tick().await;
+        let last = std::time::Duration::from_millis(heartbeat.load(std::sync::atomic::Ordering::Relaxed));
+        let age = started.elapsed().saturating_sub(last);
+        if age < serve::LOOP_STALL {
+            stalled = false;
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+        } else if !stalled {
+            stalled = true;
+            tracing::error!(stalled_for = ?age, "the service loop has not turned; watchdog pings stop so that systemd restarts the agent");
+        }
+    }
 }

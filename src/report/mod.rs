@@ -48,6 +48,23 @@ pub struct AgentInfo {
     pub agent_id: String,
     pub boot_id: Option<String>,
     pub started_at: Timestamp,
+    /// The service's event accounting since it started; absent outside `serve`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events: Option<EventCounts>,
+}
+
+/// What became of the service's events since it started, so that a storm the agent merged or a
+/// full spool is said in every report rather than lost silently.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventCounts {
+    /// Xids folded into a later event's `count` (repeats of one code on one GPU in a window).
+    pub merged: u64,
+    /// Events not spooled because the spool was at its byte bound (or the disk refused them).
+    pub dropped: u64,
+    /// Events in the spool now, waiting for the platform.
+    pub spooled: u64,
+    /// Bytes the spool holds now.
+    pub spool_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -116,6 +133,11 @@ pub enum Event {
         gpu: String,
         xid: u64,
         source: String,
+        /// How many times this code was seen on this GPU in the window this event stands for
+        /// (1 for the first, which is sent at once; the repeats come in one event at the window's
+        /// end).
+        #[serde(default = "one")]
+        count: u64,
     },
     SeverityChange {
         check: String,
@@ -129,6 +151,46 @@ pub enum Event {
         status: String,
         error: Option<String>,
     },
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// The report an event is pushed with: the periodic report's header (agent, time, health,
+/// host, driver, install) and only what the event is about — its GPU and that GPU's non-passing
+/// findings, or the finding that changed — so that a storm of events is a few KB each, not a
+/// whole 8-GPU report each. The periodic status still carries everything.
+pub fn event_report(base: &Report, event: Event) -> Report {
+    let about_gpu = |gpu: &str| {
+        let g = base.gpus.iter().find(|g| g.pci_address.eq_ignore_ascii_case(gpu) || g.uuid.as_deref() == Some(gpu));
+        let keys: Vec<String> = g
+            .map(|g| [Some(g.pci_address.clone()), g.uuid.clone()].into_iter().flatten().collect())
+            .unwrap_or_default();
+        (g.cloned().into_iter().collect::<Vec<_>>(), keys)
+    };
+    let (gpus, findings) = match &event {
+        Event::Xid { gpu, .. } => {
+            let (gpus, keys) = about_gpu(gpu);
+            let findings = base
+                .findings
+                .iter()
+                .filter(|f| f.severity != Severity::Pass)
+                .filter(|f| {
+                    f.gpu.as_deref().is_some_and(|g| keys.iter().any(|k| k.eq_ignore_ascii_case(g)) || g == gpu)
+                })
+                .cloned()
+                .collect();
+            (gpus, findings)
+        }
+        Event::SeverityChange { check, gpu, .. } => {
+            let gpus = gpu.as_deref().map(|g| about_gpu(g).0).unwrap_or_default();
+            let findings = base.findings.iter().filter(|f| f.id == *check && f.gpu == *gpu).cloned().collect();
+            (gpus, findings)
+        }
+        Event::Install { .. } => (vec![], vec![]),
+    };
+    Report { gpus, findings, probes: None, event: Some(event), ..base.clone() }
 }
 
 /// The agent id: configured, else the VM firmware UUID, else the hostname.
@@ -183,6 +245,7 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
             agent_id,
             boot_id: s.host.boot_id.clone(),
             started_at,
+            events: None,
         },
         observed_at: s.observed_at,
         seq,

@@ -68,6 +68,22 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     let mut fam = Families { registry: Registry::default() };
     let info = fam.gauge("phq_agent_info", "The agent's version and id; always 1");
     info.get_or_create(&l(&[("version", &r.agent.version), ("agent_id", &r.agent.agent_id)])).set(1.0);
+    if let Some(e) = &r.agent.events {
+        let merged = fam.counter(
+            "phq_agent_events_merged_total",
+            "Xids folded into a later event's count (repeats within the Xid window)",
+        );
+        merged.get_or_create(&vec![]).inc_by(e.merged);
+        let dropped = fam.counter(
+            "phq_agent_events_dropped_total",
+            "Events not spooled: the spool was at its byte bound, or the disk refused them",
+        );
+        dropped.get_or_create(&vec![]).inc_by(e.dropped);
+        fam.gauge("phq_agent_spool_events", "Events in the spool, waiting for the platform")
+            .get_or_create(&vec![])
+            .set(e.spooled as f64);
+        fam.gauge("phq_agent_spool_bytes", "Bytes the spool holds").get_or_create(&vec![]).set(e.spool_bytes as f64);
+    }
     let health = fam.gauge("phq_health_state", "1 for the VM's current health state, 0 for the others");
     for (name, h) in [
         ("healthy", Health::Healthy),

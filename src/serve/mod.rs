@@ -12,6 +12,13 @@
 //! 5. `seq` grows by one per snapshot and is persisted in `state_dir/seq` (atomic rename), so it
 //!    keeps growing across restarts; a lost or corrupt `seq` file resumes after the highest seq
 //!    in the spool, loudly, never from 0.
+//! 6. Xids are events, merged so that a storm cannot flood the spool or the loop: the first of
+//!    a code on a GPU is spooled at once and triggers a snapshot; its repeats within
+//!    `XID_WINDOW` are counted and spooled as one event with that `count` when the window
+//!    closes (or the service stops). journald does the same with "Suppressed N messages".
+//! 7. Spool writes run on their own thread (`SpoolWriter`), never on the loop; the watchdog is
+//!    pinged by its own task for as long as the loop keeps turning (`LOOP_STALL`), so a burst
+//!    of events cannot starve it and a hung loop still stops it.
 
 pub mod agent_checks;
 pub mod dbus;
@@ -32,6 +39,131 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 pub const SNAPSHOT_INTERVAL: Duration = Duration::from_secs(30);
+/// Repeats of one Xid code on one GPU within this window become one event (rule 6).
+pub const XID_WINDOW: Duration = Duration::from_secs(10);
+/// The watchdog stops being pinged when the loop has not turned for this long (rule 7): two
+/// snapshot intervals, so a snapshot hung on a wedged driver gets the service restarted.
+pub const LOOP_STALL: Duration = Duration::from_secs(60);
+
+/// Rule 6: Xid windows per (GPU, code).
+#[derive(Debug, Default)]
+pub struct XidWindow {
+    open: std::collections::HashMap<(String, u64), (std::time::Instant, u64)>,
+}
+
+impl XidWindow {
+    /// An Xid seen now. `Some`: the first of its kind in a window, to spool at once. `None`: a
+    /// repeat, counted for the window's closing event.
+    pub fn note(&mut self, gpu: &str, xid: u64, now: std::time::Instant) -> Option<report::Event> {
+        match self.open.get_mut(&(gpu.to_string(), xid)) {
+            Some((_, repeats)) => {
+                *repeats += 1;
+                None
+            }
+            None => {
+                self.open.insert((gpu.to_string(), xid), (now, 0));
+                Some(xid_event(gpu, xid, 1))
+            }
+        }
+    }
+
+    /// The windows older than `XID_WINDOW` at `now`, closed: one event per window that had
+    /// repeats, with their count.
+    pub fn due(&mut self, now: std::time::Instant) -> Vec<report::Event> {
+        self.close(|opened| now.duration_since(opened) >= XID_WINDOW)
+    }
+
+    /// Every window, closed (the service is stopping): no counted repeat is left behind.
+    pub fn close_all(&mut self) -> Vec<report::Event> {
+        self.close(|_| true)
+    }
+
+    fn close(&mut self, expired: impl Fn(std::time::Instant) -> bool) -> Vec<report::Event> {
+        let mut keys: Vec<(String, u64)> =
+            self.open.iter().filter(|(_, (t, _))| expired(*t)).map(|(k, _)| k.clone()).collect();
+        keys.sort();
+        keys.into_iter()
+            .filter_map(|k| {
+                let (_, repeats) = self.open.remove(&k)?;
+                (repeats > 0).then(|| xid_event(&k.0, k.1, repeats))
+            })
+            .collect()
+    }
+}
+
+fn xid_event(gpu: &str, xid: u64, count: u64) -> report::Event {
+    report::Event::Xid { gpu: gpu.to_string(), xid, source: "nvml".into(), count }
+}
+
+/// What became of events (rule 6 and push rule 9), shared by the loop, the spool writer and
+/// the snapshots that report it.
+#[derive(Debug, Default)]
+pub struct EventCounters {
+    pub merged: std::sync::atomic::AtomicU64,
+    pub dropped: std::sync::atomic::AtomicU64,
+}
+
+/// Rule 7: spool writes on a thread of their own, in the order they were handed over.
+pub struct SpoolWriter {
+    tx: Option<std::sync::mpsc::Sender<(u64, Vec<u8>)>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SpoolWriter {
+    pub fn start(
+        spool: push::Spool,
+        wake: Arc<tokio::sync::Notify>,
+        counters: Arc<EventCounters>,
+    ) -> std::io::Result<SpoolWriter> {
+        let (tx, rx) = std::sync::mpsc::channel::<(u64, Vec<u8>)>();
+        let thread = std::thread::Builder::new().name("spool-writer".into()).spawn(move || {
+            use std::sync::atomic::Ordering;
+            let mut full_since: Option<u64> = None;
+            for (seq, body) in rx {
+                match spool.put(seq, &body) {
+                    Ok(push::Put::Stored) => {
+                        if full_since.take().is_some() {
+                            tracing::warn!(seq, "the spool has room again");
+                        }
+                        wake.notify_one();
+                    }
+                    Ok(push::Put::Full) => {
+                        counters.dropped.fetch_add(1, Ordering::Relaxed);
+                        if full_since.is_none() {
+                            full_since = Some(seq);
+                            tracing::error!(
+                                seq,
+                                bytes = spool.bytes(),
+                                bound = push::MAX_SPOOL_BYTES,
+                                "the spool is full: events are counted as dropped until the platform takes some"
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        counters.dropped.fetch_add(1, Ordering::Relaxed);
+                        // A full disk must not lose the event silently: say what and where.
+                        tracing::error!(seq, error = %e, "cannot write an event to the spool");
+                    }
+                }
+            }
+        })?;
+        Ok(SpoolWriter { tx: Some(tx), thread: Some(thread) })
+    }
+
+    pub fn send(&self, seq: u64, body: Vec<u8>) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send((seq, body));
+        }
+    }
+
+    /// Waits until every event handed over is written (at stop).
+    pub fn finish(mut self) {
+        drop(self.tx.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
 
 /// What the endpoints answer from: one snapshot, rendered once.
 #[derive(Debug, Clone)]
@@ -149,6 +281,9 @@ pub struct Inputs {
     pub probes: Option<Arc<(serde_json::Value, Vec<checks::Finding>)>>,
     /// What the push loop last saw, for agent.platform-reachable.
     pub push: Arc<std::sync::Mutex<agent_checks::PushState>>,
+    /// Event accounting and the spool, for `agent.events` in every report.
+    pub events: Arc<EventCounters>,
+    pub spool: Option<push::Spool>,
 }
 
 /// Collects, checks and renders one snapshot; the report comes back too, for the events.
@@ -170,6 +305,12 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         seq,
     );
     report.probes = inputs.probes.as_ref().map(|p| p.0.clone());
+    report.agent.events = Some(report::EventCounts {
+        merged: inputs.events.merged.load(std::sync::atomic::Ordering::Relaxed),
+        dropped: inputs.events.dropped.load(std::sync::atomic::Ordering::Relaxed),
+        spooled: inputs.spool.as_ref().map_or(0, |s| s.len() as u64),
+        spool_bytes: inputs.spool.as_ref().map_or(0, |s| s.bytes()),
+    });
     report.install = crate::install::report_value(&inputs.config.agent.state_dir);
     let m = metrics::render(&snapshot, &report, inputs.config.metrics.dcgm_compat);
     let count = |sev| report.findings.iter().filter(|f| f.severity == sev).count();
@@ -265,6 +406,47 @@ mod tests {
 
     fn report_of(s: &crate::snapshot::Snapshot) -> report::Report {
         report::build(s, checks::run(s, &Settings::default()), "vm".into(), s.observed_at, 1)
+    }
+
+    #[test]
+    fn xid_repeats_in_a_window_become_one_counted_event() {
+        let t0 = std::time::Instant::now();
+        let mut w = XidWindow::default();
+        let first = w.note("0000:0c:00.0", 13, t0).expect("the first goes at once");
+        assert!(matches!(first, report::Event::Xid { count: 1, .. }));
+        for i in 0..999 {
+            assert!(w.note("0000:0c:00.0", 13, t0 + Duration::from_millis(i)).is_none());
+        }
+        assert!(w.note("0000:0c:00.0", 31, t0).is_some(), "another code has its own window");
+        assert!(w.note("0000:0d:00.0", 13, t0).is_some(), "another GPU has its own window");
+        assert!(w.due(t0 + XID_WINDOW - Duration::from_millis(1)).is_empty(), "not before the window closes");
+        let closed = w.due(t0 + XID_WINDOW);
+        assert_eq!(closed, vec![xid_event("0000:0c:00.0", 13, 999)], "only windows with repeats make an event");
+        // The next one opens a new window and goes at once again.
+        assert!(w.note("0000:0c:00.0", 13, t0 + XID_WINDOW).is_some());
+        w.note("0000:0c:00.0", 13, t0 + XID_WINDOW);
+        assert_eq!(w.close_all(), vec![xid_event("0000:0c:00.0", 13, 1)], "stopping leaves nothing counted behind");
+    }
+
+    #[test]
+    fn an_event_report_carries_only_what_the_event_is_about() {
+        let mut s = healthy();
+        if let crate::snapshot::NvmlStatus::Ok(n) = &mut s.nvml {
+            n.xid_events = vec![crate::snapshot::NvmlXid { gpu: "0000:0c:00.0".into(), xid: 79 }];
+        }
+        let full = report_of(&s);
+        assert!(full.findings.iter().any(|f| f.severity == checks::Severity::Fail), "the Xid fails the GPU");
+        let gpu = full.gpus[3].pci_address.clone();
+        let e = report::event_report(&full, xid_event(&gpu, 79, 1));
+        assert_eq!(e.gpus.len(), 1);
+        assert_eq!(e.gpus[0].pci_address, gpu);
+        assert!(e
+            .findings
+            .iter()
+            .all(|f| f.gpu.as_deref() == Some(gpu.as_str()) && f.severity != checks::Severity::Pass));
+        assert_eq!((e.agent.clone(), e.health, e.seq), (full.agent.clone(), full.health, full.seq));
+        let (small, whole) = (serde_json::to_vec(&e).unwrap().len(), serde_json::to_vec(&full).unwrap().len());
+        assert!(small * 4 < whole, "an event report of {small} bytes beside a full one of {whole}");
     }
 
     #[test]

@@ -27,8 +27,13 @@
 //!    `platform.url`.
 //! 8. A `Retry-After` on 429 or 503 (RFC 9110 §10.2.3: seconds, or an HTTP date) is honoured,
 //!    capped at `MAX_RETRY_AFTER`, when it asks for longer than the backoff.
-//! 9. The spool is bounded at `MAX_SPOOLED` events; past that, new events are still written
-//!    (no event is ever dropped) and the overflow is logged once per crossing.
+//! 9. The spool is bounded in bytes (`MAX_SPOOL_BYTES`), as journald bounds its files: an
+//!    event that would pass the bound is not written, and is counted (`dropped`, in every
+//!    report's `agent.events` and in a metric) rather than lost without a word. Repeats are
+//!    merged before they get here (serve's Xid window), so a storm of Xids is a handful of
+//!    events, each carrying only what it is about: the bound is met only by a platform away for
+//!    a long time. The spool keeps its index in memory, so a write costs one file, not a listing
+//!    of the directory.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -37,15 +42,26 @@ use std::time::Duration;
 pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// The longest wait a platform's `Retry-After` can impose.
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(600);
-pub const MAX_SPOOLED: usize = 10_000;
+/// The spool's bound in bytes. An Xid event report is a few KB, so this holds thousands of
+/// events: hours of a platform outage with a failing GPU.
+pub const MAX_SPOOL_BYTES: u64 = 64 << 20;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The on-disk queue of events.
+/// The on-disk queue of events, and its index in memory (shared by the writer and the pusher).
 #[derive(Debug, Clone)]
 pub struct Spool {
     dir: PathBuf,
     /// This run's epoch: new events are spooled under it.
     epoch: String,
+    max_bytes: u64,
+    index: Arc<std::sync::Mutex<Index>>,
+}
+
+#[derive(Debug, Default)]
+struct Index {
+    /// Spooled events by seq: (epoch, bytes).
+    events: std::collections::BTreeMap<u64, (String, u64)>,
+    bytes: u64,
 }
 
 /// A spooled event: its seq, the epoch it was spooled under, its file.
@@ -54,6 +70,14 @@ pub struct Spooled {
     pub seq: u64,
     pub epoch: String,
     pub path: PathBuf,
+}
+
+/// What became of an event handed to `Spool::put`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Put {
+    Stored,
+    /// Not written: the spool is at its byte bound.
+    Full,
 }
 
 /// A new epoch: 16 hex digits from the kernel's random source (the clock and pid if that
@@ -70,9 +94,32 @@ pub fn new_epoch() -> String {
 
 impl Spool {
     pub fn open(state_dir: &Path, epoch: &str) -> std::io::Result<Spool> {
+        Spool::open_bounded(state_dir, epoch, MAX_SPOOL_BYTES)
+    }
+
+    /// `open` with another byte bound (tests).
+    pub fn open_bounded(state_dir: &Path, epoch: &str, max_bytes: u64) -> std::io::Result<Spool> {
         let dir = state_dir.join("spool");
         std::fs::create_dir_all(dir.join("refused"))?;
-        Ok(Spool { dir, epoch: epoch.to_string() })
+        let mut index = Index::default();
+        for e in entries_in(&dir) {
+            let bytes = std::fs::symlink_metadata(&e.path).map(|m| m.len()).unwrap_or(0);
+            index.bytes += bytes;
+            index.events.insert(e.seq, (e.epoch, bytes));
+        }
+        Ok(Spool { dir, epoch: epoch.to_string(), max_bytes, index: Arc::new(std::sync::Mutex::new(index)) })
+    }
+
+    fn index(&self) -> std::sync::MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn path_of(&self, seq: u64, epoch: &str) -> PathBuf {
+        if epoch == "0" {
+            self.dir.join(format!("{seq:020}.json")) // spooled before epochs
+        } else {
+            self.dir.join(format!("{seq:020}-{epoch}.json"))
+        }
     }
 
     pub fn epoch(&self) -> &str {
@@ -85,36 +132,66 @@ impl Spool {
         [entries_in(&dir), entries_in(&dir.join("refused"))].into_iter().flatten().map(|e| e.seq).max()
     }
 
-    /// Writes an event durably. Returns once it is on disk.
-    pub fn put(&self, seq: u64, body: &[u8]) -> std::io::Result<()> {
-        crate::durable::write(&self.dir.join(format!("{seq:020}-{}.json", self.epoch)), body, 0o666)?;
-        let n = self.len();
-        if n == MAX_SPOOLED + 1 {
-            tracing::warn!(spooled = n, dir = %self.dir.display(), "the spool passed its bound of {MAX_SPOOLED} events; events are kept, the platform is far behind");
+    /// Writes an event durably, unless the spool is at its byte bound. Returns once it is on
+    /// disk.
+    pub fn put(&self, seq: u64, body: &[u8]) -> std::io::Result<Put> {
+        let size = body.len() as u64;
+        if self.index().bytes + size > self.max_bytes {
+            return Ok(Put::Full);
         }
-        Ok(())
+        crate::durable::write(&self.path_of(seq, &self.epoch), body, 0o666)?;
+        let mut index = self.index();
+        index.bytes += size;
+        index.events.insert(seq, (self.epoch.clone(), size));
+        Ok(Put::Stored)
     }
 
     /// The oldest event.
     pub fn oldest(&self) -> Option<Spooled> {
-        self.entries().into_iter().next()
+        let index = self.index();
+        let (seq, (epoch, _)) = index.events.iter().next()?;
+        Some(Spooled { seq: *seq, epoch: epoch.clone(), path: self.path_of(*seq, epoch) })
     }
 
     pub fn len(&self) -> usize {
-        self.entries().len()
+        self.index().events.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    fn entries(&self) -> Vec<Spooled> {
-        entries_in(&self.dir)
+    /// Bytes the spool holds.
+    pub fn bytes(&self) -> u64 {
+        self.index().bytes
     }
 
-    fn refuse(&self, path: &Path) {
-        if let Some(name) = path.file_name() {
-            let _ = std::fs::rename(path, self.dir.join("refused").join(name));
+    fn forget(&self, seq: u64) {
+        let mut index = self.index();
+        if let Some((_, size)) = index.events.remove(&seq) {
+            index.bytes -= size;
+        }
+    }
+
+    /// Delivered: the event leaves the spool. False when its file could not be removed (it is
+    /// then sent again after a restart, which the Idempotency-Key makes harmless).
+    pub fn remove(&self, e: &Spooled) -> bool {
+        self.forget(e.seq);
+        match std::fs::remove_file(&e.path) {
+            Ok(()) => true,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => true,
+            Err(err) => {
+                tracing::error!(path = %e.path.display(), error = %err, "delivered, but cannot remove it from the spool; it will be sent again");
+                false
+            }
+        }
+    }
+
+    /// Refused for good, or unreadable: moved to `refused/`, out of the queue.
+    fn refuse(&self, e: &Spooled) {
+        self.forget(e.seq);
+        if let Some(name) = e.path.file_name() {
+            let _ = std::fs::rename(&e.path, self.dir.join("refused").join(name));
         }
     }
 }
@@ -246,12 +323,12 @@ impl Pusher {
             if status.has_changed().unwrap_or(false) {
                 pending_status = status.borrow_and_update().clone();
             }
-            let attempt = if let Some(Spooled { seq, epoch, path }) = self.spool.oldest() {
-                match std::fs::read(&path) {
-                    Ok(body) => Some((seq, epoch, body, Some(path))),
-                    Err(e) => {
-                        tracing::error!(path = %path.display(), error = %e, "unreadable spooled event; moving it aside");
-                        self.spool.refuse(&path);
+            let attempt = if let Some(e) = self.spool.oldest() {
+                match crate::sysroot::read_regular(&e.path, true, MAX_SPOOL_BYTES) {
+                    Ok(body) => Some((e.seq, e.epoch.clone(), body, Some(e))),
+                    Err(err) => {
+                        tracing::error!(path = %e.path.display(), error = %err, "unreadable spooled event; moving it aside");
+                        self.spool.refuse(&e);
                         continue;
                     }
                 }
@@ -292,10 +369,8 @@ impl Pusher {
             match outcome {
                 Outcome::Accepted => {
                     backoff = Duration::ZERO;
-                    if let Some(p) = spooled {
-                        if let Err(e) = std::fs::remove_file(&p) {
-                            tracing::error!(path = %p.display(), error = %e, "delivered, but cannot remove it from the spool; it will be sent again");
-                        }
+                    if let Some(e) = spooled {
+                        self.spool.remove(&e);
                     }
                 }
                 Outcome::Retry(why, after) => {
@@ -311,9 +386,9 @@ impl Pusher {
                 Outcome::Refused(why) => {
                     backoff = Duration::ZERO;
                     match spooled {
-                        Some(p) => {
-                            tracing::error!(seq, path = %p.display(), "platform refused an event: {why}; kept in spool/refused");
-                            self.spool.refuse(&p);
+                        Some(e) => {
+                            tracing::error!(seq, path = %e.path.display(), "platform refused an event: {why}; kept in spool/refused");
+                            self.spool.refuse(&e);
                         }
                         None => tracing::error!(seq, "platform refused a status report: {why}"),
                     }
@@ -374,7 +449,7 @@ mod tests {
         let oldest = s.oldest().unwrap();
         assert_eq!((oldest.seq, oldest.epoch.as_str()), (9, "00aa"), "a repeat keeps the epoch it was spooled under");
         assert_eq!(std::fs::read(&oldest.path).unwrap(), b"nine");
-        s.refuse(&oldest.path);
+        s.refuse(&oldest);
         assert_eq!(s.oldest().unwrap().seq, 10);
         assert!(dir.path().join("spool/refused/00000000000000000009-00aa.json").exists());
         assert_eq!(Spool::highest_seq(dir.path()), Some(100));
@@ -382,8 +457,30 @@ mod tests {
         std::fs::write(dir.path().join("spool/00000000000000000001.json"), b"old").unwrap();
         std::fs::write(dir.path().join("spool/notes.json"), b"?").unwrap();
         std::fs::write(dir.path().join("spool/00000000000000000002-zz.json"), b"?").unwrap();
+        let s = Spool::open(dir.path(), "00cc").unwrap();
         let oldest = s.oldest().unwrap();
         assert_eq!((oldest.seq, oldest.epoch.as_str(), s.len()), (1, "0", 3));
+        assert!(oldest.path.ends_with("00000000000000000001.json"));
+        assert_eq!(s.bytes(), 3 + 3 + 7);
+        assert!(s.remove(&oldest));
+        assert_eq!((s.len(), s.bytes()), (2, 10));
+    }
+
+    #[test]
+    fn the_spool_is_bounded_in_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Spool::open_bounded(dir.path(), "e1", 10).unwrap();
+        assert_eq!(s.put(1, b"12345").unwrap(), Put::Stored);
+        assert_eq!(s.put(2, b"12345").unwrap(), Put::Stored);
+        assert_eq!(s.put(3, b"1").unwrap(), Put::Full);
+        assert_eq!((s.len(), s.bytes()), (2, 10));
+        // The bound holds across a restart: the index is rebuilt from the files.
+        let s = Spool::open_bounded(dir.path(), "e2", 10).unwrap();
+        assert_eq!((s.len(), s.bytes()), (2, 10));
+        assert_eq!(s.put(4, b"1").unwrap(), Put::Full);
+        let e = s.oldest().unwrap();
+        s.remove(&e);
+        assert_eq!(s.put(4, b"1").unwrap(), Put::Stored);
     }
 
     /// A status sent while the pusher is idle, waiting, is delivered (it once waited for the
