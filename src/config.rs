@@ -169,6 +169,27 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
 }
 
+/// The keys a running service cannot take over on SIGHUP (they shape what it set up at start:
+/// its listener, its TLS acceptor, its push client, its state), that differ between `old` and
+/// `new`. The service says them, so a reload never seems to apply what it did not.
+pub fn restart_needed(old: &Config, new: &Config) -> Vec<&'static str> {
+    let mut keys = Vec::new();
+    let mut check = |changed: bool, key: &'static str| {
+        if changed {
+            keys.push(key);
+        }
+    };
+    check(old.agent.id != new.agent.id, "agent.id");
+    check(old.agent.state_dir != new.agent.state_dir, "agent.state_dir");
+    check(old.http.listen != new.http.listen, "http.listen");
+    check(old.http.tls_cert != new.http.tls_cert, "http.tls_cert");
+    check(old.http.tls_key != new.http.tls_key, "http.tls_key");
+    check(old.http.client_ca != new.http.client_ca, "http.client_ca");
+    check(old.platform.url != new.platform.url, "platform.url");
+    check(old.platform.ca_file != new.platform.ca_file, "platform.ca_file");
+    keys
+}
+
 /// A configuration file is text of at most this size.
 const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
@@ -371,6 +392,18 @@ mod tests {
         assert!(e.contains("u32") || e.contains("integer"), "{e}");
         let e = one("[platform]\ninterval = \"soon\"\n").unwrap_err().to_string();
         assert!(e.contains("platform.interval") && e.contains("duration"), "{e}");
+    }
+
+    #[test]
+    fn a_reload_names_the_keys_that_need_a_restart() {
+        let old = Config::default();
+        let mut new = old.clone();
+        new.platform.interval = Duration::from_secs(120);
+        new.agent.expected_gpus = Some(8);
+        assert!(restart_needed(&old, &new).is_empty(), "these apply at once");
+        new.http.listen = "127.0.0.1:9441".parse().unwrap();
+        new.platform.url = "https://platform.invalid".into();
+        assert_eq!(restart_needed(&old, &new), vec!["http.listen", "platform.url"]);
     }
 
     #[test]

@@ -298,3 +298,86 @@ fn kill_9_with_a_flapping_platform_loses_no_event() {
     }
     assert!(firsts.windows(2).all(|w| w[0] < w[1]), "events out of order: {firsts:?}");
 }
+
+/// Periodic status goes every `platform.interval`, not at every snapshot: with an hour's
+/// interval, snapshots taken on SIGHUP push nothing more after the first status.
+#[test]
+fn periodic_status_follows_platform_interval() {
+    let platform = Platform::start();
+    let s = setup(platform.port, 0, 20);
+    let text = std::fs::read_to_string(&s.cfg).unwrap().replace("[platform]\n", "[platform]\ninterval = \"1h\"\n");
+    std::fs::write(&s.cfg, text).unwrap();
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let mut agent = spawn(&s, &s.quiet_scenario, &bus);
+    let statuses = |p: &Platform| p.received().iter().filter(|r| r.body.get("event").is_none()).count();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while statuses(&platform) == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(statuses(&platform), 1, "the first status, at start");
+    for _ in 0..3 {
+        // SAFETY: kill on our own child's pid; SIGHUP takes a snapshot at once.
+        unsafe { libc::kill(agent.id() as i32, libc::SIGHUP) };
+        std::thread::sleep(Duration::from_millis(700));
+    }
+    let _ = agent.kill();
+    let _ = agent.wait();
+    assert_eq!(statuses(&platform), 1, "three snapshots within the hour pushed no status");
+}
+
+/// Xids in the kernel log that no running agent saw (here: the boot log of a guest whose GPU
+/// fell off the bus before the agent started) reach the platform as events, once: a restart
+/// does not send them again.
+#[test]
+fn kernel_log_xids_from_before_the_agent_are_sent_once() {
+    let platform = Platform::start();
+    let s = setup(platform.port, 0, 20);
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let run = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+            .args(["serve", "--config"])
+            .arg(&s.cfg)
+            .arg("--sysroot")
+            .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-xid79"))
+            .arg("--nvml-lib")
+            .arg(fake_nvml())
+            .env("PHQ_FAKE_NVML_SCENARIO", &s.quiet_scenario)
+            .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+            .env_remove("NOTIFY_SOCKET")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let kernel_events = |p: &Platform| -> Vec<(String, u64, u64)> {
+        p.received()
+            .iter()
+            .filter(|r| r.body["event"]["source"] == "kernel-log")
+            .map(|r| {
+                let e = &r.body["event"];
+                (e["gpu"].as_str().unwrap().to_string(), e["xid"].as_u64().unwrap(), e["count"].as_u64().unwrap())
+            })
+            .collect()
+    };
+    let mut agent = run();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while kernel_events(&platform).len() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let mut got = kernel_events(&platform);
+    got.sort();
+    assert_eq!(got, vec![("0000:0c:00.0".into(), 79, 1), ("0000:0d:00.0".into(), 13, 1)]);
+
+    let mut again = run();
+    let statuses = |p: &Platform| p.received().iter().filter(|r| r.body.get("event").is_none()).count();
+    let before = statuses(&platform);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while statuses(&platform) == before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = again.kill();
+    let _ = again.wait();
+    assert_eq!(kernel_events(&platform).len(), 2, "a restart sent them again");
+}

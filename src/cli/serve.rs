@@ -125,6 +125,9 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
         let _ = status_tx.send(Some((report.seq, serde_json::to_vec(report).unwrap_or_default())));
     };
     push_status(&last_report);
+    // Periodic status goes every `platform.interval`, at the first snapshot at or after it (so
+    // never more often than snapshots are taken); events go as they happen.
+    let mut status_pushed = std::time::Instant::now();
     // ch.phoeniqs.Agent1 on the system bus; the agent serves HTTP without it if the bus is away.
     let dbus = {
         let shared = shared.clone();
@@ -196,6 +199,15 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
         install_sent = Some(key);
     };
     install_ended(&mut seq, &last_report);
+    // Rule 8: the kernel log's Xids that no running agent saw, then the mark moves on.
+    let mut kmsg_seen = None;
+    if let Some(p) = serve::current(&shared) {
+        for event in serve::unseen_kernel_xids(&config.agent.state_dir, &p.snapshot) {
+            tracing::warn!(?event, "an Xid in the kernel log that no running agent reported");
+            spool_event(&mut seq, &last_report, event);
+        }
+        serve::mark_kernel_log_seen(&config.agent.state_dir, &p.snapshot, &mut kmsg_seen);
+    }
 
     // Probes: at boot (before workloads start) if asked, then whenever every GPU has been idle
     // and `probes.when_idle` has passed; never on a GPU with a compute process.
@@ -261,8 +273,12 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
                             spool_event(&mut seq, &report, event);
                         }
                         install_ended(&mut seq, &report);
+                        serve::mark_kernel_log_seen(&config.agent.state_dir, &p.snapshot, &mut kmsg_seen);
                         let status = publish(p);
-                        push_status(&report);
+                        if status_pushed.elapsed() + std::time::Duration::from_secs(1) >= config.platform.interval {
+                            push_status(&report);
+                            status_pushed = std::time::Instant::now();
+                        }
                         if report.health != last_report.health {
                             let (old, new) = (format!("{:?}", last_report.health).to_lowercase(), format!("{:?}", report.health).to_lowercase());
                             tracing::warn!(%old, %new, "health changed");
@@ -287,12 +303,19 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
                 let reloaded = g.load_config().and_then(|new| token_of(&new).map(|token| (new, token)));
                 let status = match reloaded {
                     Ok((new, token)) => {
+                        let pending = crate::config::restart_needed(&config, &new);
                         config = new;
                         inputs.config = config.clone();
                         inputs.token = token;
-                        tracing::info!("configuration reloaded");
                         ticker.reset_immediately(); // judge again under the new configuration
-                        "configuration reloaded".to_string()
+                        if pending.is_empty() {
+                            tracing::info!("configuration reloaded");
+                            "configuration reloaded".to_string()
+                        } else {
+                            let keys = pending.join(", ");
+                            tracing::warn!(%keys, "configuration reloaded; these keys take effect at the next restart");
+                            format!("configuration reloaded; restart to apply {keys}")
+                        }
                     }
                     Err(e) => {
                         tracing::error!(error = %e, "reload refused: keeping the previous configuration");

@@ -19,6 +19,11 @@
 //! 7. Spool writes run on their own thread (`SpoolWriter`), never on the loop; the watchdog is
 //!    pinged by its own task for as long as the loop keeps turning (`LOOP_STALL`), so a burst
 //!    of events cannot starve it and a hung loop still stops it.
+//! 8. At start, Xids in this boot's kernel log after `KMSG_XID_MARK` (the last kernel log
+//!    record a running agent has seen) become events, merged per GPU and code: an Xid that NVML
+//!    delivered while the agent was being killed, before it reached the spool, or one that came
+//!    while the agent was down, is not lost. (One that did reach the spool may be sent twice: at
+//!    least once, as every event.)
 
 pub mod agent_checks;
 pub mod dbus;
@@ -93,6 +98,47 @@ impl XidWindow {
 
 fn xid_event(gpu: &str, xid: u64, count: u64) -> report::Event {
     report::Event::Xid { gpu: gpu.to_string(), xid, source: "nvml".into(), count }
+}
+
+/// Rule 8: `state_dir/kmsg-xid-mark` holds `<boot id> <kmsg seq>` of the newest kernel log
+/// record a running agent has seen.
+pub const KMSG_XID_MARK: &str = "kmsg-xid-mark";
+
+/// The kernel log's Xids that no running agent saw (after the mark, or all of this boot's when
+/// the mark is of another boot or missing), as events merged per GPU and code.
+pub fn unseen_kernel_xids(state_dir: &Path, s: &crate::snapshot::Snapshot) -> Vec<report::Event> {
+    let Some(log) = s.kernel_log.value() else { return vec![] };
+    let mark = std::fs::read_to_string(state_dir.join(KMSG_XID_MARK)).unwrap_or_default();
+    let after = match (mark.split_once(' '), s.host.boot_id.as_deref()) {
+        (Some((boot, seq)), Some(now)) if boot == now => seq.trim().parse::<u64>().ok(),
+        _ => None,
+    };
+    let mut counts: std::collections::BTreeMap<(String, u64), u64> = Default::default();
+    for x in &log.xids {
+        let (Some(seq), Some(code)) = (x.seq, x.xid) else { continue };
+        if after.is_none_or(|a| seq > a) {
+            *counts.entry((format!("{}.0", x.pci.to_ascii_lowercase()), u64::from(code))).or_default() += 1;
+        }
+    }
+    counts
+        .into_iter()
+        .map(|((gpu, xid), count)| report::Event::Xid { gpu, xid, source: "kernel-log".into(), count })
+        .collect()
+}
+
+/// Notes the newest kernel log record of `s` as seen (rule 8); written only when it moved.
+pub fn mark_kernel_log_seen(state_dir: &Path, s: &crate::snapshot::Snapshot, last: &mut Option<u64>) {
+    let (Some(log), Some(boot)) = (s.kernel_log.value(), s.host.boot_id.as_deref()) else { return };
+    let Some(newest) = log.xids.iter().filter_map(|x| x.seq).max() else { return };
+    if *last == Some(newest) {
+        return;
+    }
+    match crate::durable::write(&state_dir.join(KMSG_XID_MARK), format!("{boot} {newest}\n").as_bytes(), 0o644) {
+        Ok(()) => *last = Some(newest),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot note the kernel log as seen; its Xids may be sent again after a restart")
+        }
+    }
 }
 
 /// What became of events (rule 6 and push rule 9), shared by the loop, the spool writer and
@@ -447,6 +493,43 @@ mod tests {
         assert_eq!((e.agent.clone(), e.health, e.seq), (full.agent.clone(), full.health, full.seq));
         let (small, whole) = (serde_json::to_vec(&e).unwrap().len(), serde_json::to_vec(&full).unwrap().len());
         assert!(small * 4 < whole, "an event report of {small} bytes beside a full one of {whole}");
+    }
+
+    #[test]
+    fn kernel_log_xids_no_running_agent_saw_become_events_once() {
+        use crate::snapshot::{Fact, KernelLog, XidEvent};
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = healthy();
+        s.host.boot_id = Some("boot-a".into());
+        let xid = |seq: u64, code: u32| XidEvent {
+            pci: "0000:0C:00".into(),
+            xid: Some(code),
+            raw_code: code.to_string(),
+            usec: Some(seq * 1000),
+            seq: Some(seq),
+            message: String::new(),
+        };
+        s.kernel_log =
+            Fact::Value(KernelLog { xids: vec![xid(10, 79), xid(11, 79), xid(12, 13)], ..Default::default() });
+        let event = |xid: u64, count: u64| report::Event::Xid {
+            gpu: "0000:0c:00.0".into(),
+            xid,
+            source: "kernel-log".into(),
+            count,
+        };
+        // No mark yet: every Xid of this boot, merged per code.
+        assert_eq!(unseen_kernel_xids(dir.path(), &s), vec![event(13, 1), event(79, 2)]);
+        let mut last = None;
+        mark_kernel_log_seen(dir.path(), &s, &mut last);
+        assert!(unseen_kernel_xids(dir.path(), &s).is_empty(), "seen by a running agent");
+        // Killed before it spooled the next one: the restart finds it.
+        if let Fact::Value(log) = &mut s.kernel_log {
+            log.xids.push(xid(13, 48));
+        }
+        assert_eq!(unseen_kernel_xids(dir.path(), &s), vec![event(48, 1)]);
+        // Another boot: the mark is of the last one, so this boot's log is all new.
+        s.host.boot_id = Some("boot-b".into());
+        assert_eq!(unseen_kernel_xids(dir.path(), &s).len(), 3);
     }
 
     #[test]
