@@ -318,6 +318,20 @@ fn a_fifo_where_a_file_should_be_is_an_error_not_a_hang() {
     serve.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert_eq!(status.code(), Some(3), "{err}");
     assert!(err.contains("token") && err.contains("FIFO"), "{err}");
+
+    // A character device as the token (it once grew the agent to 4 GB reading /dev/zero).
+    std::fs::write(&cfg, std::fs::read_to_string(&cfg).unwrap().replace(token.to_str().unwrap(), "/dev/zero")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .arg("--sysroot")
+        .arg(repo().join("tests/fixtures/sysroots/no-gpu"))
+        .env_remove("NOTIFY_SOCKET")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("/dev/zero") && err.contains("character device"), "{err}");
 }
 
 /// `phq-agent token` runs as root before the service starts. A link planted where a token file
