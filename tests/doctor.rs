@@ -229,48 +229,33 @@ fn bundle_round_trips_to_the_same_findings() {
     let bundle = dir.path().join("support.tar.gz");
     let root = fixture("sysroots/hgx-8gpu-bar1-unassigned");
     let cfg = config("empty");
-    let first = phq(&[
-        "doctor",
-        "--json",
-        "--sysroot",
-        root.to_str().unwrap(),
-        "--config",
-        cfg.to_str().unwrap(),
-        "--bundle",
-        bundle.to_str().unwrap(),
-    ]);
+    let bundle_to = |out: &Path| {
+        phq(&[
+            "doctor",
+            "--json",
+            "--sysroot",
+            root.to_str().unwrap(),
+            "--config",
+            cfg.to_str().unwrap(),
+            "--bundle",
+            out.to_str().unwrap(),
+        ])
+    };
+    let first = bundle_to(&bundle);
     assert_eq!(first.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&first.stderr).contains("bundle written to"));
     // It holds the kernel log: the owner's alone.
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(std::fs::metadata(&bundle).unwrap().permissions().mode() & 0o777, 0o600);
     // Never over an existing file, nor through a link planted at the name.
-    let again_to_same = phq(&[
-        "doctor",
-        "--json",
-        "--sysroot",
-        root.to_str().unwrap(),
-        "--config",
-        cfg.to_str().unwrap(),
-        "--bundle",
-        bundle.to_str().unwrap(),
-    ]);
+    let again_to_same = bundle_to(&bundle);
     assert_eq!(again_to_same.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&again_to_same.stderr).contains("already exists"));
     let victim = dir.path().join("victim");
     std::fs::write(&victim, "precious").unwrap();
     let planted = dir.path().join("planted.tar.gz");
     std::os::unix::fs::symlink(&victim, &planted).unwrap();
-    let through_link = phq(&[
-        "doctor",
-        "--json",
-        "--sysroot",
-        root.to_str().unwrap(),
-        "--config",
-        cfg.to_str().unwrap(),
-        "--bundle",
-        planted.to_str().unwrap(),
-    ]);
+    let through_link = bundle_to(&planted);
     assert_eq!(through_link.status.code(), Some(3));
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
     let again = phq(&["doctor", "--json", "--from", bundle.to_str().unwrap(), "--config", cfg.to_str().unwrap()]);

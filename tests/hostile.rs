@@ -15,6 +15,10 @@ use std::time::{Duration, Instant};
 
 const TOKEN: &str = "tok-hostile-0123456789abcdef";
 
+/// The flood and the storm each load both cores of a small machine: they take turns, so that
+/// neither judges the agent by the other's load.
+static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 struct Agent {
     child: Child,
     port: u16,
@@ -29,23 +33,27 @@ impl Drop for Agent {
     }
 }
 
+/// In `dir`: the token (0600) and a config for the service — state in `dir/state`, listening on
+/// a port the kernel picks — with `extra` TOML appended. Returns the config's path.
+fn write_config(dir: &std::path::Path, extra: &str) -> std::path::PathBuf {
+    let token = dir.join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let cfg = dir.join("config.toml");
+    let base = format!(
+        "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n",
+        dir.join("state").display(),
+        token.display()
+    );
+    std::fs::write(&cfg, base + extra).unwrap();
+    cfg
+}
+
 /// The service over the healthy 8-GPU fixture and fake NVML, on a port the kernel picks, once
 /// `/healthz` answers with a snapshot behind it. None: a skip (no dbus-daemon).
 fn start() -> Option<Agent> {
     let dir = tempfile::tempdir().unwrap();
-    let token = dir.path().join("token");
-    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n[probes]\nat_boot = \"none\"\n",
-            dir.path().join("state").display(),
-            token.display()
-        ),
-    )
-    .unwrap();
+    let cfg = write_config(dir.path(), "[probes]\nat_boot = \"none\"\n");
     let bus = PrivateBus::start(HEALTHY_UNITS)?;
     let mut child = serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus)
         .stderr(Stdio::null())
@@ -203,6 +211,7 @@ fn raise_fd_limit() {
 /// answers 200 within 1 s every time, and the agent's memory stays bounded.
 #[test]
 fn a_thousand_connections_from_one_address_never_lock_out_healthz() {
+    let _turn = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
     raise_fd_limit();
     let Some(agent) = start() else { return };
     let rss_before = rss_kib(agent.child.id());
@@ -385,19 +394,7 @@ fn sigterm_during_a_slow_first_snapshot_stops_at_once() {
     s["init_delay_ms"] = 30_000.into();
     let scenario = dir.path().join("slow.json");
     std::fs::write(&scenario, serde_json::to_vec(&s).unwrap()).unwrap();
-    let token = dir.path().join("token");
-    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n",
-            dir.path().join("state").display(),
-            token.display()
-        ),
-    )
-    .unwrap();
+    let cfg = write_config(dir.path(), "");
     let mut child = serve_command(&cfg, &scenario, &bus).spawn().unwrap();
     listening_port(&mut child).expect("it listens before the first snapshot");
     std::thread::sleep(Duration::from_millis(300)); // inside nvmlInit_v2 now
@@ -437,6 +434,7 @@ fn refusing_port() -> (std::os::fd::OwnedFd, u16) {
 #[test]
 fn an_xid_storm_with_the_platform_down_keeps_the_watchdog_and_loses_no_xid() {
     const XIDS: u64 = 12_000;
+    let _turn = HEAVY.lock().unwrap_or_else(|p| p.into_inner());
     let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
     let (_held, platform_port) = refusing_port();
     let dir = tempfile::tempdir().unwrap();
@@ -451,22 +449,15 @@ fn an_xid_storm_with_the_platform_down_keeps_the_watchdog_and_loses_no_xid() {
     }
     let scenario = dir.path().join("storm.json");
     std::fs::write(&scenario, serde_json::to_vec(&s).unwrap()).unwrap();
-    let token = dir.path().join("token");
-    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
     std::fs::write(dir.path().join("platform-token"), "platform-secret-0123456789\n").unwrap();
     let state = dir.path().join("state");
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n[platform]\nurl = \"http://127.0.0.1:{platform_port}\"\ntoken_file = \"{}\"\n[probes]\nat_boot = \"none\"\n",
-            state.display(),
-            token.display(),
+    let cfg = write_config(
+        dir.path(),
+        &format!(
+            "[platform]\nurl = \"http://127.0.0.1:{platform_port}\"\ntoken_file = \"{}\"\n[probes]\nat_boot = \"none\"\n",
             dir.path().join("platform-token").display()
         ),
-    )
-    .unwrap();
+    );
     let notify_path = dir.path().join("notify");
     let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
     notify.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
