@@ -111,6 +111,32 @@ fn ready_after_the_first_snapshot_then_serves_with_credentials_only() {
         assert_eq!(code, 401, "{path} with a wrong token");
         assert!(r.to_ascii_lowercase().contains("www-authenticate: bearer"));
     }
+    // gzip when asked, rendered once per snapshot; OpenMetrics when Accept weighs it highest.
+    let gz = {
+        let mut c = TcpStream::connect(("127.0.0.1", a.port)).unwrap();
+        write!(c, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{}Accept-Encoding: gzip\r\n\r\n", auth())
+            .unwrap();
+        let mut raw = Vec::new();
+        c.read_to_end(&mut raw).unwrap();
+        raw
+    };
+    let split = gz.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&gz[..split]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200") && head.contains("content-encoding: gzip"), "{head}");
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(&gz[split + 4..]).read_to_string(&mut text).unwrap();
+    assert!(text.contains("phq_gpu_temperature_celsius{"), "the gzipped body is the metrics");
+    let (_, r) = get(
+        a.port,
+        "/metrics",
+        &format!(
+            "{}Accept: text/plain;version=0.0.4;q=0.3,application/openmetrics-text;version=1.0.0;q=0.5\r\n",
+            auth()
+        ),
+    );
+    assert!(r.contains("application/openmetrics-text") && r.contains("# UNIT phq_gpu_temperature_celsius celsius"));
+    let (_, r) = get(a.port, "/metrics", &format!("{}Accept: application/openmetrics-text;q=0,text/plain\r\n", auth()));
+    assert!(r.contains("text/plain; version=0.0.4") && !r.contains("# EOF"), "q=0 refuses OpenMetrics");
     // The scheme is case-insensitive (RFC 9110 §11.1).
     assert_eq!(get(a.port, "/metrics", &format!("Authorization: bearer {TOKEN}\r\n")).0, 200);
     let (code, r) = get(a.port, "/v1/status", &auth());

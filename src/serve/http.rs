@@ -364,16 +364,56 @@ async fn metrics(
         Ok(p) => p,
         Err(r) => return *r,
     };
-    let wants_openmetrics = headers
-        .get(header::ACCEPT)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|a| a.contains("application/openmetrics-text"));
-    let (ct, body) = if wants_openmetrics {
-        (OPENMETRICS, p.metrics_openmetrics.clone())
-    } else {
-        (TEXT_FORMAT, p.metrics_text.clone())
+    let header_str = |name| headers.get(name).and_then(|v: &header::HeaderValue| v.to_str().ok()).unwrap_or("");
+    let openmetrics = prefers_openmetrics(header_str(header::ACCEPT));
+    let gzip = accepts_gzip(header_str(header::ACCEPT_ENCODING));
+    let (ct, body) = match (openmetrics, gzip) {
+        (true, false) => (OPENMETRICS, p.metrics_openmetrics.clone()),
+        (true, true) => (OPENMETRICS, p.metrics_openmetrics_gzip.clone()),
+        (false, false) => (TEXT_FORMAT, p.metrics_text.clone()),
+        (false, true) => (TEXT_FORMAT, p.metrics_text_gzip.clone()),
     };
-    Response::builder().header(header::CONTENT_TYPE, ct).body(Body::from(body)).unwrap_or_default()
+    let mut r = Response::builder().header(header::CONTENT_TYPE, ct).header(header::VARY, "Accept, Accept-Encoding");
+    if gzip {
+        r = r.header(header::CONTENT_ENCODING, "gzip");
+    }
+    r.body(Body::from(body)).unwrap_or_default()
+}
+
+/// `(media range or coding, q)` of an Accept-style header (RFC 9110 §12.4.2): q defaults to 1;
+/// an unreadable q counts as 0, which refuses, rather than as 1.
+fn weighted(header: &str) -> impl Iterator<Item = (String, f32)> + '_ {
+    header.split(',').filter(|p| !p.trim().is_empty()).map(|part| {
+        let mut fields = part.split(';');
+        let name = fields.next().unwrap_or("").trim().to_ascii_lowercase();
+        let q = fields
+            .filter_map(|f| f.trim().strip_prefix("q=").or_else(|| f.trim().strip_prefix("Q=")))
+            .map(|v| v.trim().parse::<f32>().unwrap_or(0.0))
+            .next()
+            .unwrap_or(1.0);
+        (name, q)
+    })
+}
+
+/// Whether `Accept` prefers OpenMetrics to the classic text format, as Prometheus (which sends
+/// `application/openmetrics-text;version=1.0.0;q=0.5,…,text/plain;version=0.0.4;q=0.3,*/*;q=0.2`)
+/// and client_golang negotiate it: OpenMetrics when it is acceptable (q > 0) and weighted at
+/// least as high as text/plain.
+fn prefers_openmetrics(accept: &str) -> bool {
+    let (mut om, mut text) = (0.0f32, 0.0f32);
+    for (range, q) in weighted(accept) {
+        match range.as_str() {
+            "application/openmetrics-text" => om = om.max(q),
+            "text/plain" | "text/*" | "*/*" => text = text.max(q),
+            _ => {}
+        }
+    }
+    om > 0.0 && om >= text
+}
+
+/// Whether `Accept-Encoding` takes gzip (q > 0), as Prometheus's scraper asks for it.
+fn accepts_gzip(accept_encoding: &str) -> bool {
+    weighted(accept_encoding).any(|(coding, q)| (coding == "gzip" || coding == "x-gzip") && q > 0.0)
 }
 
 #[cfg(test)]
@@ -437,6 +477,22 @@ mod tests {
         assert_eq!(bearer("BEARER  abc"), Some(" abc"));
         assert_eq!(bearer("Basic abc"), None);
         assert_eq!(bearer("Bearerabc"), None);
+    }
+
+    #[test]
+    fn accept_is_negotiated_with_its_weights() {
+        // What Prometheus 2.x sends.
+        let prom = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert!(prefers_openmetrics(prom));
+        assert!(!prefers_openmetrics("text/plain;version=0.0.4;q=1,application/openmetrics-text;q=0.5"));
+        assert!(!prefers_openmetrics("application/openmetrics-text;q=0"), "q=0 refuses it");
+        assert!(!prefers_openmetrics(""));
+        assert!(!prefers_openmetrics("*/*"));
+        assert!(prefers_openmetrics("application/openmetrics-text"));
+        assert!(accepts_gzip("gzip"));
+        assert!(accepts_gzip("identity;q=0.5, GZIP;q=0.8"));
+        assert!(!accepts_gzip("gzip;q=0"));
+        assert!(!accepts_gzip("br, deflate"));
     }
 
     #[test]

@@ -33,16 +33,44 @@ struct Families {
     registry: Registry,
 }
 
+/// Unit suffixes this module's names end with, and the OpenMetrics unit each declares
+/// (`# UNIT`): the unit must be the name's suffix (OpenMetrics 1.0, "Unit").
+const UNITS: &[&str] = &["celsius", "bytes", "seconds", "joules", "watts", "hertz", "ratio", "lanes"];
+
+/// `name` without its unit suffix, and the unit, when it ends with one.
+fn split_unit(name: &str) -> (&str, Option<prometheus_client::registry::Unit>) {
+    use prometheus_client::registry::Unit;
+    for u in UNITS {
+        if let Some(base) = name.strip_suffix(&format!("_{u}")) {
+            let unit = match *u {
+                "celsius" => Unit::Celsius,
+                "bytes" => Unit::Bytes,
+                "seconds" => Unit::Seconds,
+                "joules" => Unit::Joules,
+                other => Unit::Other(other.to_string()),
+            };
+            return (base, Some(unit));
+        }
+    }
+    (name, None)
+}
+
 impl Families {
+    fn register(&mut self, name: &str, help: &str, metric: impl prometheus_client::registry::Metric) {
+        match split_unit(name) {
+            (base, Some(unit)) => self.registry.register_with_unit(base, help, unit, metric),
+            (_, None) => self.registry.register(name, help, metric),
+        }
+    }
     fn gauge(&mut self, name: &str, help: &str) -> FGauge {
         let f = FGauge::default();
-        self.registry.register(name, help, f.clone());
+        self.register(name, help, f.clone());
         f
     }
     fn counter(&mut self, name: &str, help: &str) -> FCounter {
         let f = FCounter::default();
         // prometheus-client appends `_total` to counter samples; register the family name.
-        self.registry.register(name.trim_end_matches("_total"), help, f.clone());
+        self.register(name.trim_end_matches("_total"), help, f.clone());
         f
     }
 }
@@ -84,6 +112,22 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
             .set(e.spooled as f64);
         fam.gauge("phq_agent_spool_bytes", "Bytes the spool holds").get_or_create(&vec![]).set(e.spool_bytes as f64);
     }
+    // When the data behind every other series was read: a collector that stopped shows as a
+    // growing `time() - phq_snapshot_timestamp_seconds`, not as stale values that look fine.
+    let observed = r.observed_at.0.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+    fam.gauge("phq_snapshot_timestamp_seconds", "When the snapshot these metrics come from was taken (Unix time)")
+        .get_or_create(&vec![])
+        .set(observed);
+    if let crate::snapshot::NvmlStatus::Ok(n) = &s.nvml {
+        let cuda =
+            n.cuda_driver_version.value().map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10)).unwrap_or_default();
+        fam.gauge("phq_driver_info", "The NVIDIA driver and the CUDA version it offers; always 1")
+            .get_or_create(&l(&[
+                ("driver_version", n.driver_version.value().map(String::as_str).unwrap_or("")),
+                ("cuda_driver_version", &cuda),
+            ]))
+            .set(1.0);
+    }
     let health = fam.gauge("phq_health_state", "1 for the VM's current health state, 0 for the others");
     for (name, h) in [
         ("healthy", Health::Healthy),
@@ -115,6 +159,14 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     let sm_clock = fam.gauge("phq_gpu_sm_clock_hertz", "SM clock");
     let mem_clock = fam.gauge("phq_gpu_memory_clock_hertz", "Memory clock");
     let util = fam.gauge("phq_gpu_utilization_ratio", "Fraction of time a kernel ran over the last sample period");
+    let mem_util = fam.gauge(
+        "phq_gpu_memory_utilization_ratio",
+        "Fraction of time device memory was read or written over the last sample period",
+    );
+    let up = fam.gauge(
+        "phq_gpu_up",
+        "1 while NVML answers for the GPU; 0 for a GPU on the bus that it does not (fell off, lost)",
+    );
     let throttle = fam.gauge("phq_gpu_clock_event_active", "1 while a clock-event (throttle) reason is active");
     let ecc_vol = fam.gauge("phq_gpu_ecc_volatile_errors", "ECC errors since the last GPU reset, by type");
     let ecc_agg = fam.counter("phq_gpu_ecc_aggregate_errors_total", "ECC errors over the GPU's life, by type");
@@ -129,6 +181,9 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         fam.counter("phq_gpu_nvlink_errors_total", "NVLink error counters summed over the GPU's links, by type");
     let fabric = fam.gauge("phq_gpu_fabric_state", "1 for the GPU's NVSwitch fabric state");
     let xid = fam.counter("phq_gpu_xid_errors_total", "Xid reports since boot, by code: every repeat counts");
+    // Every GPU has this series from the first scrape, at 0 until an Xid: `increase()` then sees
+    // the first one, which a series born at 1 hides.
+    let xids = fam.counter("phq_gpu_xids_total", "Xid reports since boot, all codes together; 0 from the start");
 
     let hostname = s.host.hostname.clone().unwrap_or_default();
     let mut dcgm = dcgm_compat.then(|| Dcgm::new(&mut fam));
@@ -136,19 +191,28 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         let nv = s.nvml_gpu(&g.pci_address);
         let uuid = g.uuid.clone().unwrap_or_default();
         let base = l(&[("gpu", &g.pci_address), ("uuid", &uuid)]);
+        let index = nv.map(|n| n.index.to_string()).unwrap_or_default();
         gpu_info
             .get_or_create(&l(&[
                 ("gpu", &g.pci_address),
                 ("uuid", &uuid),
+                ("index", &index),
                 ("model", &g.model),
                 ("pci_id", &g.pci_id),
                 ("driver", g.driver.as_deref().unwrap_or("")),
             ]))
             .set(1.0);
+        let total = xids.get_or_create(&base);
         for x in &g.xids {
             let labels = plus(&base, "xid", &x.code);
             xid.get_or_create(&labels).inc_by(x.count as u64);
+            total.inc_by(x.count as u64);
         }
+        // Down: NVML does not list it, or its basic readings fail (GPU_IS_LOST after an Xid 79).
+        // A reading a VM's driver does not support is no sign of a lost GPU.
+        let answers =
+            nv.is_some_and(|n| !(matches!(n.temperature_c, Nv::Error(_)) && matches!(n.memory, Nv::Error(_))));
+        up.get_or_create(&base).set(if answers { 1.0 } else { 0.0 });
         let Some(n) = nv else { continue };
         set(&temp, &base, &n.temperature_c);
         set(&slowdown, &base, &n.slowdown_temperature_c);
@@ -159,6 +223,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         set(&sm_clock, &base, &n.sm_clock_mhz.map_value(|c| *c as f64 * 1e6));
         set(&mem_clock, &base, &n.mem_clock_mhz.map_value(|c| *c as f64 * 1e6));
         set(&util, &base, &n.utilization.map_value(|u| u.gpu as f64 / 100.0));
+        set(&mem_util, &base, &n.utilization.map_value(|u| u.memory as f64 / 100.0));
         if let Nv::Value(reasons) = &n.throttle_reasons {
             for (_, name) in crate::collect::nvml::THROTTLE_REASONS {
                 let labels = plus(&base, "reason", name);
@@ -353,6 +418,47 @@ mod tests {
         );
         assert!(m.text.contains(r#"phq_gpu_power_usage_watts{gpu="0000:09:00.0""#));
         assert!(m.text.contains(r#"phq_health_state{state="healthy"} 1"#));
+    }
+
+    #[test]
+    fn every_gpu_has_its_xid_total_and_up_from_the_first_scrape() {
+        let m = rendered(false);
+        let zero_totals = m.text.lines().filter(|l| l.starts_with("phq_gpu_xids_total{") && l.ends_with(" 0")).count();
+        assert_eq!(zero_totals, 8, "{}", m.text);
+        assert_eq!(m.text.lines().filter(|l| l.starts_with("phq_gpu_up{") && l.ends_with(" 1.0")).count(), 8);
+        assert!(m.text.contains("phq_snapshot_timestamp_seconds "));
+        assert!(
+            m.text.contains(r#"phq_driver_info{driver_version="550.90.07",cuda_driver_version="12.4"} 1.0"#),
+            "{}",
+            m.text
+        );
+        assert!(m.text.contains(r#"phq_gpu_memory_utilization_ratio{gpu="0000:09:00.0""#));
+        assert!(m.text.contains(r#"index="0""#));
+        // Units are declared in OpenMetrics, and dropped from the classic format.
+        assert!(m.openmetrics.contains("# UNIT phq_gpu_temperature_celsius celsius"), "{}", m.openmetrics);
+        assert!(m.openmetrics.contains("# UNIT phq_gpu_memory_total_bytes bytes"));
+        assert!(!m.text.contains("# UNIT"));
+    }
+
+    #[test]
+    fn a_lost_gpu_is_down_not_missing() {
+        let mut s = healthy();
+        if let crate::snapshot::NvmlStatus::Ok(n) = &mut s.nvml {
+            n.devices[3].temperature_c = Nv::Error("GPU is lost".into());
+            n.devices[3].memory = Nv::Error("GPU is lost".into());
+            n.devices[4].temperature_c = Nv::NotSupported;
+        }
+        let r = crate::report::build(&s, crate::checks::run(&s, &Default::default()), "vm".into(), s.observed_at, 1);
+        let m = render(&s, &r, false);
+        let up = |bus: &str| {
+            m.text
+                .lines()
+                .find(|l| l.starts_with(&format!("phq_gpu_up{{gpu=\"0000:{bus}:00.0\"")))
+                .unwrap_or("")
+                .to_string()
+        };
+        assert!(up("0c").ends_with(" 0.0"), "{}", up("0c"));
+        assert!(up("0d").ends_with(" 1.0"), "unsupported is not lost: {}", up("0d"));
     }
 
     #[test]

@@ -218,6 +218,9 @@ pub struct Published {
     pub report_json: Bytes,
     pub metrics_text: Bytes,
     pub metrics_openmetrics: Bytes,
+    /// The same two, gzipped once here rather than per scrape (`Accept-Encoding: gzip`).
+    pub metrics_text_gzip: Bytes,
+    pub metrics_openmetrics_gzip: Bytes,
     /// The bearer token for `/v1/status` and `/metrics`; `None` refuses them.
     pub token: Option<String>,
     pub summary: String,
@@ -235,11 +238,18 @@ pub fn current(shared: &Shared) -> Option<Arc<Published>> {
     }
 }
 
-/// Reads the bearer token. A file that group or others can read is refused: the token is the
-/// only thing between the cluster network and the report.
+/// `bytes` gzipped (into memory, which cannot fail short of allocation).
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(bytes).and_then(|()| e.finish()).unwrap_or_default()
+}
+
 /// A bearer token is a line of text; anything longer is a mistake, or an attack.
 pub const MAX_TOKEN_BYTES: u64 = 4096;
 
+/// Reads the bearer token. A file that group or others can read is refused: the token is the
+/// only thing between the cluster network and the report.
 pub fn read_token(path: &Path) -> anyhow::Result<String> {
     use std::os::unix::fs::PermissionsExt;
     // A regular file of a few bytes, not a FIFO (a hang) or a device (endless bytes); a
@@ -371,6 +381,8 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     let published = Published {
         health: report.health,
         report_json: Bytes::from(serde_json::to_vec(&report).unwrap_or_default()),
+        metrics_text_gzip: Bytes::from(gzip(m.text.as_bytes())),
+        metrics_openmetrics_gzip: Bytes::from(gzip(m.openmetrics.as_bytes())),
         metrics_text: Bytes::from(m.text),
         metrics_openmetrics: Bytes::from(m.openmetrics),
         token: inputs.token.clone(),
