@@ -65,7 +65,16 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
     let counters = Arc::new(serve::EventCounters::default());
     let mut inputs = Inputs {
         sysroot: machine.sysroot.clone(),
-        nvml_lib: machine.nvml_lib.clone(),
+        // One NVML session for the service's life (reopened only when a reading says it is gone).
+        nvml: match crate::collect::NvmlSource::choose(
+            machine.nvml_lib.as_deref(),
+            &crate::sysroot::Sysroot::new(&machine.sysroot),
+        ) {
+            crate::collect::NvmlSource::Library(lib) => {
+                crate::collect::NvmlSource::Session(Arc::new(crate::collect::nvml::Session::new(&lib)))
+            }
+            other => other,
+        },
         token: token_of(&config)?,
         config: config.clone(),
         started_at: Timestamp::now(),
@@ -149,11 +158,13 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
 
     // Xids from NVML as they happen, from their own thread.
     let (xid_tx, mut xid_rx) = tokio::sync::mpsc::unbounded_channel();
-    let _watcher = match crate::collect::NvmlSource::choose(
-        machine.nvml_lib.as_deref(),
-        &crate::sysroot::Sysroot::new(&machine.sysroot),
-    ) {
-        crate::collect::NvmlSource::Library(lib) => match XidWatcher::start(&lib) {
+    let watched = match &inputs.nvml {
+        crate::collect::NvmlSource::Library(lib) => Some(lib.clone()),
+        crate::collect::NvmlSource::Session(s) => Some(s.library().to_string()),
+        crate::collect::NvmlSource::Skip(_) => None,
+    };
+    let _watcher = match watched {
+        Some(lib) => match XidWatcher::start(&lib) {
             Ok((w, rx)) => {
                 std::thread::Builder::new()
                     .name("xid-forward".into())
@@ -172,7 +183,7 @@ async fn run(g: &super::Global, machine: &super::Machine) -> anyhow::Result<i32>
                 None
             }
         },
-        crate::collect::NvmlSource::Skip(_) => None,
+        None => None,
     };
 
     // Hands an event, with only what it is about, to the spool writer (rules 6 and 7).

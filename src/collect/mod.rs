@@ -17,12 +17,24 @@ use crate::snapshot::{CudaToolkit, Fact, Snapshot, Timestamp};
 use crate::sysroot::Sysroot;
 
 /// Where NVML comes from for a snapshot.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum NvmlSource {
-    /// Load this library (a path, or a soname for the dynamic loader).
+    /// Load this library (a path, or a soname for the dynamic loader) for this snapshot alone.
     Library(String),
+    /// Read through a session kept across snapshots (the service).
+    Session(std::sync::Arc<nvml::Session>),
     /// Do not load NVML, for this reason.
     Skip(String),
+}
+
+impl PartialEq for NvmlSource {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (NvmlSource::Library(a), NvmlSource::Library(b)) | (NvmlSource::Skip(a), NvmlSource::Skip(b)) => a == b,
+            (NvmlSource::Session(a), NvmlSource::Session(b)) => std::sync::Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
 }
 
 impl NvmlSource {
@@ -72,6 +84,7 @@ pub fn snapshot(root: &Sysroot, nvml_source: &NvmlSource) -> Snapshot {
         },
         nvml: match nvml_source {
             NvmlSource::Library(lib) => nvml::read(lib),
+            NvmlSource::Session(s) => s.read(),
             NvmlSource::Skip(why) => crate::snapshot::NvmlStatus::NotRead(why.clone()),
         },
         host,

@@ -28,15 +28,79 @@ const MAX_NVLINKS: u32 = 18;
 /// At most this many Xid events are drained in one snapshot, so a storm cannot hold it up.
 const MAX_EVENTS_PER_SNAPSHOT: usize = 1024;
 
+/// One reading through a session of its own (doctor, probe, install: one snapshot each).
 pub fn read(library: &str) -> NvmlStatus {
-    let nvml = match Nvml::builder().lib_path(OsStr::new(library)).init() {
-        Ok(n) => n,
-        Err(e) => return NvmlStatus::Failed(classify_init_error(library, &e)),
-    };
-    // SAFETY: loading the library a second time returns the same handle (dlopen reference
-    // counts it); NvmlLib only resolves symbols. NVML is initialised by `nvml` above and stays
-    // so while `sys` is used, since `nvml` outlives it in this function.
-    let sys = unsafe { NvmlLib::new(library) }.ok();
+    Session::new(library).read()
+}
+
+/// An NVML session kept across snapshots. `nvmlInit` attaches every GPU — seconds on an 8-GPU
+/// guest, more without persistence mode (NVIDIA's driver persistence documentation: with no
+/// client holding the GPUs, each initialisation sets them up again) — so the service opens one
+/// and keeps it, and opens a new one only after a reading says the old one is gone (the driver
+/// was unloaded or upgraded underneath it).
+pub struct Session {
+    library: String,
+    held: std::sync::Mutex<Option<Held>>,
+}
+
+struct Held {
+    // Field order: `sys` (symbols only) is dropped before `nvml`, whose drop shuts NVML down.
+    sys: Option<NvmlLib>,
+    nvml: Nvml,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("library", &self.library).finish_non_exhaustive()
+    }
+}
+
+impl Session {
+    pub fn new(library: &str) -> Session {
+        Session { library: library.to_string(), held: std::sync::Mutex::new(None) }
+    }
+
+    pub fn library(&self) -> &str {
+        &self.library
+    }
+
+    /// Reads every GPU, initialising NVML first if this session has no live handle.
+    pub fn read(&self) -> NvmlStatus {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if held.is_none() {
+            let nvml = match Nvml::builder().lib_path(OsStr::new(&self.library)).init() {
+                Ok(n) => n,
+                Err(e) => return NvmlStatus::Failed(classify_init_error(&self.library, &e)),
+            };
+            // SAFETY: loading the library a second time returns the same handle (dlopen reference
+            // counts it); NvmlLib only resolves symbols. NVML is initialised by `nvml` and stays so
+            // while `sys` is used, since both live in `Held`, which drops `sys` first.
+            let sys = unsafe { NvmlLib::new(&self.library) }.ok();
+            *held = Some(Held { sys, nvml });
+        }
+        let Some(h) = held.as_ref() else {
+            return NvmlStatus::Failed(classify_init_error(&self.library, &NvmlError::Uninitialized));
+        };
+        let status = read_from(&self.library, &h.nvml, h.sys.as_ref());
+        if session_gone(&status) {
+            tracing::info!(library = %self.library, "NVML session lost; a new one is opened at the next snapshot");
+            *held = None;
+        }
+        status
+    }
+}
+
+/// Whether a reading says the session itself is no longer good: NVML stopped answering as a
+/// whole (not one GPU), as after a driver unload or an upgrade without a reboot.
+fn session_gone(status: &NvmlStatus) -> bool {
+    match status {
+        NvmlStatus::Failed(_) => true,
+        NvmlStatus::Ok(info) => matches!(info.driver_version, Nv::Error(_)),
+        NvmlStatus::NotRead(_) => false,
+    }
+}
+
+fn read_from(library: &str, nvml: &Nvml, sys: Option<&NvmlLib>) -> NvmlStatus {
     let count = match nvml.device_count() {
         Ok(c) => c,
         Err(e) => {
@@ -50,13 +114,13 @@ pub fn read(library: &str) -> NvmlStatus {
     let devices: Vec<(Option<Device>, NvmlGpu)> = (0..count)
         .map(|i| match nvml.device_by_index(i) {
             Ok(d) => {
-                let g = read_device(i, &d, sys.as_ref());
+                let g = read_device(i, &d, sys);
                 (Some(d), g)
             }
             Err(e) => (None, unreadable_device(i, &e)),
         })
         .collect();
-    let (xid_events, events_error) = drain_xid_events(&nvml);
+    let (xid_events, events_error) = drain_xid_events(nvml);
     NvmlStatus::Ok(NvmlInfo {
         library: library.into(),
         driver_version: nv(nvml.sys_driver_version()),

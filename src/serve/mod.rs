@@ -329,7 +329,8 @@ impl Seq {
 #[derive(Clone)]
 pub struct Inputs {
     pub sysroot: PathBuf,
-    pub nvml_lib: Option<PathBuf>,
+    /// Where NVML comes from: for the service, one session kept across snapshots.
+    pub nvml: NvmlSource,
     pub config: Config,
     pub token: Option<String>,
     pub started_at: Timestamp,
@@ -345,7 +346,7 @@ pub struct Inputs {
 /// Collects, checks and renders one snapshot; the report comes back too, for the events.
 pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     let root = Sysroot::new(&inputs.sysroot);
-    let snapshot = crate::collect::snapshot(&root, &NvmlSource::choose(inputs.nvml_lib.as_deref(), &root));
+    let snapshot = crate::collect::snapshot(&root, &inputs.nvml);
     let mut findings = checks::run(&snapshot, &Settings::from(&inputs.config));
     if let Some(p) = &inputs.probes {
         findings.extend(p.1.iter().cloned());

@@ -143,8 +143,19 @@ unsafe fn put<T>(out: *mut T, v: T) -> Ret {
 // ---------------------------------------------------------------------------------------
 // Library and system
 
+/// Calls of `nvmlInit_v2` in this process. Not an NVML function: tests read it through
+/// `phqFakeNvmlInitCount` to show that a service keeps one NVML session instead of paying an
+/// init (seconds on a real 8-GPU guest) per snapshot.
+static INIT_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+#[no_mangle]
+pub extern "C" fn phqFakeNvmlInitCount() -> u64 {
+    INIT_CALLS.load(std::sync::atomic::Ordering::SeqCst)
+}
+
 #[no_mangle]
 pub extern "C" fn nvmlInit_v2() -> Ret {
+    INIT_CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     // Held throughout, so two first inits cannot both load the scenario.
     let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(s) = guard.as_mut() {

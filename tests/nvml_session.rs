@@ -1,0 +1,67 @@
+//! The service keeps one NVML session: `nvmlInit` attaches every GPU, which costs seconds on a
+//! real 8-GPU guest, so paying it every 30 s is paying it all day. The service's own snapshot
+//! function runs 1,000 times over the fake library, which counts its inits. (A file of its
+//! own: it sets the scenario in this process's environment, which no other test shares.)
+
+mod common;
+
+use common::*;
+use phq_agent::collect::{nvml::Session, NvmlSource};
+use phq_agent::serve::{take_snapshot, Inputs};
+use std::sync::Arc;
+
+/// The fake library's count of `nvmlInit_v2` calls in this process.
+fn init_count(lib: &std::path::Path) -> u64 {
+    let path = std::ffi::CString::new(lib.to_str().unwrap()).unwrap();
+    let name = std::ffi::CString::new("phqFakeNvmlInitCount").unwrap();
+    // SAFETY: dlopen of the library the snapshots already loaded (the same handle, reference
+    // counted); the symbol is the fake's `extern "C" fn() -> u64`.
+    unsafe {
+        let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
+        assert!(!handle.is_null(), "dlopen {}", lib.display());
+        let sym = libc::dlsym(handle, name.as_ptr());
+        assert!(!sym.is_null(), "the fake NVML exports phqFakeNvmlInitCount");
+        let f: extern "C" fn() -> u64 = std::mem::transmute(sym);
+        let n = f();
+        libc::dlclose(handle);
+        n
+    }
+}
+
+#[test]
+fn a_thousand_service_snapshots_initialise_nvml_once() {
+    let lib = fake_nvml().to_path_buf();
+    // This test is alone in its process (its own file), so setting the environment races nothing.
+    std::env::set_var("PHQ_FAKE_NVML_SCENARIO", repo().join("examples/scenarios/hgx-8gpu-healthy.json"));
+    std::env::remove_var("DBUS_SYSTEM_BUS_ADDRESS");
+    let state = tempfile::tempdir().unwrap();
+    let mut config = phq_agent::config::Config::default();
+    config.agent.state_dir = state.path().to_path_buf();
+    let inputs = Inputs {
+        sysroot: repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"),
+        nvml: NvmlSource::Session(Arc::new(Session::new(lib.to_str().unwrap()))),
+        config,
+        token: None,
+        started_at: phq_agent::snapshot::Timestamp::now(),
+        probes: None,
+        push: Default::default(),
+        events: Default::default(),
+        spool: None,
+    };
+    let before = init_count(&lib);
+    for seq in 1..=1000 {
+        let (_, report) = take_snapshot(&inputs, seq);
+        assert_eq!(report.gpus.len(), 8);
+        assert!(report.gpus.iter().all(|g| g.uuid.is_some()), "NVML answered snapshot {seq}");
+    }
+    let inits = init_count(&lib) - before;
+    eprintln!("1000 snapshots, {inits} nvmlInit_v2 call(s)");
+    assert_eq!(inits, 1);
+
+    // What the service did before: a reading of its own per snapshot, an init each.
+    let before = init_count(&lib);
+    for _ in 0..10 {
+        let _ = phq_agent::collect::nvml::read(lib.to_str().unwrap());
+    }
+    assert_eq!(init_count(&lib) - before, 10);
+}
