@@ -1,7 +1,9 @@
-//! The service keeps one NVML session: `nvmlInit` attaches every GPU, which costs seconds on a
-//! real 8-GPU guest, so paying it every 30 s is paying it all day. The service's own snapshot
-//! function runs 1,000 times over the fake library, which counts its inits. (A file of its
-//! own: it sets the scenario in this process's environment, which no other test shares.)
+//! The service keeps one NVML session and one bus connection: `nvmlInit` attaches every GPU,
+//! which costs seconds on a real 8-GPU guest, so paying it every 30 s is paying it all day; a
+//! bus connection is a handshake and a new name each time. The service's own snapshot function
+//! runs 1,000 times over the fake library, which counts its inits, and a private bus, whose
+//! unique names count connections. (A file of its own: it sets the scenario and the bus in this
+//! process's environment, which no other test shares.)
 
 mod common;
 
@@ -28,12 +30,21 @@ fn init_count(lib: &std::path::Path) -> u64 {
     }
 }
 
+/// The serial of a new connection's unique name on the bus (`:1.N`): each connection gets the
+/// next N, so the difference between two is how many connected in between.
+fn next_connection_serial(address: &str) -> u64 {
+    let c = zbus::blocking::connection::Builder::address(address).unwrap().build().unwrap();
+    let name = c.unique_name().unwrap().to_string();
+    name.rsplit('.').next().unwrap().parse().unwrap()
+}
+
 #[test]
-fn a_thousand_service_snapshots_initialise_nvml_once() {
+fn a_thousand_service_snapshots_initialise_nvml_once_and_connect_to_the_bus_once() {
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    std::env::set_var("DBUS_SYSTEM_BUS_ADDRESS", &bus.address);
     let lib = fake_nvml().to_path_buf();
     // This test is alone in its process (its own file), so setting the environment races nothing.
     std::env::set_var("PHQ_FAKE_NVML_SCENARIO", repo().join("examples/scenarios/hgx-8gpu-healthy.json"));
-    std::env::remove_var("DBUS_SYSTEM_BUS_ADDRESS");
     let state = tempfile::tempdir().unwrap();
     let mut config = phq_agent::config::Config::default();
     config.agent.state_dir = state.path().to_path_buf();
@@ -49,14 +60,17 @@ fn a_thousand_service_snapshots_initialise_nvml_once() {
         spool: None,
     };
     let before = init_count(&lib);
+    let serial_before = next_connection_serial(&bus.address);
     for seq in 1..=1000 {
-        let (_, report) = take_snapshot(&inputs, seq);
+        let (p, report) = take_snapshot(&inputs, seq);
         assert_eq!(report.gpus.len(), 8);
         assert!(report.gpus.iter().all(|g| g.uuid.is_some()), "NVML answered snapshot {seq}");
+        assert!(p.snapshot.units.value().is_some_and(|u| u.len() == 2), "systemd answered snapshot {seq}");
     }
     let inits = init_count(&lib) - before;
-    eprintln!("1000 snapshots, {inits} nvmlInit_v2 call(s)");
-    assert_eq!(inits, 1);
+    let connections = next_connection_serial(&bus.address) - serial_before - 1;
+    eprintln!("1000 snapshots: {inits} nvmlInit_v2 call(s), {connections} bus connection(s)");
+    assert_eq!((inits, connections), (1, 1));
 
     // What the service did before: a reading of its own per snapshot, an init each.
     let before = init_count(&lib);

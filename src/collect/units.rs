@@ -52,23 +52,44 @@ pub fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send +
     rx.recv_timeout(limit).map_err(|_| format!("the system bus did not answer within {} s", limit.as_secs()))
 }
 
+/// The bus connection kept between readings: the service asks every 30 s, and a new
+/// connection each time is a handshake, an authentication and a new unique name on the bus.
+/// Forgotten on any error, so the next reading connects again (the bus restarted).
+static CONNECTION: std::sync::Mutex<Option<Connection>> = std::sync::Mutex::new(None);
+
+fn held() -> std::sync::MutexGuard<'static, Option<Connection>> {
+    CONNECTION.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn connection() -> zbus::Result<Connection> {
+    if let Some(c) = held().as_ref() {
+        return Ok(c.clone());
+    }
+    let c = zbus::blocking::connection::Builder::system().and_then(|b| b.method_timeout(TIMEOUT).build())?;
+    *held() = Some(c.clone());
+    Ok(c)
+}
+
 fn read_blocking() -> Fact<Vec<UnitState>> {
-    let conn = match zbus::blocking::connection::Builder::system().and_then(|b| b.method_timeout(TIMEOUT).build()) {
+    let conn = match connection() {
         Ok(c) => c,
         Err(e) => return Fact::Error(format!("no system D-Bus to ask systemd: {e}")),
     };
-    let manager = match Proxy::new(&conn, SYSTEMD, MANAGER_PATH, MANAGER) {
-        Ok(p) => p,
-        Err(e) => return Fact::Error(format!("systemd manager proxy: {e}")),
-    };
-    let mut out = Vec::new();
-    for name in UNITS {
-        match unit_state(&conn, &manager, name) {
-            Ok(u) => out.push(u),
-            Err(e) => return Fact::Error(format!("asking systemd about {name}: {e}")),
+    let asked = (|| {
+        let manager =
+            Proxy::new(&conn, SYSTEMD, MANAGER_PATH, MANAGER).map_err(|e| format!("systemd manager proxy: {e}"))?;
+        UNITS
+            .iter()
+            .map(|name| unit_state(&conn, &manager, name).map_err(|e| format!("asking systemd about {name}: {e}")))
+            .collect::<Result<Vec<_>, String>>()
+    })();
+    match asked {
+        Ok(units) => Fact::Value(units),
+        Err(e) => {
+            *held() = None;
+            Fact::Error(e)
         }
     }
-    Fact::Value(out)
 }
 
 fn unit_state(conn: &Connection, manager: &Proxy<'_>, name: &str) -> zbus::Result<UnitState> {
