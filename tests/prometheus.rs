@@ -123,4 +123,10 @@ fn the_dashboards_xid_panel_sees_the_first_xid_on_a_real_prometheus() {
     let born_at_one = query(prom_port, "increase(phq_gpu_xid_errors_total[1h]) > 0");
     assert!(born_at_one.is_empty(), "{born_at_one:?}");
     assert_eq!(query(prom_port, "phq_gpu_xid_errors_total{xid=\"79\"}").len(), 1);
+
+    // docs/metrics.md's join: every GPU's temperature with its model and NVML index.
+    let joined =
+        query(prom_port, "phq_gpu_temperature_celsius * on (instance, gpu) group_left (model, index) phq_gpu_info");
+    assert_eq!(joined.len(), 8, "{joined:?}");
+    assert!(joined.iter().all(|s| s["metric"]["model"].is_string() && s["metric"]["index"].is_string()));
 }
