@@ -33,27 +33,11 @@ impl Drop for Agent {
     }
 }
 
-/// In `dir`: the token (0600) and a config for the service — state in `dir/state`, listening on
-/// a port the kernel picks — with `extra` TOML appended. Returns the config's path.
-fn write_config(dir: &std::path::Path, extra: &str) -> std::path::PathBuf {
-    let token = dir.join("token");
-    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let cfg = dir.join("config.toml");
-    let base = format!(
-        "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n",
-        dir.join("state").display(),
-        token.display()
-    );
-    std::fs::write(&cfg, base + extra).unwrap();
-    cfg
-}
-
 /// The service over the healthy 8-GPU fixture and fake NVML, on a port the kernel picks, once
 /// `/healthz` answers with a snapshot behind it. None: a skip (no dbus-daemon).
 fn start() -> Option<Agent> {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = write_config(dir.path(), "[probes]\nat_boot = \"none\"\n");
+    let cfg = service_config(dir.path(), TOKEN, "[probes]\nat_boot = \"none\"\n");
     let bus = PrivateBus::start(HEALTHY_UNITS)?;
     let mut child = serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus)
         .stderr(Stdio::null())
@@ -394,7 +378,7 @@ fn sigterm_during_a_slow_first_snapshot_stops_at_once() {
     s["init_delay_ms"] = 30_000.into();
     let scenario = dir.path().join("slow.json");
     std::fs::write(&scenario, serde_json::to_vec(&s).unwrap()).unwrap();
-    let cfg = write_config(dir.path(), "");
+    let cfg = service_config(dir.path(), TOKEN, "");
     let mut child = serve_command(&cfg, &scenario, &bus).spawn().unwrap();
     listening_port(&mut child).expect("it listens before the first snapshot");
     std::thread::sleep(Duration::from_millis(300)); // inside nvmlInit_v2 now
@@ -451,8 +435,9 @@ fn an_xid_storm_with_the_platform_down_keeps_the_watchdog_and_loses_no_xid() {
     std::fs::write(&scenario, serde_json::to_vec(&s).unwrap()).unwrap();
     std::fs::write(dir.path().join("platform-token"), "platform-secret-0123456789\n").unwrap();
     let state = dir.path().join("state");
-    let cfg = write_config(
+    let cfg = service_config(
         dir.path(),
+        TOKEN,
         &format!(
             "[platform]\nurl = \"http://127.0.0.1:{platform_port}\"\ntoken_file = \"{}\"\n[probes]\nat_boot = \"none\"\n",
             dir.path().join("platform-token").display()

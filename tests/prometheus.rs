@@ -7,7 +7,6 @@ mod common;
 use common::*;
 use serde_json::Value;
 use std::io::{Read, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -56,19 +55,8 @@ fn the_dashboards_xid_panel_sees_the_first_xid_on_a_real_prometheus() {
     s["devices"][3]["xid_events"] = serde_json::json!([{"xid": 79, "after_ms": 12000}]);
     let scenario = dir.path().join("xid-later.json");
     std::fs::write(&scenario, serde_json::to_vec(&s).unwrap()).unwrap();
+    let cfg = service_config(dir.path(), TOKEN, "[probes]\nat_boot = \"none\"\n");
     let token = dir.path().join("token");
-    std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n[probes]\nat_boot = \"none\"\n",
-            dir.path().join("state").display(),
-            token.display()
-        ),
-    )
-    .unwrap();
     let mut agent = Killed(serve_command(&cfg, &scenario, &bus).spawn().unwrap());
     let agent_port = listening_port(&mut agent.0).expect("the agent listens");
 

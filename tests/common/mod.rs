@@ -120,6 +120,23 @@ pub fn listening_ports(pid: u32) -> Vec<u16> {
     ports
 }
 
+/// In `dir`: the HTTP token `token` (0600) and a config for the service — state in `dir/state`,
+/// listening on a port the kernel picks — with `extra` TOML appended. Returns the config's path.
+pub fn service_config(dir: &Path, token: &str, extra: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let cfg = dir.join("config.toml");
+    let base = format!(
+        "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n",
+        dir.join("state").display(),
+        token_file.display()
+    );
+    std::fs::write(&cfg, base + extra).unwrap();
+    cfg
+}
+
 /// One systemd unit as the stand-in reports it: (name, LoadState, ActiveState, SubState, UnitFileState).
 pub type Unit = (&'static str, &'static str, &'static str, &'static str, &'static str);
 
