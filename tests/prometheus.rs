@@ -51,8 +51,9 @@ fn the_dashboards_xid_panel_sees_the_first_xid_on_a_real_prometheus() {
         &std::fs::read_to_string(repo().join("examples/scenarios/hgx-8gpu-healthy.json")).unwrap(),
     )
     .unwrap();
-    // One Xid 79 on GPU 0000:0c:00.0, 12 s after the agent starts: several scrapes before it.
-    s["devices"][3]["xid_events"] = serde_json::json!([{"xid": 79, "after_ms": 12000}]);
+    // One Xid 79 on GPU 0000:0c:00.0, 20 s after the agent starts: scrapes before it (checked
+    // below, so a slow Prometheus start is a clear failure, not a silent miss).
+    s["devices"][3]["xid_events"] = serde_json::json!([{"xid": 79, "after_ms": 20000}]);
     let scenario = dir.path().join("xid-later.json");
     std::fs::write(&scenario, serde_json::to_vec(&s).unwrap()).unwrap();
     let cfg = service_config(dir.path(), TOKEN, "[probes]\nat_boot = \"none\"\n");
@@ -94,6 +95,12 @@ fn the_dashboards_xid_panel_sees_the_first_xid_on_a_real_prometheus() {
         .expect("the dashboard has an Xid increase panel")
         .replace("$instance", ".*");
 
+    // Prometheus has the per-GPU totals at 0 before the Xid arrives.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while query(prom_port, "phq_gpu_xids_total == 0").len() < 8 {
+        assert!(Instant::now() < deadline, "Prometheus scraped no zero-valued Xid totals within 15 s of starting");
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let deadline = Instant::now() + Duration::from_secs(40);
     let mut found = vec![];
     while Instant::now() < deadline {
