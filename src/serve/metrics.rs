@@ -288,14 +288,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
             }
         }
         if let Some(d) = dcgm.as_mut() {
-            d.add(
-                n,
-                &uuid,
-                &g.model,
-                &hostname,
-                &g.pci_address,
-                g.xids.first().and_then(|x| x.code.parse::<f64>().ok()),
-            );
+            d.add(n, g, &hostname, r.driver.version.as_deref().unwrap_or(""));
         }
     }
     let mut openmetrics = String::new();
@@ -307,6 +300,38 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     Rendered { openmetrics, text }
 }
 
+/// dcgm-exporter's default counters (its `etc/default-counters.csv`) and what the agent does
+/// with each: the name it serves it under with `metrics.dcgm_compat`, or why it does not.
+/// docs/metrics.md says the same for people; a test holds the two to the rendered metrics.
+pub const DCGM_DEFAULT_COUNTERS: &[(&str, Result<&str, &str>)] = &[
+    ("DCGM_FI_DEV_SM_CLOCK", Ok("NVML clock info (SM)")),
+    ("DCGM_FI_DEV_MEM_CLOCK", Ok("NVML clock info (memory)")),
+    ("DCGM_FI_DEV_MEMORY_TEMP", Err("HBM temperature: not read from NVML yet")),
+    ("DCGM_FI_DEV_GPU_TEMP", Ok("NVML temperature")),
+    ("DCGM_FI_DEV_POWER_USAGE", Ok("NVML power usage")),
+    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", Err("energy counter: not read from NVML yet")),
+    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", Ok("NVML PCIe replay counter")),
+    ("DCGM_FI_DEV_GPU_UTIL", Ok("NVML utilization (GPU)")),
+    ("DCGM_FI_DEV_MEM_COPY_UTIL", Ok("NVML utilization (memory)")),
+    ("DCGM_FI_DEV_ENC_UTIL", Err("encoder utilization: not read from NVML yet")),
+    ("DCGM_FI_DEV_DEC_UTIL", Err("decoder utilization: not read from NVML yet")),
+    ("DCGM_FI_DEV_XID_ERRORS", Ok("the last Xid, with err_code and err_msg")),
+    ("DCGM_FI_DEV_FB_FREE", Ok("NVML memory info")),
+    ("DCGM_FI_DEV_FB_USED", Ok("NVML memory info")),
+    ("DCGM_FI_DEV_FB_RESERVED", Err("reserved memory (NVML's v2 memory info): not read yet")),
+    ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", Err("NVLink throughput counters: not read from NVML yet")),
+    ("DCGM_FI_DEV_VGPU_LICENSE_STATUS", Err("vGPU only; a passed-through GPU has no vGPU licence")),
+    ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", Ok("NVML remapped rows")),
+    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", Ok("NVML remapped rows")),
+    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", Ok("NVML remapped rows")),
+    ("DCGM_FI_DRIVER_VERSION", Ok("a label on every DCGM_* series")),
+    ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", Err("profiling: DCGM's profiler, not NVML")),
+    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", Err("profiling: DCGM's profiler, not NVML")),
+    ("DCGM_FI_PROF_DRAM_ACTIVE", Err("profiling: DCGM's profiler, not NVML")),
+    ("DCGM_FI_PROF_PCIE_TX_BYTES", Err("profiling: DCGM's profiler, not NVML")),
+    ("DCGM_FI_PROF_PCIE_RX_BYTES", Err("profiling: DCGM's profiler, not NVML")),
+];
+
 /// The dcgm-exporter names NVIDIA's Grafana dashboard (12239) reads, with its labels.
 struct Dcgm {
     temp: FGauge,
@@ -314,10 +339,23 @@ struct Dcgm {
     fb_used: FGauge,
     fb_free: FGauge,
     util: FGauge,
+    mem_util: FGauge,
     sm_clock: FGauge,
     mem_clock: FGauge,
     xid: FGauge,
     replay: FGauge,
+    remapped_uncorrectable: FGauge,
+    remapped_correctable: FGauge,
+    remap_failure: FGauge,
+}
+
+/// NVML's form of a PCI address, as dcgm-exporter's `pci_bus_id` carries it: an 8-digit domain,
+/// upper-case hex (`0000:0a:00.0` → `00000000:0A:00.0`).
+fn nvml_bus_id(pci: &str) -> String {
+    match pci.split_once(':') {
+        Some((domain, rest)) => format!("{:0>8}:{}", domain.to_ascii_uppercase(), rest.to_ascii_uppercase()),
+        None => pci.to_ascii_uppercase(),
+    }
 }
 
 impl Dcgm {
@@ -328,6 +366,12 @@ impl Dcgm {
             fb_used: f.gauge("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB)"),
             fb_free: f.gauge("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB)"),
             util: f.gauge("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %)"),
+            mem_util: f.gauge("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %)"),
+            remapped_uncorrectable: f
+                .gauge("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for uncorrectable errors"),
+            remapped_correctable: f
+                .gauge("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for correctable errors"),
+            remap_failure: f.gauge("DCGM_FI_DEV_ROW_REMAP_FAILURE", "Whether remapping of rows has failed"),
             sm_clock: f.gauge("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz)"),
             mem_clock: f.gauge("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz)"),
             xid: f.gauge("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered"),
@@ -335,16 +379,21 @@ impl Dcgm {
         }
     }
 
-    fn add(&mut self, n: &NvmlGpu, uuid: &str, model: &str, hostname: &str, pci: &str, last_xid: Option<f64>) {
+    fn add(&mut self, n: &NvmlGpu, g: &crate::report::GpuSummary, hostname: &str, driver: &str) {
         let idx = n.index.to_string();
         let device = format!("nvidia{}", n.index);
+        // As dcgm-exporter labels them: NVML's index, bus id and device name.
+        let uuid = g.uuid.clone().unwrap_or_default();
+        let bus_id = nvml_bus_id(&g.pci_address);
+        let model = n.name.value().cloned().unwrap_or_else(|| g.model.clone());
         let labels = l(&[
             ("gpu", &idx),
-            ("UUID", uuid),
-            ("pci_bus_id", pci),
+            ("UUID", &uuid),
+            ("pci_bus_id", &bus_id),
             ("device", &device),
-            ("modelName", model),
+            ("modelName", &model),
             ("Hostname", hostname),
+            ("DCGM_FI_DRIVER_VERSION", driver),
         ]);
         set(&self.temp, &labels, &n.temperature_c);
         set(&self.power, &labels, &n.power_usage_mw.map_value(|mw| *mw as f64 / 1000.0));
@@ -354,7 +403,24 @@ impl Dcgm {
         set(&self.sm_clock, &labels, &n.sm_clock_mhz);
         set(&self.mem_clock, &labels, &n.mem_clock_mhz);
         set(&self.replay, &labels, &n.pcie.replay_counter);
-        self.xid.get_or_create(&labels).set(last_xid.unwrap_or(0.0));
+        set(&self.mem_util, &labels, &n.utilization.map_value(|u| u.memory as f64));
+        if let Nv::Value(rr) = &n.remapped_rows {
+            self.remapped_uncorrectable.get_or_create(&labels).set(rr.uncorrectable as f64);
+            self.remapped_correctable.get_or_create(&labels).set(rr.correctable as f64);
+            self.remap_failure.get_or_create(&labels).set(if rr.failure { 1.0 } else { 0.0 });
+        }
+        // The last Xid seen (by its last report's time), not the worst, as dcgm-exporter's
+        // gauge holds DCGM's last value; 0 with "No Error" before any.
+        let last =
+            g.xids.iter().max_by(|a, b| a.last_seen_s.partial_cmp(&b.last_seen_s).unwrap_or(std::cmp::Ordering::Equal));
+        let (code, msg) = match last {
+            Some(x) => {
+                (x.code.clone(), x.code.parse().ok().and_then(crate::facts::xid).map_or("Unknown Error", |i| i.meaning))
+            }
+            None => ("0".to_string(), "No Error"),
+        };
+        let xid_labels = plus(&plus(&labels, "err_code", &code), "err_msg", msg);
+        self.xid.get_or_create(&xid_labels).set(code.parse::<f64>().unwrap_or(0.0));
     }
 }
 
@@ -465,7 +531,51 @@ mod tests {
     fn dcgm_names_only_when_asked() {
         assert!(!rendered(false).text.contains("DCGM_FI_DEV_GPU_TEMP"));
         let m = rendered(true);
-        assert!(m.text.contains(r#"DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-3f1c0b7e-0000-4000-8000-000000000009",pci_bus_id="0000:09:00.0",device="nvidia0",modelName="H100 SXM5 80GB",Hostname="vm"} 31"#), "{}", m.text);
+        assert!(m.text.contains(r#"DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-3f1c0b7e-0000-4000-8000-000000000009",pci_bus_id="00000000:09:00.0",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="vm",DCGM_FI_DRIVER_VERSION="550.90.07"} 31"#), "{}", m.text);
+        assert!(m.text.contains(r#"err_code="0",err_msg="No Error"} 0"#), "no Xid yet: {}", m.text);
+    }
+
+    /// Every default counter of dcgm-exporter is either served under its own name or listed
+    /// with the reason it is not; and what the list says is served, is.
+    #[test]
+    fn dcgm_default_counters_are_covered_or_said_why_not() {
+        assert_eq!(DCGM_DEFAULT_COUNTERS.len(), 26, "dcgm-exporter's etc/default-counters.csv has 26");
+        let m = rendered(true);
+        let served: Vec<&str> = DCGM_DEFAULT_COUNTERS.iter().filter(|(_, c)| c.is_ok()).map(|(n, _)| *n).collect();
+        for name in &served {
+            let present = if *name == "DCGM_FI_DRIVER_VERSION" {
+                m.text.contains("DCGM_FI_DRIVER_VERSION=\"550.90.07\"")
+            } else {
+                m.text.lines().any(|l| l.starts_with(&format!("{name}{{")))
+            };
+            assert!(present, "{name} is listed as served but is not in /metrics");
+        }
+        for line in m.text.lines().filter(|l| l.starts_with("# TYPE DCGM_")) {
+            let name = line.split_whitespace().nth(2).unwrap();
+            assert!(served.contains(&name), "{name} is served but not in the list");
+        }
+        eprintln!("{} of {} default counters served", served.len(), DCGM_DEFAULT_COUNTERS.len());
+    }
+
+    #[test]
+    fn dcgm_xid_is_the_last_one_with_its_code_and_message() {
+        use crate::snapshot::{Fact, KernelLog, XidEvent};
+        let mut s = healthy();
+        let xid = |code: u32, usec: u64| XidEvent {
+            pci: "0000:0c:00".into(),
+            xid: Some(code),
+            raw_code: code.to_string(),
+            usec: Some(usec),
+            seq: Some(usec),
+            message: String::new(),
+        };
+        // 79 is the worst, 13 the last.
+        s.kernel_log =
+            Fact::Value(KernelLog { xids: vec![xid(79, 1_000_000), xid(13, 2_000_000)], ..Default::default() });
+        let r = crate::report::build(&s, crate::checks::run(&s, &Default::default()), "vm".into(), s.observed_at, 1);
+        let m = render(&s, &r, true);
+        let line = m.text.lines().find(|l| l.starts_with("DCGM_FI_DEV_XID_ERRORS{gpu=\"3\"")).unwrap_or_default();
+        assert!(line.contains(r#"err_code="13",err_msg="graphics engine exception"} 13"#), "{line}");
     }
 
     #[test]
