@@ -33,6 +33,7 @@ use tokio::sync::Notify;
 pub const MAX_CONNECTIONS: usize = 256;
 /// Connections one source address may hold. The readiness probe, the platform's poller and a
 /// Prometheus each need one or two; 16 leaves room for a proxy that funnels several clients.
+/// Our own margin: nginx's `limit_conn` and Envoy set no default, each operator picks one.
 pub const MAX_PER_PEER: usize = 16;
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 pub const MAX_HEADER_BYTES: usize = 16 * 1024;

@@ -44,7 +44,9 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 pub const SNAPSHOT_INTERVAL: Duration = Duration::from_secs(30);
-/// Repeats of one Xid code on one GPU within this window become one event (rule 6).
+/// Repeats of one Xid code on one GPU within this window become one event (rule 6). Our own
+/// choice, shorter than journald's 30 s rate-limit interval (journald.conf(5),
+/// `RateLimitIntervalSec=`) so that the counted repeats reach the platform within seconds.
 pub const XID_WINDOW: Duration = Duration::from_secs(10);
 /// The watchdog stops being pinged when the loop has not turned for this long (rule 7): two
 /// snapshot intervals, so a snapshot hung on a wedged driver gets the service restarted.

@@ -40,10 +40,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
-/// The longest wait a platform's `Retry-After` can impose.
+/// The longest wait a platform's `Retry-After` can impose: our own cap, so a misconfigured
+/// proxy cannot silence the agent for a day.
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(600);
 /// The spool's bound in bytes. An Xid event report is a few KB, so this holds thousands of
-/// events: hours of a platform outage with a failing GPU.
+/// events: hours of a platform outage with a failing GPU. Our own bound, well under journald's
+/// default cap of 4 GiB for its files (journald.conf(5), `SystemMaxUse=`).
 pub const MAX_SPOOL_BYTES: u64 = 64 << 20;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
