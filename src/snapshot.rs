@@ -399,6 +399,14 @@ pub enum Nv<T> {
     Error(String),
 }
 
+/// What a snapshot written before a reading existed holds for it (a bundle from an older
+/// agent): nothing to report, as for a call the GPU does not support.
+impl<T> Default for Nv<T> {
+    fn default() -> Self {
+        Nv::NotSupported
+    }
+}
+
 impl<T> Nv<T> {
     pub fn value(&self) -> Option<&T> {
         match self {
@@ -487,7 +495,15 @@ pub struct NvmlXid {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryInfo {
     pub total_bytes: u64,
+    /// Allocated memory. With NVML's v2 memory info this excludes `reserved_bytes`.
     pub used_bytes: u64,
+    /// Unallocated memory as NVML counts it: `total - reserved - used` on a real driver
+    /// (see `collect::nvml`), so never computed here from the other two.
+    #[serde(default)]
+    pub free_bytes: u64,
+    /// Memory the driver and firmware set aside (v2 memory info); 0 for BAR1.
+    #[serde(default)]
+    pub reserved_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -595,4 +611,24 @@ pub struct NvmlGpu {
     pub fabric: Nv<FabricInfo>,
     pub processes: Nv<Vec<ProcessInfo>>,
     pub utilization: Nv<Utilization>,
+    /// HBM temperature (NVML field `NVML_FI_DEV_MEMORY_TEMP`).
+    #[serde(default)]
+    pub memory_temperature_c: Nv<u32>,
+    /// Energy since the driver was loaded, in millijoules (`nvmlDeviceGetTotalEnergyConsumption`).
+    #[serde(default)]
+    pub energy_mj: Nv<u64>,
+    /// Percent of NVML's sample period the video encoders / decoders were busy.
+    #[serde(default)]
+    pub encoder_utilization: Nv<u32>,
+    #[serde(default)]
+    pub decoder_utilization: Nv<u32>,
+    /// NVLink data sent and received over all links, in KiB, since the driver loaded.
+    #[serde(default)]
+    pub nvlink_throughput: Nv<NvLinkThroughput>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvLinkThroughput {
+    pub tx_kib: u64,
+    pub rx_kib: u64,
 }

@@ -287,3 +287,56 @@ fn a_bus_that_never_answers_does_not_hang_doctor() {
     assert_eq!(m["severity"], "unknown");
     assert!(m["summary"].as_str().unwrap().contains("did not answer"), "{m}");
 }
+
+/// The service's /metrics with dcgm-exporter's names, over the fake: NVML's figures as NVML
+/// defines them. Free memory leaves the driver's reservation out (the fake keeps v2's
+/// total = reserved + used + free, as the real driver does), and the NVLink total sums every
+/// link (`scopeId` = UINT_MAX), where a reader asking with scope 0 would get link 0 alone.
+#[test]
+fn dcgm_names_carry_nvmls_own_figures() {
+    use std::io::{Read, Write};
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let token = "tok-dcgm-figures-0123456789abcdef";
+    let cfg = service_config(dir.path(), token, "[metrics]\ndcgm_compat = true\n[probes]\nat_boot = \"none\"\n");
+    let scenario = repo().join("examples/scenarios/hgx-8gpu-healthy.json");
+    let mut agent = serve_command(&cfg, &scenario, &bus).spawn().unwrap();
+    let port = listening_port(&mut agent).expect("the agent listens");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let metrics = loop {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        if r.starts_with("HTTP/1.1 200") {
+            break r;
+        }
+        assert!(std::time::Instant::now() < deadline, "no /metrics within 30 s: {r}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let value = |name: &str| -> f64 {
+        let line = metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("{name}{{gpu=\"0\"")))
+            .unwrap_or_else(|| panic!("{name} for GPU 0 is not in /metrics"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let (total, reserved, used) = (85520809984u64, 947912704u64, 8388608u64);
+    assert_eq!(
+        value("DCGM_FI_DEV_FB_FREE"),
+        ((total - reserved - used) >> 20) as f64,
+        "free leaves the reservation out"
+    );
+    assert_eq!(value("DCGM_FI_DEV_FB_RESERVED"), (reserved >> 20) as f64);
+    assert_eq!(value("DCGM_FI_DEV_FB_USED"), (used >> 20) as f64);
+    // Links 0..17 carry (link + 1) MiB out and (link + 1) / 2 MiB in: 171 × 1.5 MiB, in KiB.
+    assert_eq!(value("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL"), (171 * (1048576 + 524288)) as f64, "all links, not link 0");
+    assert_eq!(value("DCGM_FI_DEV_MEMORY_TEMP"), 35.0);
+    assert_eq!(value("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"), (71000 * 3600) as f64);
+    assert_eq!(value("DCGM_FI_DEV_ENC_UTIL"), 0.0);
+    assert_eq!(value("DCGM_FI_DEV_DEC_UTIL"), 0.0);
+    assert!(metrics.contains("# TYPE DCGM_FI_DEV_PCIE_REPLAY_COUNTER counter"), "classic text, as dcgm-exporter");
+}

@@ -125,3 +125,24 @@ fn the_dashboards_xid_panel_sees_the_first_xid_on_a_real_prometheus() {
     assert_eq!(joined.len(), 8, "{joined:?}");
     assert!(joined.iter().all(|s| s["metric"]["model"].is_string() && s["metric"]["index"].is_string()));
 }
+
+/// Both dashboards, panel by panel, on a real Prometheus (scripts/check-dashboards): every panel
+/// has data except NVIDIA's Tensor Core panel, whose profiling field NVML cannot give.
+#[test]
+fn every_panel_of_both_dashboards_has_data_but_the_profiling_one() {
+    if !needs(&[("prometheus", "prometheus"), ("python3", "python3")]) {
+        return;
+    }
+    let out = Command::new(repo().join("scripts/check-dashboards"))
+        .env("PHQ_AGENT_BIN", env!("CARGO_BIN_EXE_phq-agent"))
+        .env("PHQ_FAKE_NVML_LIB", fake_nvml())
+        .output()
+        .expect("run scripts/check-dashboards");
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "a panel has no data");
+    assert!(text.contains("0 unexpectedly empty"), "{text}");
+    let tensor = text.lines().find(|l| l.contains("Tensor Core Utilization")).unwrap_or_default();
+    assert!(tensor.trim_start().starts_with("empty"), "{tensor}");
+    assert!(text.lines().filter(|l| l.trim_start().starts_with("data ")).count() >= 23, "{text}");
+}

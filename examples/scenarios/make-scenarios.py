@@ -23,7 +23,9 @@ def h100(i, bus):
         "inforom_image_version": "G520.0200.00.05",
         "inforom_valid": True,
         "pci": {"bus_id": f"00000000:{bus:02X}:00.0", "pci_device_id": "0x233010DE", "pci_subsystem_id": "0x16C110DE"},
-        "memory": {"total_bytes": 85520809984, "used_bytes": 0},
+        # v2 memory info: the reservation is apart from "used" (about 900 MB, as measured on an
+        # A100 in nvml-wrapper issue #57; the fake answers free = total - reserved - used).
+        "memory": {"total_bytes": 85520809984, "used_bytes": 8388608, "reserved_bytes": 947912704},
         "bar1": {"total_bytes": 137438953472, "used_bytes": 2097152},
         "temperature_c": 31 + i,
         "slowdown_temperature_c": 87,
@@ -38,10 +40,17 @@ def h100(i, bus):
         "persistence_mode": True,
         "mig": {"current": False, "pending": False},
         "pcie": {"gen_current": 5, "gen_max": 5, "width_current": 16, "width_max": 16, "replay_counter": 0},
-        "nvlinks": [{"active": True, "crc_flit_errors": 0, "crc_data_errors": 0, "replay_errors": 0, "recovery_errors": 0} for _ in range(18)],
+        "nvlinks": [{"active": True, "crc_flit_errors": 0, "crc_data_errors": 0, "replay_errors": 0, "recovery_errors": 0,
+                     "tx_kib": 1048576 * (link + 1), "rx_kib": 524288 * (link + 1)} for link in range(18)],
         "fabric": {"state": "completed", "status": "NVML_SUCCESS", "cluster_uuid": "8f7c1b2a-3d4e-4f50-8a6b-7c8d9e0f1a2b", "clique_id": 1},
         "processes": [],
         "utilization": {"gpu": 0, "memory": 0},
+        "memory_temperature_c": 35 + i,
+        # An hour at the idle draw above, in millijoules.
+        "energy_mj": (71000 + 1000 * i) * 3600,
+        # H100 has video decoders and no encoders; both idle.
+        "encoder_utilization": 0,
+        "decoder_utilization": 0,
     }
 
 
@@ -78,7 +87,8 @@ def xid79():
                "nvmlDeviceGetRemappedRows", "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetCurrPcieLinkWidth",
                "nvmlDeviceGetNvLinkState", "nvmlDeviceGetGpuFabricInfo", "nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMigMode",
                "nvmlDeviceGetPersistenceMode", "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetEnforcedPowerLimit",
-               "nvmlDeviceValidateInforom"]:
+               "nvmlDeviceValidateInforom", "nvmlDeviceGetFieldValues", "nvmlDeviceGetTotalEnergyConsumption",
+               "nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetDecoderUtilization"]:
         d.setdefault("errors", {})[fn] = lost
     return s
 

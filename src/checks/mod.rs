@@ -343,8 +343,19 @@ pub(crate) mod testutil {
             vbios_version: Nv::Value("96.00.74.00.0D".into()),
             inforom_image_version: Nv::Value("G520.0200.00.05".into()),
             inforom_valid: Nv::Value(true),
-            memory: Nv::Value(MemoryInfo { total_bytes: 85520809984, used_bytes: 0 }),
-            bar1: Nv::Value(MemoryInfo { total_bytes: 137438953472, used_bytes: 0 }),
+            // A reservation of about 900 MiB (measured on an A100, nvml-wrapper issue #57): free is what is left after it and the used.
+            memory: Nv::Value(MemoryInfo {
+                total_bytes: 85520809984,
+                used_bytes: 8 << 20,
+                free_bytes: 85520809984 - (904 << 20) - (8 << 20),
+                reserved_bytes: 904 << 20,
+            }),
+            bar1: Nv::Value(MemoryInfo {
+                total_bytes: 137438953472,
+                used_bytes: 0,
+                free_bytes: 137438953472,
+                reserved_bytes: 0,
+            }),
             temperature_c: Nv::Value(31),
             slowdown_temperature_c: Nv::Value(87),
             shutdown_temperature_c: Nv::Value(92),
@@ -387,6 +398,12 @@ pub(crate) mod testutil {
             }),
             processes: Nv::Value(vec![]),
             utilization: Nv::Value(Utilization { gpu: 0, memory: 0 }),
+            memory_temperature_c: Nv::Value(35),
+            energy_mj: Nv::Value(1_234_567_890),
+            // H100 has video decoders (NVDEC) but no encoder; NVML reports the encoder idle.
+            encoder_utilization: Nv::Value(0),
+            decoder_utilization: Nv::Value(0),
+            nvlink_throughput: Nv::Value(NvLinkThroughput { tx_kib: 1 << 20, rx_kib: 1 << 20 }),
         }
     }
 

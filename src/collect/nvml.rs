@@ -6,8 +6,8 @@
 //! nvml-wrapper-sys on a second handle to the same library.
 
 use crate::snapshot::{
-    CurrentPending, EccCounts, FabricInfo, FabricState, MemoryInfo, Nv, NvLinkInfo, NvPcie, NvmlFailure,
-    NvmlFailureKind, NvmlGpu, NvmlInfo, NvmlStatus, NvmlXid, ProcessInfo, RemappedRows, Utilization,
+    CurrentPending, EccCounts, FabricInfo, FabricState, MemoryInfo, Nv, NvLinkInfo, NvLinkThroughput, NvPcie,
+    NvmlFailure, NvmlFailureKind, NvmlGpu, NvmlInfo, NvmlStatus, NvmlXid, ProcessInfo, RemappedRows, Utilization,
 };
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor, TemperatureThreshold};
@@ -16,7 +16,7 @@ use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::event::EventData;
 use nvml_wrapper::{Device, EventSet, Nvml};
-use nvml_wrapper_sys::bindings::{nvmlGpuFabricInfo_t, nvmlReturn_t, NvmlLib};
+use nvml_wrapper_sys::bindings::{nvmlFieldValue_t, nvmlGpuFabricInfo_t, nvmlReturn_t, NvmlLib};
 use std::ffi::OsStr;
 
 /// The soname the driver installs; what `dlopen` finds on a machine with the driver.
@@ -203,6 +203,11 @@ fn unreadable_device(index: u32, e: &NvmlError) -> NvmlGpu {
         fabric: err!(),
         processes: err!(),
         utilization: err!(),
+        memory_temperature_c: err!(),
+        energy_mj: err!(),
+        encoder_utilization: err!(),
+        decoder_utilization: err!(),
+        nvlink_throughput: err!(),
     }
 }
 
@@ -228,6 +233,8 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
             (Err(e), _) | (_, Err(e)) => nv::<EccCounts>(Err(e)),
         }
     };
+    let (memory_temperature_c, nvlink_throughput) =
+        sys.map(|s| field_values(s, d)).unwrap_or((Nv::NotSupported, Nv::NotSupported));
     NvmlGpu {
         index,
         pci_address,
@@ -243,8 +250,20 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
             Err(NvmlError::CorruptedInfoROM) => Nv::Value(false),
             Err(e) => nv::<bool>(Err(e)),
         },
-        memory: nv(d.memory_info().map(|m| MemoryInfo { total_bytes: m.total, used_bytes: m.used })),
-        bar1: nv(d.bar1_memory_info().map(|m| MemoryInfo { total_bytes: m.total, used_bytes: m.used })),
+        // v2 memory info: `used` leaves out what the driver reserves, and `free` is what is
+        // left after both, so all four are taken as NVML gives them.
+        memory: nv(d.memory_info().map(|m| MemoryInfo {
+            total_bytes: m.total,
+            used_bytes: m.used,
+            free_bytes: m.free,
+            reserved_bytes: m.reserved,
+        })),
+        bar1: nv(d.bar1_memory_info().map(|m| MemoryInfo {
+            total_bytes: m.total,
+            used_bytes: m.used,
+            free_bytes: m.free,
+            reserved_bytes: 0,
+        })),
         temperature_c: nv(d.temperature(TemperatureSensor::Gpu)),
         slowdown_temperature_c: nv(d.temperature_threshold(TemperatureThreshold::Slowdown)),
         shutdown_temperature_c: nv(d.temperature_threshold(TemperatureThreshold::Shutdown)),
@@ -283,6 +302,89 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
                 .collect()
         })),
         utilization: nv(d.utilization_rates().map(|u| Utilization { gpu: u.gpu, memory: u.memory })),
+        memory_temperature_c,
+        energy_mj: nv(d.total_energy_consumption()),
+        encoder_utilization: nv(d.encoder_utilization().map(|u| u.utilization)),
+        decoder_utilization: nv(d.decoder_utilization().map(|u| u.utilization)),
+        nvlink_throughput,
+    }
+}
+
+/// NVML field ids (nvml.h, "Field Identifiers") the agent reads with `nvmlDeviceGetFieldValues`.
+const FI_DEV_MEMORY_TEMP: u32 = 82;
+const FI_DEV_NVLINK_THROUGHPUT_DATA_TX: u32 = 138;
+const FI_DEV_NVLINK_THROUGHPUT_DATA_RX: u32 = 139;
+/// The `scopeId` that asks for a throughput counter summed over all links (nvml.h: "A scopeId
+/// of UINT_MAX returns aggregate value summed up across all links"); 0 would be link 0 alone.
+const ALL_LINKS: u32 = u32::MAX;
+
+/// HBM temperature and NVLink data throughput, in one `nvmlDeviceGetFieldValues` call.
+fn field_values(sys: &NvmlLib, d: &Device) -> (Nv<u32>, Nv<NvLinkThroughput>) {
+    let Ok(f) = sys.nvmlDeviceGetFieldValues.as_ref() else { return (Nv::NotSupported, Nv::NotSupported) };
+    let ask = [
+        (FI_DEV_MEMORY_TEMP, 0),
+        (FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS),
+        (FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
+    ];
+    let mut values: Vec<nvmlFieldValue_t> = ask
+        .iter()
+        .map(|&(field, scope)| {
+            // SAFETY: nvmlFieldValue_t is plain C data (integers and a union of numbers), for
+            // which all-zero bytes are a valid value.
+            let mut v: nvmlFieldValue_t = unsafe { std::mem::zeroed() };
+            v.fieldId = field;
+            v.scopeId = scope;
+            v
+        })
+        .collect();
+    // SAFETY: a live device handle, and `values` holds exactly the count passed, each entry
+    // initialised; NVML writes only into those entries.
+    let r = unsafe { f(d.handle(), values.len() as i32, values.as_mut_ptr()) };
+    if let Err(e) = ret(r) {
+        let why = nv::<()>(Err(e));
+        return (why.without_value(), why.without_value());
+    }
+    let temp = match field_u64(&values[0]) {
+        Nv::Value(t) => {
+            u32::try_from(t).map(Nv::Value).unwrap_or_else(|_| Nv::Error(format!("memory temperature {t}")))
+        }
+        other => other.without_value(),
+    };
+    let throughput = match (field_u64(&values[1]), field_u64(&values[2])) {
+        (Nv::Value(tx_kib), Nv::Value(rx_kib)) => Nv::Value(NvLinkThroughput { tx_kib, rx_kib }),
+        (Nv::Value(_), other) | (other, _) => other.without_value(),
+    };
+    (temp, throughput)
+}
+
+/// One field's value as an unsigned integer, read from the union member its `valueType` names
+/// (nvml.h `nvmlValueType_t`), or the field's own error.
+fn field_u64(v: &nvmlFieldValue_t) -> Nv<u64> {
+    if let Err(e) = ret(v.nvmlReturn) {
+        return nv(Err(e));
+    }
+    // SAFETY: NVML wrote the union member `valueType` names; each arm reads only that member.
+    let (signed, unsigned) = unsafe {
+        match v.valueType {
+            0 => {
+                let x = v.value.dVal;
+                (None, (x.is_finite() && x >= 0.0).then_some(x.round() as u64))
+            }
+            1 => (None, Some(u64::from(v.value.uiVal))),
+            2 => (None, Some(v.value.ulVal)),
+            3 => (None, Some(v.value.ullVal)),
+            4 => (Some(v.value.sllVal), None),
+            5 => (Some(i64::from(v.value.siVal)), None),
+            6 => (None, Some(u64::from(v.value.usVal))),
+            other => return Nv::Error(format!("field {}: unknown value type {other}", v.fieldId)),
+        }
+    };
+    match (signed, unsigned) {
+        (_, Some(u)) => Nv::Value(u),
+        (Some(s), None) => u64::try_from(s)
+            .map(Nv::Value)
+            .unwrap_or_else(|_| Nv::Error(format!("field {}: negative value {s}", v.fieldId))),
+        (None, None) => Nv::Error(format!("field {}: not a number", v.fieldId)),
     }
 }
 
@@ -434,6 +536,17 @@ pub fn throttle_names(bits: u64) -> Vec<String> {
     names
 }
 
+/// The bit mask `throttle_names` was made from.
+pub fn throttle_bits(names: &[String]) -> u64 {
+    names
+        .iter()
+        .map(|n| match n.strip_prefix("unknown_0x") {
+            Some(hex) => u64::from_str_radix(hex, 16).unwrap_or(0),
+            None => THROTTLE_REASONS.iter().find(|(_, name)| name == n).map_or(0, |(b, _)| *b),
+        })
+        .fold(0, |a, b| a | b)
+}
+
 pub fn fabric_state(v: u32) -> FabricState {
     match v {
         1 => FabricState::NotStarted,
@@ -567,9 +680,12 @@ mod tests {
     }
 
     #[test]
-    fn throttle_bits() {
+    fn throttle_bits_and_names() {
         assert_eq!(throttle_names(0x41), vec!["gpu_idle", "hw_thermal_slowdown"]);
         assert_eq!(throttle_names(0x1000), vec!["unknown_0x1000"]);
+        for bits in [0, 0x41, 0x1fff, 0x1_0000_0004] {
+            assert_eq!(throttle_bits(&throttle_names(bits)), bits);
+        }
     }
 
     #[test]

@@ -21,6 +21,7 @@ use std::sync::atomic::AtomicU64;
 type Labels = Vec<(String, String)>;
 type FGauge = Family<Labels, Gauge<f64, AtomicU64>>;
 type FCounter = Family<Labels, Counter<u64>>;
+type FCounterF = Family<Labels, Counter<f64, AtomicU64>>;
 
 /// Both renderings of one snapshot's metrics.
 #[derive(Debug, Clone, Default)]
@@ -70,6 +71,11 @@ impl Families {
     fn counter(&mut self, name: &str, help: &str) -> FCounter {
         let f = FCounter::default();
         // prometheus-client appends `_total` to counter samples; register the family name.
+        self.register(name.trim_end_matches("_total"), help, f.clone());
+        f
+    }
+    fn fcounter(&mut self, name: &str, help: &str) -> FCounterF {
+        let f = FCounterF::default();
         self.register(name.trim_end_matches("_total"), help, f.clone());
         f
     }
@@ -155,7 +161,21 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     let power = fam.gauge("phq_gpu_power_usage_watts", "Power draw");
     let power_limit = fam.gauge("phq_gpu_power_limit_watts", "Enforced power limit");
     let mem_total = fam.gauge("phq_gpu_memory_total_bytes", "Device memory");
-    let mem_used = fam.gauge("phq_gpu_memory_used_bytes", "Device memory in use");
+    let mem_used =
+        fam.gauge("phq_gpu_memory_used_bytes", "Device memory allocated (the driver's reservation not included)");
+    let mem_free =
+        fam.gauge("phq_gpu_memory_free_bytes", "Device memory neither allocated nor reserved, as NVML counts it");
+    let mem_reserved = fam.gauge("phq_gpu_memory_reserved_bytes", "Device memory the driver and firmware set aside");
+    let mem_temp = fam.gauge("phq_gpu_memory_temperature_celsius", "HBM temperature");
+    let energy = fam.fcounter("phq_gpu_energy_joules_total", "Energy the GPU used since the driver loaded");
+    let enc_util =
+        fam.gauge("phq_gpu_encoder_utilization_ratio", "Fraction of the sample period the video encoders were busy");
+    let dec_util =
+        fam.gauge("phq_gpu_decoder_utilization_ratio", "Fraction of the sample period the video decoders were busy");
+    let nvlink_bytes = fam.counter(
+        "phq_gpu_nvlink_data_bytes_total",
+        "NVLink payload bytes over all links since the driver loaded, by direction",
+    );
     let sm_clock = fam.gauge("phq_gpu_sm_clock_hertz", "SM clock");
     let mem_clock = fam.gauge("phq_gpu_memory_clock_hertz", "Memory clock");
     let util = fam.gauge("phq_gpu_utilization_ratio", "Fraction of time a kernel ran over the last sample period");
@@ -220,6 +240,19 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         set(&power_limit, &base, &n.power_limit_mw.map_value(|mw| *mw as f64 / 1000.0));
         set(&mem_total, &base, &n.memory.map_value(|m| m.total_bytes as f64));
         set(&mem_used, &base, &n.memory.map_value(|m| m.used_bytes as f64));
+        set(&mem_free, &base, &n.memory.map_value(|m| m.free_bytes as f64));
+        set(&mem_reserved, &base, &n.memory.map_value(|m| m.reserved_bytes as f64));
+        set(&mem_temp, &base, &n.memory_temperature_c);
+        if let Nv::Value(mj) = n.energy_mj {
+            energy.get_or_create(&base).inc_by(mj as f64 / 1000.0);
+        }
+        set(&enc_util, &base, &n.encoder_utilization.map_value(|u| *u as f64 / 100.0));
+        set(&dec_util, &base, &n.decoder_utilization.map_value(|u| *u as f64 / 100.0));
+        if let Nv::Value(t) = n.nvlink_throughput {
+            for (dir, kib) in [("tx", t.tx_kib), ("rx", t.rx_kib)] {
+                nvlink_bytes.get_or_create(&plus(&base, "direction", dir)).inc_by(kib.saturating_mul(1024));
+            }
+        }
         set(&sm_clock, &base, &n.sm_clock_mhz.map_value(|c| *c as f64 * 1e6));
         set(&mem_clock, &base, &n.mem_clock_mhz.map_value(|c| *c as f64 * 1e6));
         set(&util, &base, &n.utilization.map_value(|u| u.gpu as f64 / 100.0));
@@ -297,6 +330,10 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         openmetrics.clear();
     }
     let text = to_text_format(&openmetrics);
+    if dcgm_compat {
+        let (openmetrics, text) = retype_dcgm_counters(&openmetrics, &text);
+        return Rendered { openmetrics, text };
+    }
     Rendered { openmetrics, text }
 }
 
@@ -306,20 +343,20 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
 pub const DCGM_DEFAULT_COUNTERS: &[(&str, Result<&str, &str>)] = &[
     ("DCGM_FI_DEV_SM_CLOCK", Ok("NVML clock info (SM)")),
     ("DCGM_FI_DEV_MEM_CLOCK", Ok("NVML clock info (memory)")),
-    ("DCGM_FI_DEV_MEMORY_TEMP", Err("HBM temperature: not read from NVML yet")),
+    ("DCGM_FI_DEV_MEMORY_TEMP", Ok("NVML field NVML_FI_DEV_MEMORY_TEMP")),
     ("DCGM_FI_DEV_GPU_TEMP", Ok("NVML temperature")),
     ("DCGM_FI_DEV_POWER_USAGE", Ok("NVML power usage")),
-    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", Err("energy counter: not read from NVML yet")),
+    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", Ok("nvmlDeviceGetTotalEnergyConsumption")),
     ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", Ok("NVML PCIe replay counter")),
     ("DCGM_FI_DEV_GPU_UTIL", Ok("NVML utilization (GPU)")),
     ("DCGM_FI_DEV_MEM_COPY_UTIL", Ok("NVML utilization (memory)")),
-    ("DCGM_FI_DEV_ENC_UTIL", Err("encoder utilization: not read from NVML yet")),
-    ("DCGM_FI_DEV_DEC_UTIL", Err("decoder utilization: not read from NVML yet")),
+    ("DCGM_FI_DEV_ENC_UTIL", Ok("nvmlDeviceGetEncoderUtilization")),
+    ("DCGM_FI_DEV_DEC_UTIL", Ok("nvmlDeviceGetDecoderUtilization")),
     ("DCGM_FI_DEV_XID_ERRORS", Ok("the last Xid, with err_code and err_msg")),
-    ("DCGM_FI_DEV_FB_FREE", Ok("NVML memory info")),
-    ("DCGM_FI_DEV_FB_USED", Ok("NVML memory info")),
-    ("DCGM_FI_DEV_FB_RESERVED", Err("reserved memory (NVML's v2 memory info): not read yet")),
-    ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", Err("NVLink throughput counters: not read from NVML yet")),
+    ("DCGM_FI_DEV_FB_FREE", Ok("NVML v2 memory info")),
+    ("DCGM_FI_DEV_FB_USED", Ok("NVML v2 memory info")),
+    ("DCGM_FI_DEV_FB_RESERVED", Ok("NVML v2 memory info")),
+    ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", Ok("NVML NVLink data throughput fields, TX + RX, KiB, all links")),
     ("DCGM_FI_DEV_VGPU_LICENSE_STATUS", Err("vGPU only; a passed-through GPU has no vGPU licence")),
     ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", Ok("NVML remapped rows")),
     ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", Ok("NVML remapped rows")),
@@ -332,21 +369,126 @@ pub const DCGM_DEFAULT_COUNTERS: &[(&str, Result<&str, &str>)] = &[
     ("DCGM_FI_PROF_PCIE_RX_BYTES", Err("profiling: DCGM's profiler, not NVML")),
 ];
 
+/// DCGM fields served beyond dcgm-exporter's defaults: the ECC and NVLink error totals its CSV
+/// lists commented out, and the clock-event reasons, which NVML feeds directly.
+pub const DCGM_BEYOND_DEFAULTS: &[&str] = &[
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
+    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
+    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
+    "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+];
+
 /// The dcgm-exporter names NVIDIA's Grafana dashboard (12239) reads, with its labels.
 struct Dcgm {
-    temp: FGauge,
-    power: FGauge,
-    fb_used: FGauge,
-    fb_free: FGauge,
-    util: FGauge,
-    mem_util: FGauge,
-    sm_clock: FGauge,
-    mem_clock: FGauge,
+    gauges: Vec<(&'static str, FGauge)>,
     xid: FGauge,
-    replay: FGauge,
-    remapped_uncorrectable: FGauge,
-    remapped_correctable: FGauge,
-    remap_failure: FGauge,
+}
+
+/// What each DCGM series is read from. Units are dcgm-exporter's (its CSV's help texts): MiB,
+/// MHz, percent, watts, millijoules.
+type Pick = fn(&NvmlGpu) -> Option<f64>;
+
+fn nvv<T: Copy + Into<f64>>(v: &Nv<T>) -> Option<f64> {
+    v.value().map(|x| (*x).into())
+}
+
+fn mib(v: u64) -> f64 {
+    (v >> 20) as f64
+}
+
+/// The DCGM series served, in dcgm-exporter's order, each with its help text and source.
+/// Names dcgm-exporter types as counters are in `DCGM_COUNTERS`.
+const DCGM_SERIES: &[(&str, &str, Pick)] = &[
+    ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", |n| nvv(&n.sm_clock_mhz)),
+    ("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz).", |n| nvv(&n.mem_clock_mhz)),
+    ("DCGM_FI_DEV_MEMORY_TEMP", "Memory temperature (in C).", |n| nvv(&n.memory_temperature_c)),
+    ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", |n| nvv(&n.temperature_c)),
+    ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", |n| n.power_usage_mw.value().map(|mw| *mw as f64 / 1000.0)),
+    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "Total energy consumption since boot (in mJ).", |n| {
+        n.energy_mj.value().map(|v| *v as f64)
+    }),
+    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "Total number of PCIe retries.", |n| nvv(&n.pcie.replay_counter)),
+    ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", |n| n.utilization.value().map(|u| u.gpu as f64)),
+    ("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %).", |n| n.utilization.value().map(|u| u.memory as f64)),
+    ("DCGM_FI_DEV_ENC_UTIL", "Encoder utilization (in %).", |n| nvv(&n.encoder_utilization)),
+    ("DCGM_FI_DEV_DEC_UTIL", "Decoder utilization (in %).", |n| nvv(&n.decoder_utilization)),
+    ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", |n| n.memory.value().map(|m| mib(m.free_bytes))),
+    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", |n| n.memory.value().map(|m| mib(m.used_bytes))),
+    ("DCGM_FI_DEV_FB_RESERVED", "Framebuffer memory reserved (in MiB).", |n| {
+        n.memory.value().map(|m| mib(m.reserved_bytes))
+    }),
+    ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "Total number of NVLink bandwidth counters for all lanes.", |n| {
+        n.nvlink_throughput.value().map(|t| t.tx_kib.saturating_add(t.rx_kib) as f64)
+    }),
+    ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for uncorrectable errors", |n| {
+        n.remapped_rows.value().map(|r| r.uncorrectable as f64)
+    }),
+    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for correctable errors", |n| {
+        n.remapped_rows.value().map(|r| r.correctable as f64)
+    }),
+    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "Whether remapping of rows has failed", |n| {
+        n.remapped_rows.value().map(|r| if r.failure { 1.0 } else { 0.0 })
+    }),
+    // Beyond the defaults: the fields dcgm-exporter's CSV lists commented out, which NVML
+    // feeds and which alerts are commonly built on.
+    ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors.", |n| {
+        n.ecc_volatile.value().map(|e| e.corrected as f64)
+    }),
+    ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors.", |n| {
+        n.ecc_volatile.value().map(|e| e.uncorrected as f64)
+    }),
+    ("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "Total number of single-bit persistent ECC errors.", |n| {
+        n.ecc_aggregate.value().map(|e| e.corrected as f64)
+    }),
+    ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "Total number of double-bit persistent ECC errors.", |n| {
+        n.ecc_aggregate.value().map(|e| e.uncorrected as f64)
+    }),
+    ("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "Total number of NVLink flow-control CRC errors.", |n| {
+        nvlink_sum(n, |k| &k.crc_flit_errors)
+    }),
+    ("DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", "Total number of NVLink data CRC errors.", |n| {
+        nvlink_sum(n, |k| &k.crc_data_errors)
+    }),
+    ("DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "Total number of NVLink retries.", |n| {
+        nvlink_sum(n, |k| &k.replay_errors)
+    }),
+    ("DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "Total number of NVLink recovery errors.", |n| {
+        nvlink_sum(n, |k| &k.recovery_errors)
+    }),
+    (
+        "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+        "Current clock throttle reasons (bitmask of NVML's clocks-event reasons).",
+        |n| n.throttle_reasons.value().map(|names| crate::collect::nvml::throttle_bits(names) as f64),
+    ),
+];
+
+/// dcgm-exporter's counters (its CSV's type column) among `DCGM_SERIES`: typed `counter` in the
+/// classic text format, as dcgm-exporter serves them. OpenMetrics requires a counter's samples
+/// to end in `_total`, which would rename them, so there they are `unknown`, which keeps
+/// the names a dashboard asks for.
+pub const DCGM_COUNTERS: &[&str] = &[
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
+    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
+    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
+    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
+    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
+];
+
+fn nvlink_sum(n: &NvmlGpu, pick: fn(&crate::snapshot::NvLinkInfo) -> &Nv<u64>) -> Option<f64> {
+    n.nvlinks.value().map(|links| links.iter().filter_map(|k| pick(k).value().copied()).sum::<u64>() as f64)
 }
 
 /// NVML's form of a PCI address, as dcgm-exporter's `pci_bus_id` carries it: an 8-digit domain,
@@ -360,23 +502,11 @@ fn nvml_bus_id(pci: &str) -> String {
 
 impl Dcgm {
     fn new(f: &mut Families) -> Dcgm {
-        Dcgm {
-            temp: f.gauge("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)"),
-            power: f.gauge("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W)"),
-            fb_used: f.gauge("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB)"),
-            fb_free: f.gauge("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB)"),
-            util: f.gauge("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %)"),
-            mem_util: f.gauge("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %)"),
-            remapped_uncorrectable: f
-                .gauge("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for uncorrectable errors"),
-            remapped_correctable: f
-                .gauge("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for correctable errors"),
-            remap_failure: f.gauge("DCGM_FI_DEV_ROW_REMAP_FAILURE", "Whether remapping of rows has failed"),
-            sm_clock: f.gauge("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz)"),
-            mem_clock: f.gauge("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz)"),
-            xid: f.gauge("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered"),
-            replay: f.gauge("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "Total number of PCIe retries"),
+        let mut gauges = Vec::with_capacity(DCGM_SERIES.len());
+        for (name, help, _) in DCGM_SERIES {
+            gauges.push((*name, f.gauge(name, help)));
         }
+        Dcgm { gauges, xid: f.gauge("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.") }
     }
 
     fn add(&mut self, n: &NvmlGpu, g: &crate::report::GpuSummary, hostname: &str, driver: &str) {
@@ -395,19 +525,10 @@ impl Dcgm {
             ("Hostname", hostname),
             ("DCGM_FI_DRIVER_VERSION", driver),
         ]);
-        set(&self.temp, &labels, &n.temperature_c);
-        set(&self.power, &labels, &n.power_usage_mw.map_value(|mw| *mw as f64 / 1000.0));
-        set(&self.fb_used, &labels, &n.memory.map_value(|m| (m.used_bytes >> 20) as f64));
-        set(&self.fb_free, &labels, &n.memory.map_value(|m| (m.total_bytes.saturating_sub(m.used_bytes) >> 20) as f64));
-        set(&self.util, &labels, &n.utilization.map_value(|u| u.gpu as f64));
-        set(&self.sm_clock, &labels, &n.sm_clock_mhz);
-        set(&self.mem_clock, &labels, &n.mem_clock_mhz);
-        set(&self.replay, &labels, &n.pcie.replay_counter);
-        set(&self.mem_util, &labels, &n.utilization.map_value(|u| u.memory as f64));
-        if let Nv::Value(rr) = &n.remapped_rows {
-            self.remapped_uncorrectable.get_or_create(&labels).set(rr.uncorrectable as f64);
-            self.remapped_correctable.get_or_create(&labels).set(rr.correctable as f64);
-            self.remap_failure.get_or_create(&labels).set(if rr.failure { 1.0 } else { 0.0 });
+        for ((_, family), (_, _, pick)) in self.gauges.iter().zip(DCGM_SERIES) {
+            if let Some(v) = pick(n) {
+                family.get_or_create(&labels).set(v);
+            }
         }
         // The last Xid seen (by its last report's time), not the worst, as dcgm-exporter's
         // gauge holds DCGM's last value; 0 with "No Error" before any.
@@ -422,6 +543,29 @@ impl Dcgm {
         let xid_labels = plus(&plus(&labels, "err_code", &code), "err_msg", msg);
         self.xid.get_or_create(&xid_labels).set(code.parse::<f64>().unwrap_or(0.0));
     }
+}
+
+/// Types dcgm-exporter's counters as it does: `counter` in the classic format (`text`), and
+/// `unknown` in OpenMetrics (`om`), where a counter's samples must end in `_total`.
+fn retype_dcgm_counters(om: &str, text: &str) -> (String, String) {
+    let retype = |body: &str, to: &str| -> String {
+        let mut out = String::with_capacity(body.len());
+        for line in body.lines() {
+            let name = line.strip_prefix("# TYPE ").and_then(|r| r.strip_suffix(" gauge"));
+            match name {
+                Some(n) if DCGM_COUNTERS.contains(&n) => {
+                    out.push_str("# TYPE ");
+                    out.push_str(n);
+                    out.push(' ');
+                    out.push_str(to);
+                }
+                _ => out.push_str(line),
+            }
+            out.push('\n');
+        }
+        out
+    };
+    (retype(om, "unknown"), retype(text, "counter"))
 }
 
 /// OpenMetrics → Prometheus text 0.0.4: drop `# EOF` and `# UNIT`, and give counters their
@@ -552,9 +696,49 @@ mod tests {
         }
         for line in m.text.lines().filter(|l| l.starts_with("# TYPE DCGM_")) {
             let name = line.split_whitespace().nth(2).unwrap();
-            assert!(served.contains(&name), "{name} is served but not in the list");
+            assert!(
+                served.contains(&name) || DCGM_BEYOND_DEFAULTS.contains(&name),
+                "{name} is served but in neither list"
+            );
+        }
+        for name in DCGM_BEYOND_DEFAULTS {
+            assert!(m.text.lines().any(|l| l.starts_with(&format!("{name}{{"))), "{name} is listed but not served");
         }
         eprintln!("{} of {} default counters served", served.len(), DCGM_DEFAULT_COUNTERS.len());
+    }
+
+    /// dcgm-exporter serves its counters under their bare names typed `counter`; OpenMetrics
+    /// would rename a counter's samples, so there they are `unknown` with the same names.
+    #[test]
+    fn dcgm_counters_are_counters_with_dcgm_exporters_names() {
+        let m = rendered(true);
+        for name in DCGM_COUNTERS {
+            assert!(m.text.contains(&format!("# TYPE {name} counter\n")), "{name} in {}", m.text);
+            assert!(m.openmetrics.contains(&format!("# TYPE {name} unknown\n")), "{name}");
+            assert!(m.openmetrics.lines().any(|l| l.starts_with(&format!("{name}{{"))), "{name} keeps its name");
+        }
+        assert!(m.text.contains("# TYPE DCGM_FI_DEV_GPU_TEMP gauge\n"));
+        assert!(m.openmetrics.ends_with("# EOF\n"));
+    }
+
+    /// Free memory is NVML's own figure: total − reserved − used, not total − used.
+    #[test]
+    fn fb_free_leaves_out_the_reservation() {
+        let m = rendered(true);
+        let value = |name: &str| -> String {
+            let line = m.text.lines().find(|l| l.starts_with(&format!("{name}{{gpu=\"0\""))).unwrap_or_default();
+            line.rsplit(' ').next().unwrap_or_default().to_string()
+        };
+        assert_eq!(value("DCGM_FI_DEV_FB_RESERVED"), "904.0");
+        assert_eq!(value("DCGM_FI_DEV_FB_USED"), "8.0");
+        assert_eq!(value("DCGM_FI_DEV_FB_FREE"), "80647.0", "81559 MiB − 904 reserved − 8 used");
+        assert_eq!(value("DCGM_FI_DEV_MEMORY_TEMP"), "35.0");
+        assert_eq!(value("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"), "1234567890.0");
+        assert_eq!(value("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL"), "2097152.0");
+        assert_eq!(value("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"), "1.0", "gpu_idle");
+        assert!(m.text.contains(r#"phq_gpu_memory_reserved_bytes{gpu="0000:09:00.0""#));
+        assert!(m.text.contains("# TYPE phq_gpu_energy_joules_total counter"));
+        assert!(m.openmetrics.contains("# UNIT phq_gpu_energy_joules joules"));
     }
 
     #[test]

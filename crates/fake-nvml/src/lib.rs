@@ -29,6 +29,7 @@ const INVALID: Ret = nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT;
 const UNINITIALIZED: Ret = nvmlReturn_enum_NVML_ERROR_UNINITIALIZED;
 const INSUFFICIENT_SIZE: Ret = nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_SIZE;
 const TIMEOUT: Ret = nvmlReturn_enum_NVML_ERROR_TIMEOUT;
+const ARGUMENT_VERSION_MISMATCH: Ret = nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
 
 /// NVML return codes by name, as the scenario writes them.
 pub const RETURN_CODES: &[(&str, Ret)] = &[
@@ -322,6 +323,18 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(h: nvmlDevice_t, out: *mut nvml
 // ---------------------------------------------------------------------------------------
 // Memory, thermals, power, clocks
 
+/// `NVML_STRUCT_VERSION(Memory, 2)` (nvml.h): the struct's size with the version in the top byte.
+const MEMORY_V2_VERSION: c_uint = (std::mem::size_of::<nvmlMemory_v2_t>() as c_uint) | (2 << 24);
+
+/// Rules, with their sources:
+/// - the caller must set `version` to `nvmlMemory_v2` (nvml.h: "Structure format version (must
+///   be 2)"); anything else is `NVML_ERROR_ARGUMENT_VERSION_MISMATCH`;
+/// - `used` leaves the reservation out and `free` is what remains after both:
+///   total = reserved + used + free. nvml.h's note says `used` includes `reserved`, but the
+///   real driver does not: on an A100, v1's `used` (reservation included) read 912 MB and v2's
+///   7.8 MB, matching nvidia-smi (nvml-wrapper issue #57); and dcgm-exporter's users find
+///   FB_USED + FB_FREE short of the total by FB_RESERVED (dcgm-exporter issue #271). So a
+///   reader that takes `total - used` as free overstates it by the reservation.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(h: nvmlDevice_t, out: *mut nvmlMemory_v2_t) -> Ret {
     device_call(h, "nvmlDeviceGetMemoryInfo_v2", |d| {
@@ -329,10 +342,13 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(h: nvmlDevice_t, out: *mut n
         if out.is_null() {
             return Some(INVALID);
         }
+        if (*out).version != MEMORY_V2_VERSION {
+            return Some(ARGUMENT_VERSION_MISMATCH);
+        }
         (*out).total = m.total_bytes;
+        (*out).reserved = m.reserved_bytes;
         (*out).used = m.used_bytes;
-        (*out).free = m.total_bytes.saturating_sub(m.used_bytes);
-        (*out).reserved = 0;
+        (*out).free = m.total_bytes.saturating_sub(m.reserved_bytes).saturating_sub(m.used_bytes);
         Some(OK)
     })
 }
@@ -436,6 +452,104 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(h: nvmlDevice_t, out: *mu
     device_call(h, "nvmlDeviceGetUtilizationRates", |d| {
         d.utilization.as_ref().map(|u| put(out, nvmlUtilization_t { gpu: u.gpu, memory: u.memory }))
     })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetTotalEnergyConsumption(h: nvmlDevice_t, out: *mut c_ulonglong) -> Ret {
+    device_call(h, "nvmlDeviceGetTotalEnergyConsumption", |d| d.energy_mj.map(|v| put(out, v)))
+}
+
+/// The sampling period NVML reports beside encoder/decoder utilisation, in microseconds. nvml.h
+/// leaves it to the product; a sixth of a second is the shortest period it names for
+/// utilisation samples ("between 1 second and 1/6 second").
+const CODEC_SAMPLING_PERIOD_US: c_uint = 166_667;
+
+unsafe fn codec_utilization(v: Option<u32>, util: *mut c_uint, period: *mut c_uint) -> Option<Ret> {
+    let v = v?;
+    if util.is_null() || period.is_null() {
+        return Some(INVALID);
+    }
+    *util = v;
+    *period = CODEC_SAMPLING_PERIOD_US;
+    Some(OK)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetEncoderUtilization(
+    h: nvmlDevice_t,
+    util: *mut c_uint,
+    period: *mut c_uint,
+) -> Ret {
+    device_call(h, "nvmlDeviceGetEncoderUtilization", |d| codec_utilization(d.encoder_utilization, util, period))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetDecoderUtilization(
+    h: nvmlDevice_t,
+    util: *mut c_uint,
+    period: *mut c_uint,
+) -> Ret {
+    device_call(h, "nvmlDeviceGetDecoderUtilization", |d| codec_utilization(d.decoder_utilization, util, period))
+}
+
+// ---------------------------------------------------------------------------------------
+// Field values
+
+/// Field ids (nvml.h, "Field Identifiers") this fake answers.
+const FI_DEV_MEMORY_TEMP: c_uint = 82;
+const FI_DEV_NVLINK_THROUGHPUT_DATA_TX: c_uint = 138;
+const FI_DEV_NVLINK_THROUGHPUT_DATA_RX: c_uint = 139;
+
+/// `nvmlDeviceGetFieldValues`, with nvml.h's rules:
+/// - the call itself fails only for bad arguments (a null array, a count below 1); each field
+///   carries its own `nvmlReturn`, so one field the GPU lacks does not fail the others;
+/// - a field the device does not know is `NVML_ERROR_NOT_SUPPORTED` in its entry;
+/// - the value goes in the union member `valueType` names;
+/// - NVLink throughput counters are per link: `scopeId` is the link, and `UINT_MAX` sums all
+///   links ("A scopeId of UINT_MAX returns aggregate value summed up across all links"), so a
+///   caller that leaves `scopeId` at 0 gets link 0 alone, not an error; a link past the last is
+///   `NVML_ERROR_INVALID_ARGUMENT`.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetFieldValues(h: nvmlDevice_t, count: i32, values: *mut nvmlFieldValue_t) -> Ret {
+    device_call(h, "nvmlDeviceGetFieldValues", |d| {
+        if values.is_null() || count < 1 {
+            return Some(INVALID);
+        }
+        let fields = std::slice::from_raw_parts_mut(values, count as usize);
+        for f in fields {
+            f.timestamp = 0;
+            f.latencyUsec = 0;
+            let (ret, value) = field_value(d, f.fieldId, f.scopeId);
+            f.nvmlReturn = ret;
+            if let Some((kind, v)) = value {
+                f.valueType = kind;
+                f.value = v;
+            }
+        }
+        Some(OK)
+    })
+}
+
+fn field_value(d: &Device, field: c_uint, scope: c_uint) -> (Ret, Option<(nvmlValueType_t, nvmlValue_t)>) {
+    let uint = |v: u32| (OK, Some((nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT, nvmlValue_t { uiVal: v })));
+    let ull = |v: u64| (OK, Some((nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, nvmlValue_t { ullVal: v })));
+    match field {
+        FI_DEV_MEMORY_TEMP => d.memory_temperature_c.map_or((NOT_SUPPORTED, None), uint),
+        FI_DEV_NVLINK_THROUGHPUT_DATA_TX | FI_DEV_NVLINK_THROUGHPUT_DATA_RX => {
+            let Some(links) = d.nvlinks.as_ref() else { return (NOT_SUPPORTED, None) };
+            let pick =
+                |l: &scenario::NvLink| if field == FI_DEV_NVLINK_THROUGHPUT_DATA_TX { l.tx_kib } else { l.rx_kib };
+            if scope == u32::MAX {
+                ull(links.iter().map(pick).sum())
+            } else {
+                match links.get(scope as usize) {
+                    Some(l) => ull(pick(l)),
+                    None => (INVALID, None),
+                }
+            }
+        }
+        _ => (NOT_SUPPORTED, None),
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -718,4 +832,64 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
 #[no_mangle]
 pub extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> Ret {
     with_state(|s| s.sets.remove(&(set as usize)).map(|_| OK).ok_or(INVALID)).unwrap_or_else(|e| e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rules a reader can break without a crash, each answered as nvml.h says. One test,
+    /// because the library's state is one per process.
+    #[test]
+    fn memory_v2_and_field_value_rules() {
+        let dir = std::env::temp_dir().join(format!("fake-nvml-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let scenario = dir.join("s.json");
+        std::fs::write(
+            &scenario,
+            r#"{"devices": [{
+                "memory": {"total_bytes": 1000, "used_bytes": 100, "reserved_bytes": 300},
+                "memory_temperature_c": 40,
+                "nvlinks": [{"active": true, "tx_kib": 5, "rx_kib": 7}, {"active": true, "tx_kib": 11, "rx_kib": 13}]
+            }]}"#,
+        )
+        .unwrap();
+        std::env::set_var("PHQ_FAKE_NVML_SCENARIO", &scenario);
+        assert_eq!(nvmlInit_v2(), OK);
+        let h = handle_of(0);
+        unsafe {
+            // A v2 struct without its version is refused, as the real library refuses it.
+            let mut m: nvmlMemory_v2_t = std::mem::zeroed();
+            assert_eq!(nvmlDeviceGetMemoryInfo_v2(h, &mut m), ARGUMENT_VERSION_MISMATCH);
+            m.version = MEMORY_V2_VERSION;
+            assert_eq!(nvmlDeviceGetMemoryInfo_v2(h, &mut m), OK);
+            assert_eq!((m.total, m.reserved, m.used, m.free), (1000, 300, 100, 600));
+
+            let field = |id: c_uint, scope: c_uint| {
+                let mut v: nvmlFieldValue_t = std::mem::zeroed();
+                v.fieldId = id;
+                v.scopeId = scope;
+                v
+            };
+            let mut vs = [
+                field(FI_DEV_MEMORY_TEMP, 0),
+                field(FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0),
+                field(FI_DEV_NVLINK_THROUGHPUT_DATA_TX, u32::MAX),
+                field(FI_DEV_NVLINK_THROUGHPUT_DATA_RX, u32::MAX),
+                field(FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 2),
+                field(9999, 0),
+            ];
+            assert_eq!(nvmlDeviceGetFieldValues(h, vs.len() as i32, vs.as_mut_ptr()), OK);
+            assert_eq!((vs[0].nvmlReturn, vs[0].valueType, vs[0].value.uiVal), (OK, 1, 40));
+            // scopeId 0 is link 0 alone: no error, just the smaller figure.
+            assert_eq!((vs[1].nvmlReturn, vs[1].value.ullVal), (OK, 5));
+            assert_eq!((vs[2].nvmlReturn, vs[2].valueType, vs[2].value.ullVal), (OK, 3, 16));
+            assert_eq!(vs[3].value.ullVal, 20);
+            assert_eq!(vs[4].nvmlReturn, INVALID, "a link past the last");
+            assert_eq!(vs[5].nvmlReturn, NOT_SUPPORTED, "an unknown field");
+            assert_eq!(nvmlDeviceGetFieldValues(h, 0, vs.as_mut_ptr()), INVALID);
+        }
+        assert_eq!(nvmlShutdown(), OK);
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -51,6 +51,13 @@ pub struct Device {
     pub fabric: Option<Fabric>,
     pub processes: Option<Vec<Process>>,
     pub utilization: Option<Utilization>,
+    /// HBM temperature, answered for field `NVML_FI_DEV_MEMORY_TEMP`.
+    pub memory_temperature_c: Option<u32>,
+    /// `nvmlDeviceGetTotalEnergyConsumption`, millijoules.
+    pub energy_mj: Option<u64>,
+    /// `nvmlDeviceGetEncoderUtilization` / `DecoderUtilization`, percent.
+    pub encoder_utilization: Option<u32>,
+    pub decoder_utilization: Option<u32>,
     #[serde(default)]
     pub xid_events: Vec<XidEvent>,
     #[serde(default)]
@@ -73,6 +80,9 @@ pub struct Memory {
     pub total_bytes: u64,
     #[serde(default)]
     pub used_bytes: u64,
+    /// What the driver and firmware hold back (v2 memory info); not part of `used_bytes`.
+    #[serde(default)]
+    pub reserved_bytes: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -136,6 +146,12 @@ pub struct NvLink {
     pub replay_errors: u64,
     #[serde(default)]
     pub recovery_errors: u64,
+    /// Data sent and received over the link since the driver loaded, KiB (the
+    /// `NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX`/`_RX` fields).
+    #[serde(default)]
+    pub tx_kib: u64,
+    #[serde(default)]
+    pub rx_kib: u64,
 }
 
 #[derive(Debug, Deserialize)]
