@@ -1,36 +1,46 @@
-//! serve: the systemd service. One loop, with these rules:
+//! serve: the systemd service, as a few tasks with one owner each (`service.rs` has the table of
+//! who owns and tells what). The rules, and the code that keeps each:
 //!
 //! 1. A snapshot (collect → check → report) is taken at start, then every `SNAPSHOT_INTERVAL`,
 //!    and at once when NVML reports an Xid. Collecting is blocking I/O: it runs on the blocking
-//!    pool, one at a time; a request never triggers one.
+//!    pool, one at a time; a request never triggers one. — `service::snapshotter` (and the first
+//!    one in `service::run`), `take_snapshot`.
 //! 2. Each snapshot is published whole (report JSON and both metrics renderings together) by
 //!    swapping one `Arc`; readers see the previous one until the swap, never a mix.
+//!    — `service::publish`, `Published`, `http::serve`.
 //! 3. `READY=1` goes to systemd after the first publish, with a `STATUS=` line a person can read
-//!    in `systemctl status`; watchdog pings follow at half `WatchdogSec` while the loop runs.
-//! 4. SIGTERM/SIGINT: `STOPPING=1`, stop accepting, exit 0. SIGHUP: reload config and token;
-//!    an invalid new config is logged and the old one kept.
+//!    in `systemctl status`; watchdog pings follow at half `WatchdogSec` while the service's
+//!    loops turn. — `service::run`, `service::watchdog`.
+//! 4. SIGTERM/SIGINT: `STOPPING=1`, stop accepting, exit 0; the loops stop first, so the last
+//!    events reach the spool, then HTTP and the pusher. SIGHUP: reload config and token; an
+//!    invalid new config is logged and the old one kept. — `service::run`, `service::reload`.
 //! 5. `seq` grows by one per snapshot and is persisted in `state_dir/seq` (atomic rename), so it
 //!    keeps growing across restarts; a lost or corrupt `seq` file resumes after the highest seq
-//!    in the spool, loudly, never from 0.
+//!    in the spool, loudly, never from 0. — `Seq`, shared by the snapshotter and the event task.
 //! 6. Xids are events, merged so that a storm cannot flood the spool or the loop: the first of
 //!    a code on a GPU is spooled at once and triggers a snapshot; its repeats within
 //!    `XID_WINDOW` are counted and spooled as one event with that `count` when the window
 //!    closes (or the service stops). journald does the same with "Suppressed N messages".
-//! 7. Spool writes run on their own thread (`SpoolWriter`), never on the loop; the watchdog is
-//!    pinged by its own task for as long as the loop keeps turning (`LOOP_STALL`), so a burst
-//!    of events cannot starve it and a hung loop still stops it.
+//!    — `service::events`, `XidWindow`.
+//! 7. Spool writes run on their own thread (`SpoolWriter`), never on a loop; the watchdog is
+//!    pinged by its own task for as long as the snapshotter and the event task keep turning
+//!    (`LOOP_STALL`), so a burst of events cannot starve it and a hung task still stops it.
+//!    — `SpoolWriter`, `service::watchdog`.
 //! 8. At start, Xids in this boot's kernel log after `KMSG_XID_MARK` (the last kernel log
 //!    record a running agent has seen) become events, merged per GPU and code: an Xid that NVML
 //!    delivered while the agent was being killed, before it reached the spool, or one that came
 //!    while the agent was down, is not lost. (One that did reach the spool may be sent twice: at
-//!    least once, as every event.)
+//!    least once, as every event.) — `service::events`, `unseen_kernel_xids`.
 
 pub mod agent_checks;
 pub mod dbus;
 pub mod http;
 pub mod metrics;
 pub mod push;
+pub mod service;
 pub mod tls;
+
+pub use service::{run, Machine};
 
 use crate::checks::{self, Settings};
 use crate::collect::NvmlSource;

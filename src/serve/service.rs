@@ -1,0 +1,580 @@
+//! The service's tasks. Each owns one thing and talks to the others over channels; the rule
+//! numbers are those at the top of `serve/mod.rs`.
+//!
+//! | task | owns | hears | tells |
+//! |---|---|---|---|
+//! | [`run`] (the coordinator) | signals, configuration, start and stop order | SIGTERM, SIGINT, SIGHUP | everyone, through `Config` and stop channels |
+//! | [`snapshotter`] | `Inputs`, the schedule | ticks, "snapshot now", probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the probe task |
+//! | [`events`] | the Xid windows, the spool writer, the install and kernel-log marks | Xids from NVML, reports, a 1 s beat | the pusher (status), the snapshotter ("now") |
+//! | `http::serve` | the listener | connections | — |
+//! | `push::Pusher::run` | the platform connection | spool wake-ups, status | — |
+//! | [`dbus`] | the bus connection | health changes | D-Bus signals |
+//! | [`probes`] | the GPUs while probing | requests | the snapshotter (results) |
+//! | [`watchdog`] | systemd's watchdog | the heartbeats of the snapshotter and the event task | systemd |
+
+use super::{
+    dbus as bus, http, push, EventCounters, Inputs, Published, Seq, Shared, SpoolWriter, XidWindow, INSTALL_EVENT_SENT,
+    LOOP_STALL, SNAPSHOT_INTERVAL,
+};
+use crate::collect::nvml::XidWatcher;
+use crate::collect::NvmlSource;
+use crate::config::{Config, ProbeLevel};
+use crate::report::{Event, Report};
+use crate::snapshot::{NvmlXid, Snapshot, Timestamp};
+use anyhow::Context;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
+
+/// Where the service runs: the machine it reads and the NVML it loads.
+pub struct Machine {
+    pub sysroot: PathBuf,
+    pub nvml_lib: Option<PathBuf>,
+}
+
+/// The configuration in force and the token read with it (rule 4: replaced whole on SIGHUP).
+#[derive(Clone)]
+struct Settings {
+    config: Config,
+    token: Option<String>,
+}
+
+/// What the snapshotter is asked to do besides its schedule.
+enum ToSnapshotter {
+    /// A first-of-its-kind Xid: judge the GPUs again now (rule 1).
+    Now,
+    /// Probes finished: carry their findings into every report from now on.
+    Probes((serde_json::Value, Vec<crate::checks::Finding>)),
+}
+
+/// A report the snapshotter published, with its snapshot, for the event task.
+struct Taken {
+    report: Arc<Report>,
+    snapshot: Arc<Snapshot>,
+}
+
+/// When each looping task last turned, for the watchdog (rule 7).
+#[derive(Clone)]
+struct Heartbeat {
+    started: Instant,
+    at_ms: Arc<AtomicU64>,
+}
+
+impl Heartbeat {
+    fn new(started: Instant) -> Heartbeat {
+        Heartbeat { started, at_ms: Arc::new(AtomicU64::new(0)) }
+    }
+    fn beat(&self) {
+        self.at_ms.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+    fn age(&self) -> Duration {
+        self.started.elapsed().saturating_sub(Duration::from_millis(self.at_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// The service, from start to stop; `load` reads the configuration (at start and on SIGHUP).
+pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) -> anyhow::Result<i32> {
+    // Signals first: systemd may send SIGHUP or SIGTERM as soon as READY=1 is out.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let mut hup = signal(SignalKind::hangup()).context("cannot watch SIGHUP")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    let config = load()?;
+    let settings = Settings { token: token_of(&config)?, config };
+    let config = &settings.config;
+
+    // This run's part of every Idempotency-Key (rules in serve::push).
+    let epoch = push::new_epoch();
+    let spool = if config.platform.url.is_empty() {
+        None
+    } else {
+        Some(
+            push::Spool::open(&config.agent.state_dir, &epoch)
+                .with_context(|| format!("{}: cannot open the spool", config.agent.state_dir.display()))?,
+        )
+    };
+    let counters = Arc::new(EventCounters::default());
+    let root = crate::sysroot::Sysroot::new(&machine.sysroot);
+    let inputs = Inputs {
+        sysroot: machine.sysroot.clone(),
+        // One NVML session for the service's life (reopened only when a reading says it is gone).
+        nvml: match NvmlSource::choose(machine.nvml_lib.as_deref(), &root) {
+            NvmlSource::Library(lib) => NvmlSource::Session(Arc::new(crate::collect::nvml::Session::new(&lib))),
+            other => other,
+        },
+        token: settings.token.clone(),
+        config: config.clone(),
+        started_at: Timestamp::now(),
+        probes: None,
+        push: Default::default(),
+        events: counters.clone(),
+        spool: spool.clone(),
+    };
+
+    // HTTP from the start: /healthz answers while the first snapshot is taken.
+    let listener = http::listen(config.http.listen)
+        .with_context(|| format!("cannot listen on {} (http.listen)", config.http.listen))?;
+    tracing::info!(listen = %config.http.listen, "serving /healthz, /v1/status, /metrics");
+    let shared: Shared = Arc::new(RwLock::new(None));
+    // Two stops: the loops first (so the last events reach the spool), then the I/O tasks.
+    let (stop_loops, _) = watch::channel(false);
+    let (stop_io, _) = watch::channel(false);
+    let tls = super::tls::acceptor(&config.http)?;
+    let server = tokio::spawn(http::serve(listener, shared.clone(), tls, stopped(stop_io.subscribe())));
+
+    let seq = Arc::new(Mutex::new(Seq::load(&config.agent.state_dir)));
+    // Rules 1 and 4: a stop during the first snapshot (NVML attaching eight GPUs, a wedged
+    // bus) is not kept waiting for it.
+    let first = {
+        let (inputs, n) = (inputs.clone(), take(&seq));
+        tokio::task::spawn_blocking(move || super::take_snapshot(&inputs, n))
+    };
+    let (published, first_report) = tokio::select! {
+        taken = first => taken.context("the first snapshot failed")?,
+        _ = term.recv() => return Ok(stopped_before_ready("SIGTERM")),
+        _ = int.recv() => return Ok(stopped_before_ready("SIGINT")),
+    };
+    let first = Taken { report: Arc::new(first_report), snapshot: published.snapshot.clone() };
+    let status = publish(&shared, published);
+
+    // Push: events through the spool, status latest-wins (rules in serve::push).
+    let (status_tx, status_rx) = watch::channel::<Option<(u64, Vec<u8>)>>(None);
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let (pusher, writer) = match &spool {
+        None => (None, None),
+        Some(spool) => {
+            let mut pusher = push::Pusher::new(&config.platform, &first.report.agent.agent_id, spool.clone())?;
+            pusher.state = inputs.push.clone();
+            let task = tokio::spawn(pusher.run(status_rx, wake.clone(), stop_io.subscribe()));
+            tracing::info!(url = %config.platform.url, spooled = spool.len(), "pushing reports");
+            let writer = SpoolWriter::start(spool.clone(), wake.clone(), counters.clone())
+                .context("cannot start the spool writer")?;
+            (Some(task), Some(writer))
+        }
+    };
+
+    let (health_tx, health_rx) = mpsc::unbounded_channel();
+    let dbus = dbus(shared.clone(), health_rx).await;
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
+    tracing::info!(%status, "ready");
+
+    let (settings_tx, settings_rx) = watch::channel(settings);
+    let (to_snapshotter, snapshotter_rx) = mpsc::unbounded_channel();
+    let (taken_tx, taken_rx) = mpsc::unbounded_channel();
+    let (probe_tx, probe_rx) = mpsc::unbounded_channel();
+    let started = Instant::now();
+    let (snap_beat, event_beat) = (Heartbeat::new(started), Heartbeat::new(started));
+    let (xid_rx, _watcher) = watch_xids(&inputs.nvml)?;
+
+    let event_task = tokio::spawn(events(Events {
+        last: first.report.clone(),
+        settings: settings_rx.clone(),
+        seq: seq.clone(),
+        writer,
+        counters: counters.clone(),
+        status: status_tx,
+        xids: xid_rx,
+        taken: taken_rx,
+        snapshot_now: to_snapshotter.clone(),
+        stop: stop_loops.subscribe(),
+        heartbeat: event_beat.clone(),
+        first_snapshot: first.snapshot.clone(),
+    }));
+    let probe_task = tokio::spawn(probes(probe_rx, to_snapshotter.clone()));
+    // Rule 1's probes at boot, before workloads start, when asked.
+    let at_boot = settings_rx.borrow().config.probes.at_boot;
+    if at_boot != ProbeLevel::None {
+        let _ = probe_tx.send((first.snapshot.clone(), at_boot));
+    }
+    let snap_task = tokio::spawn(snapshotter(Snapshotter {
+        inputs,
+        last: first.report,
+        seq,
+        shared: shared.clone(),
+        settings: settings_rx,
+        asks: snapshotter_rx,
+        taken: taken_tx,
+        health: health_tx,
+        probes: probe_tx,
+        stop: stop_loops.subscribe(),
+        heartbeat: snap_beat.clone(),
+    }));
+    if let Some(every) = sd_notify::watchdog_enabled().filter(|d| !d.is_zero()) {
+        tokio::spawn(watchdog(every / 2, vec![("snapshotter", snap_beat), ("events", event_beat)]));
+    }
+
+    // The coordinator's own loop: signals (rule 4).
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = hup.recv() => {
+                let status = reload(&load, &settings_tx);
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+            }
+        }
+    }
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping, sd_notify::NotifyState::Status("stopping")]);
+    let _ = stop_loops.send(true);
+    let _ = snap_task.await;
+    drop(to_snapshotter);
+    // The event task closes every Xid window and waits until each event handed over is on disk.
+    let _ = event_task.await;
+    probe_task.abort();
+    drop(dbus);
+    let _ = stop_io.send(true);
+    let _ = server.await;
+    if let Some(p) = pusher {
+        let _ = p.await;
+    }
+    tracing::info!("stopped");
+    Ok(0)
+}
+
+/// Resolves when `stop` turns true (or its sender is gone).
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+fn take(seq: &Mutex<Seq>) -> u64 {
+    seq.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// Rule 2: swaps the published snapshot whole; its status line comes back for systemd.
+fn publish(shared: &Shared, p: Published) -> String {
+    let status = p.summary.clone();
+    match shared.write() {
+        Ok(mut guard) => *guard = Some(Arc::new(p)),
+        Err(poisoned) => *poisoned.into_inner() = Some(Arc::new(p)),
+    }
+    status
+}
+
+fn token_of(config: &Config) -> anyhow::Result<Option<String>> {
+    match super::read_token(&config.http.token_file) {
+        Ok(t) => Ok(Some(t)),
+        // Missing: serve /healthz and refuse the rest until a token exists (first-start
+        // generation is the package's job). Unsafe (readable by others): refuse to start.
+        Err(e) if !config.http.token_file.exists() => {
+            tracing::error!(error = %e, "no token: /v1/status and /metrics will answer 503");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Rule 4's SIGHUP: the new configuration and token, or the old ones kept; the status line says which.
+fn reload(load: &impl Fn() -> anyhow::Result<Config>, settings: &watch::Sender<Settings>) -> String {
+    match load().and_then(|new| token_of(&new).map(|token| (new, token))) {
+        Ok((config, token)) => {
+            let pending = crate::config::restart_needed(&settings.borrow().config, &config);
+            settings.send_replace(Settings { config, token });
+            if pending.is_empty() {
+                tracing::info!("configuration reloaded");
+                "configuration reloaded".to_string()
+            } else {
+                let keys = pending.join(", ");
+                tracing::warn!(%keys, "configuration reloaded; these keys take effect at the next restart");
+                format!("configuration reloaded; restart to apply {keys}")
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "reload refused: keeping the previous configuration");
+            format!("reload refused, previous configuration kept: {e}")
+        }
+    }
+}
+
+/// A stop asked for before the first snapshot was ready.
+fn stopped_before_ready(signal: &str) -> i32 {
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    tracing::info!("{signal} before the first snapshot was ready; stopping");
+    0
+}
+
+struct Snapshotter {
+    inputs: Inputs,
+    last: Arc<Report>,
+    seq: Arc<Mutex<Seq>>,
+    shared: Shared,
+    settings: watch::Receiver<Settings>,
+    asks: mpsc::UnboundedReceiver<ToSnapshotter>,
+    taken: mpsc::UnboundedSender<Taken>,
+    health: mpsc::UnboundedSender<(String, String)>,
+    probes: mpsc::UnboundedSender<(Arc<Snapshot>, ProbeLevel)>,
+    stop: watch::Receiver<bool>,
+    heartbeat: Heartbeat,
+}
+
+/// Rules 1–3: a snapshot every `SNAPSHOT_INTERVAL`, at once when asked, one at a time on the
+/// blocking pool; each published whole. Idle probes are started from here, since only a fresh
+/// snapshot says whether every GPU is idle.
+async fn snapshotter(mut s: Snapshotter) {
+    let mut ticker = tokio::time::interval(SNAPSHOT_INTERVAL);
+    ticker.tick().await; // the first tick is immediate; the first snapshot is taken already
+    let mut last_probe = Instant::now();
+    let mut beat = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        s.heartbeat.beat();
+        tokio::select! {
+            biased;
+            _ = stopped(s.stop.clone()) => return,
+            Some(ask) = s.asks.recv() => {
+                if let ToSnapshotter::Probes(p) = ask {
+                    tracing::info!(findings = p.1.len(), "probes finished");
+                    s.inputs.probes = Some(Arc::new(p));
+                    last_probe = Instant::now();
+                }
+                ticker.reset_immediately();
+            }
+            Ok(()) = s.settings.changed() => {
+                let new = s.settings.borrow_and_update().clone();
+                s.inputs.config = new.config;
+                s.inputs.token = new.token;
+                ticker.reset_immediately(); // judge again under the new configuration
+            }
+            _ = beat.tick() => {}
+            _ = ticker.tick() => {
+                let (inputs, n) = (s.inputs.clone(), take(&s.seq));
+                let taken = tokio::select! {
+                    taken = tokio::task::spawn_blocking(move || super::take_snapshot(&inputs, n)) => taken,
+                    _ = stopped(s.stop.clone()) => return,
+                };
+                let (p, report) = match taken {
+                    Ok(t) => t,
+                    Err(e) => {
+                        tracing::error!(error = %e, "snapshot failed; serving the previous one");
+                        continue;
+                    }
+                };
+                let snapshot = p.snapshot.clone();
+                let status = publish(&s.shared, p);
+                let report = Arc::new(report);
+                if report.health != s.last.health {
+                    let (old, new) = (format!("{:?}", s.last.health).to_lowercase(), format!("{:?}", report.health).to_lowercase());
+                    tracing::warn!(%old, %new, "health changed");
+                    let _ = s.health.send((old, new));
+                }
+                let _ = s.taken.send(Taken { report: report.clone(), snapshot: snapshot.clone() });
+                s.last = report;
+                let probes = &s.inputs.config.probes;
+                let level = if probes.at_boot == ProbeLevel::None { ProbeLevel::Quick } else { probes.at_boot };
+                if let Some(every) = probes.when_idle {
+                    if last_probe.elapsed() >= every && super::all_gpus_idle(&snapshot) {
+                        last_probe = Instant::now();
+                        let _ = s.probes.send((snapshot, level));
+                    }
+                }
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+            }
+        }
+    }
+}
+
+struct Events {
+    last: Arc<Report>,
+    settings: watch::Receiver<Settings>,
+    seq: Arc<Mutex<Seq>>,
+    writer: Option<SpoolWriter>,
+    counters: Arc<EventCounters>,
+    status: watch::Sender<Option<(u64, Vec<u8>)>>,
+    xids: mpsc::UnboundedReceiver<NvmlXid>,
+    taken: mpsc::UnboundedReceiver<Taken>,
+    snapshot_now: mpsc::UnboundedSender<ToSnapshotter>,
+    stop: watch::Receiver<bool>,
+    heartbeat: Heartbeat,
+    first_snapshot: Arc<Snapshot>,
+}
+
+impl Events {
+    /// Hands an event, with only what it is about, to the spool writer (rules 6 and 7).
+    fn spool(&self, base: &Report, event: Event) {
+        let Some(writer) = &self.writer else { return };
+        if let Event::Xid { count, .. } = &event {
+            self.counters.merged.fetch_add(count.saturating_sub(1), Ordering::Relaxed);
+        }
+        let mut r = crate::report::event_report(base, event);
+        r.seq = take(&self.seq);
+        writer.send(r.seq, serde_json::to_vec(&r).unwrap_or_default());
+    }
+
+    fn push_status(&self, report: &Report) {
+        let _ = self.status.send(Some((report.seq, serde_json::to_vec(report).unwrap_or_default())));
+    }
+}
+
+/// Rules 6–8 and the installer's end: every event goes to the spool writer in the order it
+/// happened; the status goes to the pusher every `platform.interval`.
+async fn events(mut e: Events) {
+    let state_dir = e.settings.borrow().config.agent.state_dir.clone();
+    e.push_status(&e.last.clone());
+    let mut status_pushed = Instant::now();
+    // The installer's end, once per install state, across restarts and reboots (first at
+    // start: the install may have ended while the agent was down).
+    let install_marker = state_dir.join(INSTALL_EVENT_SENT);
+    let mut install_sent = std::fs::read_to_string(&install_marker).ok();
+    let mut install_ended = |e: &Events, report: &Report| {
+        let Some((event, key)) = super::install_event(install_sent.as_deref(), report) else { return };
+        e.spool(report, event);
+        if let Err(err) = crate::durable::write(&install_marker, key.as_bytes(), 0o600) {
+            tracing::warn!(path = %install_marker.display(), error = %err, "cannot note the install event as sent; it may be sent again");
+        }
+        install_sent = Some(key);
+    };
+    install_ended(&e, &e.last.clone());
+    // Rule 8: the kernel log's Xids that no running agent saw, then the mark moves on.
+    let mut kmsg_seen = None;
+    for event in super::unseen_kernel_xids(&state_dir, &e.first_snapshot) {
+        tracing::warn!(?event, "an Xid in the kernel log that no running agent reported");
+        e.spool(&e.last.clone(), event);
+    }
+    super::mark_kernel_log_seen(&state_dir, &e.first_snapshot, &mut kmsg_seen);
+
+    let mut xids = XidWindow::default();
+    let mut beat = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        e.heartbeat.beat();
+        tokio::select! {
+            // The stop, then Xids (spooled before anything else), then reports.
+            biased;
+            _ = stopped(e.stop.clone()) => break,
+            Some(x) = e.xids.recv() => {
+                // Rule 6: the first of a kind goes at once and is judged at once; repeats wait.
+                if let Some(event) = xids.note(&x.gpu, x.xid, Instant::now()) {
+                    tracing::warn!(gpu = %x.gpu, xid = x.xid, "Xid");
+                    e.spool(&e.last.clone(), event);
+                    let _ = e.snapshot_now.send(ToSnapshotter::Now);
+                }
+            }
+            _ = beat.tick() => {
+                for event in xids.due(Instant::now()) {
+                    if let Event::Xid { gpu, xid, count, .. } = &event {
+                        tracing::warn!(%gpu, xid, repeats = count, "Xid repeated within {} s", super::XID_WINDOW.as_secs());
+                    }
+                    e.spool(&e.last.clone(), event);
+                }
+            }
+            Some(t) = e.taken.recv() => {
+                for event in super::severity_changes(&e.last, &t.report) {
+                    e.spool(&t.report, event);
+                }
+                install_ended(&e, &t.report);
+                super::mark_kernel_log_seen(&state_dir, &t.snapshot, &mut kmsg_seen);
+                // Periodic status at the first snapshot at or after `platform.interval` (so
+                // never more often than snapshots are taken); events go as they happen.
+                let interval = e.settings.borrow().config.platform.interval;
+                if status_pushed.elapsed() + Duration::from_secs(1) >= interval {
+                    e.push_status(&t.report);
+                    status_pushed = Instant::now();
+                }
+                e.last = t.report;
+            }
+        }
+    }
+    // Xids NVML delivered before the stop are not dropped with the channel; then no counted
+    // repeat is left behind, and every event handed over reaches the disk.
+    while let Ok(x) = e.xids.try_recv() {
+        if let Some(event) = xids.note(&x.gpu, x.xid, Instant::now()) {
+            e.spool(&e.last.clone(), event);
+        }
+    }
+    for event in xids.close_all() {
+        e.spool(&e.last.clone(), event);
+    }
+    if let Some(w) = e.writer.take() {
+        let _ = tokio::task::spawn_blocking(move || w.finish()).await;
+    }
+}
+
+/// ch.phoeniqs.Agent1 on the system bus, and its HealthChanged signal; the agent serves HTTP
+/// without it if the bus is away. The connection lives as long as the returned task.
+async fn dbus(
+    shared: Shared,
+    mut health: mpsc::UnboundedReceiver<(String, String)>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let building = tokio::task::spawn_blocking(move || bus::serve(shared));
+    let conn = match tokio::time::timeout(Duration::from_secs(5), building).await {
+        Ok(Ok(Ok(conn))) => conn,
+        Ok(Ok(Err(e))) => {
+            tracing::warn!(error = %e, "D-Bus API not served: {}", bus::NAME);
+            return None;
+        }
+        _ => {
+            tracing::warn!("D-Bus API not served: the system bus did not answer within 5 s");
+            return None;
+        }
+    };
+    Some(tokio::spawn(async move {
+        while let Some((old, new)) = health.recv().await {
+            let conn = conn.clone();
+            let _ = tokio::task::spawn_blocking(move || bus::health_changed(&conn, &old, &new)).await;
+        }
+    }))
+}
+
+/// Runs the probes asked for, one run at a time, on the blocking pool; never on a GPU with a
+/// compute process (the snapshotter asks only when every GPU is idle, or at boot).
+async fn probes(
+    mut asks: mpsc::UnboundedReceiver<(Arc<Snapshot>, ProbeLevel)>,
+    results: mpsc::UnboundedSender<ToSnapshotter>,
+) {
+    while let Some((snapshot, level)) = asks.recv().await {
+        if let Ok(Some(p)) = tokio::task::spawn_blocking(move || super::run_probes(&snapshot, level)).await {
+            let _ = results.send(ToSnapshotter::Probes(p));
+        }
+    }
+}
+
+/// Xids from NVML as they happen, watched from a thread of their own (the watcher lives as long
+/// as the returned value); no NVML, no watcher.
+fn watch_xids(nvml: &NvmlSource) -> anyhow::Result<(mpsc::UnboundedReceiver<NvmlXid>, Option<XidWatcher>)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let lib = match nvml {
+        NvmlSource::Library(lib) => lib.clone(),
+        NvmlSource::Session(s) => s.library().to_string(),
+        NvmlSource::Skip(_) => return Ok((rx, None)),
+    };
+    match XidWatcher::start(&lib) {
+        Ok((w, from_nvml)) => {
+            std::thread::Builder::new()
+                .name("xid-forward".into())
+                .spawn(move || {
+                    for x in from_nvml {
+                        if tx.send(x).is_err() {
+                            return;
+                        }
+                    }
+                })
+                .context("cannot start the Xid forwarding thread")?;
+            Ok((rx, Some(w)))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e.message, "Xid events are not watched; the kernel log still shows them at each snapshot");
+            Ok((rx, None))
+        }
+    }
+}
+
+/// Rule 7: pings systemd's watchdog every `every` (half `WatchdogSec`) while every looping
+/// task's heartbeat is younger than `LOOP_STALL`; stops, and says which task once, when one is
+/// stuck.
+async fn watchdog(every: Duration, beats: Vec<(&'static str, Heartbeat)>) {
+    let mut tick = tokio::time::interval(every);
+    let mut stalled = false;
+    loop {
+        tick.tick().await;
+        match beats.iter().find(|(_, b)| b.age() >= LOOP_STALL) {
+            None => {
+                stalled = false;
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+            }
+            Some((task, b)) if !stalled => {
+                stalled = true;
+                tracing::error!(task, stalled_for = ?b.age(), "a service task has not turned; watchdog pings stop so that systemd restarts the agent");
+            }
+            Some(_) => {}
+        }
+    }
+}
