@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Benchmarks `phq-agent serve` (release build, fake NVML answering for 8 H100s) side by side with
-# prometheus-node-exporter on the same machine in the same run:
-#   - /metrics and /v1/status requests/s and latency percentiles under wrk (10 s, 2 threads,
-#     32 connections), and node-exporter's /metrics the same way; the ratio of the /metrics rates;
-#   - idle RSS and CPU of the agent over 60 s, and RSS after the load.
+# Benchmarks `phq-agent serve` (release build, fake NVML answering for 8 H100s, dcgm_compat on)
+# side by side with two peers on the same machine in the same run:
+#   - prometheus-node-exporter, another exporter serving its own /metrics;
+#   - nginx (2 workers, as the agent has 2 runtime threads) serving the agent's own /metrics
+#     bytes, plain and pre-gzipped, from a file: the cost of HTTP alone for the same bytes;
+# measuring
+#   - /metrics (plain and gzip, as Prometheus asks), /v1/status and /healthz requests/s and
+#     latency percentiles under wrk (10 s, 2 threads, 32 connections), with the ratios;
+#   - idle RSS and CPU of the agent and both peers over the same 60 s, and RSS after the load.
 # Everything listens on 127.0.0.1 only.   scripts/bench-serve.sh [idle-seconds]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +16,7 @@ need=()
 command -v wrk >/dev/null || need+=(wrk)
 command -v prometheus-node-exporter >/dev/null || need+=(prometheus-node-exporter)
 command -v dbus-daemon >/dev/null || need+=(dbus-daemon)
+command -v nginx >/dev/null || need+=(nginx-light)
 [ ${#need[@]} -eq 0 ] || { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}"; }
 cargo build --release --quiet -p phq-agent -p fake-nvml
 
@@ -26,6 +31,8 @@ state_dir = "$tmp/state"
 [http]
 listen = "127.0.0.1:19441"
 token_file = "$tmp/token"
+[metrics]
+dcgm_compat = true
 CONF
 cat > "$tmp/bus.conf" <<CONF
 <busconfig><type>custom</type><listen>unix:path=$tmp/bus</listen><auth>EXTERNAL</auth>
@@ -39,22 +46,63 @@ DBUS_SYSTEM_BUS_ADDRESS=$(head -1 "$tmp/addr") PHQ_FAKE_NVML_SCENARIO=examples/s
 prometheus-node-exporter --web.listen-address=127.0.0.1:19100 >/dev/null 2>&1 & nodex=$!; pids+=($nodex)
 for _ in $(seq 100); do curl -sf -o /dev/null http://127.0.0.1:19441/healthz && curl -sf -o /dev/null http://127.0.0.1:19100/metrics && break; sleep 0.1; done
 
+# nginx serves the very bytes the agent serves, plain and gzipped, from files.
+mkdir -p "$tmp/www"
+curl -sf -H 'Authorization: Bearer bench-token-0123456789abcdef' -o "$tmp/www/metrics" http://127.0.0.1:19441/metrics
+gzip -k -6 "$tmp/www/metrics"
+cat > "$tmp/nginx.conf" <<CONF
+user root;
+worker_processes 2;
+pid $tmp/nginx.pid;
+error_log $tmp/nginx.err;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  server {
+    listen 127.0.0.1:19442;
+    root $tmp/www;
+    gzip_static on;
+    location = /metrics { default_type "text/plain; version=0.0.4"; }
+  }
+}
+CONF
+nginx -c "$tmp/nginx.conf" -g 'daemon off;' & nginx_pid=$!; pids+=($nginx_pid)
+for _ in $(seq 100); do curl -sf -o /dev/null http://127.0.0.1:19442/metrics && break; sleep 0.1; done
+
 rss() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
+# nginx's memory is its master's and its workers' together.
+rss_tree() { local t=$(rss "$1"); for c in $(pgrep -P "$1"); do t=$((t + $(rss "$c"))); done; echo "$t"; }
+cpu_tree() { local t=$(cpu_ticks "$1"); for c in $(pgrep -P "$1"); do t=$((t + $(cpu_ticks "$c"))); done; echo "$t"; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 echo "machine: $(nproc) cores; agent binary $(stat -c %s target/release/phq-agent) bytes"
-echo "metrics body: agent $(curl -s -H 'Authorization: Bearer bench-token-0123456789abcdef' http://127.0.0.1:19441/metrics | wc -c) bytes, node-exporter $(curl -s http://127.0.0.1:19100/metrics | wc -c) bytes"
+echo "metrics body: agent $(wc -c < "$tmp/www/metrics") bytes ($(wc -c < "$tmp/www/metrics.gz") gzipped), node-exporter $(curl -s http://127.0.0.1:19100/metrics | wc -c) bytes"
 
-echo "== idle ${idle} s"
-t0=$(cpu_ticks $agent); r0=$(rss $agent); sleep "$idle"; t1=$(cpu_ticks $agent); r1=$(rss $agent)
+echo "== idle ${idle} s (all three at once)"
 hz=$(getconf CLK_TCK)
-python3 -c "print(f'agent idle: RSS {int($r0)/1024:.1f} -> {int($r1)/1024:.1f} MiB, CPU {($t1-$t0)/$hz/$idle*100:.3f} % of one core')"
+declare -A t0 r0
+for who in agent:$agent node-exporter:$nodex nginx:$nginx_pid; do
+  n=${who%%:*}; p=${who#*:}; t0[$n]=$(cpu_tree "$p"); r0[$n]=$(rss_tree "$p")
+done
+sleep "$idle"
+for who in agent:$agent node-exporter:$nodex nginx:$nginx_pid; do
+  n=${who%%:*}; p=${who#*:}
+  python3 -c "print(f'{\"$n\":<14} idle: RSS {${r0[$n]}/1024:.1f} -> {$(rss_tree "$p")/1024:.1f} MiB, CPU {($(cpu_tree "$p")-${t0[$n]})/$hz/$idle*100:.3f} % of one core')"
+done
 
 run() { wrk -t2 -c32 -d10s --latency "$@" 2>&1 | awk '/Requests\/sec/ {rps=$2} /^ +50%/ {p50=$2} /^ +99%/ {p99=$2} END {printf "%10.0f req/s  p50 %s  p99 %s\n", rps, p50, p99}'; }
 auth=(-H 'Authorization: Bearer bench-token-0123456789abcdef')
+gz=(-H 'Accept-Encoding: gzip')
 echo "== wrk (10 s, 2 threads, 32 connections)"
-printf '%-28s' "agent /metrics";        a=$(run "${auth[@]}" http://127.0.0.1:19441/metrics); echo "$a"
-printf '%-28s' "agent /v1/status";      run "${auth[@]}" http://127.0.0.1:19441/v1/status
-printf '%-28s' "agent /healthz";        run http://127.0.0.1:19441/healthz
-printf '%-28s' "node-exporter /metrics"; n=$(run http://127.0.0.1:19100/metrics); echo "$n"
-python3 -c "a=float('$a'.split()[0]); n=float('$n'.split()[0]); print(f'/metrics rate ratio agent/node-exporter: {a/n:.1f}x')"
+printf '%-30s' "agent /metrics";             a=$(run "${auth[@]}" http://127.0.0.1:19441/metrics); echo "$a"
+printf '%-30s' "nginx, same bytes";          x=$(run http://127.0.0.1:19442/metrics); echo "$x"
+printf '%-30s' "agent /metrics gzip";        ag=$(run "${auth[@]}" "${gz[@]}" http://127.0.0.1:19441/metrics); echo "$ag"
+printf '%-30s' "nginx, same bytes gzip";     xg=$(run "${gz[@]}" http://127.0.0.1:19442/metrics); echo "$xg"
+printf '%-30s' "node-exporter /metrics";     n=$(run http://127.0.0.1:19100/metrics); echo "$n"
+printf '%-30s' "agent /v1/status";           run "${auth[@]}" http://127.0.0.1:19441/v1/status
+printf '%-30s' "agent /healthz";             run http://127.0.0.1:19441/healthz
+python3 - "$a" "$x" "$ag" "$xg" "$n" <<'PY'
+import sys
+a, x, ag, xg, n = (float(v.split()[0]) for v in sys.argv[1:])
+print(f"/metrics rate: agent/nginx {a/x:.2f}x plain, {ag/xg:.2f}x gzip; agent/node-exporter {a/n:.1f}x")
+PY
 echo "agent RSS after load: $(( $(rss $agent) / 1024 )) MiB"
