@@ -94,8 +94,13 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     // The repository's own user-data, its variables filled in as the operator guide says.
     let template =
         std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cloud-init/debian-12.yaml")).unwrap();
+    // The package's SHA-256, as the operator takes it from SHA256SUMS: the guest refuses any other.
+    let sum = Command::new("sha256sum").arg(&deb).output().unwrap();
+    let sha256 = String::from_utf8_lossy(&sum.stdout).split(' ').next().unwrap_or_default().to_string();
+    assert_eq!(sha256.len(), 64, "sha256sum {}", deb.display());
     let user_data = [
         ("PHQ_PACKAGE_URL", format!("{host}/phq-agent.deb")),
+        ("PHQ_PACKAGE_SHA256", sha256),
         ("PHQ_HTTP_TOKEN", HTTP_TOKEN.to_string()),
         ("PHQ_PLATFORM_URL", host.clone()),
         ("PHQ_PLATFORM_TOKEN", "platform-token-for-the-vm-test".to_string()),
