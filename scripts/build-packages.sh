@@ -1,13 +1,29 @@
 #!/usr/bin/env bash
-# Builds the .deb (cargo-deb) and the .rpm (cargo-generate-rpm) from a clean checkout, into
-# target/packages/. Installs the two cargo tools first when they are missing.
+# Builds the .deb (cargo-deb) and the .rpm (cargo-generate-rpm) into target/packages/, with:
+#   - the binary built by `cargo auditable`, so it carries its own dependency list (a scanner
+#     such as `cargo audit bin`, Trivy or Syft reads it from the shipped binary);
+#   - a CycloneDX SBOM (cargo-cyclonedx) of the same dependency tree beside the packages;
+#   - SHA256SUMS of the packages and the SBOM (what PHQ_PACKAGE_SHA256 is taken from);
+#   - every time stamp in both packages set to the commit's time (SOURCE_DATE_EPOCH), so two
+#     builds of the same commit give the same bytes (scripts/check-reproducible shows it);
+#   - with PHQ_SIGNING_KEY (a key id or fingerprint in the caller's GnuPG keyring), signed apt
+#     and dnf repositories under target/packages/repos/ (scripts/publish-repos).
+# Installs the cargo tools first when they are missing.
 #   scripts/build-packages.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v cargo-deb >/dev/null || cargo install --locked --quiet cargo-deb@3.8.0
 command -v cargo-generate-rpm >/dev/null || cargo install --locked --quiet cargo-generate-rpm@0.21.1
+command -v cargo-auditable >/dev/null || cargo install --locked --quiet cargo-auditable@0.7.7
+command -v cargo-cyclonedx >/dev/null || cargo install --locked --quiet cargo-cyclonedx@0.5.9
 start=$(date +%s)
-cargo build --locked --release -p phq-agent
+# The commit's time, for every time stamp the packaging tools write (they read this variable).
+if [ -z "${SOURCE_DATE_EPOCH:-}" ]; then
+  SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null) ||
+    { echo "build-packages: not a git checkout; set SOURCE_DATE_EPOCH" >&2; exit 1; }
+fi
+export SOURCE_DATE_EPOCH
+cargo auditable build --locked --release -p phq-agent
 # Manual pages and shell completions come from the binary's own command line, so they cannot
 # drift from it. gzip -n: no name or time stamp inside, as Debian's policy asks.
 assets=target/assets
@@ -17,9 +33,25 @@ gzip -9n "$assets"/man/*.1
 target/release/phq-agent completions bash >"$assets/completions/phq-agent.bash"
 target/release/phq-agent completions zsh >"$assets/completions/_phq-agent"
 target/release/phq-agent completions fish >"$assets/completions/phq-agent.fish"
+# The rpm's files from the source tree, staged so that every one carries the commit's time.
+for f in packaging/config.toml packaging/systemd/phq-agent.service packaging/systemd/phq-agent-install.service \
+  packaging/systemd/phq-agent.sysusers packaging/systemd/phq-agent.tmpfiles packaging/dbus/ch.phoeniqs.Agent1.conf \
+  README.md; do
+  install -D -m 0644 "$f" "$assets/files/$f"
+done
+find "$assets" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
 out=target/packages
 rm -rf "$out" && mkdir -p "$out"
 cargo deb --locked --no-build -p phq-agent --output "$out/"
 cargo generate-rpm -p . --output "$out/"
+# The SBOM: the binary's dependencies (normal ones, for this target; not build tools).
+version=$(target/release/phq-agent --version | cut -d ' ' -f 2)
+cargo cyclonedx --quiet --format json --spec-version 1.5 --target x86_64-unknown-linux-gnu --no-build-deps \
+  --override-filename "phq-agent-$version.cdx"
+mv "phq-agent-$version.cdx.json" "$out/"
+(cd "$out" && sha256sum -- *.deb *.rpm *.cdx.json >SHA256SUMS)
+if [ -n "${PHQ_SIGNING_KEY:-}" ]; then
+  scripts/publish-repos "$out" "$out/repos"
+fi
 ls -l "$out"
-echo "built in $(( $(date +%s) - start )) s"
+echo "built in $(( $(date +%s) - start )) s (SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH)"

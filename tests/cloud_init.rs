@@ -8,6 +8,9 @@ use phq_agent::install::apply::{journal_bytes, state_path, State, Status};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The user-data that installs from the platform's signed repositories, and the package manager each uses.
+const REPO_FILES: &[(&str, &str)] = &[("apt-repository.yaml", "apt-get"), ("dnf-repository.yaml", "dnf")];
+
 const FILES: &[(&str, &str)] = &[
     ("ubuntu-22.04.yaml", "apt-get"),
     ("ubuntu-24.04.yaml", "apt-get"),
@@ -26,7 +29,7 @@ fn every_user_data_passes_cloud_init_schema() {
     }
     let version = Command::new("cloud-init").arg("--version").output().unwrap();
     eprintln!("{}", String::from_utf8_lossy(&version.stdout).trim());
-    for (file, _) in FILES {
+    for (file, _) in FILES.iter().chain(REPO_FILES) {
         let out = Command::new("cloud-init").args(["schema", "-c"]).arg(dir().join(file)).output().unwrap();
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success() && text.contains("Valid cloud-config"), "{file}: {text}");
@@ -35,7 +38,7 @@ fn every_user_data_passes_cloud_init_schema() {
 
 #[test]
 fn every_user_data_installs_configures_and_survives_the_reboot() {
-    for (file, installer) in FILES {
+    for (file, installer) in FILES.iter().chain(REPO_FILES) {
         let text = std::fs::read_to_string(dir().join(file)).unwrap();
         assert!(text.starts_with("#cloud-config\n"), "{file}");
         for must in [
@@ -43,7 +46,6 @@ fn every_user_data_installs_configures_and_survives_the_reboot() {
             "path: /etc/phq-agent/token\n    permissions: \"0600\"",
             "path: /etc/phq-agent/platform-token\n    permissions: \"0600\"",
             "systemctl enable --now phq-agent.service",
-            "\"${PHQ_PACKAGE_SHA256}\"",
             "phq-agent install --reboot never",
             "power_state:",
             "\"status\": \"reboot-required\"",
@@ -61,7 +63,7 @@ fn every_user_data_installs_configures_and_survives_the_reboot() {
         assert!(!written(Status::Done).contains(&pattern), "{file}: {pattern:?} would reboot a finished install");
         // Every variable it uses is in the operator guide.
         let guide = std::fs::read_to_string(dir().join("README.md")).unwrap();
-        for var in text.split("${").skip(1).map(|s| s.split('}').next().unwrap()) {
+        for var in text.split("${PHQ_").skip(1).map(|s| format!("PHQ_{}", s.split('}').next().unwrap())) {
             assert!(guide.contains(&format!("`{var}`")), "{file}: {var} is not documented in cloud-init/README.md");
         }
     }
@@ -70,6 +72,12 @@ fn every_user_data_installs_configures_and_survives_the_reboot() {
 /// The first runcmd entry, `[sh, -ec, SCRIPT, NAME, URL, SHA256]`, as JSON; None (a skip) without
 /// python3's yaml module.
 fn first_runcmd(file: &str) -> Option<Vec<String>> {
+    let doc = user_data(file)?;
+    Some(serde_json::from_value(doc["runcmd"][0].clone()).unwrap())
+}
+
+/// The user-data as JSON; None (a skip) without python3's yaml module.
+fn user_data(file: &str) -> Option<serde_json::Value> {
     let python = Path::new("/usr/bin/python3");
     let has_yaml =
         python.is_file() && Command::new(python).args(["-c", "import yaml"]).output().is_ok_and(|o| o.status.success());
@@ -78,7 +86,7 @@ fn first_runcmd(file: &str) -> Option<Vec<String>> {
         return None;
     }
     let out = Command::new(python)
-        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))['runcmd'][0]))"])
+        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"])
         .arg(dir().join(file))
         .output()
         .unwrap();
@@ -196,5 +204,169 @@ fn journal(status: Status) -> State {
         reboots: 0,
         error: None,
         findings: vec![],
+    }
+}
+
+/// The repository user-data's own script, run with stand-ins for the package manager, rpm,
+/// systemctl and the agent, against keys made for the test: the repository's key is trusted
+/// only when its fingerprint is the pinned one — not another key, not the right key with another
+/// beside it, not a short or malformed pin — and then the source is written with that key alone.
+#[test]
+fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
+    use std::os::unix::fs::PermissionsExt;
+    if !common::needs(&[("curl", "curl"), ("gpg", "gpg"), ("python3", "python3")]) {
+        return;
+    }
+    let keys = tempfile::tempdir().unwrap();
+    let gnupg = keys.path().join("gnupg");
+    std::fs::create_dir(&gnupg).unwrap();
+    std::fs::set_permissions(&gnupg, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let gpg = |args: &[&str]| -> Vec<u8> {
+        let out = Command::new("gpg").arg("--batch").args(args).env("GNUPGHOME", &gnupg).output().unwrap();
+        assert!(out.status.success(), "gpg {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    };
+    let mut fprs = vec![];
+    for who in ["platform <repo@phq.invalid>", "someone else <other@phq.invalid>"] {
+        gpg(&["--passphrase", "", "--quick-gen-key", who, "ed25519", "sign", "never"]);
+        let listed = String::from_utf8(gpg(&["--with-colons", "--list-keys", who])).unwrap();
+        fprs.push(
+            listed.lines().find_map(|l| l.strip_prefix("fpr:").map(|r| r.trim_matches(':').to_string())).unwrap(),
+        );
+    }
+    let (ours, theirs) = (fprs[0].clone(), fprs[1].clone());
+    for (file, manager) in REPO_FILES {
+        let Some(doc) = user_data(file) else { return };
+        let cmd: Vec<String> = serde_json::from_value(doc["runcmd"][0].clone()).unwrap();
+        assert_eq!(&cmd[4..], ["${PHQ_AGENT_REPO_URL}", "${PHQ_AGENT_REPO_KEY_FINGERPRINT}"], "{file}");
+        let helper = doc["write_files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["path"] == "/run/phq-agent/key-fingerprints.py")
+            .expect("the fingerprint helper")["content"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let key_name = if *manager == "apt-get" { "phq-agent-archive-keyring.gpg" } else { "RPM-GPG-KEY-phq-agent" };
+        let export = |who: &[&str]| -> Vec<u8> {
+            let mut args = vec!["--export"];
+            if *manager == "dnf" {
+                args.insert(0, "--armor");
+            }
+            args.extend(who);
+            gpg(&args)
+        };
+        for (case, key, pin, accepted) in [
+            ("the pinned key", export(&[&ours]), ours.clone(), true),
+            ("another key", export(&[&theirs]), ours.clone(), false),
+            ("the pinned key with another beside it", export(&[&ours, &theirs]), ours.clone(), false),
+            ("a short pin", export(&[&ours]), ours[24..].to_string(), false),
+            ("a lower-case pin", export(&[&ours]), ours.to_lowercase(), false),
+        ] {
+            let tmp = tempfile::tempdir().unwrap();
+            let t = tmp.path().display().to_string();
+            let repo = tmp.path().join("repo");
+            std::fs::create_dir_all(&repo).unwrap();
+            std::fs::write(repo.join(key_name), &key).unwrap();
+            for d in ["run/phq-agent", "bin", "etc/apt/sources.list.d", "etc/yum.repos.d"] {
+                std::fs::create_dir_all(tmp.path().join(d)).unwrap();
+            }
+            std::fs::write(tmp.path().join("run/phq-agent/key-fingerprints.py"), &helper).unwrap();
+            let log = tmp.path().join("calls");
+            for tool in [*manager, "rpm", "systemctl", "phq-agent"] {
+                let stub = tmp.path().join("bin").join(tool);
+                std::fs::write(&stub, format!("#!/bin/sh\necho \"$(basename \"$0\") $*\" >> '{}'\n", log.display()))
+                    .unwrap();
+                std::fs::set_permissions(&stub, std::fs::Permissions::from_mode(0o755)).unwrap();
+            }
+            // The script as shipped, with the machine's paths moved under the test's directory.
+            let script = ["/run/phq-agent/", "/etc/apt/", "/etc/pki/", "/etc/yum.repos.d/"]
+                .iter()
+                .fold(cmd[2].clone(), |s, p| s.replace(p, &format!("{t}{p}")));
+            let out = Command::new("sh")
+                .arg("-ec")
+                .arg(&script)
+                .arg("phq-agent-first-boot")
+                .arg(format!("file://{}/", repo.display()))
+                .arg(&pin)
+                .env("PATH", format!("{t}/bin:/usr/bin:/bin"))
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr).to_string();
+            let calls = std::fs::read_to_string(&log).unwrap_or_default();
+            if accepted {
+                assert!(out.status.success(), "{file}, {case}: {err}");
+                if *manager == "apt-get" {
+                    let list = std::fs::read_to_string(format!("{t}/etc/apt/sources.list.d/phq-agent.list")).unwrap();
+                    assert_eq!(
+                        list,
+                        format!(
+                            "deb [signed-by={t}/etc/apt/keyrings/phq-agent.gpg] file://{}/apt stable main\n",
+                            repo.display()
+                        )
+                    );
+                    assert!(calls.starts_with("apt-get update -q\napt-get install -y -q phq-agent\n"), "{calls}");
+                } else {
+                    let conf = std::fs::read_to_string(format!("{t}/etc/yum.repos.d/phq-agent.repo")).unwrap();
+                    for must in
+                        ["gpgcheck=1\n", "repo_gpgcheck=1\n", &format!("baseurl=file://{}/rpm\n", repo.display())]
+                    {
+                        assert!(conf.contains(must), "{file}: {must} not in {conf}");
+                    }
+                    assert!(
+                        calls.starts_with(&format!(
+                            "rpm --import {t}/etc/pki/rpm-gpg/RPM-GPG-KEY-phq-agent\ndnf install -y -q phq-agent\n"
+                        )),
+                        "{calls}"
+                    );
+                    assert!(
+                        conf.contains(&format!("gpgkey=file://{t}/etc/pki/rpm-gpg/RPM-GPG-KEY-phq-agent\n")),
+                        "{conf}"
+                    );
+                }
+                assert!(calls.contains("phq-agent install --reboot never"), "{calls}");
+            } else {
+                assert_eq!(out.status.code(), Some(1), "{file}, {case}: accepted ({calls})");
+                assert!(err.contains("nothing installed"), "{file}, {case}: {err}");
+                assert!(calls.is_empty(), "{file}, {case}: ran {calls}");
+                assert!(
+                    !std::path::Path::new(&format!("{t}/etc/apt/keyrings/phq-agent.gpg")).exists(),
+                    "{file}, {case}"
+                );
+                eprintln!("{file}, {case}: {}", err.trim());
+            }
+        }
+    }
+}
+
+/// The operator guide fills the files in with `envsubst`, which replaces every `$name` it sees:
+/// the files' scripts use only positional parameters, so envsubst (the real one, with only the
+/// PHQ_ variables set) changes nothing in them.
+#[test]
+fn envsubst_fills_in_the_variables_and_leaves_the_scripts_alone() {
+    if !common::needs(&[("envsubst", "gettext-base")]) {
+        return;
+    }
+    for (file, _) in FILES.iter().chain(REPO_FILES) {
+        let text = std::fs::read_to_string(dir().join(file)).unwrap();
+        let mut c = Command::new("envsubst");
+        c.env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        let vars: Vec<String> =
+            text.split("${PHQ_").skip(1).map(|s| format!("PHQ_{}", s.split('}').next().unwrap())).collect();
+        for v in &vars {
+            c.env(v, format!("<{v}>"));
+        }
+        let mut child = c.spawn().unwrap();
+        std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
+        drop(child.stdin.take());
+        let out = child.wait_with_output().unwrap();
+        let filled = String::from_utf8(out.stdout).unwrap();
+        let expected = vars.iter().fold(text.clone(), |t, v| t.replace(&format!("${{{v}}}"), &format!("<{v}>")));
+        assert_eq!(filled, expected, "{file}: envsubst changed more than the PHQ_ variables");
+        assert!(!filled.contains("${PHQ_"));
     }
 }
