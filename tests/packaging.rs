@@ -52,12 +52,22 @@ fn install_unit_resumes_once_and_is_measured() {
     }
     // Ordering it after cloud-final.service would be a cycle through multi-user.target.
     assert!(!text.lines().any(|l| l.starts_with("After=") && l.contains("cloud-final")));
+    // Its verification after the reboot opens /dev/nvidia*: no device list may hide them.
+    // ProtectClock= implies `DeviceAllow=char-rtc r` (systemd.exec(5)), and any DeviceAllow=
+    // restricts the unit to the devices listed (DevicePolicy=auto).
+    for hides in ["ProtectClock=yes", "ProtectClock=true", "PrivateDevices=", "DeviceAllow=", "DevicePolicy="] {
+        assert!(!text.lines().any(|l| l.trim_start().starts_with(hides)), "the install unit sets {hides}: /dev/nvidia* would be hidden");
+    }
     if !common::needs(&[("systemd-analyze", "systemd")]) {
         return;
     }
     let out = Command::new("systemd-analyze").args(["security", "--offline=true"]).arg(&unit).output().unwrap();
-    // It installs packages as root: exposed by nature. The number is reported, not judged.
+    // It installs packages as root: exposed by nature. The number is reported, not judged; the
+    // clock stays protected without ProtectClock=.
     let text = String::from_utf8_lossy(&out.stdout);
+    for kept in ["✓ CapabilityBoundingSet=~CAP_SYS_TIME", "✓ SystemCallFilter=~@clock"] {
+        assert!(text.contains(kept), "systemd-analyze no longer sees {kept}: {text}");
+    }
     let line = text.lines().find(|l| l.contains("Overall exposure level")).unwrap_or_default();
     eprintln!("{line}");
 }
