@@ -479,3 +479,28 @@ fn the_binary_links_no_gpu_library() {
     }
     assert!(libs.contains("libc.so"), "ldd gave no library list: {libs}");
 }
+
+/// A fixture is a machine: one of Debian or Rocky carries no Ubuntu package, kernel or compiler
+/// (an Ubuntu name in a Debian fixture would let a check pass for the wrong reason).
+#[test]
+fn non_ubuntu_fixtures_carry_no_ubuntu_names() {
+    let root = common::repo().join("tests/fixtures/sysroots");
+    for entry in std::fs::read_dir(&root).unwrap().flatten() {
+        let os = std::fs::read_to_string(entry.path().join("etc/os-release")).unwrap_or_default();
+        if os.is_empty() || os.contains("ID=ubuntu") {
+            continue;
+        }
+        let mut stack = vec![entry.path()];
+        while let Some(dir) = stack.pop() {
+            for f in std::fs::read_dir(&dir).unwrap().flatten() {
+                let meta = std::fs::symlink_metadata(f.path()).unwrap();
+                if meta.is_dir() {
+                    stack.push(f.path());
+                } else if meta.is_file() {
+                    let text = String::from_utf8_lossy(&std::fs::read(f.path()).unwrap()).to_lowercase();
+                    assert!(!text.contains("ubuntu"), "{} names Ubuntu", f.path().display());
+                }
+            }
+        }
+    }
+}

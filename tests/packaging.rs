@@ -56,7 +56,10 @@ fn install_unit_resumes_once_and_is_measured() {
     // ProtectClock= implies `DeviceAllow=char-rtc r` (systemd.exec(5)), and any DeviceAllow=
     // restricts the unit to the devices listed (DevicePolicy=auto).
     for hides in ["ProtectClock=yes", "ProtectClock=true", "PrivateDevices=", "DeviceAllow=", "DevicePolicy="] {
-        assert!(!text.lines().any(|l| l.trim_start().starts_with(hides)), "the install unit sets {hides}: /dev/nvidia* would be hidden");
+        assert!(
+            !text.lines().any(|l| l.trim_start().starts_with(hides)),
+            "the install unit sets {hides}: /dev/nvidia* would be hidden"
+        );
     }
     if !common::needs(&[("systemd-analyze", "systemd")]) {
         return;
