@@ -217,9 +217,26 @@ fn manager_version(s: &Snapshot) -> Finding {
         .and_then(|n| n.driver_version.value().cloned())
         .or_else(|| s.driver.nvrm.value().map(|v| v.version.clone()));
     let Some(driver) = driver else { return Finding::unknown(ID, "the driver version is unknown") };
+    // NVML's fabric state is evidence of its own: on an NVSwitch system the fabric completes
+    // only through a fabric manager, and the fabric manager does not start against a driver of
+    // another version (NVIDIA Fabric Manager User Guide). So a completed fabric says a matching
+    // fabric manager runs, whatever the package database says or cannot say.
+    let completed = s.nvml().is_some_and(|n| {
+        !n.devices.is_empty()
+            && n.devices.iter().all(|g| matches!(&g.fabric, Nv::Value(f) if f.state == FabricState::Completed))
+    });
     let packages = match &s.packages {
         Fact::Value(p) => p,
-        Fact::Error(e) => return Finding::unknown(ID, e.clone()),
+        Fact::Error(e) if completed => {
+            return Finding::pass(ID, "fabric completed on every GPU: the fabric manager that runs matches the driver")
+                .detail(format!("The fabric manager does not start against a driver of another version, so a completed fabric is a match. Its package cannot be named: {e}."))
+                .evidence("driver", driver)
+        }
+        Fact::Error(e) => {
+            return Finding::unknown(ID, format!("cannot tell whether a fabric manager is installed: {e}"))
+                .detail("NVML does not report the fabric completed either, so nothing here shows a fabric manager of the driver's version.")
+                .evidence("driver", driver)
+        }
     };
     let fm: Vec<&crate::snapshot::Package> = packages
         .iter()
@@ -227,6 +244,8 @@ fn manager_version(s: &Snapshot) -> Finding {
         .collect();
     let branch = facts::driver_branch(&driver).unwrap_or(0);
     let f = match fm.as_slice() {
+        [] if completed => Finding::pass(ID, "fabric completed on every GPU, though no fabric-manager package is installed")
+            .detail("A fabric manager runs (the fabric completes only through one, and it does not start against another driver version); it was installed some other way, such as NVIDIA's runfile, so package upgrades will not keep it matched."),
         [] => Finding::fail(ID, "nvidia-fabricmanager is not installed")
             .detail("This VM sees NVSwitches, so it must run the fabric manager at exactly the driver's version.")
             .remedy(format!("Install `nvidia-fabricmanager-{branch}={driver}-1` (from 580 on: `nvidia-fabricmanager`) and hold it with the driver; `phq-agent install` does this.")),
@@ -767,11 +786,41 @@ mod tests {
             held: false,
         }]);
         assert_eq!(find(&findings(&s), "fabric.manager-version")[0].severity, Severity::Fail);
+        // No package and no completed fabric: nothing runs it.
         s.packages = Fact::Value(vec![]);
+        for i in 0..8 {
+            if let Nv::Value(f) = &mut gpu_mut(&mut s, i).fabric {
+                f.state = FabricState::NotStarted;
+            }
+        }
         let f = findings(&s);
         let v = find(&f, "fabric.manager-version")[0];
         assert_eq!(v.severity, Severity::Fail);
         assert!(v.remedy.as_ref().unwrap().contains("nvidia-fabricmanager-550=550.90.07-1"));
+    }
+
+    /// Absence is claimed only from evidence: a completed fabric proves a matching fabric
+    /// manager runs, with or without a package (a runfile install) or a package database.
+    #[test]
+    fn fabric_manager_judged_from_the_fabric_when_packages_cannot_tell() {
+        let mut s = healthy();
+        s.packages = Fact::Value(vec![]);
+        assert_eq!(
+            find(&findings(&s), "fabric.manager-version")[0].severity,
+            Severity::Pass,
+            "runfile install, fabric completed"
+        );
+        s.packages = Fact::Error("no package database".into());
+        let f = findings(&s);
+        let v = find(&f, "fabric.manager-version")[0];
+        assert_eq!(v.severity, Severity::Pass, "{v:?}");
+        assert!(v.detail.contains("no package database"), "{v:?}");
+        if let Nv::Value(f) = &mut gpu_mut(&mut s, 2).fabric {
+            f.state = FabricState::InProgress;
+        }
+        let f = findings(&s);
+        let v = find(&f, "fabric.manager-version")[0];
+        assert_eq!(v.severity, Severity::Unknown, "no database and no completed fabric: {v:?}");
     }
 
     #[test]

@@ -15,7 +15,11 @@ pub fn read(root: &Sysroot) -> Fact<Vec<Package>> {
         Err(e) if e.is_not_found() && root.exists("var/lib/rpm") => {
             Fact::Error("RPM-based guest: the RPM database is not read (compare `rpm -qa 'nvidia*'` by hand)".into())
         }
-        Err(e) if e.is_not_found() => Fact::Value(Vec::new()),
+        // No database at all (a minimal image, a runfile install): nothing can be said to be
+        // absent, so this is "cannot read", never "nothing installed".
+        Err(e) if e.is_not_found() => Fact::Error(
+            "no package database (neither /var/lib/dpkg/status nor /var/lib/rpm): what is installed cannot be read from packages".into(),
+        ),
         Err(e) => Fact::Error(e.to_string()),
     }
 }
