@@ -292,8 +292,15 @@ fn unsupported_guests_and_impossible_settings_say_what_is_supported() {
     assert!(e.contains("CentOS Linux 7") && e.contains("Ubuntu 22.04") && e.contains("Rocky Linux 9"), "{e}");
 
     let f = facts(&GUESTS[0], false, false, Stage::Fresh);
-    let e = plan::plan(&f, &Settings { cuda: "12.6".into(), ..settings() }).unwrap_err();
-    assert!(e.contains("560.28.03") && e.contains("driver_branch"), "{e}");
+    // CUDA 12.6 on branch 550 runs by minor-version compatibility: installed, with a warning
+    // that names what needs 560.28.03. Below 525 no CUDA 12 runs: refused.
+    let p = plan::plan(&f, &Settings { cuda: "12.6".into(), ..settings() }).unwrap();
+    let w = p.findings.iter().find(|x| x.id == "install.cuda-driver").expect("the minor-version warning");
+    assert_eq!(w.severity, phq_agent::checks::Severity::Warn);
+    assert!(w.summary.contains("560.28.03") && w.summary.contains("minor-version compatibility"), "{w:?}");
+    assert!(p.steps.iter().any(|s| s.id == "toolkit"), "{}", plan::render(&p));
+    let e = plan::plan(&f, &Settings { driver_branch: 520, ..settings() }).unwrap_err();
+    assert!(e.contains("predates CUDA 12"), "{e}");
     let e = plan::plan(&f, &Settings { cuda: "11.8".into(), ..settings() }).unwrap_err();
     assert!(e.contains("CUDA 12"), "{e}");
 }
@@ -312,8 +319,11 @@ fn another_branch_is_kept_unless_asked() {
     let text = plan::render(&kept);
     assert!(kept.findings.iter().any(|x| x.id == "install.driver-kept"), "{text}");
     assert!(kept.steps.iter().all(|s| s.id != "driver"), "{text}");
-    // 535 is too old for CUDA 12.4: said, and the toolkit is not installed against it.
-    assert!(kept.findings.iter().any(|x| x.id == "install.cuda-driver"), "{text}");
+    // 535 is older than CUDA 12.4 asks for, and runs it by minor-version compatibility: said,
+    // and the toolkit is installed.
+    let w = kept.findings.iter().find(|x| x.id == "install.cuda-driver").expect("the minor-version warning");
+    assert_eq!(w.severity, phq_agent::checks::Severity::Warn, "{text}");
+    assert!(kept.steps.iter().any(|s| s.id == "toolkit"), "{text}");
     assert!(text.contains("hold versions: nvidia-driver-535, nvidia-fabricmanager-535"), "{text}");
 
     let replaced = plan::plan(&f, &Settings { replace_driver: true, ..settings() }).unwrap();

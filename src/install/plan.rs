@@ -315,6 +315,16 @@ pub fn installed_driver(packages: &[Package]) -> Option<InstalledDriver> {
 }
 
 /// The plan, or why there can be none (an unsupported guest, a CUDA the branch cannot run).
+/// CUDA 12.x on a driver older than the toolkit's own minimum: it runs, by minor-version
+/// compatibility — any CUDA 12.x toolkit's applications run on a driver of branch 525 or later
+/// (NVIDIA's CUDA Compatibility guide, "Minor Version Compatibility": CUDA 12.x ≥ 525) — and
+/// what needs the newer driver does not (the same guide: PTX JIT of newer PTX, newer APIs).
+fn minor_version_compatible(cuda: &str, cuda_min: &str, min_branch: u32, what: &str) -> Finding {
+    Finding::warn("install.cuda-driver", format!("CUDA {cuda} asks for driver {cuda_min}; {what} runs it by minor-version compatibility"))
+        .detail(format!("Applications built with any CUDA 12 run on a driver of branch 525 or later, but what needs driver {cuda_min} does not: PTX built by CUDA {cuda} cannot be JIT-compiled by an older driver, and APIs new in {cuda} are not there."))
+        .remedy(format!("For all of CUDA {cuda}: driver branch {min_branch} or later (install.driver_branch, with --replace-driver for a kept driver), or cuda-compat-{} for forward compatibility", cuda.replace('.', "-")))
+}
+
 pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     let os = f.os.as_ref().map_err(|e| format!("cannot tell which distribution this is: {e}"))?;
     let distro = Distro::from_os(os)?;
@@ -326,12 +336,8 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         .ok_or_else(|| format!("CUDA {cuda} is not in the driver table (12.0–12.6, 12.8, 12.9)"))?;
     let b = s.driver_branch;
     let min_branch = facts::driver_branch(cuda_min).unwrap_or(0);
-    if b < min_branch {
-        return Err(format!(
-            "CUDA {cuda} needs driver {cuda_min} or newer, and install.driver_branch is {b}: \
-             set driver_branch to {min_branch} or later, or pick an older CUDA 12"
-        ));
-    }
+    // Only what cannot work is refused: below 525 no CUDA 12 runs at all. Between 525 and the
+    // toolkit's own minimum it runs, with what needs the newer driver missing (a warning below).
     if b < facts::MIN_DRIVER_BRANCH {
         return Err(format!("driver branch {b} predates CUDA 12 (needs {} or later)", facts::MIN_DRIVER_BRANCH));
     }
@@ -341,6 +347,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     let mut findings = Vec::new();
     let mut steps = Vec::new();
     let packages: &[Package] = f.packages.as_deref().unwrap_or(&[]);
+    let older_driver = |what: String| minor_version_compatible(&cuda, cuda_min, min_branch, &what);
     let install_dir = DOWNLOAD_DIR;
     let cuda_dash = cuda.replace('.', "-");
     let toolkit = format!("cuda-toolkit-{cuda_dash}");
@@ -359,18 +366,24 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             .remedy(format!("To replace it: phq-agent install --driver-branch {b} --replace-driver (or install.replace_driver = true)")),
         );
         if let Some(kb) = d.branch {
-            if kb < min_branch {
+            if kb < facts::MIN_DRIVER_BRANCH {
                 findings.push(
                     Finding::fail(
                         "install.cuda-driver",
-                        format!("CUDA {cuda} needs driver {cuda_min}; the kept driver is {}", d.version),
+                        format!(
+                            "no CUDA 12 runs on the kept driver {}: CUDA 12 needs branch {} or later",
+                            d.version,
+                            facts::MIN_DRIVER_BRANCH
+                        ),
                     )
-                    .remedy(format!(
-                        "Replace the driver (--replace-driver) or set install.cuda to a CUDA 12 that driver {kb} runs"
-                    )),
+                    .remedy("Replace the driver (--replace-driver)"),
                 );
+            } else if kb < min_branch {
+                findings.push(older_driver(format!("the kept driver {}", d.version)));
             }
         }
+    } else if b < min_branch {
+        findings.push(older_driver(format!("driver branch {b}")));
     }
     let branch_of_fm = keep.and_then(|d| d.branch).unwrap_or(b);
 
@@ -557,8 +570,8 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         });
     }
 
-    // 7. The toolkit.
-    if !findings.iter().any(|x| x.id == "install.cuda-driver") {
+    // 7. The toolkit, unless no CUDA 12 can run on the driver that stays.
+    if !findings.iter().any(|x| x.id == "install.cuda-driver" && x.severity == crate::checks::Severity::Fail) {
         let action = if distro.is_deb() {
             apt("install", lits(std::slice::from_ref(&toolkit)))
         } else {
