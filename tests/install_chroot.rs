@@ -257,6 +257,20 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     assert!(offline.stderr.contains("tried 4 times"), "{}", offline.stderr);
     eprintln!("timing: unreachable repository reported after {:.1} s", t.elapsed().as_secs_f64());
 
+    // A toolkit the repository does not have (CUDA 12.6; the stand-in has 12.4): the pre-flight
+    // resolves every package with apt-get -s and stops, naming it, before any is installed.
+    let t = Instant::now();
+    let lacking = install(&clean, &["--cuda", "12.6"]);
+    assert_eq!(lacking.code, Some(2), "{}", lacking.stderr);
+    assert!(
+        lacking.stderr.contains("pre-flight: the repositories cannot install cuda-toolkit-12-6; nothing was installed"),
+        "{}",
+        lacking.stderr
+    );
+    let after: Vec<String> = nvidia_state(&clean).into_iter().filter(|l| !l.contains("cuda-keyring")).collect();
+    assert!(after.is_empty(), "installed before the pre-flight refused: {after:?}");
+    eprintln!("timing: pre-flight refusal after {:.1} s", t.elapsed().as_secs_f64());
+
     let t = Instant::now();
     let first = install(&clean, &[]);
     let first_s = t.elapsed().as_secs_f64();

@@ -21,6 +21,26 @@ impl Drop for Killed {
     }
 }
 
+/// Waits until the Prometheus on `port` says it is ready (`/-/ready` answers 200). It listens
+/// before its storage is open and answers 503 until then — longer on a loaded machine.
+fn wait_ready(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = std::net::TcpStream::connect(("127.0.0.1", port)).ok().and_then(|mut s| {
+            s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+            write!(s, "GET /-/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+            let mut r = String::new();
+            s.read_to_string(&mut r).ok()?;
+            Some(r.starts_with("HTTP/1.1 200"))
+        });
+        if ready == Some(true) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "Prometheus was not ready within 60 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// A PromQL instant query against the Prometheus on `port`: the result vector.
 fn query(port: u16, promql: &str) -> Vec<Value> {
     let encoded: String = promql
@@ -81,6 +101,7 @@ fn the_dashboards_xid_panel_sees_the_first_xid_on_a_real_prometheus() {
             .expect("prometheus"),
     );
     let prom_port = listening_port(&mut prom.0).expect("prometheus listens");
+    wait_ready(prom_port);
 
     // The dashboard's query, as Grafana would send it for all instances.
     let dashboard: Value =

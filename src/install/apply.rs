@@ -253,7 +253,9 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
             continue;
         }
         let hash = step.hash(is_deb);
-        if st.steps.get(step.id).is_some_and(|r| r.hash == hash) {
+        // The repair is planned only when dpkg is half-done now, so a repair finished in an
+        // earlier run says nothing about this one (a later kill can leave dpkg half-done again).
+        if step.id != "repair" && st.steps.get(step.id).is_some_and(|r| r.hash == hash) {
             (o.progress)(&format!("{head}: done in an earlier run"));
             continue;
         }
@@ -396,8 +398,107 @@ fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options)
             (o.progress)(&format!("      key {} verified", super::pgp::spaced(fingerprint)));
             Ok(())
         }
+        Action::Resolve(pkgs) => resolve(pkgs, plan, runner, o),
+        Action::RepairDpkg { configure, fix } => {
+            // First the packages whose unpacking was killed: dpkg leaves them out of
+            // --configure -a, and apt-get -f cannot reinstall one without its archive (the
+            // keyring, whose own repository is not set up yet, is the usual one).
+            let broken = reinst_required(runner)?;
+            if !broken.is_empty() {
+                (o.progress)(&format!(
+                    "      {} was interrupted while unpacking: removing it for its step to install again",
+                    broken.join(", ")
+                ));
+                let mut remove = vec!["--remove".to_string(), "--force-remove-reinstreq".to_string()];
+                remove.extend(broken);
+                let c = Cmd { args: remove.into_iter().map(Arg::Lit).collect(), ..configure.clone() };
+                run_cmd(&c, &lit_args(&c), runner, o)?;
+            }
+            run_cmd(configure, &lit_args(configure), runner, o)?;
+            run_cmd(fix, &lit_args(fix), runner, o)
+        }
         Action::Reboot | Action::Verify => Ok(()),
     }
+}
+
+/// A command's arguments as they are (the repair's commands have no looked-up parts).
+fn lit_args(c: &Cmd) -> Vec<String> {
+    c.args
+        .iter()
+        .map(|a| match a {
+            Arg::Lit(s) | Arg::AtDriverVersion(s) => s.clone(),
+        })
+        .collect()
+}
+
+/// Packages dpkg marks reinst-required (the third letter of `db:Status-Abbrev` is `R`): their
+/// unpacking was interrupted, and dpkg will do nothing more with them until they are installed
+/// again or removed with --force-remove-reinstreq (dpkg(1), dpkg-query(1)).
+fn reinst_required(runner: &mut dyn Runner) -> Result<Vec<String>, StepError> {
+    let args = vec!["-W".to_string(), "-f=${db:Status-Abbrev}${Package}\n".to_string()];
+    let out = runner.run("dpkg-query", &args, &[]).map_err(|e| err(format!("dpkg-query: {e}")))?;
+    Ok(out
+        .stdout_text()
+        .lines()
+        .filter(|l| l.as_bytes().get(2) == Some(&b'R'))
+        .filter_map(|l| l.get(3..).map(|n| n.trim().to_string()))
+        .filter(|n| !n.is_empty())
+        .collect())
+}
+
+/// The pre-flight: asks the package manager to resolve every package without installing any,
+/// and turns a refusal into the names it could not find. apt-get -s exits non-zero when a
+/// package cannot be resolved ("Unable to locate package", "has no installation candidate",
+/// unmet dependencies); dnf with --assumeno always exits 1 ("Operation aborted") and says
+/// "No match for argument" or "Problem" when it cannot.
+fn resolve(pkgs: &[String], plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<(), StepError> {
+    let deb = plan.distro.is_deb();
+    let (program, mut args): (&str, Vec<String>) = if deb {
+        ("apt-get", vec!["-s".into(), "-q".into(), "install".into()])
+    } else {
+        ("dnf", vec!["-q".into(), "install".into(), "--assumeno".into()])
+    };
+    args.extend(pkgs.iter().cloned());
+    (o.progress)(&format!("      $ {program} {}", args.join(" ")));
+    let env: Vec<(String, String)> = if deb {
+        super::plan::DEB_ENV.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    } else {
+        Vec::new()
+    };
+    let out = runner.run(program, &args, &env).map_err(|e| err(format!("{program}: {e}")))?;
+    let text = format!("{}\n{}", out.stdout_text(), out.stderr);
+    let missing = unresolvable(&text);
+    let refused =
+        if deb { !out.ok() } else { !missing.is_empty() || text.contains("Problem") || text.contains("Error:") };
+    if !refused {
+        (o.progress)(&format!("      all {} packages resolve", pkgs.len()));
+        return Ok(());
+    }
+    let names = if missing.is_empty() { "see the package manager's words".to_string() } else { missing.join(", ") };
+    Err(err(format!(
+        "pre-flight: the repositories cannot install {names}; nothing was installed. {}",
+        tail_lines(&text, 6)
+    )))
+}
+
+/// Package names a resolver's output says it cannot install.
+fn unresolvable(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in text.lines() {
+        let l = line.trim();
+        let name = l
+            .strip_prefix("E: Unable to locate package ")
+            .or_else(|| l.strip_prefix("No match for argument: "))
+            .map(|n| n.trim().to_string())
+            .or_else(|| {
+                let rest = l.strip_prefix("E: Package '")?;
+                rest.split_once('\'').map(|(n, _)| n.to_string())
+            });
+        if let Some(n) = name.filter(|n| !n.is_empty() && !out.contains(n)) {
+            out.push(n);
+        }
+    }
+    out
 }
 
 /// Makes `dir` a directory only this process's user can write (mode 0700), or says why it
@@ -644,6 +745,12 @@ mod tests {
         key: Vec<u8>,
         /// `dpkg` answers "lock held" this many more times.
         lock_busy: u32,
+        /// A package the repositories do not have: apt-get names it, as apt does
+        /// ("E: Unable to locate package NAME", exit 100), for a simulation and an install alike.
+        missing: Option<String>,
+        /// A package whose unpacking was killed: dpkg refuses to configure while it is there,
+        /// dpkg-query shows it with the reinst-required flag, and removing it clears it.
+        reinstreq: Option<String>,
     }
 
     impl Runner for FakeMachine {
@@ -655,6 +762,23 @@ mod tests {
                 self.lock_busy -= 1;
                 let stderr = "dpkg: error: dpkg frontend lock was locked by another process with pid 4242".into();
                 return Ok(Output { code: Some(2), stdout: vec![], stderr });
+            }
+            if let Some(name) = self.reinstreq.clone() {
+                if program == "dpkg" && args.first().map(String::as_str) == Some("--configure") {
+                    let stderr = format!("dpkg: error processing package {name} (--configure):\n package is in a very bad inconsistent state; you should\n reinstall it before attempting configuration");
+                    return Ok(Output { code: Some(1), stdout: vec![], stderr });
+                }
+                if program == "dpkg-query" && args.iter().any(|a| a.contains("db:Status-Abbrev")) {
+                    return Ok(ok(format!("ii bash\niHR{name}\n").as_bytes()));
+                }
+                if program == "dpkg" && args.iter().any(|a| a == "--force-remove-reinstreq") && args.contains(&name) {
+                    self.reinstreq = None;
+                    return Ok(ok(b""));
+                }
+            }
+            if let Some(name) = self.missing.as_ref().filter(|n| program == "apt-get" && args.contains(n)) {
+                let stderr = format!("Reading package lists...\nE: Unable to locate package {name}");
+                return Ok(Output { code: Some(100), stdout: vec![], stderr });
             }
             if self.fail_when.as_deref().is_some_and(|f| line.contains(f)) {
                 return Ok(Output { code: Some(100), stdout: vec![], stderr: "E: Unable to locate package".into() });
@@ -807,13 +931,18 @@ mod tests {
     #[test]
     fn a_failed_step_is_journaled_and_the_rerun_starts_there() {
         let (dir, p, mut m) = fresh_install(None);
-        m.fail_when = Some("cuda-toolkit-12-4".into());
+        // The toolkit resolves in the pre-flight and fails when installed.
+        m.fail_when = Some("confold install cuda-toolkit-12-4".into());
         let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
         assert_eq!(r.state.status, Status::Failed);
         assert!(r.state.error.as_deref().unwrap().starts_with("step toolkit:"), "{:?}", r.state.error);
         let f = r.state.findings.iter().find(|f| f.id == "install.step-failed").unwrap();
         assert!(f.summary.contains("Unable to locate package"), "{}", f.summary);
-        assert_eq!(m.ran.iter().filter(|l| l.contains("cuda-toolkit-12-4")).count(), 4, "network retries");
+        assert_eq!(
+            m.ran.iter().filter(|l| l.contains("confold install cuda-toolkit-12-4")).count(),
+            4,
+            "network retries"
+        );
 
         m.fail_when = None;
         m.ran.clear();
@@ -821,6 +950,84 @@ mod tests {
         assert!(m.ran[0].contains("install cuda-toolkit-12-4"), "{:#?}", m.ran);
         assert_eq!(r.state.status, Status::RebootRequired);
         assert!(r.state.findings.iter().any(|f| f.id == "install.reboot-required"));
+    }
+
+    /// A kill inside dpkg's unpacking leaves a reinst-required package, which neither
+    /// `dpkg --configure -a` nor `apt-get install -f` (without its archive) repairs; the repair
+    /// removes it first (for its step to install it again) and goes on.
+    #[test]
+    fn a_package_killed_while_unpacking_is_removed_and_installed_again() {
+        let (dir, mut p, mut m) = fresh_install(None);
+        // The plan's repair step, as the plan makes it for an interrupted dpkg.
+        p.steps.insert(
+            0,
+            plan::Step {
+                id: "repair",
+                title: "finish what dpkg left half-done (dpkg was interrupted)".into(),
+                actions: vec![Action::RepairDpkg {
+                    configure: plan::Cmd {
+                        program: "dpkg".into(),
+                        args: vec![Arg::Lit("--configure".into()), Arg::Lit("-a".into())],
+                        env: vec![],
+                        retry: Retry::DpkgLock,
+                        url: None,
+                    },
+                    fix: plan::Cmd {
+                        program: "apt-get".into(),
+                        args: vec![Arg::Lit("install".into()), Arg::Lit("-f".into())],
+                        env: vec![],
+                        retry: Retry::Never,
+                        url: None,
+                    },
+                }],
+                done: None,
+                needs_reboot: false,
+            },
+        );
+        m.reinstreq = Some("cuda-keyring".into());
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::RebootRequired, "{:?} {:#?}", r.state.error, m.ran);
+        let removed =
+            m.ran.iter().position(|l| l == "dpkg --remove --force-remove-reinstreq cuda-keyring").expect("removed");
+        assert!(m.ran[removed + 1] == "dpkg --configure -a", "configured after the removal: {:#?}", m.ran);
+        assert!(
+            r.progress.iter().any(|l| l.contains("cuda-keyring was interrupted while unpacking")),
+            "{:#?}",
+            r.progress
+        );
+    }
+
+    /// A package the repositories lack stops the install in the pre-flight, with its name,
+    /// before any package is installed; the rerun, once the repositories have it, goes on.
+    #[test]
+    fn a_package_the_repositories_lack_stops_the_install_before_any_is_installed() {
+        let (dir, p, mut m) = fresh_install(None);
+        let steps: Vec<&str> = p.steps.iter().map(|s| s.id).collect();
+        let at = |id| steps.iter().position(|s| *s == id).unwrap();
+        assert!(at("repo") < at("preflight") && at("preflight") < at("headers"), "{steps:?}");
+        m.missing = Some("nvidia-fabricmanager-550".into());
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::Failed);
+        let e = r.state.error.as_deref().unwrap();
+        assert!(
+            e.starts_with("step preflight:")
+                && e.contains("cannot install nvidia-fabricmanager-550; nothing was installed"),
+            "{e}"
+        );
+        let simulated = m.ran.iter().position(|l| l.starts_with("apt-get -s -q install")).expect("the pre-flight ran");
+        assert!(
+            m.ran[simulated].contains("cuda-toolkit-12-4") && m.ran[simulated].contains("nvidia-driver-550-open"),
+            "{}",
+            m.ran[simulated]
+        );
+        let installs_after: Vec<&String> = m.ran[simulated + 1..].iter().filter(|l| l.contains(" install ")).collect();
+        assert!(installs_after.is_empty(), "installed after a failed pre-flight: {installs_after:?}");
+
+        m.missing = None;
+        m.ran.clear();
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert!(m.ran[0].starts_with("apt-get -s -q install"), "the pre-flight runs again first: {:#?}", m.ran);
+        assert_eq!(r.state.status, Status::RebootRequired);
     }
 
     #[test]

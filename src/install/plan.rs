@@ -184,6 +184,18 @@ pub enum Action {
         deb_member: Option<String>,
         fingerprint: String,
     },
+    /// Pre-flight: resolve every package the later steps install, without installing any
+    /// (`apt-get -s install`, `dnf install --assumeno`), and stop with the names that cannot be
+    /// installed. `@module:stream` names a dnf module stream.
+    Resolve(Vec<String>),
+    /// Finish what dpkg left half-done: a package whose unpacking was killed (dpkg marks it
+    /// reinst-required; neither `dpkg --configure -a` nor `apt-get -f` without its archive
+    /// repairs it) is removed with `--force-remove-reinstreq` for its own step to install
+    /// again; then `dpkg --configure -a` and `apt-get install -f`.
+    RepairDpkg {
+        configure: Cmd,
+        fix: Cmd,
+    },
     /// Reboot if a finished step needs it (logind; `--reboot never` reports instead).
     Reboot,
     /// Run the doctor's checks and keep what is wrong.
@@ -216,7 +228,7 @@ pub struct Plan {
     pub reboot_reason: Option<String>,
 }
 
-const DEB_ENV: &[(&str, &str)] = &[("DEBIAN_FRONTEND", "noninteractive")];
+pub const DEB_ENV: &[(&str, &str)] = &[("DEBIAN_FRONTEND", "noninteractive")];
 
 fn cmd(program: &str, args: &[&str]) -> Cmd {
     Cmd {
@@ -325,6 +337,39 @@ fn minor_version_compatible(cuda: &str, cuda_min: &str, min_branch: u32, what: &
         .remedy(format!("For all of CUDA {cuda}: driver branch {min_branch} or later (install.driver_branch, with --replace-driver for a kept driver), or cuda-compat-{} for forward compatibility", cuda.replace('.', "-")))
 }
 
+/// The packages the steps still to run will install, in order, each once: apt-get's and dnf's
+/// `install` arguments, and dnf module streams as `@module:stream`.
+fn packages_to_install(steps: &[Step]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for step in steps.iter().filter(|st| st.done.is_none()) {
+        for a in &step.actions {
+            let Action::Run(c) = a else { continue };
+            let words: Vec<(&str, bool)> = c
+                .args
+                .iter()
+                .map(|a| match a {
+                    Arg::Lit(s) => (s.as_str(), false),
+                    Arg::AtDriverVersion(p) => (p.as_str(), true),
+                })
+                .collect();
+            let names: Vec<String> = match (c.program.as_str(), words.iter().position(|(w, _)| *w == "install")) {
+                ("apt-get", Some(i)) => words[i + 1..].iter().map(|(w, _)| w.to_string()).collect(),
+                ("dnf", Some(i)) if i > 0 && words[i - 1].0 == "module" => {
+                    words[i + 1..].iter().map(|(w, _)| format!("@{w}")).collect()
+                }
+                ("dnf", Some(i)) => words[i + 1..].iter().map(|(w, _)| w.to_string()).collect(),
+                _ => continue,
+            };
+            for n in names {
+                if !n.starts_with('-') && !out.contains(&n) {
+                    out.push(n);
+                }
+            }
+        }
+    }
+    out
+}
+
 pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     let os = f.os.as_ref().map_err(|e| format!("cannot tell which distribution this is: {e}"))?;
     let distro = Distro::from_os(os)?;
@@ -398,10 +443,10 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         steps.push(Step {
             id: "repair",
             title: format!("finish what dpkg left half-done ({what})"),
-            actions: vec![
-                Action::Run(Cmd { retry: Retry::DpkgLock, ..cmd("dpkg", &["--configure", "-a"]) }),
-                Action::Run(apt("install", lits(&["-f".into()]))),
-            ],
+            actions: vec![Action::RepairDpkg {
+                configure: Cmd { retry: Retry::DpkgLock, ..cmd("dpkg", &["--configure", "-a"]) },
+                fix: apt("install", lits(&["-f".into()])),
+            }],
             done: None,
             needs_reboot: true,
         });
@@ -680,6 +725,32 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             format!("installed packages unknown ({e}): every package step runs"),
         ));
     }
+    // Pre-flight, right after the repository (nothing can be resolved before it): every package
+    // the remaining steps install, resolved at once, so a name the repositories do not have
+    // stops the install before the first package changes, not half-way through it.
+    let at = steps.iter().position(|st| st.id == "repo").map_or(0, |i| i + 1);
+    let wanted = packages_to_install(&steps[at..]);
+    if !wanted.is_empty() {
+        // apt resolves as it will install only with the branch pin in place (without it,
+        // a newer branch's kernel module is the candidate and the branch's meta package
+        // conflicts with it), so the pin the driver step writes is written first here.
+        let pin = steps[at..]
+            .iter()
+            .flat_map(|st| &st.actions)
+            .find(|a| matches!(a, Action::Write { path, .. } if path == DEBIAN_PIN_PATH));
+        let mut actions: Vec<Action> = pin.cloned().into_iter().collect();
+        actions.push(Action::Resolve(wanted.clone()));
+        steps.insert(
+            at,
+            Step {
+                id: "preflight",
+                title: format!("resolve all {} packages before installing any", wanted.len()),
+                actions,
+                done: None,
+                needs_reboot: false,
+            },
+        );
+    }
     Ok(Plan {
         distro,
         kernel,
@@ -836,6 +907,11 @@ fn quote(s: &str) -> String {
 pub fn render_action(a: &Action, is_deb: bool) -> Vec<String> {
     match a {
         Action::Run(c) => vec![format!("$ {}", render_cmd(c, is_deb))],
+        Action::RepairDpkg { configure, fix } => vec![
+            "remove any package whose unpacking was killed (dpkg --remove --force-remove-reinstreq), for its step to install again".into(),
+            format!("$ {}", render_cmd(configure, is_deb)),
+            format!("$ {}", render_cmd(fix, is_deb)),
+        ],
         Action::Write { path, contents } => {
             let mut v = vec![format!("write {path}:")];
             v.extend(contents.lines().map(|l| format!("    | {l}")));
@@ -848,6 +924,8 @@ pub fn render_action(a: &Action, is_deb: bool) -> Vec<String> {
         Action::VerifyKey { file, deb_member: None, fingerprint } => {
             vec![format!("verify that {file} is key {} and no other", crate::install::pgp::spaced(fingerprint))]
         }
+        Action::Resolve(pkgs) if is_deb => vec![format!("$ apt-get -s -q install {} (resolve only; stop with what cannot be installed)", pkgs.join(" "))],
+        Action::Resolve(pkgs) => vec![format!("$ dnf -q install --assumeno {} (resolve only; stop with what cannot be installed)", pkgs.join(" "))],
         Action::Reboot => vec!["reboot through logind (systemctl reboot if logind is not there) when a finished step needs it; with --reboot never, report that one is needed".into()],
         Action::Verify => vec!["collect a snapshot and run the doctor's driver, GPU, NVML and CUDA checks".into()],
     }
