@@ -468,8 +468,7 @@ fn resolve(pkgs: &[String], plan: &Plan, runner: &mut dyn Runner, o: &mut Option
     let out = runner.run(program, &args, &env).map_err(|e| err(format!("{program}: {e}")))?;
     let text = format!("{}\n{}", out.stdout_text(), out.stderr);
     let missing = unresolvable(&text);
-    let refused =
-        if deb { !out.ok() } else { !missing.is_empty() || text.contains("Problem") || text.contains("Error:") };
+    let refused = if deb { !out.ok() } else { dnf_refused(&text, &missing) };
     if !refused {
         (o.progress)(&format!("      all {} packages resolve", pkgs.len()));
         return Ok(());
@@ -479,6 +478,16 @@ fn resolve(pkgs: &[String], plan: &Plan, runner: &mut dyn Runner, o: &mut Option
         "pre-flight: the repositories cannot install {names}; nothing was installed. {}",
         tail_lines(&text, 6)
     )))
+}
+
+/// Whether dnf's answer to `install --assumeno` is a refusal. It always exits 1 and ends with
+/// "Error: Operation aborted." when it resolved everything and was told not to go on (dnf's CLI
+/// raises that as an error); a real refusal says "No match for argument", "Problem" or another
+/// error.
+fn dnf_refused(text: &str, missing: &[String]) -> bool {
+    !missing.is_empty()
+        || text.contains("Problem")
+        || text.lines().any(|l| l.trim_start().starts_with("Error:") && !l.contains("Operation aborted"))
 }
 
 /// Package names a resolver's output says it cannot install.
@@ -995,6 +1004,20 @@ mod tests {
             "{:#?}",
             r.progress
         );
+    }
+
+    #[test]
+    fn dnf_assumeno_is_a_refusal_only_when_it_says_so() {
+        let resolved = "Dependencies resolved.\nTransaction Summary\nInstall  3 Packages\nOperation aborted.\nError: Operation aborted.\n";
+        assert!(!dnf_refused(resolved, &unresolvable(resolved)));
+        let missing = "No match for argument: cuda-toolkit-12-6\nError: Unable to find a match: cuda-toolkit-12-6\n";
+        assert_eq!(unresolvable(missing), ["cuda-toolkit-12-6"]);
+        assert!(dnf_refused(missing, &unresolvable(missing)));
+        let conflict =
+            "Error: \n Problem: package nvidia-driver-3:580.65.06-1.el9.x86_64 requires nvidia-kmod-common\n";
+        assert!(dnf_refused(conflict, &unresolvable(conflict)));
+        let apt = "Reading package lists...\nE: Unable to locate package nvidia-open-580\nE: Package 'cuda-toolkit-12-9' has no installation candidate\n";
+        assert_eq!(unresolvable(apt), ["nvidia-open-580", "cuda-toolkit-12-9"]);
     }
 
     /// A package the repositories lack stops the install in the pre-flight, with its name,
