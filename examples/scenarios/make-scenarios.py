@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes the fake-NVML scenarios (format v1, docs/fake-nvml-scenario.md) in this folder.
+"""Writes the fake-NVML scenarios (format v1, docs/fake-nvml-scenario.md) and the fake-CUDA ones
+(cuda-*.json, docs/fake-cuda-scenario.md) in this folder.
 
 The 8-GPU scenarios match the fixture sysroot tests/fixtures/sysroots/hgx-8gpu-healthy (GPUs on
 buses 09..10, NVSwitches on 11..14); the single-GPU one matches h100-pcie-single. Values follow
@@ -158,7 +159,73 @@ SCENARIOS = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# fake-cuda scenarios (docs/fake-cuda-scenario.md): the same machines as CUDA sees them. Rates
+# are typical figures, not floors: host<->device ~55 GB/s pinned over PCIe Gen5 x16 (52-57 GB/s
+# measured in H100 VMs, nvbandwidth issue #6 and Azure's H100 health checks); HBM traffic of a
+# device copy, read + write, 2540 GB/s on H100 SXM and 3110 GB/s on H200 (DCGM's measured
+# figures behind its 0.75x floors, diag-skus.yaml.in); GPU<->GPU over NVSwitch 375 GB/s per
+# direction (Azure's floor is 335). CUDA's default device order is an unspecified heuristic
+# ("FASTEST_FIRST", CUDA programming guide, environment variables): the 8-GPU scenario ranks
+# each pair of GPUs the other way round, so a tool that forgets CUDA_DEVICE_ORDER=PCI_BUS_ID
+# numbers its GPUs unlike nvidia-smi.
+# ---------------------------------------------------------------------------------------------
+
+def cuda_gpu(name, bus, rank, memory, h2d, hbm, sgemm):
+    return {"name": name, "pci_bus_id": f"0000:{bus:02x}:00.0", "memory_bytes": memory, "fastest_first_rank": rank,
+            "h2d_gbps": h2d, "d2h_gbps": h2d, "hbm_gbps": hbm, "sgemm_tflops": sgemm}
+
+
+def cuda_hgx():
+    gpus = [cuda_gpu("NVIDIA H100 80GB HBM3", b, i ^ 1, 85520809984, 55.0, 2540.0, 51.0) for i, b in enumerate(BUSES)]
+    return {"driver_version": 12040, "devices": gpus, "peers": {"access": True, "gbps": 375.0, "pairs": []}}
+
+
+def cuda_hgx_ecc():
+    """GPU 3 (0000:0c:00.0) meets an uncorrectable ECC error on its third memset."""
+    s = cuda_hgx()
+    s["devices"][3]["faults"] = [{"on": "memset", "after": 2, "error": "CUDA_ERROR_ECC_UNCORRECTABLE"}]
+    return s
+
+
+def cuda_hgx_exclusive():
+    """GPU 5 (0000:0e:00.0) in exclusive-process mode with another process's context on it."""
+    s = cuda_hgx()
+    s["devices"][5].update({"compute_mode": "exclusive_process", "other_process": True})
+    return s
+
+
+def cuda_hgx_slow_pair():
+    """The NVLink path from GPU 2 to GPU 6 runs at 120 GB/s (a degraded link)."""
+    s = cuda_hgx()
+    s["peers"]["pairs"] = [{"src": 2, "dst": 6, "gbps": 120.0}]
+    return s
+
+
+def cuda_h100_pcie():
+    return {"driver_version": 12040, "devices": [cuda_gpu("NVIDIA H100 PCIe", 0x09, 0, 85520809984, 55.0, 1640.0, 30.0)]}
+
+
+def cuda_h200():
+    return {"driver_version": 12080, "devices": [cuda_gpu("NVIDIA H200", 0x09, 0, 150754820096, 55.0, 3110.0, 55.0)]}
+
+
+CUDA_SCENARIOS = {
+    "cuda-hgx-8gpu": cuda_hgx,
+    "cuda-hgx-8gpu-ecc": cuda_hgx_ecc,
+    "cuda-hgx-8gpu-exclusive": cuda_hgx_exclusive,
+    "cuda-hgx-8gpu-slow-pair": cuda_hgx_slow_pair,
+    "cuda-h100-pcie": cuda_h100_pcie,
+    "cuda-h200": cuda_h200,
+    "cuda-init-not-ready": lambda: {"init_error": "CUDA_ERROR_SYSTEM_NOT_READY", "devices": []},
+}
+
+
 def main():
+    for name, fn in CUDA_SCENARIOS.items():
+        with open(os.path.join(HERE, name + ".json"), "w") as f:
+            json.dump(fn(), f, indent=2)
+            f.write("\n")
     for name, fn in SCENARIOS.items():
         s = fn()
         for d in s.get("devices", []):
@@ -168,7 +235,7 @@ def main():
         with open(os.path.join(HERE, name + ".json"), "w") as f:
             json.dump(s, f, indent=2)
             f.write("\n")
-    print(f"wrote {len(SCENARIOS)} scenarios under {HERE}")
+    print(f"wrote {len(SCENARIOS) + len(CUDA_SCENARIOS)} scenarios under {HERE}")
 
 
 if __name__ == "__main__":

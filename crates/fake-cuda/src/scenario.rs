@@ -1,0 +1,158 @@
+//! The scenario file (docs/fake-cuda-scenario.md): the GPUs CUDA sees, how fast each path is,
+//! which pairs may reach each other, and what goes wrong. Unknown fields are refused so that a
+//! typo fails loudly instead of silently testing the default.
+
+use serde::Deserialize;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// `cuDriverGetVersion`: 12080 is CUDA 12.8.
+    #[serde(default = "default_driver_version")]
+    pub driver_version: i32,
+    /// Makes `cuInit` fail with this code (`CUDA_ERROR_SYSTEM_NOT_READY` while the fabric
+    /// manager has not set up the NVSwitch fabric, `CUDA_ERROR_NO_DEVICE`, …).
+    pub init_error: Option<String>,
+    pub devices: Vec<Device>,
+    /// Peer access between every pair of GPUs unless `pairs` says otherwise.
+    #[serde(default)]
+    pub peers: Peers,
+}
+
+fn default_driver_version() -> i32 {
+    12080
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Device {
+    /// `cuDeviceGetName`, e.g. "NVIDIA H100 80GB HBM3".
+    pub name: String,
+    /// `0000:18:00.0` (`cuDeviceGetPCIBusId` answers in this form).
+    pub pci_bus_id: String,
+    /// PCI device id, e.g. 0x2330 (`CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID` is the *bus-relative*
+    /// device number, not this; it is here for the scenario's reader).
+    #[serde(default)]
+    pub pci_device_id: Option<String>,
+    pub memory_bytes: u64,
+    /// What a context takes from the GPU's memory (the real driver's primary context reserves
+    /// a few hundred MiB: `nvidia-smi` lists the process with that much).
+    #[serde(default = "default_context_bytes")]
+    pub context_bytes: u64,
+    /// Rank in CUDA's default enumeration, `CUDA_DEVICE_ORDER=FASTEST_FIRST` (0 = first).
+    /// Absent: PCI order. With `CUDA_DEVICE_ORDER=PCI_BUS_ID` this is ignored.
+    pub fastest_first_rank: Option<usize>,
+    /// Host→device copy rate from pinned memory, GB/s (10^9 bytes per second).
+    pub h2d_gbps: f64,
+    /// Device→host copy rate into pinned memory, GB/s.
+    pub d2h_gbps: f64,
+    /// HBM traffic rate, GB/s: a device-to-device copy of N bytes reads N and writes N, so it
+    /// takes 2·N ÷ this.
+    pub hbm_gbps: f64,
+    /// FP32 GEMM rate of cuBLAS SGEMM, TFLOP/s.
+    #[serde(default = "default_sgemm_tflops")]
+    pub sgemm_tflops: f64,
+    /// `CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`: default, exclusive_process or prohibited.
+    #[serde(default)]
+    pub compute_mode: ComputeMode,
+    /// Another process holds a context on this GPU (what matters in exclusive-process mode).
+    #[serde(default)]
+    pub other_process: bool,
+    #[serde(default)]
+    pub faults: Vec<Fault>,
+    /// Bits of this GPU's memory that read back as a fixed value whatever is written.
+    #[serde(default)]
+    pub stuck_bits: Vec<StuckBit>,
+}
+
+fn default_context_bytes() -> u64 {
+    512 << 20
+}
+
+fn default_sgemm_tflops() -> f64 {
+    50.0
+}
+
+#[derive(Debug, Default, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ComputeMode {
+    #[default]
+    Default,
+    ExclusiveProcess,
+    Prohibited,
+}
+
+/// An error the GPU raises on its `after`-th operation of kind `on` (counting from 0).
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    pub on: FaultOn,
+    #[serde(default)]
+    pub after: u64,
+    /// A `CUresult` name, e.g. `CUDA_ERROR_ECC_UNCORRECTABLE`.
+    pub error: String,
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultOn {
+    Alloc,
+    Memset,
+    Memcpy,
+    Gemm,
+    Any,
+}
+
+/// A bit at `offset` bytes into the GPU's memory (its first allocation starts at offset 0)
+/// that always reads `value`.
+#[derive(Debug, Deserialize, Clone, Copy)]
+#[serde(deny_unknown_fields)]
+pub struct StuckBit {
+    pub offset: u64,
+    pub bit: u8,
+    pub value: u8,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Peers {
+    /// `cuDeviceCanAccessPeer` for pairs not in `pairs`.
+    #[serde(default)]
+    pub access: bool,
+    /// Direct peer copy rate for pairs not in `pairs`, GB/s.
+    #[serde(default)]
+    pub gbps: f64,
+    #[serde(default)]
+    pub pairs: Vec<Pair>,
+}
+
+impl Default for Peers {
+    fn default() -> Self {
+        Peers { access: false, gbps: 0.0, pairs: Vec::new() }
+    }
+}
+
+/// One direction between two GPUs, by their index in `devices`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Pair {
+    pub src: usize,
+    pub dst: usize,
+    #[serde(default = "yes")]
+    pub access: bool,
+    pub gbps: Option<f64>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Scenario {
+    /// Whether `src` may access `dst`'s memory, and at what rate.
+    pub fn peer(&self, src: usize, dst: usize) -> (bool, f64) {
+        match self.peers.pairs.iter().find(|p| p.src == src && p.dst == dst) {
+            Some(p) => (p.access, p.gbps.unwrap_or(self.peers.gbps)),
+            None => (self.peers.access, self.peers.gbps),
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! The fake's own rules, each answered with the real driver's code. One test function: the
+//! driver is one per process, initialised once, and its fault counters are shared.
+
+use super::*;
+use crate::blas::{self, cublasCreate_v2, cublasSetStream_v2, cublasSgemm_v2};
+
+const SCENARIO: &str = r#"{
+  "driver_version": 12080,
+  "devices": [
+    {"name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "0000:18:00.0", "memory_bytes": 1073741824,
+     "context_bytes": 16777216, "fastest_first_rank": 1,
+     "h2d_gbps": 50, "d2h_gbps": 40, "hbm_gbps": 2000,
+     "stuck_bits": [{"offset": 8, "bit": 0, "value": 1}]},
+    {"name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "0000:2a:00.0", "memory_bytes": 1073741824,
+     "context_bytes": 16777216, "fastest_first_rank": 0,
+     "h2d_gbps": 50, "d2h_gbps": 40, "hbm_gbps": 2000},
+    {"name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "0000:3a:00.0", "memory_bytes": 1073741824,
+     "context_bytes": 16777216, "fastest_first_rank": 2,
+     "h2d_gbps": 50, "d2h_gbps": 40, "hbm_gbps": 2000,
+     "faults": [{"on": "memset", "after": 1, "error": "CUDA_ERROR_ECC_UNCORRECTABLE"}]},
+    {"name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "0000:5d:00.0", "memory_bytes": 1073741824,
+     "fastest_first_rank": 3, "h2d_gbps": 50, "d2h_gbps": 40, "hbm_gbps": 2000,
+     "compute_mode": "exclusive_process", "other_process": true}
+  ],
+  "peers": {"access": true, "gbps": 400, "pairs": [
+    {"src": 0, "dst": 2, "access": false}, {"src": 2, "dst": 0, "access": false},
+    {"src": 1, "dst": 2, "access": false}, {"src": 2, "dst": 1, "access": false}]}
+}"#;
+
+fn ok(r: CUresult) {
+    assert_eq!(r, SUCCESS, "{}", name(r));
+}
+
+fn name(r: CUresult) -> String {
+    let mut p = std::ptr::null();
+    unsafe { cuGetErrorName(r, &mut p) };
+    unsafe { c_str(p) }
+}
+
+unsafe fn retain(ordinal: c_int) -> Handle {
+    let mut c = std::ptr::null_mut();
+    ok(cuDevicePrimaryCtxRetain(&mut c, ordinal));
+    c
+}
+
+unsafe fn elapsed_ms(s: Handle, work: impl FnOnce()) -> f32 {
+    let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
+    ok(cuEventCreate(&mut a, 0));
+    ok(cuEventCreate(&mut b, 0));
+    ok(cuEventRecord(a, s));
+    work();
+    ok(cuEventRecord(b, s));
+    ok(cuStreamSynchronize(s));
+    let mut ms = 0.0;
+    ok(cuEventElapsedTime(&mut ms, a, b));
+    ms
+}
+
+#[test]
+fn the_drivers_rules() {
+    let dir = std::env::temp_dir().join(format!("fake-cuda-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("scenario.json");
+    std::fs::write(&path, SCENARIO).unwrap();
+    std::env::set_var("PHQ_FAKE_CUDA_SCENARIO", &path);
+    std::env::remove_var("CUDA_DEVICE_ORDER");
+    unsafe {
+        let mut n = 0;
+        assert_eq!(cuDeviceGetCount(&mut n), NOT_INITIALIZED, "before cuInit");
+        ok(cuInit(0));
+        ok(cuDeviceGetCount(&mut n));
+        assert_eq!(n, 4);
+
+        // FASTEST_FIRST (no CUDA_DEVICE_ORDER): ordinal 0 is not the lowest PCI address.
+        let mut bus = [0 as c_char; 32];
+        ok(cuDeviceGetPCIBusId(bus.as_mut_ptr(), 32, 0));
+        assert_eq!(c_str(bus.as_ptr()), "0000:2a:00.0");
+        // Ordinals from here: 0 = 2a, 1 = 18, 2 = 3a, 3 = 5d.
+
+        // No current context: CUDA_ERROR_INVALID_CONTEXT.
+        let mut p: CUdeviceptr = 0;
+        assert_eq!(cuMemAlloc_v2(&mut p, 1 << 20), INVALID_CONTEXT);
+        let mut s = std::ptr::null_mut();
+        assert_eq!(cuStreamCreate(&mut s, 0), INVALID_CONTEXT);
+
+        // Exclusive-process mode with another process on the GPU.
+        let mut c3 = std::ptr::null_mut();
+        assert_eq!(cuDevicePrimaryCtxRetain(&mut c3, 3), DEVICE_UNAVAILABLE);
+
+        let c0 = retain(0);
+        let c1 = retain(1);
+        ok(cuCtxSetCurrent(c0));
+        let mut s0 = std::ptr::null_mut();
+        ok(cuStreamCreate(&mut s0, 0));
+
+        // Out of memory: 1 GiB minus the context's 16 MiB is left.
+        assert_eq!(cuMemAlloc_v2(&mut p, 1 << 30), OUT_OF_MEMORY);
+
+        // Copies take bytes ÷ rate of virtual time: 64 MiB at 50 GB/s.
+        let mib64 = 64usize << 20;
+        let mut d0: CUdeviceptr = 0;
+        ok(cuMemAlloc_v2(&mut d0, mib64));
+        let mut host: *mut c_void = std::ptr::null_mut();
+        ok(cuMemHostAlloc(&mut host, mib64, 0));
+        std::ptr::write_bytes(host as *mut u8, 0x5a, mib64);
+        let ms = elapsed_ms(s0, || ok(cuMemcpyHtoDAsync_v2(d0, host, mib64, s0)));
+        let want = mib64 as f64 / 50e9 * 1e3;
+        assert!((ms as f64 - want).abs() < 1e-3, "{ms} ms for {want}");
+        // A device copy reads and writes every byte: 2 × 64 MiB at 2000 GB/s.
+        let mut d0b: CUdeviceptr = 0;
+        ok(cuMemAlloc_v2(&mut d0b, mib64));
+        let ms = elapsed_ms(s0, || ok(cuMemcpyDtoDAsync_v2(d0b, d0, mib64, s0)));
+        assert!((ms as f64 - 2.0 * mib64 as f64 / 2000e9 * 1e3).abs() < 1e-3, "{ms}");
+        let mut back = vec![0u8; 16];
+        ok(cuMemcpyDtoHAsync_v2(back.as_mut_ptr() as *mut c_void, d0b, 16, s0));
+        assert_eq!(back, vec![0x5a; 16]);
+
+        // An event recorded on a stream of another context: CUDA_ERROR_INVALID_HANDLE.
+        ok(cuCtxSetCurrent(c1));
+        let mut ev1 = std::ptr::null_mut();
+        ok(cuEventCreate(&mut ev1, 0));
+        assert_eq!(cuEventRecord(ev1, s0), INVALID_HANDLE);
+        // ... but waiting on another context's event is allowed.
+        let mut s1 = std::ptr::null_mut();
+        ok(cuStreamCreate(&mut s1, 0));
+        ok(cuEventRecord(ev1, s1));
+        ok(cuStreamWaitEvent(s0, ev1, 0));
+        // An event never recorded cannot be timed.
+        let mut ev_never = std::ptr::null_mut();
+        ok(cuEventCreate(&mut ev_never, 0));
+        let mut ms = 0.0;
+        assert_eq!(cuEventElapsedTime(&mut ms, ev1, ev_never), INVALID_HANDLE);
+
+        // Peer copies: 64 MiB from GPU 0 (2a) to GPU 1 (18). Plain cuMemAlloc buffers, access
+        // enabled from the copying context: the peer link's 400 GB/s.
+        let mut d1: CUdeviceptr = 0;
+        ok(cuMemAlloc_v2(&mut d1, mib64));
+        ok(cuCtxSetCurrent(c0));
+        let staged = elapsed_ms(s0, || ok(cuMemcpyPeerAsync(d1, c1, d0, c0, mib64, s0)));
+        assert!((staged as f64 - mib64 as f64 / 40e9 * 1e3).abs() < 1e-3, "no access yet: staged at 40 GB/s, {staged}");
+        ok(cuCtxEnablePeerAccess(c1, 0));
+        assert_eq!(cuCtxEnablePeerAccess(c1, 0), PEER_ACCESS_ALREADY_ENABLED);
+        let direct = elapsed_ms(s0, || ok(cuMemcpyPeerAsync(d1, c1, d0, c0, mib64, s0)));
+        assert!((direct as f64 - mib64 as f64 / 400e9 * 1e3).abs() < 1e-3, "{direct}");
+        // Pool memory does not follow cuCtxEnablePeerAccess: staged until the pool grants it.
+        ok(cuCtxSetCurrent(c1));
+        let mut pool_buf: CUdeviceptr = 0;
+        ok(cuMemAllocAsync(&mut pool_buf, mib64, s1));
+        ok(cuCtxSetCurrent(c0));
+        let pooled = elapsed_ms(s0, || ok(cuMemcpyPeerAsync(pool_buf, c1, d0, c0, mib64, s0)));
+        assert!((pooled - staged).abs() < 1e-3, "pool memory without pool access: {pooled}");
+        let mut pool = std::ptr::null_mut();
+        ok(cuDeviceGetDefaultMemPool(&mut pool, 1));
+        let grant = MemAccessDesc { location_type: 1, location_id: 0, flags: 3 };
+        ok(cuMemPoolSetAccess(pool, &grant, 1));
+        let granted = elapsed_ms(s0, || ok(cuMemcpyPeerAsync(pool_buf, c1, d0, c0, mib64, s0)));
+        assert!((granted - direct).abs() < 1e-3, "{granted}");
+
+        // No peer access between 0 and 2 at all.
+        let c2 = retain(2);
+        let mut can = 1;
+        ok(cuDeviceCanAccessPeer(&mut can, 0, 2));
+        assert_eq!(can, 0);
+        assert_eq!(cuCtxEnablePeerAccess(c2, 0), PEER_ACCESS_UNSUPPORTED);
+
+        // A freed pointer is no longer memory: CUDA_ERROR_INVALID_VALUE, and so is freeing twice.
+        ok(cuMemFree_v2(d0b));
+        assert_eq!(cuMemcpyDtoHAsync_v2(back.as_mut_ptr() as *mut c_void, d0b, 16, s0), INVALID_VALUE);
+        assert_eq!(cuMemFree_v2(d0b), INVALID_VALUE);
+
+        // A stuck bit on GPU 1 (scenario device 0): offset 8 of its memory reads bit 0 set.
+        ok(cuCtxSetCurrent(c1));
+        let mut s1b = std::ptr::null_mut();
+        ok(cuStreamCreate(&mut s1b, 0));
+        let mut first: CUdeviceptr = 0;
+        ok(cuMemAlloc_v2(&mut first, 4096));
+        // GPU 1's earlier allocations come first; find the one at the start of its memory.
+        let base1 = BASE; // scenario device 0
+        ok(cuMemsetD32Async(base1, 0, 4, s1b));
+        let mut words = [0u32; 4];
+        ok(cuMemcpyDtoHAsync_v2(words.as_mut_ptr() as *mut c_void, base1, 16, s1b));
+        assert_eq!(words, [0, 0, 1, 0], "the stuck bit reads 1 whatever was written");
+
+        // A sticky error: GPU 2's second memset meets an uncorrectable ECC error. The memset
+        // itself is queued; every later call in that context answers 214; GPU 0 carries on.
+        ok(cuCtxSetCurrent(c2));
+        let mut s2 = std::ptr::null_mut();
+        ok(cuStreamCreate(&mut s2, 0));
+        let mut d2: CUdeviceptr = 0;
+        ok(cuMemAlloc_v2(&mut d2, 4096));
+        ok(cuMemsetD32Async(d2, 1, 1024, s2));
+        ok(cuMemsetD32Async(d2, 2, 1024, s2));
+        assert_eq!(cuStreamSynchronize(s2), ECC_UNCORRECTABLE);
+        assert_eq!(cuMemAlloc_v2(&mut p, 4096), ECC_UNCORRECTABLE);
+        assert_eq!(cuCtxSynchronize(), ECC_UNCORRECTABLE);
+        assert_eq!(name(ECC_UNCORRECTABLE), "CUDA_ERROR_ECC_UNCORRECTABLE");
+        ok(cuCtxSetCurrent(c0));
+        ok(cuStreamSynchronize(s0));
+
+        // cuBLAS: an exact integer product, computed lazily, at the scenario's rate.
+        let n = 64usize;
+        let a_host: Vec<f32> = (0..n * n).map(|x| ((x * 7) % 9) as f32 - 4.0).collect();
+        let b_host: Vec<f32> = (0..n * n).map(|x| ((x * 5) % 7) as f32 - 3.0).collect();
+        let (mut a, mut b, mut c) = (0, 0, 0);
+        for (ptr, data) in [(&mut a, &a_host), (&mut b, &b_host)] {
+            ok(cuMemAlloc_v2(ptr, n * n * 4));
+            ok(cuMemcpyHtoDAsync_v2(*ptr, data.as_ptr() as *const c_void, n * n * 4, s0));
+        }
+        ok(cuMemAlloc_v2(&mut c, n * n * 4));
+        let mut h = std::ptr::null_mut();
+        assert_eq!(cublasCreate_v2(&mut h), blas::SUCCESS);
+        assert_eq!(cublasSetStream_v2(h, s0), blas::SUCCESS);
+        let (one, zero) = (1.0f32, 0.0f32);
+        let ni = n as c_int;
+        let ms = elapsed_ms(s0, || {
+            assert_eq!(cublasSgemm_v2(h, 0, 0, ni, ni, ni, &one, a, ni, b, ni, &zero, c, ni), blas::SUCCESS);
+        });
+        assert!((ms as f64 - 2.0 * (n * n * n) as f64 / 50e12 * 1e3).abs() < 1e-6, "{ms}");
+        let mut got = vec![0f32; n * n];
+        ok(cuMemcpyDtoHAsync_v2(got.as_mut_ptr() as *mut c_void, c, n * n * 4, s0));
+        for j in 0..n {
+            for i in 0..n {
+                let want: f32 = (0..n).map(|k| a_host[i + k * n] * b_host[k + j * n]).sum();
+                assert_eq!(got[i + j * n], want, "C({i},{j})");
+            }
+        }
+        assert_eq!(cublasSgemm_v2(h, 0, 0, -1, ni, ni, &one, a, ni, b, ni, &zero, c, ni), blas::INVALID_VALUE);
+        // A GEMM reading GPU 2's memory, to which GPU 0 has no access: an illegal address,
+        // sticky in GPU 0's context.
+        assert_eq!(cublasSgemm_v2(h, 0, 0, 1, 1, 1, &one, d2, 1, b, ni, &zero, c, ni), blas::SUCCESS);
+        assert_eq!(cuStreamSynchronize(s0), ILLEGAL_ADDRESS);
+        assert_eq!(name(ILLEGAL_ADDRESS), "CUDA_ERROR_ILLEGAL_ADDRESS");
+    }
+}
