@@ -71,10 +71,47 @@ struct Event {
     at: Option<f64>,
 }
 
+/// Device memory as the fake stores it: one repeated 32-bit word (a fresh allocation, a
+/// whole-buffer memset, a copy of such a buffer) until something writes less than all of it,
+/// then its bytes. Storage only: a read sees the same bytes either way. It keeps an 8-GPU run
+/// from needing gigabytes of host RAM and hours of memcpy for buffers nobody looks into.
+pub(crate) enum Mem {
+    Fill(u32),
+    Bytes(Vec<u8>),
+}
+
+/// Writes the repeated little-endian `word` into `dst`, `dst[0]` being byte `phase` of a word.
+pub(crate) fn fill_pattern(dst: &mut [u8], word: u32, phase: usize) {
+    let b = word.to_le_bytes();
+    let lead = (4 - phase % 4) % 4;
+    let lead = lead.min(dst.len());
+    for (i, x) in dst[..lead].iter_mut().enumerate() {
+        *x = b[(phase + i) % 4];
+    }
+    let rest = &mut dst[lead..];
+    let mut chunks = rest.chunks_exact_mut(4);
+    for c in &mut chunks {
+        c.copy_from_slice(&b);
+    }
+    for (i, x) in chunks.into_remainder().iter_mut().enumerate() {
+        *x = b[i];
+    }
+}
+
+/// The word whose repetition `bytes` is, if it is one (aligned at `bytes[0]`).
+fn uniform_word(bytes: &[u8]) -> Option<u32> {
+    if bytes.len() < 4 || !bytes.len().is_multiple_of(4) {
+        return None;
+    }
+    let first = &bytes[..4];
+    bytes.chunks_exact(4).all(|c| c == first).then(|| u32::from_le_bytes([first[0], first[1], first[2], first[3]]))
+}
+
 pub(crate) struct Alloc {
     device: usize,
     ctx: usize,
-    data: Vec<u8>,
+    len: usize,
+    mem: Mem,
     /// From the stream-ordered allocator (cuMemAllocAsync): its pool's access rules apply.
     pool: bool,
     /// Bumped on every write, so a GEMM can reuse its snapshot of an unchanged input.
@@ -82,6 +119,28 @@ pub(crate) struct Alloc {
     snapshot: Option<(u64, Arc<Vec<u8>>)>,
     /// A GEMM result not computed yet: entries are computed when something reads them.
     pending: Option<blas::Pending>,
+}
+
+impl Alloc {
+    fn read_into(&self, off: usize, dst: &mut [u8]) {
+        match &self.mem {
+            Mem::Bytes(v) => dst.copy_from_slice(&v[off..off + dst.len()]),
+            Mem::Fill(w) => fill_pattern(dst, *w, off % 4),
+        }
+    }
+
+    /// The bytes, materialised from the repeated word on first need.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        if let Mem::Fill(w) = self.mem {
+            let mut v = vec![0u8; self.len];
+            fill_pattern(&mut v, w, 0);
+            self.mem = Mem::Bytes(v);
+        }
+        match &mut self.mem {
+            Mem::Bytes(v) => v,
+            Mem::Fill(_) => &mut [],
+        }
+    }
 }
 
 struct Pool {
@@ -258,7 +317,7 @@ impl World {
     /// unified-address lookup finds no allocation (DRV, cuMemcpy*: "CUDA_ERROR_INVALID_VALUE").
     pub(crate) fn find(&self, ptr: CUdeviceptr, len: u64) -> Result<(u64, usize), CUresult> {
         if let Some((&base, a)) = self.allocs.range(..=ptr).next_back() {
-            let end = base + a.data.len() as u64;
+            let end = base + a.len as u64;
             if ptr >= base && ptr.checked_add(len).is_some_and(|e| e <= end) {
                 return Ok((base, (ptr - base) as usize));
             }
@@ -307,13 +366,70 @@ impl World {
     }
 
     pub(crate) fn read(&mut self, ptr: CUdeviceptr, len: usize) -> Result<Vec<u8>, CUresult> {
-        let (base, off) = self.find(ptr, len as u64)?;
-        blas::materialise(self, base, off, len);
-        Ok(self.allocs[&base].data[off..off + len].to_vec())
+        let mut out = vec![0u8; len];
+        self.read_into(ptr, &mut out)?;
+        Ok(out)
+    }
+
+    /// Reads `dst.len()` bytes at `ptr` into `dst`.
+    pub(crate) fn read_into(&mut self, ptr: CUdeviceptr, dst: &mut [u8]) -> Result<(), CUresult> {
+        let (base, off) = self.find(ptr, dst.len() as u64)?;
+        blas::materialise(self, base, off, dst.len());
+        self.allocs[&base].read_into(off, dst);
+        Ok(())
     }
 
     pub(crate) fn write(&mut self, ptr: CUdeviceptr, bytes: &[u8]) -> Result<(), CUresult> {
+        if let Some(word) = uniform_word(bytes) {
+            return self.fill(ptr, bytes.len(), word);
+        }
         self.write_with(ptr, bytes.len(), |dst| dst.copy_from_slice(bytes))
+    }
+
+    /// Writes `len` bytes of the repeated `word` at `ptr` (4-byte phase from `ptr`).
+    pub(crate) fn fill(&mut self, ptr: CUdeviceptr, len: usize, word: u32) -> Result<(), CUresult> {
+        let (base, off) = self.find(ptr, len as u64)?;
+        let dev = self.allocs[&base].device;
+        let dev_base = BASE + dev as u64 * SPAN;
+        let (start, end) = (ptr - dev_base, ptr - dev_base + len as u64);
+        let stuck_inside = self.scenario.devices[dev].stuck_bits.iter().any(|b| b.offset >= start && b.offset < end);
+        if off == 0 && len == self.allocs[&base].len && !stuck_inside {
+            blas::overwrite(self, base, off, len);
+            let a = self.allocs.get_mut(&base).ok_or(INVALID_VALUE)?;
+            a.mem = Mem::Fill(word);
+            a.generation += 1;
+            return Ok(());
+        }
+        self.write_with(ptr, len, |dst| fill_pattern(dst, word, 0))
+    }
+
+    /// Copies `len` bytes from `src` to `dst` (device memory, any devices).
+    pub(crate) fn copy(&mut self, dst: CUdeviceptr, src: CUdeviceptr, len: usize) -> Result<(), CUresult> {
+        let (sbase, soff) = self.find(src, len as u64)?;
+        blas::materialise(self, sbase, soff, len);
+        if let Mem::Fill(w) = self.allocs[&sbase].mem {
+            // The word as it starts at `src`.
+            let b = w.to_le_bytes();
+            let p = soff % 4;
+            let rotated = u32::from_le_bytes([b[p], b[(p + 1) % 4], b[(p + 2) % 4], b[(p + 3) % 4]]);
+            return self.fill(dst, len, rotated);
+        }
+        let (dbase, _) = self.find(dst, len as u64)?;
+        if dbase == sbase {
+            let bytes = self.read(src, len)?;
+            return self.write(dst, &bytes);
+        }
+        // Borrow the source's bytes while the destination is written; put them back after.
+        let a = self.allocs.get_mut(&sbase).ok_or(INVALID_VALUE)?;
+        let taken = std::mem::replace(&mut a.mem, Mem::Fill(0));
+        let r = match &taken {
+            Mem::Bytes(v) => self.write_with(dst, len, |d| d.copy_from_slice(&v[soff..soff + len])),
+            Mem::Fill(_) => Ok(()),
+        };
+        if let Some(a) = self.allocs.get_mut(&sbase) {
+            a.mem = taken;
+        }
+        r
     }
 
     pub(crate) fn write_with(
@@ -325,18 +441,18 @@ impl World {
         let (base, off) = self.find(ptr, len as u64)?;
         blas::overwrite(self, base, off, len);
         let dev = self.allocs[&base].device;
-        let stuck: Vec<scenario::StuckBit> = self.scenario.devices[dev].stuck_bits.clone();
         let dev_base = BASE + dev as u64 * SPAN;
         let a = self.allocs.get_mut(&base).ok_or(INVALID_VALUE)?;
-        fill(&mut a.data[off..off + len]);
-        a.generation += 1;
+        let data = a.bytes_mut();
+        fill(&mut data[off..off + len]);
         // A stuck bit reads its fixed value whatever was written over it.
         let (start, end) = (ptr - dev_base, ptr - dev_base + len as u64);
-        for b in stuck.iter().filter(|b| b.offset >= start && b.offset < end) {
-            let byte = &mut a.data[off + (b.offset - start) as usize];
+        for b in self.scenario.devices[dev].stuck_bits.iter().filter(|b| b.offset >= start && b.offset < end) {
+            let byte = &mut data[off + (b.offset - start) as usize];
             let mask = 1u8 << (b.bit & 7);
             *byte = if b.value != 0 { *byte | mask } else { *byte & !mask };
         }
+        a.generation += 1;
         Ok(())
     }
 
@@ -378,11 +494,7 @@ impl World {
         if let Err(e) = self.fault(sdev, FaultOn::Memcpy) {
             return e;
         }
-        let bytes = match self.read(src, len) {
-            Ok(b) => b,
-            Err(e) => return e,
-        };
-        if let Err(e) = self.write(dst, &bytes) {
+        if let Err(e) = self.copy(dst, src, len) {
             return e;
         }
         let ctx = self.streams[&stream].ctx;
@@ -418,8 +530,8 @@ impl World {
         let dead: Vec<u64> = self.allocs.iter().filter(|(_, a)| a.ctx == ctx).map(|(b, _)| *b).collect();
         for b in dead {
             if let Some(a) = self.allocs.remove(&b) {
-                self.used[a.device] = self.used[a.device].saturating_sub(a.data.len() as u64);
-                self.freed.insert(b, a.data.len() as u64);
+                self.used[a.device] = self.used[a.device].saturating_sub(a.len as u64);
+                self.freed.insert(b, a.len as u64);
             }
         }
         self.streams.retain(|_, s| s.ctx != ctx);
@@ -441,13 +553,22 @@ impl World {
         if self.used[dev].saturating_add(bytes as u64) > total {
             return Err(OUT_OF_MEMORY);
         }
-        let mut data = Vec::new();
-        data.try_reserve_exact(bytes).map_err(|_| OUT_OF_MEMORY)?;
-        data.resize(bytes, 0u8);
         let base = self.next_addr[dev];
         self.next_addr[dev] = base + (bytes as u64).div_ceil(ALIGN) * ALIGN;
         self.used[dev] += bytes as u64;
-        self.allocs.insert(base, Alloc { device: dev, ctx, data, pool, generation: 0, snapshot: None, pending: None });
+        self.allocs.insert(
+            base,
+            Alloc {
+                device: dev,
+                ctx,
+                len: bytes,
+                mem: Mem::Fill(0),
+                pool,
+                generation: 0,
+                snapshot: None,
+                pending: None,
+            },
+        );
         Ok(base)
     }
 
@@ -461,8 +582,8 @@ impl World {
             None => return INVALID_VALUE,
         }
         if let Some(a) = self.allocs.remove(&ptr) {
-            self.used[a.device] = self.used[a.device].saturating_sub(a.data.len() as u64);
-            self.freed.insert(ptr, a.data.len() as u64);
+            self.used[a.device] = self.used[a.device].saturating_sub(a.len as u64);
+            self.freed.insert(ptr, a.len as u64);
         }
         SUCCESS
     }
@@ -480,15 +601,12 @@ impl World {
         if let Err(e) = self.fault(dev, FaultOn::Memset) {
             return e;
         }
-        let r = self.write_with(ptr, len, |dst| {
-            if value.iter().all(|b| *b == value[0]) {
-                dst.fill(value[0]);
-            } else {
-                for chunk in dst.chunks_exact_mut(value.len()) {
-                    chunk.copy_from_slice(value);
-                }
-            }
-        });
+        // D8 repeats one byte, D32 one word: either is a repeated 32-bit word.
+        let word = match value.len() {
+            1 => u32::from_le_bytes([value[0]; 4]),
+            _ => u32::from_le_bytes([value[0], value[1], value[2], value[3]]),
+        };
+        let r = self.fill(ptr, len, word);
         if let Err(e) = r {
             return e;
         }
@@ -1405,11 +1523,9 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr
         if let Err(e) = w.fault(dev, FaultOn::Memcpy) {
             return e;
         }
-        let bytes = match w.read(src, n) {
-            Ok(b) => b,
-            Err(e) => return e,
-        };
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as *mut u8, n);
+        if let Err(e) = w.read_into(src, std::slice::from_raw_parts_mut(dst as *mut u8, n)) {
+            return e;
+        }
         let secs = n as f64 / (w.spec(dev).d2h_gbps * 1e9);
         w.occupy(id, &[Engine::DeviceToHost(dev)], secs);
         SUCCESS
@@ -1556,13 +1672,15 @@ impl World {
     }
     /// The bytes of the allocation at `base` as of now, shared until it is next written.
     pub(crate) fn snapshot(&mut self, base: u64) -> Arc<Vec<u8>> {
-        let len = self.allocs[&base].data.len();
+        let len = self.allocs[&base].len;
         blas::materialise(self, base, 0, len);
         let a = self.allocs.get_mut(&base).expect("caller found the allocation");
         match &a.snapshot {
             Some((g, s)) if *g == a.generation => s.clone(),
             _ => {
-                let s = Arc::new(a.data.clone());
+                let mut bytes = vec![0u8; len];
+                a.read_into(0, &mut bytes);
+                let s = Arc::new(bytes);
                 a.snapshot = Some((a.generation, s.clone()));
                 s
             }
