@@ -348,45 +348,56 @@ pub enum ThrottleClass {
     Fail,
 }
 
-/// What a probe must reach on a GPU of a SKU (GB/s). `None`: no sourced floor, the figure is
-/// reported without judgement.
+/// What a probe must reach on a GPU of a SKU. `None`: no sourced floor, the figure is reported
+/// without judgement.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ProbeFloors {
     pub h2d_gbps: Option<f64>,
     pub d2h_gbps: Option<f64>,
-    /// Device-local copy, counting bytes read plus bytes written (as the H200 reference figure).
+    /// Device-local copy, counting bytes read plus bytes written (the basis of DCGM's figures).
     pub d2d_gbps: Option<f64>,
     /// One GPU↔GPU peer copy over NVLink through NVSwitches.
     pub p2p_gbps: Option<f64>,
+    /// FP32 GEMM, TFLOP/s.
+    pub gemm_tflops: Option<f64>,
 }
 
 /// Host↔device pinned copies on a PCIe Gen5 x16 H100 VM: floor 48 GB/s (azurehpc-health-checks
 /// `nd96isr_h100_v5.conf`; ~52–57 typical per NVIDIA/nvbandwidth#6).
 const PCIE_GEN5_FLOOR_GBPS: f64 = 48.0;
 
-/// DCGM's HBM floor for H100 SXM is 1.905 TB/s against a 3.35 TB/s datasheet figure: 0.57 of
-/// the datasheet. The other SKUs' device-copy floors apply the same ratio to their datasheet
-/// bandwidth (NVIDIA datasheets; docs/reference.md), since DCGM publishes only H100 SXM's.
-const HBM_FLOOR_RATIO: f64 = 1.905 / 3.35;
-
-/// GPU↔GPU read over NVSwitch on HGX H100: floor 335 GB/s (azurehpc-health-checks). H200 has the
-/// same NVLink 4 fabric, so the same floor.
+/// GPU↔GPU over NVSwitch on HGX H100: floor 335 GB/s (azurehpc-health-checks). H200 has the same
+/// NVLink 4 fabric (18 links), so the same floor. H800 has 8 NVLinks and reaches ~160 GB/s
+/// (deepseek-ai/DeepEP#16): no public floor, so its pairs are measured, not judged.
 const NVSWITCH_P2P_FLOOR_GBPS: f64 = 335.0;
 
+/// Per SKU: DCGM's diagnostic floors (`diag-skus.yaml.in`): the memory-bandwidth test's floor
+/// (read + write, TB/s → GB/s) and the targeted-stress FP32 GEMM target (TFLOP/s). The variants
+/// of a SKU (H100 SXM5 94/64/96 GB, H800) take their family's figures; DCGM lists no others.
 pub fn probe_floors(device_id: u16) -> ProbeFloors {
-    let hbm = |tbps: f64| Some(tbps * 1000.0 * HBM_FLOOR_RATIO);
     let pcie = Some(PCIE_GEN5_FLOOR_GBPS);
+    let sku = |hbm_gbps: f64, tflops: f64, p2p: Option<f64>| ProbeFloors {
+        h2d_gbps: pcie,
+        d2h_gbps: pcie,
+        d2d_gbps: Some(hbm_gbps),
+        p2p_gbps: p2p,
+        gemm_tflops: Some(tflops),
+    };
     match device_id {
-        0x2330 | 0x2339 | 0x2337 | 0x2338 | 0x2324 => {
-            ProbeFloors { h2d_gbps: pcie, d2h_gbps: pcie, d2d_gbps: hbm(3.35), p2p_gbps: Some(NVSWITCH_P2P_FLOOR_GBPS) }
-        }
-        0x2335 => {
-            ProbeFloors { h2d_gbps: pcie, d2h_gbps: pcie, d2d_gbps: hbm(4.8), p2p_gbps: Some(NVSWITCH_P2P_FLOOR_GBPS) }
-        }
-        0x2331 | 0x2322 => ProbeFloors { h2d_gbps: pcie, d2h_gbps: pcie, d2d_gbps: hbm(2.0), p2p_gbps: None },
-        0x2321 => ProbeFloors { h2d_gbps: pcie, d2h_gbps: pcie, d2d_gbps: hbm(3.9), p2p_gbps: None },
-        0x233b => ProbeFloors { h2d_gbps: pcie, d2h_gbps: pcie, d2d_gbps: hbm(4.8), p2p_gbps: None },
-        _ => ProbeFloors { h2d_gbps: None, d2h_gbps: None, d2d_gbps: None, p2p_gbps: None },
+        // H100 SXM5 80 GB, and its 94/64/96 GB variants.
+        0x2330 | 0x2339 | 0x2337 | 0x2338 => sku(1905.0, 29.3, Some(NVSWITCH_P2P_FLOOR_GBPS)),
+        // H800 SXM: H100 SXM silicon with 8 NVLinks.
+        0x2324 => sku(1905.0, 29.3, None),
+        // H100 PCIe and H800 PCIe.
+        0x2331 | 0x2322 => sku(1230.0, 15.4, None),
+        // H100 NVL. A second id for it could not be confirmed from a public source (NVIDIA's
+        // gpu-admin-tools lists 0x233D only as "H100"), so 0x233D gets no floors.
+        0x2321 => sku(2043.0, 25.6, None),
+        // H200 SXM: 0.75 × 3.11 TB/s measured.
+        0x2335 => sku(2333.0, 37.5, Some(NVSWITCH_P2P_FLOOR_GBPS)),
+        // H200 NVL.
+        0x233b => sku(2212.0, 32.2, None),
+        _ => ProbeFloors { h2d_gbps: None, d2h_gbps: None, d2d_gbps: None, p2p_gbps: None, gemm_tflops: None },
     }
 }
 

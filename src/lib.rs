@@ -7,6 +7,7 @@ pub mod checks;
 pub mod cli;
 pub mod collect;
 pub mod config;
+pub mod cuda;
 pub mod durable;
 pub mod facts;
 pub mod install;

@@ -45,11 +45,20 @@ impl Doctor {
         let mut findings = checks::run(&snapshot, &Settings::from(&config));
         let mut probes = None;
         if let Some(level) = self.probe.filter(|l| *l != ProbeLevel::None) {
-            match (&self.from, root.is_live()) {
+            // A named CUDA library (--cuda-lib) stands for the --sysroot machine's GPUs.
+            let here = root.is_live() || self.machine.cuda_lib.is_some();
+            match (&self.from, here) {
                 (Some(_), _) | (None, false) => findings.extend(crate::probe::unavailable(
-                    "probes measure this machine's GPUs, not a bundle or another --sysroot",
+                    "probes measure this machine's GPUs, not a bundle or another --sysroot (name its CUDA library with --cuda-lib)",
                 )),
-                (None, true) => match super::probe::probe_with_progress(&snapshot, level, &[], false) {
+                (None, true) => match super::probe::probe_with_progress(
+                    &snapshot,
+                    level,
+                    &[],
+                    false,
+                    &config.agent.state_dir,
+                    "phq-agent doctor --probe",
+                ) {
                     Ok((report, targets)) => {
                         findings.extend(crate::probe::judge(&report, &targets));
                         probes = Some(report);

@@ -54,6 +54,10 @@ pub struct Machine {
     /// NVML library to load instead of libnvidia-ml.so.1 (a fake one in tests).
     #[arg(long, value_name = "PATH", env = "PHQ_NVML_LIB")]
     pub nvml_lib: Option<PathBuf>,
+    /// CUDA driver library to load instead of libcuda.so.1 (a fake one in tests). A named
+    /// library is asked even with --sysroot: it stands for that machine's GPUs.
+    #[arg(long, value_name = "PATH", env = "PHQ_CUDA_LIB")]
+    pub cuda_lib: Option<PathBuf>,
 }
 
 impl Global {
@@ -120,6 +124,13 @@ pub struct Completions {
 impl Cli {
     pub fn run(self) -> i32 {
         init_logging(&self.global);
+        if let Command::Doctor(doctor::Doctor { machine, .. })
+        | Command::Install(install::Install { machine, .. })
+        | Command::Probe(probe::Probe { machine, .. })
+        | Command::Serve(serve::Serve { machine, .. }) = &self.command
+        {
+            crate::cuda::use_library(machine.cuda_lib.clone());
+        }
         let result = match self.command {
             Command::Doctor(c) => c.run(&self.global),
             Command::Install(c) => c.run(&self.global),

@@ -41,7 +41,14 @@ impl Probe {
             .into_iter()
             .filter(|f| f.id.starts_with("cuda."))
             .collect();
-        let (probes, code) = match probe_with_progress(&snapshot, level, &self.gpu, self.force) {
+        let (probes, code) = match probe_with_progress(
+            &snapshot,
+            level,
+            &self.gpu,
+            self.force,
+            &config.agent.state_dir,
+            "phq-agent probe",
+        ) {
             Ok((report, targets)) => {
                 findings.extend(probe::judge(&report, &targets));
                 (Some(report), None)
@@ -65,13 +72,15 @@ pub fn probe_with_progress(
     level: ProbeLevel,
     only: &[usize],
     force: bool,
-) -> Result<(probe::ProbeReport, Vec<probe::Target>), probe::cuda::Unavailable> {
+    state_dir: &std::path::Path,
+    who: &str,
+) -> Result<(probe::ProbeReport, Vec<probe::Target>), probe::NotRun> {
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = indicatif::ProgressBar::new_spinner();
         b.enable_steady_tick(std::time::Duration::from_millis(120));
         b
     });
-    let result = probe::run_here(snapshot, &Options { level, only, force }, &mut |step| match &bar {
+    let result = probe::run_here(snapshot, &Options { level, only, force }, state_dir, who, &mut |step| match &bar {
         Some(b) => b.set_message(step.to_string()),
         None => tracing::info!("probe: {step}"),
     });

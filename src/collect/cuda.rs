@@ -2,44 +2,35 @@
 //! does it offer, does `cuInit` succeed (error 802 when the fabric manager has not set up the
 //! NVSwitch fabric, 100 when no GPU is visible).
 //!
-//! cudarc loads libcuda at run time and panics when it is missing, so presence is checked first
-//! with its `is_culib_present()`, and nothing else in cudarc is touched when it says no.
+//! libcuda is loaded at run time (`crate::cuda`); its absence is a finding, not a crash.
 
 use crate::snapshot::{CudaStage, CudaStatus};
-use cudarc::driver::sys;
 
 /// The first CUDA 12 driver API version (`cuDriverGetVersion` gives 12000 for 12.0).
 pub const MIN_DRIVER_API: i32 = 12000;
 
 pub fn read() -> CudaStatus {
-    // SAFETY: only tries to dlopen libcuda under its usual names, then closes it.
-    if !unsafe { sys::is_culib_present() } {
-        return CudaStatus::Failed {
-            stage: CudaStage::Library,
-            code: None,
-            message: "libcuda.so (the NVIDIA driver's CUDA library) was not found by the dynamic loader".into(),
-        };
+    let drv = match crate::cuda::driver() {
+        Ok(d) => d,
+        Err(e) => return CudaStatus::Failed { stage: CudaStage::Library, code: None, message: e.to_string() },
+    };
+    let version = match drv.version() {
+        Ok(v) => v,
+        Err(e) => {
+            return CudaStatus::Failed { stage: CudaStage::DriverVersion, code: Some(e.code), message: describe(&e) }
+        }
+    };
+    if let Err(e) = drv.init() {
+        return CudaStatus::Failed { stage: CudaStage::Init, code: Some(e.code), message: describe(&e) };
     }
-    let mut version = 0;
-    // SAFETY: libcuda is present (checked above), so cudarc's loader will not panic; the out
-    // pointer is a valid local.
-    let r = unsafe { sys::cuDriverGetVersion(&mut version) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return CudaStatus::Failed { stage: CudaStage::DriverVersion, code: Some(r as i32), message: describe(r) };
-    }
-    if let Err(e) = cudarc::driver::result::init() {
-        return CudaStatus::Failed { stage: CudaStage::Init, code: Some(e.0 as i32), message: describe(e.0) };
-    }
-    let devices = cudarc::driver::result::device::get_count().unwrap_or(0);
-    CudaStatus::Ok { driver_api_version: version, devices: devices.max(0) as u32 }
+    let devices = drv.device_count().unwrap_or(0);
+    CudaStatus::Ok { driver_api_version: version, devices: devices as u32 }
 }
 
-/// `CUDA_ERROR_SYSTEM_NOT_READY (802): system not yet initialized`.
-pub fn describe(r: sys::CUresult) -> String {
-    let e = cudarc::driver::result::DriverError(r);
-    let name = e.error_name().map(|c| c.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{r:?}"));
-    let text = e.error_string().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
-    format!("{name} ({}){}", r as i32, if text.is_empty() { String::new() } else { format!(": {text}") })
+/// `CUDA_ERROR_SYSTEM_NOT_READY (802): system not yet initialized`: the error without the call.
+pub fn describe(e: &crate::cuda::CudaError) -> String {
+    let text = if e.text.is_empty() { String::new() } else { format!(": {}", e.text) };
+    format!("{} ({}){text}", e.name, e.code)
 }
 
 /// `12040` → `12.4`.

@@ -73,8 +73,9 @@ pub fn snapshot(root: &Sysroot, nvml_source: &NvmlSource) -> Snapshot {
                 root.root().display()
             ))
         },
-        // cuInit is asked on the live machine only: a fixture has no GPU to initialise.
-        cuda: if root.is_live() {
+        // cuInit is asked on the live machine only (a fixture has no GPU to initialise), or
+        // when a CUDA library is named (--cuda-lib): it stands for that machine's GPUs.
+        cuda: if root.is_live() || crate::cuda::named_library().is_some() {
             cuda::read()
         } else {
             crate::snapshot::CudaStatus::NotRead(format!(

@@ -1,342 +1,442 @@
-//! The CUDA backend of the probes (cudarc, libcuda and libcublas loaded at run time).
+//! The CUDA backend of the probes: the driver API and cuBLAS through `crate::cuda`.
 //!
 //! Copies use the copy engines (`cuMemcpy*Async`), patterns use `cuMemsetD32Async`, the GEMM
 //! uses cuBLAS: nothing here needs a kernel compiled with `nvcc`. Every copy of a sample is
 //! queued before the stream runs them back to back; CUDA events around the batch time it.
 //!
-//! cudarc panics when libcuda is absent, so `CudaBackend::open` checks `is_culib_present()`
-//! first and nothing else here runs without it; cuBLAS is checked the same way before the GEMM.
+//! The rules this file keeps (each one a defect the strict fake driver caught):
+//! - a context is made only on a GPU being probed, when its first probe starts; a busy,
+//!   excluded or MIG GPU is never touched;
+//! - every buffer comes from `cuMemAlloc`, which peer access covers (pool memory does not);
+//! - events are created, recorded and read in the context of the stream they time;
+//! - a sticky error (uncorrectable ECC, illegal address) is reported against the GPU whose
+//!   context it poisoned (`ProbeError::Sticky`); `run` stops using that GPU and its peers
+//!   carry on.
 
 use super::{Backend, GemmResult, LevelParams, MemtestResult, ProbeError};
-use crate::collect::cuda::describe;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError, PinnedHostSlice,
-};
+use crate::cuda::{self, BlasHandle, Ctx, CudaError, Device, DeviceBuffer, Driver, PinnedBuffer, Stream};
+use std::collections::HashMap;
 use std::sync::Arc;
-
-fn cuda_err(what: &str) -> impl Fn(DriverError) -> ProbeError + '_ {
-    move |e| ProbeError::Cuda(format!("{what}: {}", describe(e.0)))
-}
-
-pub struct CudaBackend {
-    contexts: Vec<Arc<CudaContext>>,
-}
 
 /// Why the probes cannot run at all.
 #[derive(Debug, thiserror::Error)]
 pub enum Unavailable {
-    #[error("libcuda.so was not found: the NVIDIA driver (its CUDA library) is not installed")]
-    NoLibcuda,
+    #[error("libcuda.so was not found: the NVIDIA driver (its CUDA library) is not installed ({0})")]
+    NoLibcuda(cuda::LoadError),
     #[error("cuInit failed: {0}")]
     Init(String),
     #[error("CUDA sees no GPU")]
     NoDevice,
 }
 
-impl CudaBackend {
-    /// Loads CUDA and opens a context per GPU, in PCI order (`CUDA_DEVICE_ORDER=PCI_BUS_ID`, so
-    /// ordinals match nvidia-smi's indices).
-    pub fn open() -> Result<(CudaBackend, Vec<String>), Unavailable> {
-        // Set before cuInit reads it; the agent has no other thread running CUDA yet.
-        std::env::set_var("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
-        // SAFETY: only dlopens libcuda under its usual names to see whether it loads.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(Unavailable::NoLibcuda);
+/// What CUDA says of a GPU before any context is made on it.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub pci: String,
+    /// `CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`: 0 default, 2 prohibited, 3 exclusive-process.
+    pub compute_mode: i32,
+}
+
+pub struct CudaBackend {
+    drv: Arc<Driver>,
+    devices: Vec<Device>,
+    /// Contexts of the GPUs probed so far, made on first use.
+    contexts: HashMap<usize, Arc<Ctx>>,
+}
+
+/// A driver error as a probe error of `gpu`: sticky ones poison that GPU; a GPU that another
+/// process holds in exclusive-process mode cannot be measured (`unknown`).
+fn on(gpu: usize) -> impl Fn(CudaError) -> ProbeError {
+    move |e| {
+        if e.sticky {
+            ProbeError::Sticky { gpu, code: e.code, message: e.to_string() }
+        } else if e.code == cuda::code::DEVICE_UNAVAILABLE {
+            ProbeError::Unavailable(format!(
+                "GPU {gpu} refuses a context ({e}): another process holds it in exclusive-process compute mode"
+            ))
+        } else {
+            ProbeError::Cuda(e.to_string())
         }
-        cudarc::driver::result::init().map_err(|e| Unavailable::Init(describe(e.0)))?;
-        let n = CudaContext::device_count().map_err(|e| Unavailable::Init(describe(e.0)))?;
-        if n <= 0 {
+    }
+}
+
+impl CudaBackend {
+    /// Loads CUDA and lists its GPUs in PCI order (`main` sets `CUDA_DEVICE_ORDER=PCI_BUS_ID`
+    /// before anything loads CUDA, so ordinals are nvidia-smi's indices). No context is made.
+    pub fn open() -> Result<(CudaBackend, Vec<DeviceInfo>), Unavailable> {
+        let drv = cuda::driver().map_err(Unavailable::NoLibcuda)?;
+        let describe = |e: CudaError| crate::collect::cuda::describe(&e);
+        drv.init().map_err(|e| Unavailable::Init(describe(e)))?;
+        let n = drv.device_count().map_err(|e| Unavailable::Init(describe(e)))?;
+        if n == 0 {
             return Err(Unavailable::NoDevice);
         }
-        let mut contexts = Vec::new();
-        let mut pci = Vec::new();
-        for i in 0..n as usize {
-            let ctx = CudaContext::new(i).map_err(|e| Unavailable::Init(format!("GPU {i}: {}", describe(e.0))))?;
-            pci.push(pci_bus_id(&ctx).unwrap_or_else(|| format!("cuda:{i}")));
-            contexts.push(ctx);
+        let mut devices = Vec::new();
+        let mut info = Vec::new();
+        for i in 0..n {
+            let d = drv.device(i).map_err(|e| Unavailable::Init(format!("GPU {i}: {}", describe(e))))?;
+            info.push(DeviceInfo {
+                pci: d
+                    .pci_bus_id()
+                    .ok()
+                    .and_then(|s| crate::collect::nvml::normalize_bus_id(&s))
+                    .unwrap_or_else(|| format!("cuda:{i}")),
+                compute_mode: d.attribute(cuda::attr::COMPUTE_MODE).unwrap_or(0),
+            });
+            devices.push(d);
         }
-        Ok((CudaBackend { contexts }, pci))
+        Ok((CudaBackend { drv, devices, contexts: HashMap::new() }, info))
     }
 
-    fn ctx(&self, gpu: usize) -> Result<&Arc<CudaContext>, ProbeError> {
-        self.contexts.get(gpu).ok_or_else(|| ProbeError::Cuda(format!("no CUDA device {gpu}")))
+    /// The GPU's primary context, retained on first use.
+    fn ctx(&mut self, gpu: usize) -> Result<Arc<Ctx>, ProbeError> {
+        if let Some(c) = self.contexts.get(&gpu) {
+            return Ok(c.clone());
+        }
+        let d = self.devices.get(gpu).ok_or_else(|| ProbeError::Cuda(format!("no CUDA device {gpu}")))?;
+        let c = d.retain_context().map_err(on(gpu))?;
+        self.contexts.insert(gpu, c.clone());
+        Ok(c)
     }
 }
 
-/// `0000:09:00.0`, as sysfs writes it.
-fn pci_bus_id(ctx: &CudaContext) -> Option<String> {
-    let mut buf = [0 as std::ffi::c_char; 32];
-    // SAFETY: the buffer is 32 bytes as declared; libcuda is loaded (a context exists).
-    let r = unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, ctx.cu_device()) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return None;
-    }
-    // SAFETY: cuDeviceGetPCIBusId wrote a NUL-terminated string into the buffer.
-    let s = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
-    crate::collect::nvml::normalize_bus_id(&s)
-}
-
-fn timing_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent, ProbeError> {
-    ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err("cuEventCreate"))
-}
-
-/// Runs `copies` of `enqueue` per sample on `stream`, timed by events; GB/s per sample for
-/// `bytes_per_copy` counted bytes each.
+/// Runs `enqueue` once untimed, then `samples` times `copies_per_sample` copies between two
+/// events of `stream`'s context; GB/s per sample for `bytes_per_copy` counted bytes each.
 fn timed(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
+    stream: &Stream,
     p: &LevelParams,
     bytes_per_copy: f64,
-    mut enqueue: impl FnMut() -> Result<(), ProbeError>,
-) -> Result<Vec<f64>, ProbeError> {
+    mut enqueue: impl FnMut() -> cuda::Result<()>,
+) -> cuda::Result<Vec<f64>> {
     enqueue()?; // warm-up, untimed
-    stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
-    let (start, end) = (timing_event(ctx)?, timing_event(ctx)?);
+    stream.synchronize()?;
+    let (start, end) = (stream.context().event()?, stream.context().event()?);
     let mut out = Vec::new();
     for _ in 0..p.samples {
-        start.record(stream).map_err(cuda_err("cuEventRecord"))?;
+        stream.record(&start)?;
         for _ in 0..p.copies_per_sample {
             enqueue()?;
         }
-        end.record(stream).map_err(cuda_err("cuEventRecord"))?;
-        stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
-        let ms = start.elapsed_ms(&end).map_err(cuda_err("cuEventElapsedTime"))? as f64;
+        stream.record(&end)?;
+        stream.synchronize()?;
+        let ms = start.elapsed_ms(&end)? as f64;
         out.push(bytes_per_copy * p.copies_per_sample as f64 / (ms / 1000.0) / 1e9);
     }
     Ok(out)
 }
 
-fn pinned(ctx: &Arc<CudaContext>, bytes: usize) -> Result<PinnedHostSlice<u8>, ProbeError> {
-    // SAFETY: the buffer is written (copied into) before it is read. Flags 0: ordinary pinned
-    // memory, as nvbandwidth uses (write-combined memory is slow for the host to read back).
-    unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }.map_err(cuda_err("cuMemHostAlloc"))
+/// Host→device copies from pinned memory.
+fn h2d(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
+    let host = ctx.pinned(p.buffer_bytes)?;
+    let dev = ctx.alloc(p.buffer_bytes)?;
+    let stream = ctx.stream()?; // dropped (drained) before the buffers
+    timed(&stream, p, p.buffer_bytes as f64, || {
+        // SAFETY: `host` outlives `stream`, which is drained when dropped; nothing writes it.
+        unsafe { stream.copy_h2d(&dev, 0, &host, p.buffer_bytes) }
+    })
 }
 
-fn device<T: cudarc::driver::DeviceRepr>(stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>, ProbeError> {
-    // SAFETY: every probe fills its device buffers (memset or copy) before reading them.
-    unsafe { stream.alloc::<T>(len) }.map_err(cuda_err("cuMemAlloc"))
+fn d2h(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
+    let host = ctx.pinned(p.buffer_bytes)?;
+    let dev = ctx.alloc(p.buffer_bytes)?;
+    let stream = ctx.stream()?;
+    stream.memset_d32(&dev, 0, 0, p.buffer_bytes / 4)?;
+    timed(&stream, p, p.buffer_bytes as f64, || {
+        // SAFETY: `host` outlives `stream` and is never read here.
+        unsafe { stream.copy_d2h(&host, 0, &dev, 0, p.buffer_bytes) }
+    })
+}
+
+/// Both directions at once on two streams joined by events; the sample's time is the whole
+/// batch, its bytes both directions' copies.
+fn bidir(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
+    let (host_up, host_down) = (ctx.pinned(p.buffer_bytes)?, ctx.pinned(p.buffer_bytes)?);
+    let (dev_up, dev_down) = (ctx.alloc(p.buffer_bytes)?, ctx.alloc(p.buffer_bytes)?);
+    let (up, down) = (ctx.stream()?, ctx.stream()?);
+    down.memset_d32(&dev_down, 0, 0, p.buffer_bytes / 4)?;
+    down.synchronize()?;
+    let (start, mid, end) = (ctx.event()?, ctx.event()?, ctx.event()?);
+    let mut out = Vec::new();
+    for _ in 0..p.samples {
+        up.record(&start)?;
+        down.wait(&start)?;
+        for _ in 0..p.copies_per_sample {
+            // SAFETY: the host buffers outlive both streams and are never read here.
+            unsafe {
+                up.copy_h2d(&dev_up, 0, &host_up, p.buffer_bytes)?;
+                down.copy_d2h(&host_down, 0, &dev_down, 0, p.buffer_bytes)?;
+            }
+        }
+        down.record(&mid)?;
+        up.wait(&mid)?;
+        up.record(&end)?;
+        up.synchronize()?;
+        let ms = start.elapsed_ms(&end)? as f64;
+        out.push(2.0 * p.buffer_bytes as f64 * p.copies_per_sample as f64 / (ms / 1000.0) / 1e9);
+    }
+    Ok(out)
+}
+
+fn d2d(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
+    let (src, dst) = (ctx.alloc(p.buffer_bytes)?, ctx.alloc(p.buffer_bytes)?);
+    let stream = ctx.stream()?;
+    stream.memset_d32(&src, 0, 0, p.buffer_bytes / 4)?;
+    // A device copy reads and writes every byte: count both, as DCGM's figures do.
+    timed(&stream, p, 2.0 * p.buffer_bytes as f64, || stream.copy_d2d(&dst, &src, p.buffer_bytes))
+}
+
+/// Device memory is read back 64 MiB at a time; the host compare is a `memcmp` against the
+/// expected bytes, and only a chunk that differs is scanned word by word.
+const MEMTEST_CHUNK: usize = 64 << 20;
+const MEMTEST_PATTERNS: [u32; 4] = [0x0000_0000, 0xFFFF_FFFF, 0xAAAA_AAAA, 0x5555_5555];
+
+fn memory_integrity(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<MemtestResult> {
+    let (free, _) = ctx.mem_info()?;
+    // Leave room for the driver and other buffers: at most 90% of what is free.
+    let bytes = p.memtest_bytes.min(free / 10 * 9) & !(MEMTEST_CHUNK - 1);
+    let bytes = if bytes == 0 { p.memtest_bytes.min(free / 10 * 9) & !4095 } else { bytes };
+    let chunk = MEMTEST_CHUNK.min(bytes);
+    let dev = ctx.alloc(bytes)?;
+    let host = ctx.pinned(chunk)?;
+    let stream = ctx.stream()?;
+    let mut expected = vec![0u8; chunk.max(4)];
+    let mut mismatches = 0u64;
+    let mut first = None;
+    for pattern in MEMTEST_PATTERNS {
+        // One word, then doubling copies: a memcpy's speed, whatever the build.
+        expected[..4].copy_from_slice(&pattern.to_ne_bytes());
+        let mut filled = 4;
+        while filled < expected.len() {
+            let k = filled.min(expected.len() - filled);
+            expected.copy_within(..k, filled);
+            filled += k;
+        }
+        stream.memset_d32(&dev, 0, pattern, bytes / 4)?;
+        let mut off = 0;
+        while off < bytes {
+            let n = chunk.min(bytes - off);
+            // SAFETY: `host` is read only after the stream is synchronized below.
+            unsafe { stream.copy_d2h(&host, 0, &dev, off, n) }?;
+            stream.synchronize()?;
+            let got = &host.as_slice()[..n];
+            if got != &expected[..n] {
+                for (i, w) in got.chunks_exact(4).enumerate() {
+                    let word = u32::from_ne_bytes([w[0], w[1], w[2], w[3]]);
+                    if word != pattern {
+                        mismatches += 1;
+                        first.get_or_insert(((off + i * 4) as u64, format!("{word:#010x} for {pattern:#010x}")));
+                    }
+                }
+            }
+            off += n;
+        }
+    }
+    Ok(MemtestResult {
+        bytes_tested: bytes as u64,
+        patterns: MEMTEST_PATTERNS.iter().map(|p| format!("{p:#010x}")).collect(),
+        mismatches,
+        first_mismatch: first,
+    })
+}
+
+/// GEMM inputs: small integers in [-8, 8] (sign, exponent and mantissa bits all change from one
+/// to the next), so every product and every sum of up to 2^17 of them is an integer below 2^24
+/// and exact in FP32: the GPU must match the host to the bit. An entry depends on its row and
+/// column modulo 17 only, which lets the host build columns by copying and know the exact
+/// product from a 17×17 table. A fault that swaps rows 17 apart would go unseen here; a check
+/// on the device that compares every entry is the device-kernels work's.
+fn gemm_value(row: usize, col: usize, salt: usize) -> i64 {
+    (((row % 17) * 12 + (col % 17) * 3 + salt) % 17) as i64 - 8
+}
+
+const SALT_A: usize = 1;
+const SALT_B: usize = 5;
+
+/// Column 0 of a matrix and 17 more rows, as bytes: column j is the `n` values starting at row
+/// `13·j mod 17` (12·13 ≡ 3 mod 17, so shifting by 13·j rows adds the 3·j of column j).
+fn gemm_base_column(n: usize, salt: usize) -> Vec<u8> {
+    (0..n + 17).flat_map(|r| (gemm_value(r, 0, salt) as f32).to_ne_bytes()).collect()
+}
+
+fn gemm_column(base: &[u8], n: usize, col: usize) -> &[u8] {
+    let shift = (13 * col) % 17;
+    &base[shift * 4..(shift + n) * 4]
+}
+
+/// C's exact entries: `[i % 17][j % 17]`, each summed over all `n` products.
+fn gemm_reference(n: usize) -> Vec<[i64; 17]> {
+    (0..17)
+        .map(|i| std::array::from_fn(|j| (0..n).map(|k| gemm_value(i, k, SALT_A) * gemm_value(k, j, SALT_B)).sum()))
+        .collect()
+}
+
+/// Fills an n×n column-major matrix on the device, a staging buffer of whole columns at a time.
+fn upload_matrix(
+    stream: &Stream,
+    staging: &mut PinnedBuffer,
+    m: &DeviceBuffer,
+    n: usize,
+    salt: usize,
+) -> cuda::Result<()> {
+    let base = gemm_base_column(n, salt);
+    let per = (staging.len() / (n * 4)).max(1);
+    let mut col = 0;
+    while col < n {
+        let k = per.min(n - col);
+        for c in 0..k {
+            staging.as_mut_slice()[c * n * 4..(c + 1) * n * 4].copy_from_slice(gemm_column(&base, n, col + c));
+        }
+        // SAFETY: the staging buffer is not touched again until the stream is synchronized.
+        unsafe { stream.copy_h2d(m, col * n * 4, staging, k * n * 4) }?;
+        stream.synchronize()?;
+        col += k;
+    }
+    Ok(())
+}
+
+/// How many entries of C each timed sample reads back and checks exactly.
+const GEMM_CHECKED_PER_SAMPLE: usize = 1024;
+const GEMM_SAMPLES: usize = 3;
+
+fn gemm(ctx: &Arc<Ctx>, blas: &Arc<cuda::Blas>, p: &LevelParams) -> cuda::Result<GemmResult> {
+    let n = p.gemm_n;
+    let bytes = n * n * 4;
+    let (a, b, c) = (ctx.alloc(bytes)?, ctx.alloc(bytes)?, ctx.alloc(bytes)?);
+    let mut staging = ctx.pinned((16 << 20).max(n * 4).min(bytes))?;
+    let readback = ctx.pinned(GEMM_CHECKED_PER_SAMPLE * 4)?;
+    let stream = ctx.stream()?;
+    upload_matrix(&stream, &mut staging, &a, n, SALT_A)?;
+    upload_matrix(&stream, &mut staging, &b, n, SALT_B)?;
+    let reference = gemm_reference(n);
+    let handle = BlasHandle::new(blas, &stream)?;
+    handle.sgemm(n, &a, &b, &c)?; // warm-up
+    stream.synchronize()?;
+    let (start, end) = (ctx.event()?, ctx.event()?);
+    let mut tflops = Vec::new();
+    let (mut checked, mut wrong, mut max_rel) = (0, 0u64, 0.0f64);
+    for sample in 0..GEMM_SAMPLES {
+        stream.record(&start)?;
+        for _ in 0..p.gemm_reps {
+            handle.sgemm(n, &a, &b, &c)?;
+        }
+        stream.record(&end)?;
+        stream.synchronize()?;
+        let ms = start.elapsed_ms(&end)? as f64;
+        tflops.push(2.0 * (n as f64).powi(3) * p.gemm_reps as f64 / (ms / 1000.0) / 1e12);
+        // Every sample's product is checked: scattered entries, different ones each sample.
+        let entries: Vec<(usize, usize)> = (0..GEMM_CHECKED_PER_SAMPLE)
+            .map(|s| {
+                let s = s + sample * GEMM_CHECKED_PER_SAMPLE;
+                ((s * 7919 + 13) % n, (s * 104_729 + 7) % n)
+            })
+            .collect();
+        for (slot, (i, j)) in entries.iter().enumerate() {
+            // SAFETY: `readback` is read only after the synchronize below.
+            unsafe { stream.copy_d2h(&readback, slot * 4, &c, (i + j * n) * 4, 4) }?;
+        }
+        stream.synchronize()?;
+        for (slot, (i, j)) in entries.iter().enumerate() {
+            let w = &readback.as_slice()[slot * 4..slot * 4 + 4];
+            let got = f32::from_ne_bytes([w[0], w[1], w[2], w[3]]) as f64;
+            let want = reference[i % 17][j % 17];
+            if got != want as f64 {
+                wrong += 1;
+                max_rel = max_rel.max((got - want as f64).abs() / (want.abs() as f64).max(1.0));
+            }
+            checked += 1;
+        }
+    }
+    Ok(GemmResult {
+        n,
+        tflops_samples: tflops,
+        max_rel_error: max_rel,
+        checked_entries: checked,
+        wrong_entries: wrong,
+        library: "cuBLAS SGEMM".into(),
+    })
 }
 
 impl Backend for CudaBackend {
     fn h2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
-        let ctx = self.ctx(gpu)?.clone();
-        let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
-        let host = pinned(&ctx, p.buffer_bytes)?;
-        let mut dev = device::<u8>(&stream, p.buffer_bytes)?;
-        timed(&ctx, &stream, p, p.buffer_bytes as f64, || {
-            stream.memcpy_htod(&host, &mut dev).map_err(cuda_err("cuMemcpyHtoDAsync"))
-        })
+        h2d(&self.ctx(gpu)?, p).map_err(on(gpu))
     }
 
     fn d2h(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
-        let ctx = self.ctx(gpu)?.clone();
-        let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
-        let mut host = pinned(&ctx, p.buffer_bytes)?;
-        let dev = stream.alloc_zeros::<u8>(p.buffer_bytes).map_err(cuda_err("cuMemAlloc"))?;
-        timed(&ctx, &stream, p, p.buffer_bytes as f64, || {
-            stream.memcpy_dtoh(&dev, &mut host).map_err(cuda_err("cuMemcpyDtoHAsync"))
-        })
+        d2h(&self.ctx(gpu)?, p).map_err(on(gpu))
     }
 
     fn bidir(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
-        // Two streams, one per direction, joined by events: the sample's time is the whole
-        // batch, its bytes both directions' copies.
-        let ctx = self.ctx(gpu)?.clone();
-        let (up, down) = (
-            ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?,
-            ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?,
-        );
-        let host_up = pinned(&ctx, p.buffer_bytes)?;
-        let mut host_down = pinned(&ctx, p.buffer_bytes)?;
-        let mut dev_up = device::<u8>(&up, p.buffer_bytes)?;
-        let dev_down = down.alloc_zeros::<u8>(p.buffer_bytes).map_err(cuda_err("cuMemAlloc"))?;
-        let (start, mid, end) = (timing_event(&ctx)?, timing_event(&ctx)?, timing_event(&ctx)?);
-        let mut out = Vec::new();
-        for _ in 0..p.samples {
-            start.record(&up).map_err(cuda_err("cuEventRecord"))?;
-            down.wait(&start).map_err(cuda_err("cuStreamWaitEvent"))?;
-            for _ in 0..p.copies_per_sample {
-                up.memcpy_htod(&host_up, &mut dev_up).map_err(cuda_err("cuMemcpyHtoDAsync"))?;
-                down.memcpy_dtoh(&dev_down, &mut host_down).map_err(cuda_err("cuMemcpyDtoHAsync"))?;
-            }
-            mid.record(&down).map_err(cuda_err("cuEventRecord"))?;
-            up.wait(&mid).map_err(cuda_err("cuStreamWaitEvent"))?;
-            end.record(&up).map_err(cuda_err("cuEventRecord"))?;
-            up.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
-            let ms = start.elapsed_ms(&end).map_err(cuda_err("cuEventElapsedTime"))? as f64;
-            out.push(2.0 * p.buffer_bytes as f64 * p.copies_per_sample as f64 / (ms / 1000.0) / 1e9);
-        }
-        Ok(out)
+        bidir(&self.ctx(gpu)?, p).map_err(on(gpu))
     }
 
     fn d2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
-        let ctx = self.ctx(gpu)?.clone();
-        let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
-        let src = stream.alloc_zeros::<u8>(p.buffer_bytes).map_err(cuda_err("cuMemAlloc"))?;
-        let mut dst = device::<u8>(&stream, p.buffer_bytes)?;
-        // A device copy reads and writes every byte: count both, as the reference figures do.
-        timed(&ctx, &stream, p, 2.0 * p.buffer_bytes as f64, || {
-            stream.memcpy_dtod(&src, &mut dst).map_err(cuda_err("cuMemcpyDtoDAsync"))
-        })
+        d2d(&self.ctx(gpu)?, p).map_err(on(gpu))
     }
 
     fn can_access_peer(&mut self, src: usize, dst: usize) -> Result<bool, ProbeError> {
-        let (a, b) = (self.ctx(src)?, self.ctx(dst)?);
-        let mut can = 0;
-        // SAFETY: both devices come from live contexts; the out pointer is a valid local.
-        let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(ProbeError::Cuda(format!("cuDeviceCanAccessPeer: {}", describe(r))));
-        }
-        Ok(can != 0)
+        let (a, b) = (self.devices.get(src), self.devices.get(dst));
+        let (Some(a), Some(b)) = (a, b) else {
+            return Err(ProbeError::Cuda(format!("no CUDA device {src} or {dst}")));
+        };
+        a.can_access_peer(b).map_err(on(src))
     }
 
+    /// GPU `src` writes into GPU `dst`'s memory: a stream, events and the source buffer in
+    /// `src`'s context, the destination allocated in `dst`'s, peer access from `src` to `dst`.
     fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
-        let (a, b) = (self.ctx(src)?.clone(), self.ctx(dst)?.clone());
-        a.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        // SAFETY: `b` is a live context; enabling twice answers PEER_ACCESS_ALREADY_ENABLED.
-        let r = unsafe { sys::cuCtxEnablePeerAccess(b.cu_ctx(), 0) };
-        if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-            return Err(ProbeError::Cuda(format!("cuCtxEnablePeerAccess: {}", describe(r))));
-        }
-        let stream = a.new_stream().map_err(cuda_err("cuStreamCreate"))?;
-        let from = stream.alloc_zeros::<u8>(p.buffer_bytes).map_err(cuda_err("cuMemAlloc"))?;
-        let b_stream = b.default_stream();
-        let mut to = device::<u8>(&b_stream, p.buffer_bytes)?;
-        b_stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
-        let (a_ctx, b_ctx) = (a.cu_ctx(), b.cu_ctx());
-        let bytes = p.buffer_bytes;
-        timed(&a, &stream, p, bytes as f64, || {
-            let (src_ptr, _s) = from.device_ptr(&stream);
-            let (dst_ptr, _d) = to.device_ptr_mut(&stream);
-            // SAFETY: both buffers are live allocations of `bytes` bytes in their contexts, and
-            // peer access from `a` to `b` was enabled above.
-            unsafe {
-                cudarc::driver::result::memcpy_peer_async(b_ctx, dst_ptr, a_ctx, src_ptr, bytes, stream.cu_stream())
-            }
-            .map_err(cuda_err("cuMemcpyPeerAsync"))
-        })
+        let (a, b) = (self.ctx(src)?, self.ctx(dst)?);
+        let to = b.alloc(p.buffer_bytes).map_err(on(dst))?;
+        a.enable_peer_access(&b).map_err(on(src))?;
+        let from = a.alloc(p.buffer_bytes).map_err(on(src))?;
+        let stream = a.stream().map_err(on(src))?;
+        stream.memset_d32(&from, 0, 0, p.buffer_bytes / 4).map_err(on(src))?;
+        timed(&stream, p, p.buffer_bytes as f64, || stream.copy_peer(&to, &from, p.buffer_bytes)).map_err(on(src))
     }
 
     fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError> {
-        const PATTERNS: [u32; 4] = [0x0000_0000, 0xFFFF_FFFF, 0xAAAA_AAAA, 0x5555_5555];
-        let ctx = self.ctx(gpu)?.clone();
-        let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
-        let (free, _) = {
-            ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-            cudarc::driver::result::mem_get_info().map_err(cuda_err("cuMemGetInfo"))?
-        };
-        // Leave room for the driver and other buffers: at most 90% of what is free.
-        let bytes = p.memtest_bytes.min(free / 10 * 9) & !(4095);
-        let words = bytes / 4;
-        let chunk_words = (64 << 20) / 4;
-        let dev = device::<u32>(&stream, words)?;
-        // SAFETY: the host buffer is only read after a copy into it completed.
-        let mut host =
-            unsafe { ctx.alloc_pinned_with_flags::<u32>(chunk_words, 0) }.map_err(cuda_err("cuMemHostAlloc"))?;
-        let mut mismatches = 0u64;
-        let mut first = None;
-        for pattern in PATTERNS {
-            {
-                let (ptr, _w) = dev.device_ptr(&stream);
-                // SAFETY: `ptr` addresses `words` u32s of a live allocation on this stream's device.
-                let r = unsafe { sys::cuMemsetD32Async(ptr, pattern, words, stream.cu_stream()) };
-                if r != sys::CUresult::CUDA_SUCCESS {
-                    return Err(ProbeError::Cuda(format!("cuMemsetD32Async: {}", describe(r))));
-                }
-            }
-            let mut off = 0;
-            while off < words {
-                let n = chunk_words.min(words - off);
-                let view = dev.slice(off..off + n);
-                stream.memcpy_dtoh(&view, &mut host).map_err(cuda_err("cuMemcpyDtoHAsync"))?;
-                stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
-                let got = host.as_slice().map_err(cuda_err("pinned buffer"))?;
-                for (i, w) in got[..n].iter().enumerate().filter(|(_, w)| **w != pattern) {
-                    mismatches += 1;
-                    if first.is_none() {
-                        first = Some((((off + i) * 4) as u64, format!("{w:#010x} for {pattern:#010x}")));
-                    }
-                }
-                off += n;
-            }
-        }
-        Ok(MemtestResult {
-            bytes_tested: bytes as u64,
-            patterns: PATTERNS.iter().map(|p| format!("{p:#010x}")).collect(),
-            mismatches,
-            first_mismatch: first,
-        })
+        memory_integrity(&self.ctx(gpu)?, p).map_err(on(gpu))
     }
 
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
-        // SAFETY: only dlopens libcublas under its usual names to see whether it loads.
-        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-            return Err(ProbeError::Unavailable(
-                "cuBLAS (libcublas.so) is not installed; the GEMM probe needs it (it ships with the CUDA toolkit)"
-                    .into(),
-            ));
-        }
-        let ctx = self.ctx(gpu)?.clone();
-        let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| ProbeError::Cuda(format!("cublasCreate: {e:?}")))?;
-        let n = p.gemm_n;
-        // Small integers are exact in FP32 and so are their sums of products (< 2^24 for
-        // n ≤ 16384 and |values| ≤ 2), so the GPU must match the host reference exactly.
-        let value = |i: usize, k: usize, salt: usize| ((i * 7 + k * 3 + salt) % 5) as f32 - 2.0;
-        let a_host: Vec<f32> = (0..n * n).map(|x| value(x % n, x / n, 1)).collect();
-        let b_host: Vec<f32> = (0..n * n).map(|x| value(x % n, x / n, 2)).collect();
-        let a = stream.clone_htod(&a_host).map_err(cuda_err("cuMemcpyHtoD"))?;
-        let b = stream.clone_htod(&b_host).map_err(cuda_err("cuMemcpyHtoD"))?;
-        let mut c = stream.alloc_zeros::<f32>(n * n).map_err(cuda_err("cuMemAlloc"))?;
-        let ni = n as i32;
-        let cfg = GemmConfig {
-            transa: cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
-            transb: cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
-            m: ni,
-            n: ni,
-            k: ni,
-            alpha: 1.0f32,
-            lda: ni,
-            ldb: ni,
-            beta: 0.0f32,
-            ldc: ni,
-        };
-        let run = |c: &mut CudaSlice<f32>| -> Result<(), ProbeError> {
-            // SAFETY: a, b and c hold n×n f32 each, matching the dimensions in `cfg`.
-            unsafe { blas.gemm(cfg, &a, &b, c) }.map_err(|e| ProbeError::Cuda(format!("cublasSgemm: {e:?}")))
-        };
-        run(&mut c)?; // warm-up, and the result that is checked
-        stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
-        let c_host = stream.clone_dtoh(&c).map_err(cuda_err("cuMemcpyDtoH"))?;
-        let mut checked = 0;
-        let mut max_rel = 0.0f64;
-        for s in 0..1024usize {
-            let (i, j) = ((s * 7919) % n, (s * 104_729) % n);
-            let reference: f64 = (0..n).map(|k| a_host[i + k * n] as f64 * b_host[k + j * n] as f64).sum();
-            let got = c_host[i + j * n] as f64;
-            max_rel = max_rel.max((got - reference).abs() / reference.abs().max(1.0));
-            checked += 1;
-        }
-        let (start, end) = (timing_event(&ctx)?, timing_event(&ctx)?);
-        let mut tflops = Vec::new();
-        for _ in 0..3 {
-            start.record(&stream).map_err(cuda_err("cuEventRecord"))?;
-            for _ in 0..p.gemm_reps {
-                run(&mut c)?;
+        let blas = cuda::blas().map_err(|e| {
+            ProbeError::Unavailable(format!("the GEMM probe needs cuBLAS, which ships with the CUDA toolkit: {e}"))
+        })?;
+        gemm(&self.ctx(gpu)?, &blas, p).map_err(on(gpu))
+    }
+
+    fn release(&mut self, gpu: usize) {
+        self.contexts.remove(&gpu);
+    }
+}
+
+impl CudaBackend {
+    /// The driver this backend loaded (for the report).
+    pub fn library(&self) -> &std::path::Path {
+        &self.drv.file
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemm_columns_by_shifting_are_the_matrix_and_the_table_is_its_product() {
+        let n = 40;
+        for salt in [SALT_A, SALT_B] {
+            let base = gemm_base_column(n, salt);
+            for col in 0..n {
+                let want: Vec<u8> = (0..n).flat_map(|r| (gemm_value(r, col, salt) as f32).to_ne_bytes()).collect();
+                assert_eq!(gemm_column(&base, n, col), &want[..], "column {col}");
             }
-            end.record(&stream).map_err(cuda_err("cuEventRecord"))?;
-            stream.synchronize().map_err(cuda_err("cuStreamSynchronize"))?;
-            let ms = start.elapsed_ms(&end).map_err(cuda_err("cuEventElapsedTime"))? as f64;
-            tflops.push(2.0 * (n as f64).powi(3) * p.gemm_reps as f64 / (ms / 1000.0) / 1e12);
         }
-        Ok(GemmResult {
-            n,
-            tflops_samples: tflops,
-            max_rel_error: max_rel,
-            checked_entries: checked,
-            library: "cuBLAS SGEMM".into(),
-        })
+        let table = gemm_reference(n);
+        for (i, j) in [(0, 0), (5, 33), (39, 17), (16, 1)] {
+            let want: i64 = (0..n).map(|k| gemm_value(i, k, SALT_A) * gemm_value(k, j, SALT_B)).sum();
+            assert_eq!(table[i % 17][j % 17], want);
+        }
+        // The values span [-8, 8], both signs.
+        let vals: std::collections::BTreeSet<i64> = (0..17).map(|r| gemm_value(r, 0, SALT_A)).collect();
+        assert_eq!((vals.first(), vals.last(), vals.len()), (Some(&-8), Some(&8), 17));
     }
 }

@@ -10,6 +10,7 @@
 //! events, several samples, the median reported.
 
 pub mod cuda;
+pub mod lock;
 
 use crate::checks::Finding;
 use crate::config::ProbeLevel;
@@ -68,8 +69,14 @@ pub struct Target {
     pub ordinal: usize,
     pub pci: String,
     pub device_id: Option<u16>,
-    /// Compute processes NVML lists on it.
+    /// Compute processes NVML lists on it (never the agent's own).
     pub busy_pids: Vec<u32>,
+    /// Why no context may be made on it at all (MIG mode, compute mode Prohibited).
+    pub unusable: Option<String>,
+    /// Active NVLinks NVML reports on it.
+    pub nvlinks_active: usize,
+    /// Whether NVML reported link states at all.
+    pub nvlinks_known: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
@@ -80,6 +87,10 @@ pub enum ProbeError {
     /// CUDA failed while measuring.
     #[error("{0}")]
     Cuda(String),
+    /// A sticky error (uncorrectable ECC, illegal address) poisoned GPU `gpu`'s context: the
+    /// GPU is unusable until reset, and the run stops using it.
+    #[error("{message}")]
+    Sticky { gpu: usize, code: i32, message: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -99,6 +110,9 @@ pub struct GemmResult {
     /// checked entries.
     pub max_rel_error: f64,
     pub checked_entries: usize,
+    /// Checked entries that differ from the exact product.
+    #[serde(default)]
+    pub wrong_entries: u64,
     pub library: String,
 }
 
@@ -114,6 +128,8 @@ pub trait Backend {
     fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError>;
     fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError>;
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError>;
+    /// Lets go of a GPU the run stops using (its context is poisoned).
+    fn release(&mut self, _gpu: usize) {}
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -177,8 +193,10 @@ pub struct PeerLink {
     pub dst: usize,
     pub peer_access: bool,
     pub gbps: Option<Outcome<Stat>>,
-    /// `nvlink` when the pair copies faster than PCIe can (over 100 GB/s), `pcie` when it has
-    /// peer access below that, `none` without peer access.
+    /// `nvlink` when NVML reports active NVLinks on both GPUs (without NVML link states: when
+    /// the pair copies faster than PCIe can, over 100 GB/s), `pcie` for other pairs with peer
+    /// access, `none` without. A degraded NVLink is a slow `nvlink` pair, judged against the
+    /// NVLink floor, never mistaken for a PCIe pair.
     pub scope: String,
 }
 
@@ -209,6 +227,9 @@ pub struct Options<'a> {
 }
 
 /// Runs the probes `opts` asks for. `progress` hears each step as it starts.
+///
+/// A GPU whose context a sticky error poisoned is released at once and not used again: its
+/// remaining probes and every pair it is part of are `unavailable`, so its peers' figures stand.
 pub fn run(
     backend: &mut dyn Backend,
     targets: &[Target],
@@ -220,6 +241,10 @@ pub fn run(
         ProbeReport { level: opts.level, params: p, gpus: Vec::new(), peers: Vec::new(), skipped: Vec::new() };
     let mut chosen: Vec<&Target> = Vec::new();
     for t in targets.iter().filter(|t| opts.only.is_empty() || opts.only.contains(&t.ordinal)) {
+        if let Some(why) = &t.unusable {
+            report.skipped.push(Skipped { pci: t.pci.clone(), reason: why.clone() });
+            continue;
+        }
         if !t.busy_pids.is_empty() && !opts.force {
             let pids: Vec<String> = t.busy_pids.iter().map(|p| p.to_string()).collect();
             report.skipped.push(Skipped { pci: t.pci.clone(), reason: format!("{} compute process(es) run on it (pid {}); a probe never takes GPU time from a job (--force to run anyway)", pids.len(), pids.join(", ")) });
@@ -227,21 +252,22 @@ pub fn run(
         }
         chosen.push(t);
     }
+    let mut guard = Poisoned::default();
     for t in &chosen {
         let g = t.ordinal;
         let mut step = |what: &str| progress(&format!("GPU {g} ({}): {what}", t.pci));
         step("host→device");
-        let h2d = bandwidth(backend.h2d(g, &p));
+        let h2d = bandwidth(guard.call(backend, &[g], |b| b.h2d(g, &p)));
         step("device→host");
-        let d2h = bandwidth(backend.d2h(g, &p));
+        let d2h = bandwidth(guard.call(backend, &[g], |b| b.d2h(g, &p)));
         step("bidirectional");
-        let bidir = bandwidth(backend.bidir(g, &p));
+        let bidir = bandwidth(guard.call(backend, &[g], |b| b.bidir(g, &p)));
         step("device copy");
-        let d2d = bandwidth(backend.d2d(g, &p));
+        let d2d = bandwidth(guard.call(backend, &[g], |b| b.d2d(g, &p)));
         step("memory integrity");
-        let memory = backend.memory_integrity(g, &p).into();
+        let memory = guard.call(backend, &[g], |b| b.memory_integrity(g, &p)).into();
         step("GEMM");
-        let gemm = backend.gemm(g, &p).into();
+        let gemm = guard.call(backend, &[g], |b| b.gemm(g, &p)).into();
         report.gpus.push(GpuProbes {
             ordinal: g,
             pci: t.pci.clone(),
@@ -255,59 +281,130 @@ pub fn run(
     }
     for a in &chosen {
         for b in &chosen {
-            if a.ordinal == b.ordinal {
+            let (src, dst) = (a.ordinal, b.ordinal);
+            if src == dst {
                 continue;
             }
-            progress(&format!("GPU {} → GPU {}: peer copy", a.ordinal, b.ordinal));
-            let link = match backend.can_access_peer(a.ordinal, b.ordinal) {
+            progress(&format!("GPU {src} → GPU {dst}: peer copy"));
+            let link = match guard.call(backend, &[src, dst], |x| x.can_access_peer(src, dst)) {
                 Ok(true) => {
-                    let bw = bandwidth(backend.p2p(a.ordinal, b.ordinal, &p));
-                    let scope = match &bw {
-                        Outcome::Ok(s) if s.median >= NVLINK_SCOPE_GBPS => "nvlink",
-                        _ => "pcie",
-                    };
-                    PeerLink { src: a.ordinal, dst: b.ordinal, peer_access: true, gbps: Some(bw), scope: scope.into() }
+                    let bw = bandwidth(guard.call(backend, &[src, dst], |x| x.p2p(src, dst, &p)));
+                    PeerLink { src, dst, peer_access: true, gbps: Some(bw), scope: String::new() }
                 }
-                Ok(false) => {
-                    PeerLink { src: a.ordinal, dst: b.ordinal, peer_access: false, gbps: None, scope: "none".into() }
+                Ok(false) => PeerLink { src, dst, peer_access: false, gbps: None, scope: "none".into() },
+                Err(e) => {
+                    PeerLink { src, dst, peer_access: false, gbps: Some(Outcome::Error(e)), scope: "none".into() }
                 }
-                Err(e) => PeerLink {
-                    src: a.ordinal,
-                    dst: b.ordinal,
-                    peer_access: false,
-                    gbps: Some(Outcome::Error(e)),
-                    scope: "none".into(),
-                },
             };
             report.peers.push(link);
         }
     }
+    for l in report.peers.iter_mut().filter(|l| l.peer_access) {
+        let pair_nvlink = |o: usize| targets.iter().find(|t| t.ordinal == o).is_some_and(|t| t.nvlinks_active > 0);
+        l.scope = match (&l.gbps, pair_nvlink(l.src) && pair_nvlink(l.dst)) {
+            (_, true) => "nvlink",
+            // No NVML link state (an old driver, a fixture): judge by throughput.
+            (Some(Outcome::Ok(s)), false) if s.median >= NVLINK_SCOPE_GBPS && !nvml_knows_links(targets) => "nvlink",
+            _ => "pcie",
+        }
+        .into();
+    }
     report
 }
 
-/// Probes the GPUs of this machine: CUDA for the measuring, the snapshot for each GPU's SKU and
-/// for the compute processes that keep a probe off a GPU.
+/// The GPUs a sticky error made unusable during a run, and why.
+#[derive(Default)]
+struct Poisoned(std::collections::BTreeMap<usize, String>);
+
+impl Poisoned {
+    /// Runs `f` unless a GPU in `gpus` is poisoned; a sticky error from `f` poisons its GPU and
+    /// lets go of it.
+    fn call<T>(
+        &mut self,
+        backend: &mut dyn Backend,
+        gpus: &[usize],
+        f: impl FnOnce(&mut dyn Backend) -> Result<T, ProbeError>,
+    ) -> Result<T, ProbeError> {
+        if let Some((g, why)) = gpus.iter().find_map(|g| self.0.get(g).map(|w| (g, w))) {
+            return Err(ProbeError::Unavailable(format!("not measured: GPU {g} is unusable since {why}")));
+        }
+        let r = f(backend);
+        if let Err(ProbeError::Sticky { gpu, message, .. }) = &r {
+            backend.release(*gpu);
+            self.0.insert(*gpu, message.clone());
+        }
+        r
+    }
+}
+
+/// Whether NVML reported link states for any target (else scope falls back to throughput).
+fn nvml_knows_links(targets: &[Target]) -> bool {
+    targets.iter().any(|t| t.nvlinks_known)
+}
+
+/// Why probes could not run here.
+#[derive(Debug, thiserror::Error)]
+pub enum NotRun {
+    #[error(transparent)]
+    Cuda(#[from] cuda::Unavailable),
+    #[error(transparent)]
+    Busy(#[from] lock::Held),
+}
+
+/// Probes the GPUs of this machine: CUDA for the measuring, the snapshot for each GPU's SKU, its
+/// NVLinks and the compute processes that keep a probe off a GPU. Holds the run lock in
+/// `state_dir` for `who` throughout.
 pub fn run_here(
     snapshot: &crate::snapshot::Snapshot,
     opts: &Options<'_>,
+    state_dir: &std::path::Path,
+    who: &str,
     progress: &mut dyn FnMut(&str),
-) -> Result<(ProbeReport, Vec<Target>), cuda::Unavailable> {
-    let (mut backend, pcis) = cuda::CudaBackend::open()?;
-    let targets: Vec<Target> = pcis
-        .into_iter()
-        .enumerate()
-        .map(|(ordinal, pci)| Target {
-            ordinal,
-            device_id: snapshot.gpus().iter().find(|g| g.address == pci).and_then(|g| g.device),
-            busy_pids: snapshot
-                .nvml_gpu(&pci)
-                .and_then(|g| g.processes.value())
-                .map(|ps| ps.iter().map(|p| p.pid).collect())
-                .unwrap_or_default(),
-            pci,
-        })
-        .collect();
+) -> Result<(ProbeReport, Vec<Target>), NotRun> {
+    let _lock = lock::acquire(state_dir, who)?;
+    let (mut backend, devices) = cuda::CudaBackend::open()?;
+    let targets = targets_of(snapshot, &devices, std::process::id());
     Ok((run(&mut backend, &targets, opts, progress), targets))
+}
+
+/// What the probes need to know of each GPU CUDA lists, from the snapshot. `own_pid` (the
+/// agent's) never makes a GPU busy.
+pub fn targets_of(snapshot: &crate::snapshot::Snapshot, devices: &[cuda::DeviceInfo], own_pid: u32) -> Vec<Target> {
+    devices
+        .iter()
+        .enumerate()
+        .map(|(ordinal, d)| {
+            let nv = snapshot.nvml_gpu(&d.pci);
+            let links = nv.and_then(|g| g.nvlinks.value());
+            let mig = nv.and_then(|g| g.mig_mode.value()).is_some_and(|m| m.current);
+            let unusable = if mig {
+                Some(
+                    "MIG mode is on: the probes measure whole GPUs, and CUDA sees only MIG instances of it".to_string(),
+                )
+            } else if d.compute_mode == 2 {
+                Some(
+                    "its compute mode is Prohibited: no CUDA context can be made on it (nvidia-smi -c DEFAULT)"
+                        .to_string(),
+                )
+            } else {
+                None
+            };
+            Target {
+                ordinal,
+                pci: d.pci.clone(),
+                device_id: snapshot.gpus().iter().find(|g| g.address == d.pci).and_then(|g| g.device),
+                busy_pids: nv
+                    .and_then(|g| g.processes.value())
+                    .map(|ps| ps.iter().map(|p| p.pid).filter(|p| *p != own_pid).collect())
+                    .unwrap_or_default(),
+                unusable,
+                nvlinks_active: links
+                    .map(|l| l.iter().filter(|l| l.active.value() == Some(&true)).count())
+                    .unwrap_or(0),
+                nvlinks_known: links.is_some(),
+            }
+        })
+        .collect()
 }
 
 /// Every probe check as `unknown` with the reason the probes could not run.
@@ -352,7 +449,7 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
         out.push(bandwidth_finding("probe.d2h-bandwidth", "device→host", &g.d2h_gbps, f.d2h_gbps, &g.pci));
         out.push(bandwidth_finding("probe.d2d-bandwidth", "device copy", &g.d2d_gbps, f.d2d_gbps, &g.pci));
         out.push(memory_finding(&g.memory).gpu(&g.pci));
-        out.push(gemm_finding(&g.gemm).gpu(&g.pci));
+        out.push(gemm_finding(&g.gemm, f.gemm_tflops).gpu(&g.pci));
         out.push(p2p_finding(report, g, f.p2p_gbps));
     }
     out
@@ -379,6 +476,13 @@ fn memory_finding(o: &Outcome<MemtestResult>) -> Finding {
     const ID: &str = "probe.memory-integrity";
     match o {
         Outcome::Error(ProbeError::Unavailable(why)) => Finding::unknown(ID, why.clone()),
+        // DCGM's memory test maps an uncorrectable ECC error met while testing to a memory
+        // failure of the GPU, not to a test that could not run.
+        Outcome::Error(ProbeError::Sticky { code: crate::cuda::code::ECC_UNCORRECTABLE, message, .. }) => {
+            Finding::fail(ID, format!("uncorrectable ECC error while testing the memory ({message})"))
+                .detail("The GPU's memory returned data ECC could not correct; the GPU is unusable until it is reset.")
+                .remedy("Drain the GPU, check gpu.ecc-uncorrectable and gpu.row-remap, reset it (restart the VM) and probe again; if it repeats, report it to the platform for replacement.")
+        }
         Outcome::Error(e) => Finding::fail(ID, format!("memory test failed to run: {e}"))
             .remedy("Read `dmesg | grep NVRM`; restart the VM and probe again."),
         Outcome::Ok(m) if m.mismatches == 0 => Finding::pass(
@@ -404,7 +508,7 @@ fn memory_finding(o: &Outcome<MemtestResult>) -> Finding {
     }
 }
 
-fn gemm_finding(o: &Outcome<GemmResult>) -> Finding {
+fn gemm_finding(o: &Outcome<GemmResult>, floor: Option<f64>) -> Finding {
     const ID: &str = "probe.gemm";
     match o {
         Outcome::Error(ProbeError::Unavailable(why)) => Finding::unknown(ID, why.clone()),
@@ -412,21 +516,26 @@ fn gemm_finding(o: &Outcome<GemmResult>) -> Finding {
             .remedy("Read `dmesg | grep NVRM`; restart the VM and probe again."),
         Outcome::Ok(g) => {
             let tflops = Stat::of(g.tflops_samples.clone()).map(|s| s.median).unwrap_or(0.0);
-            let f = if g.max_rel_error > GEMM_TOLERANCE {
-                Finding::fail(ID, format!("GEMM {n}×{n} gave wrong results (relative error {:.2e})", g.max_rel_error, n = g.n))
+            let f = if g.wrong_entries > 0 || g.max_rel_error > GEMM_TOLERANCE {
+                Finding::fail(ID, format!("GEMM {n}×{n} gave wrong results: {} of {} checked entries differ (largest relative error {:.2e})", g.wrong_entries, g.checked_entries, g.max_rel_error, n = g.n))
                     .detail("The GPU computed a different product than the host: a faulty GPU (compute or memory).")
                     .remedy("Drain the GPU, reset it (restart the VM) and probe again; report it to the platform if it repeats.")
+            } else if let Some(fl) = floor.filter(|fl| tflops < *fl) {
+                Finding::fail(ID, format!("FP32 GEMM {n}×{n}: {tflops:.1} TFLOP/s, below the floor of {fl:.1}", n = g.n))
+                    .detail("The result was right but the GPU computes slower than its SKU sustains: clocks held down (power, heat) or a GPU shared with other work.")
+                    .remedy("Check gpu.throttle, gpu.temperature and gpu.power; probe again with nothing else running; report the GPU to the platform if it stays low.")
             } else {
+                let against = floor.map(|fl| format!(" (floor {fl:.1})")).unwrap_or_default();
                 Finding::pass(
                     ID,
                     format!(
-                        "FP32 GEMM {n}×{n}: {tflops:.1} TFLOP/s, result checked on {} entries",
+                        "FP32 GEMM {n}×{n}: {tflops:.1} TFLOP/s{against}, every timed result checked exactly on {} entries",
                         g.checked_entries,
                         n = g.n
                     ),
                 )
             };
-            f.evidence("gemm", g).evidence("median_tflops", tflops)
+            f.evidence("gemm", g).evidence("median_tflops", tflops).evidence("floor_tflops", floor)
         }
     }
 }
@@ -450,11 +559,24 @@ fn p2p_finding(report: &ProbeReport, g: &GpuProbes, floor: Option<f64>) -> Findi
     let errors: Vec<String> = row
         .iter()
         .filter_map(|l| match &l.gbps {
+            Some(Outcome::Error(ProbeError::Unavailable(_))) => None,
             Some(Outcome::Error(e)) => Some(format!("→ GPU {}: {e}", l.dst)),
             _ => None,
         })
         .collect();
-    let f = if !errors.is_empty() {
+    // Pairs with a GPU that became unusable (a sticky error) are not this GPU's failure.
+    let unmeasured: Vec<String> = row
+        .iter()
+        .filter_map(|l| match &l.gbps {
+            Some(Outcome::Error(ProbeError::Unavailable(why))) => Some(format!("→ GPU {}: {why}", l.dst)),
+            _ => None,
+        })
+        .collect();
+    let scope = if unmeasured.is_empty() { scope } else { format!("{scope}; {}", unmeasured.join("; ")) };
+    let measured = row.iter().any(|l| matches!(l.gbps, Some(Outcome::Ok(_))) || !l.peer_access && l.gbps.is_none());
+    let f = if errors.is_empty() && !measured && !unmeasured.is_empty() {
+        Finding::unknown(ID, "no peer copy measured").detail(scope.clone())
+    } else if !errors.is_empty() {
         Finding::fail(ID, format!("peer copies failed: {}", errors.join("; ")))
             .remedy("Restart the VM; check nvlink.links-active and fabric.state.")
     } else {
@@ -483,13 +605,23 @@ mod tests {
         peer: bool,
         p2p: f64,
         bad_memory: Option<usize>,
+        /// This GPU meets an uncorrectable ECC error (sticky) in its memory test.
+        ecc_on: Option<usize>,
         no_cublas: bool,
         calls: Vec<String>,
     }
 
     impl SimGpus {
         fn hgx() -> Self {
-            SimGpus { h2d: vec![55.0; 8], peer: true, p2p: 370.0, bad_memory: None, no_cublas: false, calls: vec![] }
+            SimGpus {
+                h2d: vec![55.0; 8],
+                peer: true,
+                p2p: 370.0,
+                bad_memory: None,
+                ecc_on: None,
+                no_cublas: false,
+                calls: vec![],
+            }
         }
     }
 
@@ -511,11 +643,22 @@ mod tests {
         fn can_access_peer(&mut self, _a: usize, _b: usize) -> Result<bool, ProbeError> {
             Ok(self.peer)
         }
+        fn release(&mut self, gpu: usize) {
+            self.calls.push(format!("release {gpu}"));
+        }
         fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
             self.calls.push(format!("p2p {src}->{dst}"));
             Ok(vec![self.p2p; p.samples as usize])
         }
         fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError> {
+            self.calls.push(format!("memory {gpu}"));
+            if self.ecc_on == Some(gpu) {
+                return Err(ProbeError::Sticky {
+                    gpu,
+                    code: 214,
+                    message: "cuMemsetD32Async: CUDA_ERROR_ECC_UNCORRECTABLE (214)".into(),
+                });
+            }
             let bad = self.bad_memory == Some(gpu);
             Ok(MemtestResult {
                 bytes_tested: p.memtest_bytes as u64,
@@ -524,7 +667,8 @@ mod tests {
                 first_mismatch: bad.then(|| (0x1000, "0xfffffffe".into())),
             })
         }
-        fn gemm(&mut self, _gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+        fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+            self.calls.push(format!("gemm {gpu}"));
             if self.no_cublas {
                 return Err(ProbeError::Unavailable(
                     "cuBLAS (libcublas.so.12) is not installed: the GEMM probe needs it".into(),
@@ -535,6 +679,7 @@ mod tests {
                 tflops_samples: vec![50.0, 51.0, 49.0],
                 max_rel_error: 0.0,
                 checked_entries: 1024,
+                wrong_entries: 0,
                 library: "cuBLAS".into(),
             })
         }
@@ -547,6 +692,9 @@ mod tests {
                 pci: format!("0000:{:02x}:00.0", 9 + i),
                 device_id: Some(0x2330),
                 busy_pids: vec![],
+                unusable: None,
+                nvlinks_active: 18,
+                nvlinks_known: true,
             })
             .collect()
     }
@@ -631,15 +779,56 @@ mod tests {
 
     #[test]
     fn sxm_gpus_without_nvlink_warn_and_slow_nvlink_fails() {
+        // NVML reports no active NVLink: the pair is a PCIe pair, a warning on SXM GPUs.
         let mut b = SimGpus::hgx();
         b.p2p = 40.0;
-        let t = targets(2);
+        let mut t = targets(2);
+        t.iter_mut().for_each(|t| t.nvlinks_active = 0);
         let f = judge(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t);
         assert_eq!(sev(&f, "probe.p2p-bandwidth", "0000:09:00.0"), Severity::Warn);
+        // Active NVLinks at PCIe speed: a degraded NVLink fails, it is not called a PCIe pair.
+        let t = targets(2);
+        for gbps in [40.0, 200.0] {
+            let mut b = SimGpus::hgx();
+            b.p2p = gbps;
+            let r = run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {});
+            assert!(r.peers.iter().all(|l| l.scope == "nvlink"), "{:?}", r.peers);
+            assert_eq!(sev(&judge(&r, &t), "probe.p2p-bandwidth", "0000:09:00.0"), Severity::Fail, "{gbps}");
+        }
+    }
+
+    #[test]
+    fn a_sticky_error_is_its_gpus_memory_finding_and_spares_its_peers() {
         let mut b = SimGpus::hgx();
-        b.p2p = 200.0;
-        let f = judge(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t);
-        assert_eq!(sev(&f, "probe.p2p-bandwidth", "0000:09:00.0"), Severity::Fail);
+        b.ecc_on = Some(1);
+        let t = targets(3);
+        let r = run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {});
+        // GPU 1 is let go at once and never used again: no GEMM, no pair.
+        assert!(b.calls.contains(&"release 1".to_string()), "{:?}", b.calls);
+        assert!(!b.calls.iter().any(|c| c == "gemm 1" || c.contains("->1") || c.starts_with("p2p 1")), "{:?}", b.calls);
+        let f = judge(&r, &t);
+        let mem =
+            f.iter().find(|x| x.id == "probe.memory-integrity" && x.gpu.as_deref() == Some("0000:0a:00.0")).unwrap();
+        assert_eq!(mem.severity, Severity::Fail);
+        assert!(mem.summary.contains("uncorrectable ECC error while testing the memory"), "{}", mem.summary);
+        assert_eq!(sev(&f, "probe.gemm", "0000:0a:00.0"), Severity::Unknown);
+        // GPUs 0 and 2 measured each other; their pairs with GPU 1 are not failures.
+        for gpu in ["0000:09:00.0", "0000:0b:00.0"] {
+            assert_eq!(sev(&f, "probe.p2p-bandwidth", gpu), Severity::Pass, "{gpu}: {f:#?}");
+        }
+        assert_eq!(sev(&f, "probe.p2p-bandwidth", "0000:0a:00.0"), Severity::Unknown);
+    }
+
+    #[test]
+    fn unusable_gpus_are_skipped_with_their_reason() {
+        let mut b = SimGpus::hgx();
+        let mut t = targets(2);
+        t[1].unusable = Some("MIG mode is on".into());
+        let r = run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {});
+        assert_eq!(r.gpus.len(), 1);
+        assert!(!b.calls.iter().any(|c| c.ends_with(" 1") || c.contains("1->") || c.contains("->1")), "{:?}", b.calls);
+        let f = judge(&r, &t);
+        assert_eq!(sev(&f, "probe.gemm", "0000:0a:00.0"), Severity::Unknown);
     }
 
     #[test]

@@ -17,6 +17,8 @@ pub const INTERFACE: &str = "ch.phoeniqs.Agent1";
 
 struct Agent {
     shared: Shared,
+    /// Where the probe run lock lives.
+    state_dir: std::path::PathBuf,
 }
 
 fn fdo(msg: impl Into<String>) -> zbus::fdo::Error {
@@ -46,6 +48,8 @@ impl Agent {
         let answer = match crate::probe::run_here(
             &p.snapshot,
             &crate::probe::Options { level, only: &[], force: false },
+            &self.state_dir,
+            "D-Bus RunProbes",
             &mut |step| tracing::info!("probe: {step}"),
         ) {
             Ok((report, targets)) => {
@@ -60,8 +64,8 @@ impl Agent {
 }
 
 /// Owns the name and serves the interface until the returned connection is dropped.
-pub fn serve(shared: Shared) -> zbus::Result<Connection> {
-    zbus::blocking::connection::Builder::system()?.name(NAME)?.serve_at(PATH, Agent { shared })?.build()
+pub fn serve(shared: Shared, state_dir: std::path::PathBuf) -> zbus::Result<Connection> {
+    zbus::blocking::connection::Builder::system()?.name(NAME)?.serve_at(PATH, Agent { shared, state_dir })?.build()
 }
 
 /// Tells listeners the health changed.

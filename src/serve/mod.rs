@@ -419,8 +419,10 @@ pub fn all_gpus_idle(s: &crate::snapshot::Snapshot) -> bool {
 pub fn run_probes(
     snapshot: &crate::snapshot::Snapshot,
     level: crate::config::ProbeLevel,
+    state_dir: &std::path::Path,
 ) -> Option<(serde_json::Value, Vec<checks::Finding>)> {
-    match crate::probe::run_here(snapshot, &crate::probe::Options { level, only: &[], force: false }, &mut |step| {
+    let opts = crate::probe::Options { level, only: &[], force: false };
+    match crate::probe::run_here(snapshot, &opts, state_dir, "phq-agent serve (boot or idle probes)", &mut |step| {
         tracing::info!("probe: {step}")
     }) {
         Ok((report, targets)) => {

@@ -84,6 +84,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     let config = load()?;
     let settings = Settings { token: token_of(&config)?, config };
     let config = &settings.config;
+    let state_dir = config.agent.state_dir.clone();
 
     // This run's part of every Idempotency-Key (rules in serve::push).
     let epoch = push::new_epoch();
@@ -156,7 +157,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     };
 
     let (health_tx, health_rx) = mpsc::unbounded_channel();
-    let dbus = dbus(shared.clone(), health_rx).await;
+    let dbus = dbus(shared.clone(), state_dir.clone(), health_rx).await;
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
     tracing::info!(%status, "ready");
 
@@ -182,7 +183,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         heartbeat: event_beat.clone(),
         first_snapshot: first.snapshot.clone(),
     }));
-    let probe_task = tokio::spawn(probes(probe_rx, to_snapshotter.clone()));
+    let probe_task = tokio::spawn(probes(probe_rx, to_snapshotter.clone(), state_dir.clone()));
     // Rule 1's probes at boot, before workloads start, when asked.
     let at_boot = settings_rx.borrow().config.probes.at_boot;
     if at_boot != ProbeLevel::None {
@@ -492,9 +493,10 @@ async fn events(mut e: Events) {
 /// without it if the bus is away. The connection lives as long as the returned task.
 async fn dbus(
     shared: Shared,
+    state_dir: std::path::PathBuf,
     mut health: mpsc::UnboundedReceiver<(String, String)>,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    let building = tokio::task::spawn_blocking(move || bus::serve(shared));
+    let building = tokio::task::spawn_blocking(move || bus::serve(shared, state_dir));
     let conn = match tokio::time::timeout(Duration::from_secs(5), building).await {
         Ok(Ok(Ok(conn))) => conn,
         Ok(Ok(Err(e))) => {
@@ -519,9 +521,11 @@ async fn dbus(
 async fn probes(
     mut asks: mpsc::UnboundedReceiver<(Arc<Snapshot>, ProbeLevel)>,
     results: mpsc::UnboundedSender<ToSnapshotter>,
+    state_dir: std::path::PathBuf,
 ) {
     while let Some((snapshot, level)) = asks.recv().await {
-        if let Ok(Some(p)) = tokio::task::spawn_blocking(move || super::run_probes(&snapshot, level)).await {
+        let dir = state_dir.clone();
+        if let Ok(Some(p)) = tokio::task::spawn_blocking(move || super::run_probes(&snapshot, level, &dir)).await {
             let _ = results.send(ToSnapshotter::Probes(p));
         }
     }
