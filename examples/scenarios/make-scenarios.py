@@ -141,6 +141,19 @@ def vm_unsupported():
     return {"driver_version": "550.90.07", "nvml_version": "12.550.90.07", "cuda_driver_version": 12040, "devices": [d]}
 
 
+def h200_vm():
+    """One H200 SXM of an HGX H200 node passed through to a VM, healthy, no NVLink peers in it."""
+    d = {
+        "name": "NVIDIA H200",
+        "uuid": "GPU-7c2d4e6f-0000-4000-8000-0000000000b2",
+        "pci": {"bus_id": "00000000:09:00.0", "pci_device_id": "0x233510DE"},
+        "memory": {"total_bytes": 150754820096, "used_bytes": 0},
+        "temperature_c": 36,
+        "persistence_mode": True,
+    }
+    return {"driver_version": "580.105.08", "nvml_version": "12.580.105.08", "cuda_driver_version": 12080, "devices": [d]}
+
+
 def init_error(code):
     return {"init_error": code}
 
@@ -153,6 +166,7 @@ SCENARIOS = {
     "hgx-8gpu-pcie-degraded-thermal": pcie_thermal,
     "hgx-8gpu-nvlink-down": nvlink_down,
     "h100-pcie-vm-unsupported": vm_unsupported,
+    "h200-vm": h200_vm,
     "init-driver-not-loaded": lambda: init_error("NVML_ERROR_DRIVER_NOT_LOADED"),
     "init-version-mismatch": lambda: init_error("NVML_ERROR_LIB_RM_VERSION_MISMATCH"),
     "init-no-permission": lambda: init_error("NVML_ERROR_NO_PERMISSION"),

@@ -155,6 +155,7 @@ pub const CATALOG: &[&str] = &[
     "gpu.sku-known",
     "probe.h2d-bandwidth",
     "probe.d2h-bandwidth",
+    "probe.bidir-bandwidth",
     "probe.d2d-bandwidth",
     "probe.p2p-bandwidth",
     "probe.memory-integrity",

@@ -157,7 +157,8 @@ fn bidir(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
     down.synchronize()?;
     let (start, mid, end) = (ctx.event()?, ctx.event()?, ctx.event()?);
     let mut out = Vec::new();
-    for _ in 0..p.samples {
+    // Sample 0 is the warm-up, untimed.
+    for sample in 0..=p.samples {
         up.record(&start)?;
         down.wait(&start)?;
         for _ in 0..p.copies_per_sample {
@@ -171,6 +172,9 @@ fn bidir(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
         up.wait(&mid)?;
         up.record(&end)?;
         up.synchronize()?;
+        if sample == 0 {
+            continue;
+        }
         let ms = start.elapsed_ms(&end)? as f64;
         out.push(2.0 * p.buffer_bytes as f64 * p.copies_per_sample as f64 / (ms / 1000.0) / 1e9);
     }

@@ -220,7 +220,7 @@ const NVLINK_SCOPE_GBPS: f64 = 100.0;
 
 pub struct Options<'a> {
     pub level: ProbeLevel,
-    /// Only these ordinals (empty: all).
+    /// Only these GPUs, by position in PCI bus order as nvidia-smi numbers them (empty: all).
     pub only: &'a [usize],
     /// Run on GPUs with compute processes too.
     pub force: bool,
@@ -239,8 +239,16 @@ pub fn run(
     let p = params(opts.level);
     let mut report =
         ProbeReport { level: opts.level, params: p, gpus: Vec::new(), peers: Vec::new(), skipped: Vec::new() };
+    // `--gpu N` is nvidia-smi's GPU N: the Nth in PCI bus order (CUDA programming guide,
+    // CUDA_DEVICE_ORDER=PCI_BUS_ID "orders devices by PCI bus ID in ascending order"), even
+    // when the user's environment asked CUDA for another order.
+    let mut by_pci: Vec<&str> = targets.iter().map(|t| t.pci.as_str()).collect();
+    by_pci.sort_unstable();
+    let asked = |t: &Target| {
+        opts.only.is_empty() || by_pci.iter().position(|p| *p == t.pci).is_some_and(|i| opts.only.contains(&i))
+    };
     let mut chosen: Vec<&Target> = Vec::new();
-    for t in targets.iter().filter(|t| opts.only.is_empty() || opts.only.contains(&t.ordinal)) {
+    for t in targets.iter().filter(|t| asked(t)) {
         if let Some(why) = &t.unusable {
             report.skipped.push(Skipped { pci: t.pci.clone(), reason: why.clone() });
             continue;
@@ -268,6 +276,7 @@ pub fn run(
         let memory = guard.call(backend, &[g], |b| b.memory_integrity(g, &p)).into();
         step("GEMM");
         let gemm = guard.call(backend, &[g], |b| b.gemm(g, &p)).into();
+        let memory = guard.memory_of(g, memory);
         report.gpus.push(GpuProbes {
             ordinal: g,
             pci: t.pci.clone(),
@@ -314,7 +323,7 @@ pub fn run(
 
 /// The GPUs a sticky error made unusable during a run, and why.
 #[derive(Default)]
-struct Poisoned(std::collections::BTreeMap<usize, String>);
+struct Poisoned(std::collections::BTreeMap<usize, ProbeError>);
 
 impl Poisoned {
     /// Runs `f` unless a GPU in `gpus` is poisoned; a sticky error from `f` poisons its GPU and
@@ -329,12 +338,26 @@ impl Poisoned {
             return Err(ProbeError::Unavailable(format!("not measured: GPU {g} is unusable since {why}")));
         }
         let r = f(backend);
-        if let Err(ProbeError::Sticky { gpu, message, .. }) = &r {
+        if let Err(e @ ProbeError::Sticky { gpu, .. }) = &r {
             backend.release(*gpu);
-            self.0.insert(*gpu, message.clone());
+            self.0.insert(*gpu, e.clone());
         }
         r
     }
+
+    /// The memory verdict of GPU `g`: an uncorrectable ECC error met by any of its probes is a
+    /// memory failure (as DCGM counts it) even when it struck before the memory test ran.
+    fn memory_of(&self, g: usize, tested: Outcome<MemtestResult>) -> Outcome<MemtestResult> {
+        match (tested, self.0.get(&g)) {
+            (Outcome::Error(ProbeError::Unavailable(_)), Some(e)) if is_ecc(e) => Outcome::Error(e.clone()),
+            (m, _) => m,
+        }
+    }
+}
+
+/// Whether `e` is CUDA's uncorrectable ECC error (214).
+fn is_ecc(e: &ProbeError) -> bool {
+    matches!(e, ProbeError::Sticky { code: crate::cuda::code::ECC_UNCORRECTABLE, .. })
 }
 
 /// Whether NVML reported link states for any target (else scope falls back to throughput).
@@ -435,6 +458,7 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
         for id in [
             "probe.h2d-bandwidth",
             "probe.d2h-bandwidth",
+            "probe.bidir-bandwidth",
             "probe.d2d-bandwidth",
             "probe.memory-integrity",
             "probe.gemm",
@@ -447,6 +471,11 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
         let f = floors_of(&g.pci);
         out.push(bandwidth_finding("probe.h2d-bandwidth", "host→device", &g.h2d_gbps, f.h2d_gbps, &g.pci));
         out.push(bandwidth_finding("probe.d2h-bandwidth", "device→host", &g.d2h_gbps, f.d2h_gbps, &g.pci));
+        // PCIe links are dual-simplex (PCIe Base Specification, "Link"): both directions at
+        // once move at least what one direction does alone, so the bidirectional total is held
+        // to the one-direction floor; less means a link or IOMMU path that serialises the two.
+        let bidir_floor = f.h2d_gbps.zip(f.d2h_gbps).map(|(a, b)| a.min(b));
+        out.push(bandwidth_finding("probe.bidir-bandwidth", "both directions", &g.bidir_gbps, bidir_floor, &g.pci));
         out.push(bandwidth_finding("probe.d2d-bandwidth", "device copy", &g.d2d_gbps, f.d2d_gbps, &g.pci));
         out.push(memory_finding(&g.memory).gpu(&g.pci));
         out.push(gemm_finding(&g.gemm, f.gemm_tflops).gpu(&g.pci));
@@ -458,6 +487,7 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
 fn bandwidth_finding(id: &str, what: &str, o: &Outcome<Stat>, floor: Option<f64>, pci: &str) -> Finding {
     let f = match (o, floor) {
         (Outcome::Error(ProbeError::Unavailable(why)), _) => Finding::unknown(id, format!("{what}: {why}")),
+        (Outcome::Error(e), _) if is_ecc(e) => Finding::unknown(id, format!("{what}: stopped by an uncorrectable ECC error on this GPU (see probe.memory-integrity): {e}")),
         (Outcome::Error(e), _) => Finding::fail(id, format!("{what} copy failed: {e}")).remedy("Read `dmesg | grep NVRM` (an Xid during the copy?); restart the VM and probe again."),
         (Outcome::Ok(s), Some(fl)) if s.median < fl => Finding::fail(id, format!("{what} {:.1} GB/s, below the floor of {fl:.0} GB/s", s.median))
             .detail(if id == "probe.d2d-bandwidth" { "Device memory bandwidth this low means a throttled or faulty GPU (see gpu.throttle, gpu.temperature)." } else { "The PCIe link carries less than the SKU should: a degraded link (width or generation), a busy host, or a NUMA-remote pinned buffer." })
@@ -479,7 +509,7 @@ fn memory_finding(o: &Outcome<MemtestResult>) -> Finding {
         // DCGM's memory test maps an uncorrectable ECC error met while testing to a memory
         // failure of the GPU, not to a test that could not run.
         Outcome::Error(ProbeError::Sticky { code: crate::cuda::code::ECC_UNCORRECTABLE, message, .. }) => {
-            Finding::fail(ID, format!("uncorrectable ECC error while testing the memory ({message})"))
+            Finding::fail(ID, format!("uncorrectable ECC error (CUDA error 214) while probing this GPU ({message})"))
                 .detail("The GPU's memory returned data ECC could not correct; the GPU is unusable until it is reset.")
                 .remedy("Drain the GPU, check gpu.ecc-uncorrectable and gpu.row-remap, reset it (restart the VM) and probe again; if it repeats, report it to the platform for replacement.")
         }
@@ -512,6 +542,10 @@ fn gemm_finding(o: &Outcome<GemmResult>, floor: Option<f64>) -> Finding {
     const ID: &str = "probe.gemm";
     match o {
         Outcome::Error(ProbeError::Unavailable(why)) => Finding::unknown(ID, why.clone()),
+        Outcome::Error(e) if is_ecc(e) => Finding::unknown(
+            ID,
+            format!("stopped by an uncorrectable ECC error on this GPU (see probe.memory-integrity): {e}"),
+        ),
         Outcome::Error(e) => Finding::fail(ID, format!("GEMM failed to run: {e}"))
             .remedy("Read `dmesg | grep NVRM`; restart the VM and probe again."),
         Outcome::Ok(g) => {
@@ -724,7 +758,7 @@ mod tests {
         assert!(r.peers.iter().all(|l| l.scope == "nvlink"));
         let f = judge(&r, &t);
         assert!(f.iter().all(|x| x.severity == Severity::Pass), "{f:#?}");
-        assert_eq!(f.len(), 8 * 6);
+        assert_eq!(f.len(), 8 * 7);
     }
 
     #[test]
@@ -810,7 +844,7 @@ mod tests {
         let mem =
             f.iter().find(|x| x.id == "probe.memory-integrity" && x.gpu.as_deref() == Some("0000:0a:00.0")).unwrap();
         assert_eq!(mem.severity, Severity::Fail);
-        assert!(mem.summary.contains("uncorrectable ECC error while testing the memory"), "{}", mem.summary);
+        assert!(mem.summary.contains("uncorrectable ECC error (CUDA error 214)"), "{}", mem.summary);
         assert_eq!(sev(&f, "probe.gemm", "0000:0a:00.0"), Severity::Unknown);
         // GPUs 0 and 2 measured each other; their pairs with GPU 1 are not failures.
         for gpu in ["0000:09:00.0", "0000:0b:00.0"] {

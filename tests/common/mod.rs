@@ -76,6 +76,26 @@ pub fn fake_nvml() -> &'static Path {
     })
 }
 
+/// The fake CUDA driver (crates/fake-cuda: libcuda and libcublas in one library), built once per
+/// test binary; `PHQ_FAKE_CUDA_LIB` names a prebuilt one.
+pub fn fake_cuda() -> &'static Path {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        if let Ok(p) = std::env::var("PHQ_FAKE_CUDA_LIB") {
+            return PathBuf::from(p);
+        }
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "--quiet", "-p", "fake-cuda"])
+            .current_dir(repo())
+            .status()
+            .expect("run cargo build -p fake-cuda");
+        assert!(status.success(), "cargo build -p fake-cuda failed");
+        let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
+        target.join("debug/libfake_cuda.so")
+    })
+}
+
 /// The TCP port `child` listens on, once it does, or None if it exits first (its stderr is
 /// left for the caller). The test gives the agent `127.0.0.1:0` and reads the port the kernel
 /// chose from /proc (the socket inodes among the child's descriptors against the LISTEN rows of

@@ -167,6 +167,10 @@ pub(crate) struct World {
     poisoned: Vec<Option<CUresult>>,
     counts: Vec<HashMap<FaultOn, u64>>,
     busy: HashMap<Engine, f64>,
+    /// The host's present in virtual seconds: how far it has waited (a synchronize moves it to
+    /// the work it waited for). Work queued on an idle stream starts then, not at the stream's
+    /// last completion, as on a real GPU where an idle stream's next copy starts when issued.
+    now: f64,
     pinned: BTreeMap<usize, (usize, std::alloc::Layout)>,
     pub(crate) blas: HashMap<usize, blas::BlasHandle>,
 }
@@ -248,6 +252,7 @@ fn load_world() -> Result<World, CUresult> {
         poisoned: vec![None; n],
         counts: vec![HashMap::new(); n],
         busy: HashMap::new(),
+        now: 0.0,
         pinned: BTreeMap::new(),
         blas: HashMap::new(),
     };
@@ -355,7 +360,8 @@ impl World {
     /// Occupies `stream` and `engines` for `secs` from when both are free; returns the end.
     fn occupy(&mut self, stream: usize, engines: &[Engine], secs: f64) {
         let st = &self.streams[&stream];
-        let start = engines.iter().map(|e| self.busy.get(e).copied().unwrap_or(0.0)).fold(st.clock, f64::max);
+        let start =
+            engines.iter().map(|e| self.busy.get(e).copied().unwrap_or(0.0)).fold(st.clock.max(self.now), f64::max);
         let end = start + secs;
         for e in engines {
             self.busy.insert(*e, end);
@@ -995,7 +1001,11 @@ pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
     with(|w| match w.current_ctx() {
-        Ok(_) => SUCCESS,
+        Ok(c) => {
+            let done = w.streams.values().filter(|s| s.ctx == c).map(|s| s.clock).fold(w.now, f64::max);
+            w.now = done;
+            SUCCESS
+        }
         Err(e) => e,
     })
 }
@@ -1115,7 +1125,10 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(s: Handle) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamSynchronize(s: Handle) -> CUresult {
     with(|w| match w.stream(s) {
-        Ok(_) => SUCCESS,
+        Ok(id) => {
+            w.now = w.now.max(w.streams[&id].clock);
+            SUCCESS
+        }
         Err(e) => e,
     })
 }
@@ -1142,8 +1155,9 @@ pub unsafe extern "C" fn cuStreamWaitEvent(s: Handle, e: Handle, _flags: c_uint)
         };
         let Some(ev) = w.events.get(&(e as usize)) else { return INVALID_HANDLE };
         let at = ev.at.unwrap_or(0.0);
+        let now = w.now;
         if let Some(st) = w.streams.get_mut(&id) {
-            st.clock = st.clock.max(at);
+            st.clock = st.clock.max(at).max(now);
         }
         SUCCESS
     })
@@ -1191,7 +1205,7 @@ pub unsafe extern "C" fn cuEventRecord(e: Handle, s: Handle) -> CUresult {
             Ok(id) => id,
             Err(e) => return e,
         };
-        let (sctx, clock) = (w.streams[&id].ctx, w.streams[&id].clock);
+        let (sctx, clock) = (w.streams[&id].ctx, w.streams[&id].clock.max(w.now));
         let Some(ev) = w.events.get_mut(&(e as usize)) else { return INVALID_HANDLE };
         if ev.ctx != sctx {
             eprintln!("fake-cuda: cuEventRecord: the event and the stream belong to different contexts");
@@ -1206,9 +1220,12 @@ pub unsafe extern "C" fn cuEventRecord(e: Handle, s: Handle) -> CUresult {
 /// As the real one.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventSynchronize(e: Handle) -> CUresult {
-    with(|w| match w.events.get(&(e as usize)) {
-        Some(ev) => match w.contexts.get(&ev.ctx) {
-            Some(c) => w.healthy(c.device).err().unwrap_or(SUCCESS),
+    with(|w| match w.events.get(&(e as usize)).map(|ev| (ev.ctx, ev.at)) {
+        Some((ctx, at)) => match w.contexts.get(&ctx).map(|c| c.device) {
+            Some(device) => {
+                w.now = w.now.max(at.unwrap_or(0.0));
+                w.healthy(device).err().unwrap_or(SUCCESS)
+            }
             None => INVALID_HANDLE,
         },
         None => INVALID_HANDLE,

@@ -1,0 +1,302 @@
+//! `phq-agent probe`, the real binary, against the fake CUDA driver (crates/fake-cuda) and the
+//! fake NVML: the same machine seen by both. The fake keeps the driver API's rules (events stay
+//! in their context, peer access must be enabled, sticky errors poison a device, exclusive mode
+//! refuses a second process) and its clocks are virtual, so every figure below is exact.
+//!
+//! Each test names a defect the first probe had on a real HGX; against that probe (on cudarc)
+//! the 8-GPU scenario failed every GPU↔GPU pair with CUDA_ERROR_INVALID_CONTEXT (201).
+
+mod common;
+
+use common::{fake_cuda, fake_nvml, repo};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A probe over a fixture: sysroot, NVML scenario and CUDA scenario, a private state dir.
+struct Run {
+    dir: tempfile::TempDir,
+    sysroot: &'static str,
+    nvml: &'static str,
+    cuda: &'static str,
+}
+
+impl Run {
+    fn new(sysroot: &'static str, nvml: &'static str, cuda: &'static str) -> Run {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        std::fs::write(dir.path().join("config.toml"), format!("[agent]\nstate_dir = {:?}\n", state.to_str().unwrap()))
+            .unwrap();
+        Run { dir, sysroot, nvml, cuda }
+    }
+
+    /// Every GPU the agent made a context on, one line per context (PCI address).
+    fn contexts(&self) -> PathBuf {
+        self.dir.path().join("contexts")
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_phq-agent"));
+        c.args(["probe", "--json", "--config"])
+            .arg(self.dir.path().join("config.toml"))
+            .arg("--sysroot")
+            .arg(repo().join("tests/fixtures/sysroots").join(self.sysroot))
+            .arg("--nvml-lib")
+            .arg(fake_nvml())
+            .arg("--cuda-lib")
+            .arg(fake_cuda())
+            .args(args)
+            .env("PHQ_FAKE_NVML_SCENARIO", scenario(self.nvml))
+            .env("PHQ_FAKE_CUDA_SCENARIO", scenario(self.cuda))
+            .env("PHQ_CUBLAS_LIB", fake_cuda())
+            .env("PHQ_FAKE_CUDA_CONTEXTS", self.contexts())
+            .env_remove("CUDA_DEVICE_ORDER")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    }
+
+    fn run(&self, args: &[&str]) -> Probed {
+        Probed::of(self.command(args).output().unwrap())
+    }
+
+    fn spawn(&self, args: &[&str]) -> Child {
+        self.command(args).spawn().unwrap()
+    }
+
+    fn contexts_made(&self) -> Vec<String> {
+        let mut v: Vec<String> =
+            std::fs::read_to_string(self.contexts()).unwrap_or_default().lines().map(str::to_string).collect();
+        v.sort();
+        v
+    }
+}
+
+fn scenario(name: &str) -> PathBuf {
+    repo().join("examples/scenarios").join(format!("{name}.json"))
+}
+
+struct Probed {
+    code: i32,
+    report: Value,
+    stderr: String,
+}
+
+impl Probed {
+    fn of(out: std::process::Output) -> Probed {
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let report = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("probe printed no JSON ({e}); stderr:\n{stderr}"));
+        Probed { code: out.status.code().unwrap_or(-1), report, stderr }
+    }
+
+    fn finding(&self, id: &str, gpu: &str) -> &Value {
+        self.report["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["id"] == id && f["gpu"] == gpu)
+            .unwrap_or_else(|| panic!("no {id} for {gpu} in {:#}", self.report["findings"]))
+    }
+
+    fn severity(&self, id: &str, gpu: &str) -> &str {
+        self.finding(id, gpu)["severity"].as_str().unwrap()
+    }
+
+    fn probed_gpus(&self) -> Vec<String> {
+        self.report["probes"]["gpus"].as_array().unwrap().iter().map(|g| g["pci"].as_str().unwrap().into()).collect()
+    }
+
+    fn peers(&self) -> &Vec<Value> {
+        self.report["probes"]["peers"].as_array().unwrap()
+    }
+}
+
+fn median(v: &Value) -> f64 {
+    v["ok"]["median"].as_f64().unwrap_or_else(|| panic!("no measured median in {v}"))
+}
+
+const PCI: [&str; 8] = [
+    "0000:09:00.0",
+    "0000:0a:00.0",
+    "0000:0b:00.0",
+    "0000:0c:00.0",
+    "0000:0d:00.0",
+    "0000:0e:00.0",
+    "0000:0f:00.0",
+    "0000:10:00.0",
+];
+
+/// The 8-GPU HGX, every GPU and every ordered pair: a full pass, 56 pairs over NVLink at the
+/// scenario's 375 GB/s. While it runs, a second probe is refused and told who holds the lock
+/// (two runs at once would halve each other's bandwidth).
+#[test]
+fn hgx_passes_with_all_56_pairs_at_the_links_rate_and_one_run_at_a_time() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
+    let mut first = r.spawn(&[]);
+    let lock = r.dir.path().join("state/probe.lock");
+    let want = format!("pid {} (phq-agent probe)", first.id());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&lock).unwrap_or_default().starts_with(&want) {
+        assert!(Instant::now() < deadline, "the first probe never took {}", lock.display());
+        assert!(first.try_wait().unwrap().is_none(), "the first probe ended before it was seen holding the lock");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let second = r.run(&["--gpu", "0"]);
+    assert_eq!(second.code, 3, "{}", second.stderr);
+    assert!(
+        second.stderr.contains("another probe run is in progress") && second.stderr.contains(&want),
+        "{}",
+        second.stderr
+    );
+    assert_eq!(second.report["findings"].as_array().unwrap().iter().filter(|f| f["severity"] == "fail").count(), 0);
+
+    let p = Probed::of(first.wait_with_output().unwrap());
+    assert_eq!(p.code, 0, "{:#}\n{}", p.report["findings"], p.stderr);
+    assert_eq!(p.probed_gpus(), PCI);
+    assert_eq!(p.peers().len(), 56);
+    for l in p.peers() {
+        assert_eq!(l["scope"], "nvlink", "{l}");
+        assert!((median(&l["gbps"]) - 375.0).abs() < 0.5, "{l}");
+    }
+    for gpu in PCI {
+        for id in [
+            "probe.h2d-bandwidth",
+            "probe.d2h-bandwidth",
+            "probe.bidir-bandwidth",
+            "probe.d2d-bandwidth",
+            "probe.memory-integrity",
+            "probe.gemm",
+            "probe.p2p-bandwidth",
+        ] {
+            assert_eq!(p.severity(id, gpu), "pass", "{}", p.finding(id, gpu));
+        }
+    }
+    let g = &p.report["probes"]["gpus"][0];
+    assert!((median(&g["h2d_gbps"]) - 55.0).abs() < 0.1, "{g}");
+    // Both directions at once on PCIe: the fake's two copy engines each run at 55 GB/s.
+    assert!((median(&g["bidir_gbps"]) - 110.0).abs() < 0.1, "{g}");
+    // A device copy counts read + write bytes, as the scenario's HBM rate does.
+    assert!((median(&g["d2d_gbps"]) - 2540.0).abs() < 1.0, "{g}");
+    assert_eq!(g["gemm"]["ok"]["wrong_entries"], 0);
+    assert_eq!(g["gemm"]["ok"]["checked_entries"], 3 * 1024, "every timed result is checked: {g}");
+    // One context per GPU, each made once.
+    assert_eq!(r.contexts_made(), PCI);
+}
+
+/// `--gpu N` is what nvidia-smi calls GPU N (PCI order), whatever CUDA's own order; the scenario
+/// ranks each pair of GPUs the other way round for CUDA's default FASTEST_FIRST order. No other
+/// GPU gets a context.
+#[test]
+fn gpu_n_is_nvidia_smis_gpu_n_and_no_other_gpu_is_touched() {
+    for order in [None, Some("FASTEST_FIRST")] {
+        let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
+        let mut c = r.command(&["--gpu", "1"]);
+        if let Some(o) = order {
+            c.env("CUDA_DEVICE_ORDER", o);
+        }
+        let p = Probed::of(c.output().unwrap());
+        assert_eq!(p.code, 0, "{order:?}: {:#}", p.report["findings"]);
+        assert_eq!(p.probed_gpus(), ["0000:0a:00.0"], "{order:?}");
+        assert_eq!(r.contexts_made(), ["0000:0a:00.0"], "{order:?}");
+    }
+}
+
+/// A GPU with a compute process (NVML lists pid 48211 on 0000:0e:00.0) is never given a context:
+/// its probes are `unknown` naming the process, its neighbour is measured.
+#[test]
+fn a_busy_gpu_gets_no_context() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-pcie-degraded-thermal", "cuda-hgx-8gpu");
+    let p = r.run(&["--gpu", "4", "--gpu", "5"]);
+    assert_eq!(r.contexts_made(), ["0000:0d:00.0"]);
+    assert_eq!(p.severity("probe.gemm", "0000:0e:00.0"), "unknown");
+    assert!(p.finding("probe.gemm", "0000:0e:00.0")["summary"].as_str().unwrap().contains("pid 48211"));
+    assert_eq!(p.severity("probe.gemm", "0000:0d:00.0"), "pass");
+    assert!(p.peers().is_empty(), "{:?}", p.peers());
+}
+
+/// Exclusive-process mode with another process on GPU 5: the driver refuses the context with
+/// CUDA_ERROR_DEVICE_UNAVAILABLE. That GPU is `unknown`, not failed, and its neighbours' pairs
+/// among themselves still pass.
+#[test]
+fn an_exclusive_gpu_held_by_another_process_is_unknown_not_failed() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu-exclusive");
+    let p = r.run(&["--gpu", "4", "--gpu", "5", "--gpu", "6"]);
+    for id in ["probe.h2d-bandwidth", "probe.memory-integrity", "probe.gemm", "probe.p2p-bandwidth"] {
+        assert_eq!(p.severity(id, "0000:0e:00.0"), "unknown", "{}", p.finding(id, "0000:0e:00.0"));
+    }
+    assert!(
+        p.finding("probe.gemm", "0000:0e:00.0")["summary"].as_str().unwrap().contains("exclusive"),
+        "{}",
+        p.finding("probe.gemm", "0000:0e:00.0")
+    );
+    for gpu in ["0000:0d:00.0", "0000:0f:00.0"] {
+        assert_eq!(p.severity("probe.p2p-bandwidth", gpu), "pass", "{}", p.finding("probe.p2p-bandwidth", gpu));
+        assert_eq!(p.severity("probe.gemm", gpu), "pass");
+    }
+    assert_eq!(p.report["findings"].as_array().unwrap().iter().filter(|f| f["severity"] == "fail").count(), 0);
+}
+
+/// An uncorrectable ECC error (214, sticky: it poisons GPU 3's context until reset) during the
+/// memory test is GPU 3's memory failure, as DCGM counts it; GPU 3 is let go and not used again,
+/// and its neighbours' own figures and their pair stand.
+#[test]
+fn a_sticky_ecc_error_fails_its_gpus_memory_and_spares_its_peers() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu-ecc");
+    let p = r.run(&["--gpu", "2", "--gpu", "3", "--gpu", "4"]);
+    assert_eq!(p.code, 2, "{:#}", p.report["findings"]);
+    let mem = p.finding("probe.memory-integrity", "0000:0c:00.0");
+    assert_eq!(mem["severity"], "fail", "{mem}");
+    assert!(mem["summary"].as_str().unwrap().contains("uncorrectable ECC"), "{mem}");
+    assert_eq!(p.severity("probe.gemm", "0000:0c:00.0"), "unknown");
+    for gpu in ["0000:0b:00.0", "0000:0d:00.0"] {
+        for id in ["probe.memory-integrity", "probe.gemm", "probe.p2p-bandwidth"] {
+            assert_eq!(p.severity(id, gpu), "pass", "{}", p.finding(id, gpu));
+        }
+    }
+    let measured = p.peers().iter().filter(|l| l["gbps"]["ok"].is_object()).count();
+    assert_eq!(measured, 2, "only 2↔4 can be measured: {:?}", p.peers());
+}
+
+/// A degraded NVLink path (GPU 2 → GPU 6 at 120 GB/s) is a failed NVLink pair of GPU 2, judged
+/// against the NVLink floor because NVML says the GPUs have active NVLinks — not a "PCIe pair"
+/// because it copied slowly.
+#[test]
+fn a_slow_nvlink_pair_fails_its_source_gpu() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu-slow-pair");
+    let p = r.run(&["--gpu", "2", "--gpu", "6"]);
+    assert_eq!(p.code, 2);
+    let f = p.finding("probe.p2p-bandwidth", "0000:0b:00.0");
+    assert_eq!(f["severity"], "fail", "{f}");
+    assert!(f["summary"].as_str().unwrap().contains("120"), "{f}");
+    assert_eq!(p.severity("probe.p2p-bandwidth", "0000:0f:00.0"), "pass");
+    assert!(p.peers().iter().all(|l| l["scope"] == "nvlink"), "{:?}", p.peers());
+}
+
+/// An H100 PCIe VM: judged against that SKU's DCGM floors (device copy 1230 GB/s, GEMM 15.4
+/// TFLOP/s), and no peers.
+#[test]
+fn an_h100_pcie_vm_is_held_to_its_own_floors() {
+    let r = Run::new("h100-pcie-single", "h100-pcie-vm-unsupported", "cuda-h100-pcie");
+    let p = r.run(&[]);
+    assert_eq!(p.code, 0, "{:#}", p.report["findings"]);
+    let gpu = "0000:09:00.0";
+    assert_eq!(p.finding("probe.d2d-bandwidth", gpu)["evidence"]["floor_gbps"], 1230.0);
+    assert!(p.finding("probe.gemm", gpu)["summary"].as_str().unwrap().contains("floor 15.4"));
+    assert!(p.peers().is_empty());
+}
+
+/// An H200 VM: DCGM's H200 floors (device copy 2333 GB/s, GEMM 37.5 TFLOP/s), which a healthy
+/// H200 (3110 GB/s in the scenario, DCGM's measured figure) passes.
+#[test]
+fn an_h200_vm_is_held_to_its_own_floors() {
+    let r = Run::new("h200-single", "h200-vm", "cuda-h200");
+    let p = r.run(&[]);
+    assert_eq!(p.code, 0, "{:#}", p.report["findings"]);
+    let gpu = "0000:09:00.0";
+    let d2d = p.finding("probe.d2d-bandwidth", gpu);
+    assert_eq!(d2d["evidence"]["floor_gbps"], 2333.0, "{d2d}");
+    assert!((d2d["evidence"]["median_gbps"].as_f64().unwrap() - 3110.0).abs() < 1.0, "{d2d}");
+    assert!(p.finding("probe.gemm", gpu)["summary"].as_str().unwrap().contains("floor 37.5"));
+}
