@@ -5,10 +5,9 @@ fn main() {
     // CUDA numbers GPUs fastest-first unless told otherwise, and reads this once, at cuInit.
     // Set here, before any thread exists and before anything can load CUDA, so a CUDA ordinal
     // is the index nvidia-smi prints (CUDA programming guide, "CUDA Environment Variables").
-    // A value the user set is kept.
-    if std::env::var_os("CUDA_DEVICE_ORDER").is_none() {
-        std::env::set_var("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
-    }
+    // Always: a CUDA_DEVICE_ORDER the user exported for their applications must not renumber
+    // the agent's GPUs; it affects this process only.
+    std::env::set_var("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

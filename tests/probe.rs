@@ -199,6 +199,7 @@ fn gpu_n_is_nvidia_smis_gpu_n_and_no_other_gpu_is_touched() {
         let p = Probed::of(c.output().unwrap());
         assert_eq!(p.code, 0, "{order:?}: {:#}", p.report["findings"]);
         assert_eq!(p.probed_gpus(), ["0000:0a:00.0"], "{order:?}");
+        assert_eq!(p.report["probes"]["gpus"][0]["ordinal"], 1, "{order:?}: the report calls it GPU 1 too");
         assert_eq!(r.contexts_made(), ["0000:0a:00.0"], "{order:?}");
     }
 }
@@ -285,6 +286,15 @@ fn an_h100_pcie_vm_is_held_to_its_own_floors() {
     assert_eq!(p.finding("probe.d2d-bandwidth", gpu)["evidence"]["floor_gbps"], 1230.0);
     assert!(p.finding("probe.gemm", gpu)["summary"].as_str().unwrap().contains("floor 15.4"));
     assert!(p.peers().is_empty());
+}
+
+/// NVML lists the agent's own process on a GPU it holds a context on; that does not make the GPU
+/// busy (the agent would otherwise lock itself out of every later probe).
+#[test]
+fn the_agents_own_process_does_not_make_a_gpu_busy() {
+    let r = Run::new("h200-single", "h200-vm-agent-context", "cuda-h200");
+    let p = r.run(&[]);
+    assert_eq!(p.severity("probe.gemm", "0000:09:00.0"), "pass", "{}", p.finding("probe.gemm", "0000:09:00.0"));
 }
 
 /// An H200 VM: DCGM's H200 floors (device copy 2333 GB/s, GEMM 37.5 TFLOP/s), which a healthy

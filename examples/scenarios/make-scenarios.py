@@ -154,6 +154,13 @@ def h200_vm():
     return {"driver_version": "580.105.08", "nvml_version": "12.580.105.08", "cuda_driver_version": 12080, "devices": [d]}
 
 
+def h200_vm_agent_context():
+    """The H200 VM while the agent itself holds a context on the GPU: NVML lists the agent."""
+    s = h200_vm()
+    s["devices"][0]["processes"] = [{"caller": True, "used_bytes": 536870912}]
+    return s
+
+
 def init_error(code):
     return {"init_error": code}
 
@@ -167,6 +174,7 @@ SCENARIOS = {
     "hgx-8gpu-nvlink-down": nvlink_down,
     "h100-pcie-vm-unsupported": vm_unsupported,
     "h200-vm": h200_vm,
+    "h200-vm-agent-context": h200_vm_agent_context,
     "init-driver-not-loaded": lambda: init_error("NVML_ERROR_DRIVER_NOT_LOADED"),
     "init-version-mismatch": lambda: init_error("NVML_ERROR_LIB_RM_VERSION_MISMATCH"),
     "init-no-permission": lambda: init_error("NVML_ERROR_NO_PERMISSION"),

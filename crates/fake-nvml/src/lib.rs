@@ -719,7 +719,7 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
         }
         for (i, p) in procs.iter().enumerate() {
             *infos.add(i) = nvmlProcessInfo_t {
-                pid: p.pid,
+                pid: if p.caller { std::process::id() } else { p.pid },
                 usedGpuMemory: p.used_bytes,
                 gpuInstanceId: u32::MAX,
                 computeInstanceId: u32::MAX,

@@ -166,8 +166,13 @@ pub struct Fabric {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Process {
+    #[serde(default)]
     pub pid: u32,
     pub used_bytes: u64,
+    /// The process that loaded this library, whatever its pid: on a real machine NVML lists the
+    /// agent itself once it holds a context on the GPU.
+    #[serde(default)]
+    pub caller: bool,
 }
 
 #[derive(Debug, Deserialize)]
