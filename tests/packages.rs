@@ -92,6 +92,7 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
     }
     let unit = std::fs::read_to_string(root.join("lib/systemd/system/phq-agent.service")).unwrap();
     assert!(unit.contains("ExecStartPre=+/usr/bin/phq-agent token --owner phq-agent"));
+    assert!(unit.contains("\nEnvironment=CUDA_DEVICE_ORDER=PCI_BUS_ID\n"), "GPU numbering as nvidia-smi's");
 
     let purge = chroot(&root, &["dpkg", "--purge", "phq-agent"]);
     assert!(purge.status.success(), "{purge:?}");

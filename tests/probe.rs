@@ -297,6 +297,25 @@ fn the_agents_own_process_does_not_make_a_gpu_busy() {
     assert_eq!(p.severity("probe.gemm", "0000:09:00.0"), "pass", "{}", p.finding("probe.gemm", "0000:09:00.0"));
 }
 
+/// `--dry-run` plans the run from the snapshot without loading CUDA: 8 GPUs and 56 pairs, the
+/// quick level within its 10 s of GPU time and standard within 2 minutes.
+#[test]
+fn dry_run_plans_the_gpu_time_and_touches_no_gpu() {
+    for (level, budget) in [("quick", 10.0), ("standard", 120.0)] {
+        let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
+        let out = r.command(&["--dry-run", "--level", level]).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let plan: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(plan["gpus"].as_array().unwrap().len(), 8);
+        assert_eq!(plan["pairs"].as_array().unwrap().len(), 56);
+        let total = plan["total_s"].as_f64().unwrap();
+        assert!(total > 0.0 && total <= budget, "{level}: {total} s");
+        assert_eq!(plan["budget_s"], budget);
+        assert!(r.contexts_made().is_empty(), "a dry run made a CUDA context");
+        assert!(!r.dir.path().join("state/probe.lock").exists(), "a dry run took the run lock");
+    }
+}
+
 /// An H200 VM: DCGM's H200 floors (device copy 2333 GB/s, GEMM 37.5 TFLOP/s), which a healthy
 /// H200 (3110 GB/s in the scenario, DCGM's measured figure) passes.
 #[test]

@@ -25,6 +25,10 @@ pub struct Probe {
     /// Run even on GPUs with compute processes (takes GPU time from them).
     #[arg(long)]
     pub force: bool,
+    /// Print what the run would do and the GPU time it plans (from the level's sizes and each
+    /// GPU's floors), then stop: CUDA is not loaded and no GPU is touched.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 impl Probe {
@@ -37,6 +41,15 @@ impl Probe {
             &crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root),
         );
         let level = if self.level == ProbeLevel::None { ProbeLevel::Quick } else { self.level };
+        if self.dry_run {
+            let plan = probe::plan_here(&snapshot, &Options { level, only: &self.gpu, force: self.force });
+            if self.json {
+                println!("{}", serde_json::to_string_pretty(&plan)?);
+            } else {
+                print!("{}", probe::plan::render(&plan));
+            }
+            return Ok(0);
+        }
         let mut findings: Vec<checks::Finding> = checks::run(&snapshot, &Settings::from(&config))
             .into_iter()
             .filter(|f| f.id.starts_with("cuda."))

@@ -192,7 +192,7 @@ fn d2d(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
 /// Device memory is read back 64 MiB at a time; the host compare is a `memcmp` against the
 /// expected bytes, and only a chunk that differs is scanned word by word.
 const MEMTEST_CHUNK: usize = 64 << 20;
-const MEMTEST_PATTERNS: [u32; 4] = [0x0000_0000, 0xFFFF_FFFF, 0xAAAA_AAAA, 0x5555_5555];
+pub(crate) const MEMTEST_PATTERNS: [u32; 4] = [0x0000_0000, 0xFFFF_FFFF, 0xAAAA_AAAA, 0x5555_5555];
 
 fn memory_integrity(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<MemtestResult> {
     let (free, _) = ctx.mem_info()?;
@@ -300,7 +300,7 @@ fn upload_matrix(
 
 /// How many entries of C each timed sample reads back and checks exactly.
 const GEMM_CHECKED_PER_SAMPLE: usize = 1024;
-const GEMM_SAMPLES: usize = 3;
+pub(crate) const GEMM_SAMPLES: usize = 3;
 
 fn gemm(ctx: &Arc<Ctx>, blas: &Arc<cuda::Blas>, p: &LevelParams) -> cuda::Result<GemmResult> {
     let n = p.gemm_n;

@@ -1,0 +1,221 @@
+//! How much GPU time a probe run will take, computed before it starts from the level's sizes and
+//! loop counts and each GPU's floors (`probe --dry-run`). At the floors the figure is an upper
+//! bound for a healthy GPU: one that meets its floors finishes sooner. Context creation, the
+//! host's share of the memory compare and process start are not GPU time and are not counted.
+
+use super::{cuda, params, LevelParams, Options, Target};
+use crate::config::ProbeLevel;
+use crate::facts;
+use serde::Serialize;
+
+/// Rates for a GPU the facts have no floor for: the slowest Hopper SKU's figures (H100 PCIe:
+/// HBM 1230 GB/s read + write, FP32 GEMM 15.4 TFLOP/s, DCGM `diag-skus.yaml.in`) and a PCIe
+/// Gen5 x16 copy (48 GB/s), so an unknown GPU is planned at the slow end.
+const FALLBACK_PCIE_GBPS: f64 = 48.0;
+const FALLBACK_HBM_GBPS: f64 = 1230.0;
+const FALLBACK_TFLOPS: f64 = 15.4;
+
+/// The quick level's budget on an 8-GPU HGX, in seconds of GPU time.
+pub const QUICK_BUDGET_S: f64 = 10.0;
+/// The standard level's budget.
+pub const STANDARD_BUDGET_S: f64 = 120.0;
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuPlan {
+    pub index: usize,
+    pub pci: String,
+    pub sku: Option<String>,
+    pub h2d_s: f64,
+    pub d2h_s: f64,
+    pub bidir_s: f64,
+    pub d2d_s: f64,
+    pub memory_s: f64,
+    pub memory_bytes: u64,
+    pub gemm_s: f64,
+    pub total_s: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PairPlan {
+    pub src: usize,
+    pub dst: usize,
+    /// The rate the pair is planned at: its NVLink floor when both GPUs have active NVLinks,
+    /// else PCIe.
+    pub gbps: f64,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    pub level: ProbeLevel,
+    pub params: LevelParams,
+    pub gpus: Vec<GpuPlan>,
+    pub pairs: Vec<PairPlan>,
+    pub skipped: Vec<super::Skipped>,
+    pub total_s: f64,
+    /// The level's budget, where it has one.
+    pub budget_s: Option<f64>,
+}
+
+/// The GPUs a real run would probe (the same choice: `--gpu`, busy, MIG) and the GPU time each
+/// part takes at the floors.
+pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) -> Option<u64>) -> Plan {
+    let p = params(opts.level);
+    let (chosen, skipped) = super::choose(targets, opts);
+    let rounds = (p.samples + 1) as f64 * p.copies_per_sample as f64; // a warm-up, then the samples
+    let copy = rounds * p.buffer_bytes as f64;
+    let secs = |bytes: f64, gbps: f64| bytes / (gbps * 1e9);
+    let mut gpus = Vec::new();
+    for (t, index) in &chosen {
+        let f = facts::probe_floors(t.device_id.unwrap_or(0));
+        let h2d = f.h2d_gbps.unwrap_or(FALLBACK_PCIE_GBPS);
+        let d2h = f.d2h_gbps.unwrap_or(FALLBACK_PCIE_GBPS);
+        let hbm = f.d2d_gbps.unwrap_or(FALLBACK_HBM_GBPS);
+        let tflops = f.gemm_tflops.unwrap_or(FALLBACK_TFLOPS);
+        // As the memory test sizes itself: the level's bytes, at most 90% of the GPU's memory.
+        let memory_bytes =
+            memory_total(&t.pci).map(|m| (p.memtest_bytes as u64).min(m / 10 * 9)).unwrap_or(p.memtest_bytes as u64);
+        // Per pattern: a memset writes every byte (half of a read + write copy's traffic), then
+        // every byte comes back to the host.
+        let memory_s = cuda::MEMTEST_PATTERNS.len() as f64
+            * (secs(memory_bytes as f64, hbm / 2.0) + secs(memory_bytes as f64, d2h));
+        let n = p.gemm_n as f64;
+        let gemm_s = (1 + cuda::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3) / (tflops * 1e12)
+            + secs(2.0 * n * n * 4.0, h2d);
+        let mut g = GpuPlan {
+            index: *index,
+            pci: t.pci.clone(),
+            sku: t.device_id.and_then(facts::sku).map(|s| s.name.to_string()),
+            h2d_s: secs(copy, h2d),
+            d2h_s: secs(copy, d2h),
+            bidir_s: secs(2.0 * copy, h2d.min(d2h)),
+            d2d_s: secs(2.0 * copy, hbm),
+            memory_s,
+            memory_bytes,
+            gemm_s,
+            total_s: 0.0,
+        };
+        g.total_s = g.h2d_s + g.d2h_s + g.bidir_s + g.d2d_s + g.memory_s + g.gemm_s;
+        gpus.push(g);
+    }
+    let mut pairs = Vec::new();
+    for (a, ia) in &chosen {
+        for (b, ib) in &chosen {
+            if ia == ib {
+                continue;
+            }
+            let nvlink = a.nvlinks_active > 0 && b.nvlinks_active > 0;
+            let gbps =
+                facts::probe_floors(a.device_id.unwrap_or(0)).p2p_gbps.filter(|_| nvlink).unwrap_or(FALLBACK_PCIE_GBPS);
+            pairs.push(PairPlan { src: *ia, dst: *ib, gbps, seconds: secs(copy, gbps) });
+        }
+    }
+    let total_s = gpus.iter().map(|g| g.total_s).sum::<f64>() + pairs.iter().map(|p| p.seconds).sum::<f64>();
+    let budget_s = match opts.level {
+        ProbeLevel::None | ProbeLevel::Quick => Some(QUICK_BUDGET_S),
+        ProbeLevel::Standard => Some(STANDARD_BUDGET_S),
+        ProbeLevel::Full => None,
+    };
+    Plan { level: opts.level, params: p, gpus, pairs, skipped, total_s, budget_s }
+}
+
+/// The plan as a person reads it.
+pub fn render(plan: &Plan) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "probe plan, level {}: {} GPU(s), {} ordered pair(s); GPU time at each SKU's floors (a healthy GPU is faster)",
+        format!("{:?}", plan.level).to_lowercase(),
+        plan.gpus.len(),
+        plan.pairs.len()
+    );
+    let _ = writeln!(
+        s,
+        "  copies: {} MiB × {} per sample × {} samples + a warm-up; memory test up to {} MiB × {} patterns; GEMM {}² × {} × {} samples + a warm-up",
+        plan.params.buffer_bytes >> 20,
+        plan.params.copies_per_sample,
+        plan.params.samples,
+        plan.params.memtest_bytes >> 20,
+        cuda::MEMTEST_PATTERNS.len(),
+        plan.params.gemm_n,
+        plan.params.gemm_reps,
+        cuda::GEMM_SAMPLES
+    );
+    for g in &plan.gpus {
+        let _ = writeln!(
+            s,
+            "  GPU {} {} {:<16} h2d {:.2} s · d2h {:.2} s · both {:.2} s · device copy {:.2} s · memory {:.2} s · GEMM {:.2} s = {:.2} s",
+            g.index,
+            g.pci,
+            g.sku.as_deref().unwrap_or("unknown SKU"),
+            g.h2d_s,
+            g.d2h_s,
+            g.bidir_s,
+            g.d2d_s,
+            g.memory_s,
+            g.gemm_s,
+            g.total_s
+        );
+    }
+    if !plan.pairs.is_empty() {
+        let secs: f64 = plan.pairs.iter().map(|p| p.seconds).sum();
+        let slowest = plan.pairs.iter().map(|p| p.gbps).fold(f64::INFINITY, f64::min);
+        let _ =
+            writeln!(s, "  peers: {} pair(s), {secs:.2} s (slowest planned rate {slowest:.0} GB/s)", plan.pairs.len());
+    }
+    for k in &plan.skipped {
+        let _ = writeln!(s, "  {} not probed: {}", k.pci, k.reason);
+    }
+    let budget = match plan.budget_s {
+        Some(b) if plan.total_s <= b => format!(" (within the level's {b:.0} s budget)"),
+        Some(b) => format!(" (over the level's {b:.0} s budget)"),
+        None => String::new(),
+    };
+    let _ = writeln!(s, "total: {:.1} s of GPU time{budget}", plan.total_s);
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hgx(n: usize) -> Vec<Target> {
+        (0..n)
+            .map(|i| Target {
+                ordinal: i,
+                pci: format!("0000:{:02x}:00.0", 9 + i),
+                device_id: Some(0x2330),
+                busy_pids: Vec::new(),
+                unusable: None,
+                nvlinks_active: 18,
+                nvlinks_known: true,
+            })
+            .collect()
+    }
+
+    fn total(level: ProbeLevel) -> Plan {
+        plan(&hgx(8), &Options { level, only: &[], force: false }, &|_| Some(80 << 30))
+    }
+
+    #[test]
+    fn quick_and_standard_fit_their_budgets_on_an_hgx() {
+        let q = total(ProbeLevel::Quick);
+        assert_eq!((q.gpus.len(), q.pairs.len()), (8, 56));
+        assert!(q.total_s <= QUICK_BUDGET_S, "{}", render(&q));
+        let s = total(ProbeLevel::Standard);
+        assert!(s.total_s <= STANDARD_BUDGET_S, "{}", render(&s));
+        assert!(s.total_s > q.total_s);
+    }
+
+    #[test]
+    fn the_plan_counts_what_the_probes_move() {
+        let p = plan(&hgx(1), &Options { level: ProbeLevel::Quick, only: &[], force: false }, &|_| Some(80 << 30));
+        let g = &p.gpus[0];
+        // 4 rounds (warm-up + 3 samples) × 8 copies × 64 MiB = 2 GiB at the 48 GB/s floor.
+        assert!((g.h2d_s - (2u64 << 30) as f64 / 48e9).abs() < 1e-9, "{g:?}");
+        // A small GPU's memory test is sized to 90% of its memory, as the probe sizes it.
+        let small = plan(&hgx(1), &Options { level: ProbeLevel::Full, only: &[], force: false }, &|_| Some(10 << 30));
+        assert_eq!(small.gpus[0].memory_bytes, (10u64 << 30) / 10 * 9);
+    }
+}
