@@ -539,6 +539,10 @@ pub struct NvPcie {
 pub struct NvLinkInfo {
     pub link: u32,
     pub active: Nv<bool>,
+    /// PCI address of what the link connects to (an NVSwitch on an HGX, another GPU on a
+    /// bridged pair; `nvmlDeviceGetNvLinkRemotePciInfo_v2`).
+    #[serde(default)]
+    pub remote_pci: Nv<String>,
     pub replay_errors: Nv<u64>,
     pub recovery_errors: Nv<u64>,
     pub crc_flit_errors: Nv<u64>,
@@ -625,6 +629,10 @@ pub struct NvmlGpu {
     /// NVLink data sent and received over all links, in KiB, since the driver loaded.
     #[serde(default)]
     pub nvlink_throughput: Nv<NvLinkThroughput>,
+    /// The GPUs (PCI addresses) NVML says this one reaches peer-to-peer over NVLink
+    /// (`nvmlDeviceGetP2PStatus` with `NVML_P2P_CAPS_INDEX_NVLINK` answering OK).
+    #[serde(default)]
+    pub nvlink_p2p: Nv<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

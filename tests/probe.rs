@@ -275,6 +275,33 @@ fn a_slow_nvlink_pair_fails_its_source_gpu() {
     assert!(p.peers().iter().all(|l| l["scope"] == "nvlink"), "{:?}", p.peers());
 }
 
+/// NVML says GPUs 2 and 6 reach no GPU over NVLink (P2P status), though their links report
+/// active; their peer copies run at PCIe rates. Those pairs are PCIe pairs: a warning that the VM
+/// lacks NVLink there, not a "slow NVLink" failure, which is what guessing the scope from link
+/// states alone made of them.
+#[test]
+fn nvmls_p2p_status_decides_which_pairs_are_nvlink() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-nvlink-p2p-off", "cuda-hgx-8gpu-pcie-pair");
+    let p = r.run(&["--gpu", "2", "--gpu", "3", "--gpu", "4"]);
+    for l in p.peers() {
+        let pcie = l["src"] == 2 || l["dst"] == 2;
+        assert_eq!(l["scope"], if pcie { "pcie" } else { "nvlink" }, "{l}");
+    }
+    let f = p.finding("probe.p2p-bandwidth", "0000:0b:00.0");
+    assert_eq!(
+        (f["severity"].as_str(), f["summary"].as_str()),
+        (Some("warn"), Some("no NVLink between these GPUs in this VM")),
+        "{f}"
+    );
+    let f = p.finding("probe.p2p-bandwidth", "0000:0c:00.0");
+    assert_eq!(
+        (f["severity"].as_str(), f["summary"].as_str()),
+        (Some("warn"), Some("no NVLink to GPU(s) [2] in this VM")),
+        "{f}"
+    );
+    assert_eq!(p.report["findings"].as_array().unwrap().iter().filter(|f| f["severity"] == "fail").count(), 0);
+}
+
 /// An H100 PCIe VM: judged against that SKU's DCGM floors (device copy 1230 GB/s, GEMM 15.4
 /// TFLOP/s), and no peers.
 #[test]
@@ -295,6 +322,21 @@ fn the_agents_own_process_does_not_make_a_gpu_busy() {
     let r = Run::new("h200-single", "h200-vm-agent-context", "cuda-h200");
     let p = r.run(&[]);
     assert_eq!(p.severity("probe.gemm", "0000:09:00.0"), "pass", "{}", p.finding("probe.gemm", "0000:09:00.0"));
+}
+
+/// A bit stuck at 1 is found by the patterns that write 0 there (0x00000000 and 0x55555555 have
+/// bit 3 clear) and only by them: two mismatching words, a memory failure.
+#[test]
+fn a_stuck_bit_is_a_memory_failure() {
+    let r = Run::new("h100-pcie-single", "h100-pcie-vm-unsupported", "cuda-h100-pcie-stuck-bit");
+    let p = r.run(&[]);
+    assert_eq!(p.code, 2, "{:#}", p.report["findings"]);
+    let f = p.finding("probe.memory-integrity", "0000:09:00.0");
+    assert_eq!(f["severity"], "fail", "{f}");
+    assert_eq!(f["evidence"]["memtest"]["mismatches"], 2, "{f}");
+    let first = f["evidence"]["memtest"]["first_mismatch"][1].as_str().unwrap();
+    assert_eq!(first, "0x00000008 for 0x00000000", "{f}");
+    assert_eq!(p.severity("probe.gemm", "0000:09:00.0"), "pass");
 }
 
 /// `--dry-run` plans the run from the snapshot without loading CUDA: 8 GPUs and 56 pairs, the

@@ -12,6 +12,7 @@ import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUSES = [0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x0E, 0x0F, 0x10]
+SWITCH_BUSES = [0x11, 0x12, 0x13, 0x14]
 
 
 def h100(i, bus):
@@ -41,8 +42,13 @@ def h100(i, bus):
         "persistence_mode": True,
         "mig": {"current": False, "pending": False},
         "pcie": {"gen_current": 5, "gen_max": 5, "width_current": 16, "width_max": 16, "replay_counter": 0},
+        # 18 NVLinks to the board's four NVSwitches (at buses 0x11-0x14 in the fixtures; which link
+        # goes to which switch is this fixture's choice, not a documented wiring).
         "nvlinks": [{"active": True, "crc_flit_errors": 0, "crc_data_errors": 0, "replay_errors": 0, "recovery_errors": 0,
-                     "tx_kib": 1048576 * (link + 1), "rx_kib": 524288 * (link + 1)} for link in range(18)],
+                     "tx_kib": 1048576 * (link + 1), "rx_kib": 524288 * (link + 1),
+                     "remote_pci": f"00000000:{SWITCH_BUSES[link % 4]:02X}:00.0"} for link in range(18)],
+        # nvmlDeviceGetP2PStatus(NVLINK): every GPU of the board reaches every other over NVLink.
+        "nvlink_p2p": "ok",
         "fabric": {"state": "completed", "status": "NVML_SUCCESS", "cluster_uuid": "8f7c1b2a-3d4e-4f50-8a6b-7c8d9e0f1a2b", "clique_id": 1},
         "processes": [],
         "utilization": {"gpu": 0, "memory": 0},
@@ -75,6 +81,8 @@ def fabric_not_started():
         d["fabric"] = {"state": "not_started", "status": "NVML_SUCCESS", "cluster_uuid": "00000000-0000-0000-0000-000000000000", "clique_id": 0}
         for l in d["nvlinks"]:
             l["active"] = False
+        # Without a fabric the GPUs have no NVLink path to each other.
+        d["nvlink_p2p"] = "not_supported"
     return s
 
 
@@ -161,6 +169,15 @@ def h200_vm_agent_context():
     return s
 
 
+def hgx_nvlink_p2p_off():
+    """NVML says GPUs 0000:0b:00.0 and 0000:0f:00.0 reach no GPU over NVLink (P2P status not
+    supported), though their links report active: their peer copies go over PCIe."""
+    s = hgx()
+    for i in (2, 6):
+        s["devices"][i]["nvlink_p2p"] = "not_supported"
+    return s
+
+
 def init_error(code):
     return {"init_error": code}
 
@@ -172,6 +189,7 @@ SCENARIOS = {
     "hgx-8gpu-ecc-dbe-remap-pending": ecc_dbe,
     "hgx-8gpu-pcie-degraded-thermal": pcie_thermal,
     "hgx-8gpu-nvlink-down": nvlink_down,
+    "hgx-8gpu-nvlink-p2p-off": hgx_nvlink_p2p_off,
     "h100-pcie-vm-unsupported": vm_unsupported,
     "h200-vm": h200_vm,
     "h200-vm-agent-context": h200_vm_agent_context,
@@ -224,8 +242,24 @@ def cuda_hgx_slow_pair():
     return s
 
 
+def cuda_hgx_pcie_pair():
+    """GPUs 2 and 6 have no NVLink path: their peer copies, to and from every GPU, run at a
+    PCIe rate (55 GB/s). NVML's side of the same machine is hgx-8gpu-nvlink-p2p-off."""
+    s = cuda_hgx()
+    s["peers"]["pairs"] = [{"src": a, "dst": b, "gbps": 55.0}
+                           for a in range(8) for b in range(8) if a != b and (a in (2, 6) or b in (2, 6))]
+    return s
+
+
 def cuda_h100_pcie():
     return {"driver_version": 12040, "devices": [cuda_gpu("NVIDIA H100 PCIe", 0x09, 0, 85520809984, 55.0, 1640.0, 30.0)]}
+
+
+def cuda_h100_pcie_stuck_bit():
+    """The H100 PCIe with bit 3 of the word one GiB into its memory stuck at 1."""
+    s = cuda_h100_pcie()
+    s["devices"][0]["stuck_bits"] = [{"offset": 1 << 30, "bit": 3, "value": 1}]
+    return s
 
 
 def cuda_h200():
@@ -237,7 +271,9 @@ CUDA_SCENARIOS = {
     "cuda-hgx-8gpu-ecc": cuda_hgx_ecc,
     "cuda-hgx-8gpu-exclusive": cuda_hgx_exclusive,
     "cuda-hgx-8gpu-slow-pair": cuda_hgx_slow_pair,
+    "cuda-hgx-8gpu-pcie-pair": cuda_hgx_pcie_pair,
     "cuda-h100-pcie": cuda_h100_pcie,
+    "cuda-h100-pcie-stuck-bit": cuda_h100_pcie_stuck_bit,
     "cuda-h200": cuda_h200,
     "cuda-init-not-ready": lambda: {"init_error": "CUDA_ERROR_SYSTEM_NOT_READY", "devices": []},
 }

@@ -384,6 +384,7 @@ pub(crate) mod testutil {
                     .map(|link| NvLinkInfo {
                         link,
                         active: Nv::Value(true),
+                        remote_pci: Nv::Value(format!("0000:{:02x}:00.0", 0x11 + link % 4)),
                         replay_errors: Nv::Value(0),
                         recovery_errors: Nv::Value(0),
                         crc_flit_errors: Nv::Value(0),
@@ -405,6 +406,7 @@ pub(crate) mod testutil {
             encoder_utilization: Nv::Value(0),
             decoder_utilization: Nv::Value(0),
             nvlink_throughput: Nv::Value(NvLinkThroughput { tx_kib: 1 << 20, rx_kib: 1 << 20 }),
+            nvlink_p2p: Nv::Value((0x09..0x11u8).filter(|b| *b != bus).map(|b| format!("0000:{b:02x}:00.0")).collect()),
         }
     }
 

@@ -120,6 +120,8 @@ fn read_from(library: &str, nvml: &Nvml, sys: Option<&NvmlLib>) -> NvmlStatus {
             Err(e) => (None, unreadable_device(i, &e)),
         })
         .collect();
+    let mut devices = devices;
+    nvlink_p2p(&mut devices);
     let (xid_events, events_error) = drain_xid_events(nvml);
     NvmlStatus::Ok(NvmlInfo {
         library: library.into(),
@@ -208,6 +210,7 @@ fn unreadable_device(index: u32, e: &NvmlError) -> NvmlGpu {
         encoder_utilization: err!(),
         decoder_utilization: err!(),
         nvlink_throughput: err!(),
+        nvlink_p2p: err!(),
     }
 }
 
@@ -289,6 +292,7 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
             replay_counter: nv(d.pcie_replay_counter()),
         },
         nvlinks: read_nvlinks(d),
+        nvlink_p2p: Nv::NotSupported, // per pair: filled in by nvlink_p2p once every GPU is read
         fabric: sys.map(|s| fabric_info(s, d)).unwrap_or(Nv::NotSupported),
         processes: nv(d.running_compute_processes().map(|ps| {
             ps.into_iter()
@@ -388,6 +392,43 @@ fn field_u64(v: &nvmlFieldValue_t) -> Nv<u64> {
     }
 }
 
+/// Which GPUs each GPU reaches over NVLink, as NVML says (`nvmlDeviceGetP2PStatus`, NVLink
+/// capability). NVML answers per pair; a GPU for which every pair failed to answer keeps that
+/// error, one with no NVLink peer gets an empty list.
+fn nvlink_p2p(devices: &mut [(Option<Device>, NvmlGpu)]) {
+    use nvml_wrapper::enum_wrappers::device::{P2pCapabilitiesIndex, P2pStatus};
+    let addresses: Vec<Option<String>> = devices.iter().map(|(_, g)| g.pci_address.value().cloned()).collect();
+    let mut found: Vec<Nv<Vec<String>>> = Vec::with_capacity(devices.len());
+    for (i, (a, _)) in devices.iter().enumerate() {
+        let Some(a) = a else {
+            found.push(Nv::NotSupported);
+            continue;
+        };
+        let (mut peers, mut error, mut answered) = (Vec::new(), None, false);
+        for (j, (b, _)) in devices.iter().enumerate() {
+            let (Some(b), Some(addr)) = (b, &addresses[j]) else { continue };
+            if i == j {
+                continue;
+            }
+            match a.p2p_status(b, P2pCapabilitiesIndex::NvLink) {
+                Ok(P2pStatus::Ok) => {
+                    answered = true;
+                    peers.push(addr.clone());
+                }
+                Ok(_) => answered = true,
+                Err(e) => error = Some(nv::<Vec<String>>(Err(e))),
+            }
+        }
+        found.push(match (answered, error) {
+            (false, Some(e)) => e,
+            _ => Nv::Value(peers),
+        });
+    }
+    for ((_, g), f) in devices.iter_mut().zip(found) {
+        g.nvlink_p2p = f;
+    }
+}
+
 fn read_nvlinks(d: &Device) -> Nv<Vec<NvLinkInfo>> {
     let mut links = Vec::new();
     for link in 0..MAX_NVLINKS {
@@ -404,6 +445,12 @@ fn read_nvlinks(d: &Device) -> Nv<Vec<NvLinkInfo>> {
         links.push(NvLinkInfo {
             link,
             active,
+            remote_pci: match w.remote_pci_info() {
+                Ok(p) => normalize_bus_id(&p.bus_id)
+                    .map(Nv::Value)
+                    .unwrap_or_else(|| Nv::Error(format!("unexpected bus id {:?}", p.bus_id))),
+                Err(e) => nv::<String>(Err(e)),
+            },
             replay_errors: nv(w.error_counter(ErrorCounter::DlReplay)),
             recovery_errors: nv(w.error_counter(ErrorCounter::DlRecovery)),
             crc_flit_errors: nv(w.error_counter(ErrorCounter::DlCrcFlit)),

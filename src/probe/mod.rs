@@ -78,6 +78,9 @@ pub struct Target {
     pub nvlinks_active: usize,
     /// Whether NVML reported link states at all.
     pub nvlinks_known: bool,
+    /// The GPUs (PCI addresses) NVML says this one reaches over NVLink (`nvmlDeviceGetP2PStatus`,
+    /// NVLink capability), when NVML answered.
+    pub nvlink_peers: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
@@ -292,8 +295,14 @@ pub fn run(
         }
     }
     for l in report.peers.iter_mut().filter(|l| l.peer_access) {
-        let pair_nvlink = |o: usize| targets.iter().find(|t| t.ordinal == o).is_some_and(|t| t.nvlinks_active > 0);
-        l.scope = match (&l.gbps, pair_nvlink(l.src) && pair_nvlink(l.dst)) {
+        let target = |o: usize| targets.iter().find(|t| t.ordinal == o);
+        // NVML's own answer for the pair first; without it, active NVLinks on both GPUs.
+        let nvml_says = target(l.src)
+            .and_then(|a| Some((a.nvlink_peers.as_ref()?, target(l.dst)?)))
+            .map(|(peers, b)| peers.contains(&b.pci));
+        let links_on = |o: usize| target(o).is_some_and(|t| t.nvlinks_active > 0);
+        let nvlink = nvml_says.unwrap_or_else(|| links_on(l.src) && links_on(l.dst));
+        l.scope = match (&l.gbps, nvlink) {
             (_, true) => "nvlink",
             // No NVML link state (an old driver, a fixture): judge by throughput.
             (Some(Outcome::Ok(s)), false) if s.median >= NVLINK_SCOPE_GBPS && !nvml_knows_links(targets) => "nvlink",
@@ -447,6 +456,7 @@ pub fn targets_of(snapshot: &crate::snapshot::Snapshot, devices: &[cuda::DeviceI
                     .map(|l| l.iter().filter(|l| l.active.value() == Some(&true)).count())
                     .unwrap_or(0),
                 nvlinks_known: links.is_some(),
+                nvlink_peers: nv.and_then(|g| g.nvlink_p2p.value()).cloned(),
             }
         })
         .collect()
@@ -602,15 +612,21 @@ fn p2p_finding(report: &ProbeReport, g: &GpuProbes, floor: Option<f64>) -> Findi
     if row.is_empty() {
         return Finding::pass(ID, "no other GPU probed: no peer copies").gpu(&g.pci);
     }
-    let reach = |scope: &str| -> Vec<usize> { row.iter().filter(|l| l.scope == scope).map(|l| l.dst).collect() };
+    // A pair not measured because one of its GPUs was lost says nothing about the link.
+    let lost = |l: &PeerLink| matches!(l.gbps, Some(Outcome::Error(ProbeError::Unavailable(_))));
+    let reach =
+        |scope: &str| -> Vec<usize> { row.iter().filter(|l| l.scope == scope && !lost(l)).map(|l| l.dst).collect() };
     let (nvlink, pcie, none) = (reach("nvlink"), reach("pcie"), reach("none"));
-    let slowest = row
-        .iter()
-        .filter_map(|l| match &l.gbps {
-            Some(Outcome::Ok(s)) => Some((l.dst, s.median)),
-            _ => None,
-        })
-        .min_by(|a, b| a.1.total_cmp(&b.1));
+    let slowest_of = |scope: Option<&str>| {
+        row.iter()
+            .filter(|l| scope.is_none_or(|s| l.scope == s))
+            .filter_map(|l| match &l.gbps {
+                Some(Outcome::Ok(s)) => Some((l.dst, s.median)),
+                _ => None,
+            })
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+    };
+    let (slowest, slowest_nvlink) = (slowest_of(None), slowest_of(Some("nvlink")));
     let scope = format!("NVLink to {:?}, PCIe only to {:?}, no peer access to {:?}", nvlink, pcie, none);
     let errors: Vec<String> = row
         .iter()
@@ -636,15 +652,25 @@ fn p2p_finding(report: &ProbeReport, g: &GpuProbes, floor: Option<f64>) -> Findi
         Finding::fail(ID, format!("peer copies failed: {}", errors.join("; ")))
             .remedy("Restart the VM; check nvlink.links-active and fabric.state.")
     } else {
-        match (floor, slowest) {
-            (Some(fl), Some((dst, v))) if v < fl && !nvlink.is_empty() => Finding::fail(ID, format!("slowest peer copy {v:.0} GB/s (to GPU {dst}), below the floor of {fl:.0} GB/s"))
+        match (floor, slowest_nvlink) {
+            (Some(fl), Some((dst, v))) if v < fl => Finding::fail(ID, format!("slowest NVLink peer copy {v:.0} GB/s (to GPU {dst}), below the floor of {fl:.0} GB/s"))
                 .detail(scope.clone())
                 .remedy("Check nvlink.links-active and nvlink.errors for the pair; restart the VM; report the GPUs to the platform if it stays low."),
-            (Some(fl), _) if nvlink.is_empty() && !(pcie.is_empty() && none.is_empty()) => Finding::warn(ID, "no NVLink between these GPUs in this VM".to_string())
-                .detail(format!("{scope}. SXM GPUs reach {fl:.0} GB/s and more over NVLink; without it collectives crawl over PCIe."))
-                .remedy("If the VM should have NVLink: pass the NVSwitches through (or have the host's fabric manager share them) and check fabric.state."),
-            (_, Some((dst, v))) => Finding::pass(ID, format!("slowest peer copy {v:.0} GB/s (to GPU {dst})")).detail(scope.clone()),
-            (_, None) => Finding::pass(ID, "no peer access between these GPUs (reported, no floor for this SKU)").detail(scope.clone()),
+            (Some(fl), _) if !(pcie.is_empty() && none.is_empty()) => {
+                let without: Vec<usize> = pcie.iter().chain(&none).copied().collect();
+                let summary = if nvlink.is_empty() {
+                    "no NVLink between these GPUs in this VM".to_string()
+                } else {
+                    format!("no NVLink to GPU(s) {without:?} in this VM")
+                };
+                Finding::warn(ID, summary)
+                    .detail(format!("{scope}. SXM GPUs reach {fl:.0} GB/s and more over NVLink; without it collectives crawl over PCIe."))
+                    .remedy("If the VM should have NVLink: pass the NVSwitches through (or have the host's fabric manager share them) and check fabric.state.")
+            }
+            _ => match slowest {
+                Some((dst, v)) => Finding::pass(ID, format!("slowest peer copy {v:.0} GB/s (to GPU {dst})")).detail(scope.clone()),
+                None => Finding::pass(ID, "no peer access between these GPUs (reported, no floor for this SKU)").detail(scope.clone()),
+            },
         }
     };
     f.gpu(&g.pci).evidence("nvlink_to", nvlink).evidence("pcie_to", pcie).evidence("no_access_to", none)
@@ -751,6 +777,7 @@ mod tests {
                 unusable: None,
                 nvlinks_active: 18,
                 nvlinks_known: true,
+                nvlink_peers: None,
             })
             .collect()
     }

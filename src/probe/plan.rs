@@ -104,7 +104,10 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             if ia == ib {
                 continue;
             }
-            let nvlink = a.nvlinks_active > 0 && b.nvlinks_active > 0;
+            let nvlink = match &a.nvlink_peers {
+                Some(peers) => peers.contains(&b.pci),
+                None => a.nvlinks_active > 0 && b.nvlinks_active > 0,
+            };
             let gbps =
                 facts::probe_floors(a.device_id.unwrap_or(0)).p2p_gbps.filter(|_| nvlink).unwrap_or(FALLBACK_PCIE_GBPS);
             pairs.push(PairPlan { src: *ia, dst: *ib, gbps, seconds: secs(copy, gbps) });
@@ -190,6 +193,7 @@ mod tests {
                 unusable: None,
                 nvlinks_active: 18,
                 nvlinks_known: true,
+                nvlink_peers: None,
             })
             .collect()
     }

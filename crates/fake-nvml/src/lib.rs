@@ -300,24 +300,34 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(h: nvmlDevice_t, out: *mut nvml
         if out.is_null() {
             return Some(INVALID);
         }
-        let mut info: nvmlPciInfo_t = std::mem::zeroed();
-        let parts: Vec<&str> = p.bus_id.split([':', '.']).collect();
-        let hex = |i: usize| parts.get(i).and_then(|v| u32::from_str_radix(v, 16).ok()).unwrap_or(0);
-        info.domain = hex(0);
-        info.bus = hex(1);
-        info.device = hex(2);
-        info.pciDeviceId = scenario::parse_u32(&p.pci_device_id).unwrap_or(0);
-        info.pciSubSystemId = p.pci_subsystem_id.as_deref().and_then(scenario::parse_u32).unwrap_or(0);
-        let legacy = format!("{:04x}:{:02x}:{:02x}.0", info.domain, info.bus, info.device).to_uppercase();
-        for (dst, src) in info.busId.iter_mut().zip(p.bus_id.bytes().take(31)) {
-            *dst = src as c_char;
-        }
-        for (dst, src) in info.busIdLegacy.iter_mut().zip(legacy.bytes().take(15)) {
-            *dst = src as c_char;
-        }
-        *out = info;
+        *out = pci_info(
+            &p.bus_id,
+            scenario::parse_u32(&p.pci_device_id).unwrap_or(0),
+            p.pci_subsystem_id.as_deref().and_then(scenario::parse_u32).unwrap_or(0),
+        );
         Some(OK)
     })
+}
+
+/// An `nvmlPciInfo_t` for `bus_id` (`00000000:09:00.0`).
+fn pci_info(bus_id: &str, device_id: u32, subsystem_id: u32) -> nvmlPciInfo_t {
+    // SAFETY: nvmlPciInfo_t is plain data (integers and char arrays); all zeroes is valid.
+    let mut info: nvmlPciInfo_t = unsafe { std::mem::zeroed() };
+    let parts: Vec<&str> = bus_id.split([':', '.']).collect();
+    let hex = |i: usize| parts.get(i).and_then(|v| u32::from_str_radix(v, 16).ok()).unwrap_or(0);
+    info.domain = hex(0);
+    info.bus = hex(1);
+    info.device = hex(2);
+    info.pciDeviceId = device_id;
+    info.pciSubSystemId = subsystem_id;
+    let legacy = format!("{:04x}:{:02x}:{:02x}.0", info.domain, info.bus, info.device).to_uppercase();
+    for (dst, src) in info.busId.iter_mut().zip(bus_id.bytes().take(31)) {
+        *dst = src as c_char;
+    }
+    for (dst, src) in info.busIdLegacy.iter_mut().zip(legacy.bytes().take(15)) {
+        *dst = src as c_char;
+    }
+    info
 }
 
 // ---------------------------------------------------------------------------------------
@@ -647,6 +657,69 @@ pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(h: nvmlDevice_t, link: c_uint,
             None => INVALID,
         })
     })
+}
+
+/// The remote end's PCI address; NVML leaves `pciSubSystemId` unfilled here ("not filled in
+/// this function and is indeterminate", NVML API reference), so the fake leaves it 0.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(
+    h: nvmlDevice_t,
+    link: c_uint,
+    out: *mut nvmlPciInfo_t,
+) -> Ret {
+    device_call(h, "nvmlDeviceGetNvLinkRemotePciInfo_v2", |d| {
+        let links = d.nvlinks.as_ref()?;
+        let Some(l) = links.get(link as usize) else { return Some(INVALID) };
+        let remote = l.remote_pci.as_deref()?;
+        if out.is_null() {
+            return Some(INVALID);
+        }
+        *out = pci_info(remote, 0, 0);
+        Some(OK)
+    })
+}
+
+/// Peer-to-peer status of a pair for one capability. Only the NVLink capability is modelled:
+/// the others answer NOT_SUPPORTED (the query itself), as an absent field does.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetP2PStatus(
+    a: nvmlDevice_t,
+    b: nvmlDevice_t,
+    index: nvmlGpuP2PCapsIndex_t,
+    out: *mut nvmlGpuP2PStatus_t,
+) -> Ret {
+    const NAME: &str = "nvmlDeviceGetP2PStatus";
+    with_state(|s| {
+        let da = s.scenario.devices.get(index_of(a)).ok_or(INVALID)?;
+        let db = s.scenario.devices.get(index_of(b)).ok_or(INVALID)?;
+        for d in [da, db] {
+            if let Some(e) = d.errors.get(NAME) {
+                return Err(code(e));
+            }
+            if d.unsupported.iter().any(|u| u == NAME) {
+                return Err(NOT_SUPPORTED);
+            }
+        }
+        if out.is_null() {
+            return Err(INVALID);
+        }
+        if index != nvmlGpuP2PCapsIndex_enum_NVML_P2P_CAPS_INDEX_NVLINK {
+            return Err(NOT_SUPPORTED);
+        }
+        let (Some(x), Some(y)) = (da.nvlink_p2p.as_deref(), db.nvlink_p2p.as_deref()) else {
+            return Err(NOT_SUPPORTED);
+        };
+        let status = |v: &str| match v {
+            "ok" => nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_OK,
+            "gpu_not_supported" => nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_GPU_NOT_SUPPORTED,
+            "disabled_by_regkey" => nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_DISABLED_BY_REGKEY,
+            "not_supported" => nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_NOT_SUPPORTED,
+            _ => nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_UNKNOWN,
+        };
+        *out = if x != "ok" { status(x) } else { status(y) };
+        Ok(OK)
+    })
+    .unwrap_or_else(|e| e)
 }
 
 #[no_mangle]

@@ -64,6 +64,12 @@ pub struct Device {
     pub unsupported: Vec<String>,
     #[serde(default)]
     pub errors: BTreeMap<String, String>,
+    /// This GPU's answer to `nvmlDeviceGetP2PStatus` with the NVLink capability: "ok",
+    /// "not_supported", "gpu_not_supported", "disabled_by_regkey", "unknown". A pair reaches
+    /// over NVLink when both GPUs say "ok"; otherwise the pair gets the first GPU's status (or
+    /// the second's). Absent on either GPU: the query is not supported.
+    #[serde(default)]
+    pub nvlink_p2p: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -138,6 +144,10 @@ pub struct Pcie {
 #[serde(deny_unknown_fields)]
 pub struct NvLink {
     pub active: bool,
+    /// What the link connects to, `0000:05:00.0` (an NVSwitch on an HGX). Absent: the remote PCI
+    /// query is not supported.
+    #[serde(default)]
+    pub remote_pci: Option<String>,
     #[serde(default)]
     pub crc_flit_errors: u64,
     #[serde(default)]
