@@ -390,13 +390,19 @@ impl Ctx {
         Ok(DeviceBuffer { ctx: self.clone(), ptr, bytes })
     }
 
-    /// Page-locked host memory (flags 0: ordinary, as nvbandwidth uses; write-combined memory
-    /// is slow for the host to read back).
+    /// Page-locked host memory, `CU_MEMHOSTALLOC_PORTABLE` as nvbandwidth allocates it (usable
+    /// from every context), not write-combined (which the host reads back slowly, and the
+    /// memory test reads every byte). Its pages come from the NUMA node of the CPU that touches
+    /// them first, the calling thread's: a probe pins the thread near the GPU before calling
+    /// this (`probe::affinity`), as nvbandwidth sets the CPU affinity before `cuMemHostAlloc`.
     pub fn pinned(self: &Arc<Self>, bytes: usize) -> Result<PinnedBuffer> {
+        const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x01;
         self.bind()?;
         let mut ptr = std::ptr::null_mut();
         // SAFETY: the out pointer is a valid local.
-        self.drv.check("cuMemHostAlloc", unsafe { (self.drv.api.cuMemHostAlloc)(&mut ptr, bytes, 0) })?;
+        self.drv.check("cuMemHostAlloc", unsafe {
+            (self.drv.api.cuMemHostAlloc)(&mut ptr, bytes, CU_MEMHOSTALLOC_PORTABLE)
+        })?;
         if ptr.is_null() && bytes > 0 {
             return Err(self.drv.error("cuMemHostAlloc", code::OUT_OF_MEMORY));
         }

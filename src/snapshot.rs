@@ -535,6 +535,32 @@ pub struct NvPcie {
     pub replay_counter: Nv<u32>,
 }
 
+/// A GPU's clocks and why they are held down, read at one moment (beside a probe's figure).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Conditions {
+    pub sm_clock_mhz: Option<u32>,
+    pub mem_clock_mhz: Option<u32>,
+    pub temperature_c: Option<u32>,
+    pub power_mw: Option<u32>,
+    /// Names of the active clocks-event (throttle) reasons.
+    pub throttle_reasons: Option<Vec<String>>,
+}
+
+impl Conditions {
+    /// The reasons that hold a GPU below its clocks under load (not idle, not the application
+    /// clock setting): thermal, power and hardware slowdowns.
+    pub fn held_back(&self) -> Vec<&str> {
+        self.throttle_reasons
+            .iter()
+            .flatten()
+            .map(String::as_str)
+            .filter(|r| {
+                !matches!(*r, "gpu_idle" | "applications_clocks_setting" | "sync_boost" | "display_clock_setting")
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NvLinkInfo {
     pub link: u32,

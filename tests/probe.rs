@@ -302,6 +302,29 @@ fn nvmls_p2p_status_decides_which_pairs_are_nvlink() {
     assert_eq!(p.report["findings"].as_array().unwrap().iter().filter(|f| f["severity"] == "fail").count(), 0);
 }
 
+/// A GPU on a degraded link (Gen3 x8) that NVML also reports held back by hardware thermal
+/// slowdown: its host copies fail, and beside each figure stands NVML's reading taken right
+/// after it, which says the GPU was throttled (`--force`: NVML lists a process on it).
+#[test]
+fn each_figure_carries_the_clocks_nvml_read_beside_it() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-pcie-degraded-thermal", "cuda-hgx-8gpu-gen3x8");
+    let p = r.run(&["--gpu", "5", "--force"]);
+    let f = p.finding("probe.h2d-bandwidth", "0000:0e:00.0");
+    assert_eq!(f["severity"], "fail", "{f}");
+    assert!(f["summary"].as_str().unwrap().contains("6.6 GB/s"), "{f}");
+    let c = &f["evidence"]["conditions"];
+    assert_eq!(c["sm_clock_mhz"], 990, "{f}");
+    assert_eq!(c["throttle_reasons"], serde_json::json!(["sw_power_cap", "hw_thermal_slowdown"]), "{f}");
+    assert!(
+        f["detail"].as_str().unwrap().contains("held back (sw_power_cap, hw_thermal_slowdown; SM clock 990 MHz)"),
+        "{f}"
+    );
+    // Where its pinned buffers went is said too (no NUMA node in this machine's sysfs for it).
+    assert!(f["evidence"]["host_memory"].is_string(), "{f}");
+    let g = p.finding("probe.gemm", "0000:0e:00.0");
+    assert_eq!(g["evidence"]["conditions"]["sm_clock_mhz"], 990, "{g}");
+}
+
 /// An H100 PCIe VM: judged against that SKU's DCGM floors (device copy 1230 GB/s, GEMM 15.4
 /// TFLOP/s), and no peers.
 #[test]

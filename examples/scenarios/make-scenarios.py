@@ -251,6 +251,14 @@ def cuda_hgx_pcie_pair():
     return s
 
 
+def cuda_hgx_gen3x8():
+    """GPU 5 (0000:0e:00.0) on a link trained down to PCIe Gen3 x8: 8 GT/s x 8 lanes with
+    128b/130b coding is 7.9 GB/s raw, and pinned copies reach about 85% of a link's raw rate."""
+    s = cuda_hgx()
+    s["devices"][5].update({"h2d_gbps": 6.6, "d2h_gbps": 6.6})
+    return s
+
+
 def cuda_h100_pcie():
     return {"driver_version": 12040, "devices": [cuda_gpu("NVIDIA H100 PCIe", 0x09, 0, 85520809984, 55.0, 1640.0, 30.0)]}
 
@@ -272,6 +280,7 @@ CUDA_SCENARIOS = {
     "cuda-hgx-8gpu-exclusive": cuda_hgx_exclusive,
     "cuda-hgx-8gpu-slow-pair": cuda_hgx_slow_pair,
     "cuda-hgx-8gpu-pcie-pair": cuda_hgx_pcie_pair,
+    "cuda-hgx-8gpu-gen3x8": cuda_hgx_gen3x8,
     "cuda-h100-pcie": cuda_h100_pcie,
     "cuda-h100-pcie-stuck-bit": cuda_h100_pcie_stuck_bit,
     "cuda-h200": cuda_h200,

@@ -64,20 +64,49 @@ impl Session {
         &self.library
     }
 
-    /// Reads every GPU, initialising NVML first if this session has no live handle.
-    pub fn read(&self) -> NvmlStatus {
+    /// The live handle, initialising NVML first if this session has none.
+    fn held(&self) -> Result<std::sync::MutexGuard<'_, Option<Held>>, NvmlFailure> {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         if held.is_none() {
-            let nvml = match Nvml::builder().lib_path(OsStr::new(&self.library)).init() {
-                Ok(n) => n,
-                Err(e) => return NvmlStatus::Failed(classify_init_error(&self.library, &e)),
-            };
+            let nvml = Nvml::builder()
+                .lib_path(OsStr::new(&self.library))
+                .init()
+                .map_err(|e| classify_init_error(&self.library, &e))?;
             // SAFETY: loading the library a second time returns the same handle (dlopen reference
             // counts it); NvmlLib only resolves symbols. NVML is initialised by `nvml` and stays so
             // while `sys` is used, since both live in `Held`, which drops `sys` first.
             let sys = unsafe { NvmlLib::new(&self.library) }.ok();
             *held = Some(Held { sys, nvml });
         }
+        Ok(held)
+    }
+
+    /// What GPU `address` runs at right now: clocks, temperature, power and the clocks-event
+    /// (throttle) reasons, read beside a probe's figure so a throttled GPU is told apart from a
+    /// slow link. Each reading NVML cannot give is left out.
+    pub fn conditions(&self, address: &str) -> Result<crate::snapshot::Conditions, String> {
+        let held = self.held().map_err(|f| f.message)?;
+        let h = held.as_ref().ok_or("NVML is not initialised")?;
+        let count = h.nvml.device_count().map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
+        let d = (0..count)
+            .filter_map(|i| h.nvml.device_by_index(i).ok())
+            .find(|d| d.pci_info().ok().and_then(|p| normalize_bus_id(&p.bus_id)).as_deref() == Some(address))
+            .ok_or_else(|| format!("NVML lists no GPU at {address}"))?;
+        Ok(crate::snapshot::Conditions {
+            sm_clock_mhz: d.clock_info(Clock::SM).ok(),
+            mem_clock_mhz: d.clock_info(Clock::Memory).ok(),
+            temperature_c: d.temperature(TemperatureSensor::Gpu).ok(),
+            power_mw: d.power_usage().ok(),
+            throttle_reasons: d.current_throttle_reasons().ok().map(|r| throttle_names(r.bits())),
+        })
+    }
+
+    /// Reads every GPU, initialising NVML first if this session has no live handle.
+    pub fn read(&self) -> NvmlStatus {
+        let mut held = match self.held() {
+            Ok(h) => h,
+            Err(f) => return NvmlStatus::Failed(f),
+        };
         let Some(h) = held.as_ref() else {
             return NvmlStatus::Failed(classify_init_error(&self.library, &NvmlError::Uninitialized));
         };

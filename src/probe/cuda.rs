@@ -13,6 +13,7 @@
 //!   context it poisoned (`ProbeError::Sticky`); `run` stops using that GPU and its peers
 //!   carry on.
 
+use super::affinity;
 use super::{Backend, GemmResult, LevelParams, MemtestResult, ProbeError};
 use crate::cuda::{self, BlasHandle, Ctx, CudaError, Device, DeviceBuffer, Driver, PinnedBuffer, Stream};
 use std::collections::HashMap;
@@ -42,6 +43,10 @@ pub struct CudaBackend {
     devices: Vec<Device>,
     /// Contexts of the GPUs probed so far, made on first use.
     contexts: HashMap<usize, Arc<Ctx>>,
+    /// Each GPU's PCI address, for its CPUs in sysfs.
+    pcis: Vec<String>,
+    /// Where each GPU's pinned host buffers were placed (`affinity::Near::placement`).
+    placement: HashMap<usize, String>,
 }
 
 /// A driver error as a probe error of `gpu`: sticky ones poison that GPU; a GPU that another
@@ -85,7 +90,8 @@ impl CudaBackend {
             });
             devices.push(d);
         }
-        Ok((CudaBackend { drv, devices, contexts: HashMap::new() }, info))
+        let pcis = info.iter().map(|d| d.pci.clone()).collect();
+        Ok((CudaBackend { drv, devices, contexts: HashMap::new(), pcis, placement: HashMap::new() }, info))
     }
 
     /// The GPU's primary context, retained on first use.
@@ -362,14 +368,17 @@ fn gemm(ctx: &Arc<Ctx>, blas: &Arc<cuda::Blas>, p: &LevelParams) -> cuda::Result
 
 impl Backend for CudaBackend {
     fn h2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let _near = self.near(gpu);
         h2d(&self.ctx(gpu)?, p).map_err(on(gpu))
     }
 
     fn d2h(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let _near = self.near(gpu);
         d2h(&self.ctx(gpu)?, p).map_err(on(gpu))
     }
 
     fn bidir(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let _near = self.near(gpu);
         bidir(&self.ctx(gpu)?, p).map_err(on(gpu))
     }
 
@@ -398,6 +407,7 @@ impl Backend for CudaBackend {
     }
 
     fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError> {
+        let _near = self.near(gpu);
         memory_integrity(&self.ctx(gpu)?, p).map_err(on(gpu))
     }
 
@@ -405,15 +415,28 @@ impl Backend for CudaBackend {
         let blas = cuda::blas().map_err(|e| {
             ProbeError::Unavailable(format!("the GEMM probe needs cuBLAS, which ships with the CUDA toolkit: {e}"))
         })?;
+        let _near = self.near(gpu);
         gemm(&self.ctx(gpu)?, &blas, p).map_err(on(gpu))
     }
 
     fn release(&mut self, gpu: usize) {
         self.contexts.remove(&gpu);
     }
+
+    fn host_placement(&self, gpu: usize) -> Option<String> {
+        self.placement.get(&gpu).cloned()
+    }
 }
 
 impl CudaBackend {
+    /// Runs the calling thread near GPU `gpu` while the guard lives, so pinned buffers are
+    /// allocated on its NUMA node; remembers where for the report.
+    fn near(&mut self, gpu: usize) -> affinity::Near {
+        let near = affinity::near(self.pcis.get(gpu).map(String::as_str).unwrap_or(""));
+        self.placement.insert(gpu, near.placement.clone());
+        near
+    }
+
     /// The driver this backend loaded (for the report).
     pub fn library(&self) -> &std::path::Path {
         &self.drv.file

@@ -9,6 +9,7 @@
 //! Method (nvbandwidth's): large buffers, many copies queued per sample and timed with CUDA
 //! events, several samples, the median reported.
 
+pub mod affinity;
 pub mod cuda;
 pub mod lock;
 pub mod plan;
@@ -16,6 +17,7 @@ pub mod plan;
 use crate::checks::Finding;
 use crate::config::ProbeLevel;
 use crate::facts::{self, ProbeFloors};
+use crate::snapshot::Conditions;
 use serde::{Deserialize, Serialize};
 
 /// How much a level measures.
@@ -134,6 +136,14 @@ pub trait Backend {
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError>;
     /// Lets go of a GPU the run stops using (its context is poisoned).
     fn release(&mut self, _gpu: usize) {}
+    /// Where GPU `gpu`'s pinned host buffers were placed (NUMA node), once it has some.
+    fn host_placement(&self, _gpu: usize) -> Option<String> {
+        None
+    }
+    /// What NVML read of GPU `gpu` after each of its measurements, by probe name.
+    fn conditions(&self, _gpu: usize) -> std::collections::BTreeMap<String, Conditions> {
+        Default::default()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -189,6 +199,13 @@ pub struct GpuProbes {
     pub d2d_gbps: Outcome<Stat>,
     pub memory: Outcome<MemtestResult>,
     pub gemm: Outcome<GemmResult>,
+    /// Where the pinned host buffers were placed (NUMA node and CPUs, or why not).
+    #[serde(default)]
+    pub host_memory: Option<String>,
+    /// NVML's reading of the GPU right after each measurement (`h2d`, `d2h`, `bidir`, `d2d`,
+    /// `memory`, `gemm`), so a throttled GPU is told apart from a slow link.
+    #[serde(default)]
+    pub conditions: std::collections::BTreeMap<String, Conditions>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -272,6 +289,8 @@ pub fn run(
             d2d_gbps: d2d,
             memory,
             gemm,
+            host_memory: backend.host_placement(g),
+            conditions: backend.conditions(g),
         });
     }
     for a in &chosen {
@@ -405,7 +424,75 @@ pub fn run_here(
     let _lock = lock::acquire(state_dir, who)?;
     let (mut backend, devices) = cuda::CudaBackend::open()?;
     let targets = targets_of(snapshot, &devices, std::process::id());
-    Ok((run(&mut backend, &targets, opts, progress), targets))
+    // NVML beside CUDA, for the clocks after each measurement; without it the figures stand alone.
+    let session = snapshot.nvml().map(|n| crate::collect::nvml::Session::new(&n.library));
+    let pcis = devices.iter().map(|d| d.pci.clone()).collect();
+    let mut observed = Observed { inner: &mut backend, session, pcis, seen: Default::default() };
+    Ok((run(&mut observed, &targets, opts, progress), targets))
+}
+
+/// A backend whose every per-GPU measurement is followed by an NVML reading of that GPU.
+struct Observed<'a> {
+    inner: &'a mut dyn Backend,
+    session: Option<crate::collect::nvml::Session>,
+    pcis: Vec<String>,
+    seen: std::collections::BTreeMap<usize, std::collections::BTreeMap<String, Conditions>>,
+}
+
+impl Observed<'_> {
+    fn after<T>(&mut self, gpu: usize, probe: &str, r: Result<T, ProbeError>) -> Result<T, ProbeError> {
+        if let (Some(s), Some(pci)) = (&self.session, self.pcis.get(gpu)) {
+            match s.conditions(pci) {
+                Ok(c) => {
+                    self.seen.entry(gpu).or_default().insert(probe.to_string(), c);
+                }
+                Err(e) => tracing::debug!(gpu, error = %e, "no NVML reading beside the probe"),
+            }
+        }
+        r
+    }
+}
+
+impl Backend for Observed<'_> {
+    fn h2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let r = self.inner.h2d(gpu, p);
+        self.after(gpu, "h2d", r)
+    }
+    fn d2h(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let r = self.inner.d2h(gpu, p);
+        self.after(gpu, "d2h", r)
+    }
+    fn bidir(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let r = self.inner.bidir(gpu, p);
+        self.after(gpu, "bidir", r)
+    }
+    fn d2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let r = self.inner.d2d(gpu, p);
+        self.after(gpu, "d2d", r)
+    }
+    fn can_access_peer(&mut self, src: usize, dst: usize) -> Result<bool, ProbeError> {
+        self.inner.can_access_peer(src, dst)
+    }
+    fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        self.inner.p2p(src, dst, p)
+    }
+    fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError> {
+        let r = self.inner.memory_integrity(gpu, p);
+        self.after(gpu, "memory", r)
+    }
+    fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+        let r = self.inner.gemm(gpu, p);
+        self.after(gpu, "gemm", r)
+    }
+    fn release(&mut self, gpu: usize) {
+        self.inner.release(gpu)
+    }
+    fn host_placement(&self, gpu: usize) -> Option<String> {
+        self.inner.host_placement(gpu)
+    }
+    fn conditions(&self, gpu: usize) -> std::collections::BTreeMap<String, Conditions> {
+        self.seen.get(&gpu).cloned().unwrap_or_default()
+    }
 }
 
 /// What a run would do here, from the snapshot alone: no CUDA is loaded and no GPU touched. The
@@ -501,19 +588,58 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
     }
     for g in &report.gpus {
         let f = floors_of(&g.pci);
-        out.push(bandwidth_finding("probe.h2d-bandwidth", "host→device", &g.h2d_gbps, f.h2d_gbps, &g.pci));
-        out.push(bandwidth_finding("probe.d2h-bandwidth", "device→host", &g.d2h_gbps, f.d2h_gbps, &g.pci));
+        let seen = |probe: &str| g.conditions.get(probe);
+        out.push(
+            beside(
+                bandwidth_finding("probe.h2d-bandwidth", "host→device", &g.h2d_gbps, f.h2d_gbps, &g.pci),
+                seen("h2d"),
+            )
+            .evidence("host_memory", &g.host_memory),
+        );
+        out.push(
+            beside(
+                bandwidth_finding("probe.d2h-bandwidth", "device→host", &g.d2h_gbps, f.d2h_gbps, &g.pci),
+                seen("d2h"),
+            )
+            .evidence("host_memory", &g.host_memory),
+        );
         // PCIe links are dual-simplex (PCIe Base Specification, "Link"): both directions at
         // once move at least what one direction does alone, so the bidirectional total is held
         // to the one-direction floor; less means a link or IOMMU path that serialises the two.
         let bidir_floor = f.h2d_gbps.zip(f.d2h_gbps).map(|(a, b)| a.min(b));
-        out.push(bandwidth_finding("probe.bidir-bandwidth", "both directions", &g.bidir_gbps, bidir_floor, &g.pci));
-        out.push(bandwidth_finding("probe.d2d-bandwidth", "device copy", &g.d2d_gbps, f.d2d_gbps, &g.pci));
-        out.push(memory_finding(&g.memory).gpu(&g.pci));
-        out.push(gemm_finding(&g.gemm, f.gemm_tflops).gpu(&g.pci));
+        out.push(beside(
+            bandwidth_finding("probe.bidir-bandwidth", "both directions", &g.bidir_gbps, bidir_floor, &g.pci),
+            seen("bidir"),
+        ));
+        out.push(beside(
+            bandwidth_finding("probe.d2d-bandwidth", "device copy", &g.d2d_gbps, f.d2d_gbps, &g.pci),
+            seen("d2d"),
+        ));
+        out.push(beside(memory_finding(&g.memory).gpu(&g.pci), seen("memory")));
+        out.push(beside(gemm_finding(&g.gemm, f.gemm_tflops).gpu(&g.pci), seen("gemm")));
         out.push(p2p_finding(report, g, f.p2p_gbps));
     }
     out
+}
+
+/// NVML's reading after the measurement goes into the evidence; a figure that failed while the
+/// GPU was held back (thermal, power or hardware slowdown) says so, since then the GPU, not the
+/// link, may be what is slow.
+fn beside(f: Finding, seen: Option<&Conditions>) -> Finding {
+    let Some(c) = seen else { return f };
+    let held = c.held_back();
+    let f = if f.severity == crate::checks::Severity::Fail && !held.is_empty() {
+        let why = format!(
+            "Right after this measurement NVML reported the GPU held back ({}; SM clock {} MHz): the figure may be the GPU's throttling rather than the path's.",
+            held.join(", "),
+            c.sm_clock_mhz.map(|m| m.to_string()).unwrap_or_else(|| "?".into())
+        );
+        let detail = if f.detail.is_empty() { why } else { format!("{} {why}", f.detail) };
+        f.detail(detail)
+    } else {
+        f
+    };
+    f.evidence("conditions", c)
 }
 
 fn bandwidth_finding(id: &str, what: &str, o: &Outcome<Stat>, floor: Option<f64>, pci: &str) -> Finding {

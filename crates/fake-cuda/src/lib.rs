@@ -1451,13 +1451,14 @@ pub unsafe extern "C" fn cuMemPoolSetAccess(pool: Handle, desc: *const MemAccess
     })
 }
 
-/// Page-locked host memory for the current context (DRV, cuMemHostAlloc).
+/// Page-locked host memory for the current context (DRV, cuMemHostAlloc). Flags other than
+/// CU_MEMHOSTALLOC_PORTABLE (1), DEVICEMAP (2) and WRITECOMBINED (4) are CUDA_ERROR_INVALID_VALUE.
 ///
 /// # Safety
 /// `pp` must be writable.
 #[no_mangle]
-pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytes: usize, _flags: c_uint) -> CUresult {
-    if pp.is_null() || bytes == 0 {
+pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytes: usize, flags: c_uint) -> CUresult {
+    if pp.is_null() || bytes == 0 || flags & !0x7 != 0 {
         return INVALID_VALUE;
     }
     with(|w| {
