@@ -25,6 +25,10 @@ echo "== phq-agent doctor"
 tail -1 "$out/doctor.stderr"
 "$bin" doctor > "$out/doctor.txt" 2>&1; sed -n '1,60p' "$out/doctor.txt"
 
+echo "== phq-agent probe --dry-run (GPU time planned at each SKU's floors)"
+"$bin" probe --level quick --dry-run | tee "$out/plan.txt"
+"$bin" probe --level quick --dry-run --json > "$out/plan.json"
+
 echo "== phq-agent probe --level quick"
 /usr/bin/time -f "probe wall %e s" "$bin" probe --level quick --json > "$out/probe.json" 2> "$out/probe.stderr"; echo "exit $?"
 tail -3 "$out/probe.stderr"
@@ -53,11 +57,23 @@ for gpu in range(torch.cuda.device_count()):
             e.record(); torch.cuda.synchronize()
             out.append(counted * copies / (s.elapsed_time(e) / 1000) / 1e9)
         return statistics.median(out)
+    # FP32 GEMM of the probe's size, TF32 off (the probe's cuBLAS SGEMM is plain FP32).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = p.get("gemm_n", 4096)
+    a = torch.randint(-8, 9, (g, g), device=f"cuda:{gpu}").float()
+    b = torch.randint(-8, 9, (g, g), device=f"cuda:{gpu}").float()
+    torch.matmul(a, b); torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(5):
+        torch.matmul(a, b)
+    e.record(); torch.cuda.synchronize()
     res[str(gpu)] = {
         "index": gpu,
         "h2d": bw(lambda: dev.copy_(host, non_blocking=True), n),
         "d2h": bw(lambda: host.copy_(dev, non_blocking=True), n),
         "d2d": bw(lambda: dev2.copy_(dev, non_blocking=True), 2 * n),
+        "gemm_tflops": 2 * g ** 3 * 5 / (s.elapsed_time(e) / 1000) / 1e12,
     }
 print(json.dumps(res))
 PY
@@ -88,6 +104,13 @@ for g in gpus:
         r1 = f"{ours/theirs:.2f}" if ours and theirs else "-"
         r2 = f"{ours/limit:.2f}" if ours and limit else "-"
         print(f"{g['pci']:<14}{what:<6}{(ours or 0):>9.1f}{(theirs or 0):>9.1f}{r1:>11}{(limit or 0):>8.0f}{r2:>11}")
+    gm = g.get("gemm", {}).get("ok") if isinstance(g.get("gemm"), dict) else None
+    if gm:
+        ours = sorted(gm["tflops_samples"])[len(gm["tflops_samples"]) // 2]
+        theirs = pe.get("gemm_tflops")
+        r1 = f"{ours/theirs:.2f}" if theirs else "-"
+        print(f"{g['pci']:<14}{'gemm':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s, {gm['wrong_entries']} wrong of {gm['checked_entries']}")
+    print(f"{'':<14}host memory: {g.get('host_memory')}; NVML after h2d: {g.get('conditions', {}).get('h2d')}")
 for f in probe.get("findings", []):
     if f["id"].startswith("probe.") and f["severity"] != "pass":
         print(f"{f['severity'].upper():<8}{f['id']:<26}{f.get('gpu') or '':<14}{f['summary']}")

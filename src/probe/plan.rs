@@ -113,7 +113,7 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             pairs.push(PairPlan { src: *ia, dst: *ib, gbps, seconds: secs(copy, gbps) });
         }
     }
-    let total_s = gpus.iter().map(|g| g.total_s).sum::<f64>() + pairs.iter().map(|p| p.seconds).sum::<f64>();
+    let total_s = gpus.iter().map(|g| g.total_s).chain(pairs.iter().map(|p| p.seconds)).fold(0.0, |a, b| a + b);
     let budget_s = match opts.level {
         ProbeLevel::None | ProbeLevel::Quick => Some(QUICK_BUDGET_S),
         ProbeLevel::Standard => Some(STANDARD_BUDGET_S),
@@ -166,6 +166,9 @@ pub fn render(plan: &Plan) -> String {
         let slowest = plan.pairs.iter().map(|p| p.gbps).fold(f64::INFINITY, f64::min);
         let _ =
             writeln!(s, "  peers: {} pair(s), {secs:.2} s (slowest planned rate {slowest:.0} GB/s)", plan.pairs.len());
+    }
+    if plan.gpus.is_empty() && plan.skipped.is_empty() {
+        let _ = writeln!(s, "  no NVIDIA GPU to probe: the machine's PCI devices list none");
     }
     for k in &plan.skipped {
         let _ = writeln!(s, "  {} not probed: {}", k.pci, k.reason);
