@@ -325,6 +325,27 @@ fn each_figure_carries_the_clocks_nvml_read_beside_it() {
     assert_eq!(g["evidence"]["conditions"]["sm_clock_mhz"], 990, "{g}");
 }
 
+/// `doctor --probe` over a `--sysroot` runs the probes too when a CUDA library is named (the fake
+/// stands for that machine's GPUs): one report with the machine's checks and the probes'.
+#[test]
+fn doctor_probe_runs_against_the_named_cuda_library() {
+    let r = Run::new("h100-pcie-single", "h100-pcie-vm-unsupported", "cuda-h100-pcie");
+    let c = r.command(&[]);
+    let args: Vec<std::ffi::OsString> = c.get_args().skip(1).map(|a| a.to_os_string()).collect();
+    let mut d = Command::new(env!("CARGO_BIN_EXE_phq-agent"));
+    d.arg("doctor").args(&args).args(["--probe", "quick"]);
+    for (k, v) in c.get_envs() {
+        match v {
+            Some(v) => d.env(k, v),
+            None => d.env_remove(k),
+        };
+    }
+    let p = Probed::of(d.output().unwrap());
+    assert_eq!(p.severity("probe.gemm", "0000:09:00.0"), "pass", "{}", p.stderr);
+    assert!(p.report["findings"].as_array().unwrap().iter().any(|f| f["id"] == "driver.nouveau-disabled"));
+    assert_eq!(r.contexts_made(), ["0000:09:00.0"]);
+}
+
 /// An H100 PCIe VM: judged against that SKU's DCGM floors (device copy 1230 GB/s, GEMM 15.4
 /// TFLOP/s), and no peers.
 #[test]
