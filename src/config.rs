@@ -132,8 +132,8 @@ pub struct InstallConfig {
 impl Default for InstallConfig {
     fn default() -> Self {
         InstallConfig {
-            cuda: "12.4".into(),
-            driver_branch: "550".into(),
+            cuda: crate::facts::DEFAULT_CUDA.into(),
+            driver_branch: crate::facts::DEFAULT_DRIVER_BRANCH.to_string(),
             repo_url: String::new(),
             repo_key_fingerprint: String::new(),
             replace_driver: false,

@@ -44,6 +44,40 @@ pub const NVSWITCHES_PER_HGX_BOARD: usize = 4;
 /// 525.60.13). Source: CUDA toolkit release notes, driver table.
 pub const MIN_DRIVER_BRANCH: u32 = 525;
 
+/// What NVIDIA supports a data-center driver branch as, and until when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BranchLife {
+    pub branch: u32,
+    /// "long-term support branch" or "production branch".
+    pub kind: &'static str,
+    /// The month its support ends, `YYYY-MM`.
+    pub end_of_life: &'static str,
+}
+
+/// NVIDIA's support matrix for data-center drivers ("Supported Drivers and CUDA Toolkit
+/// Versions", docs.nvidia.com/datacenter/tesla/drivers, the R620 edition; the R580-era edition
+/// adds R535 and R570). Every branch it does not list — R550 among them — is end of life. R580's
+/// end of life is June 2028 in the R620 edition and August 2028 in an earlier one; the earlier
+/// date is kept so a warning is never late.
+pub const DRIVER_BRANCHES: &[BranchLife] = &[
+    BranchLife { branch: 535, kind: "long-term support branch", end_of_life: "2026-06" },
+    BranchLife { branch: 570, kind: "production branch", end_of_life: "2026-02" },
+    BranchLife { branch: 580, kind: "long-term support branch", end_of_life: "2028-06" },
+    BranchLife { branch: 595, kind: "production branch", end_of_life: "2027-03" },
+    BranchLife { branch: 620, kind: "long-term support branch", end_of_life: "2029-09" },
+];
+
+/// The branch `install` picks by default: the long-term support branch with the most support
+/// left that every CUDA 12 toolkit runs on (R580; see DRIVER_BRANCHES).
+pub const DEFAULT_DRIVER_BRANCH: u32 = 580;
+/// The toolkit `install` picks by default: the newest CUDA 12 (12.9; CUDA_MIN_DRIVER).
+pub const DEFAULT_CUDA: &str = "12.9";
+
+/// The support-matrix entry of `branch`, if NVIDIA lists it.
+pub fn branch_life(branch: u32) -> Option<&'static BranchLife> {
+    DRIVER_BRANCHES.iter().find(|b| b.branch == branch)
+}
+
 /// Minimum Linux driver for each CUDA 12 toolkit at GA. Source: CUDA toolkit release notes.
 pub const CUDA_MIN_DRIVER: &[(&str, &str)] = &[
     ("12.0", "525.60.13"),

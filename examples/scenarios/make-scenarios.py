@@ -64,9 +64,9 @@ def h100(i, bus):
 def hgx():
     return {
         "init_error": None,
-        "driver_version": "550.90.07",
-        "nvml_version": "12.550.90.07",
-        "cuda_driver_version": 12040,
+        "driver_version": "580.82.07",
+        "nvml_version": "13.580.82.07",
+        "cuda_driver_version": 13000,
         "devices": [h100(i, b) for i, b in enumerate(BUSES)],
     }
 
@@ -146,7 +146,7 @@ def vm_unsupported():
         "persistence_mode": True,
         "unsupported": ["nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetSerial"],
     }
-    return {"driver_version": "550.90.07", "nvml_version": "12.550.90.07", "cuda_driver_version": 12040, "devices": [d]}
+    return {"driver_version": "580.82.07", "nvml_version": "13.580.82.07", "cuda_driver_version": 13000, "devices": [d]}
 
 
 def h200_vm():
@@ -218,7 +218,7 @@ def cuda_gpu(name, bus, rank, memory, h2d, hbm, sgemm):
 
 def cuda_hgx():
     gpus = [cuda_gpu("NVIDIA H100 80GB HBM3", b, i ^ 1, 85520809984, 55.0, 2540.0, 51.0) for i, b in enumerate(BUSES)]
-    return {"driver_version": 12040, "devices": gpus, "peers": {"access": True, "gbps": 375.0, "pairs": []}}
+    return {"driver_version": 13000, "devices": gpus, "peers": {"access": True, "gbps": 375.0, "pairs": []}}
 
 
 def cuda_hgx_ecc():
@@ -260,7 +260,7 @@ def cuda_hgx_gen3x8():
 
 
 def cuda_h100_pcie():
-    return {"driver_version": 12040, "devices": [cuda_gpu("NVIDIA H100 PCIe", 0x09, 0, 85520809984, 55.0, 1640.0, 30.0)]}
+    return {"driver_version": 13000, "devices": [cuda_gpu("NVIDIA H100 PCIe", 0x09, 0, 85520809984, 55.0, 1640.0, 30.0)]}
 
 
 def cuda_h100_pcie_stuck_bit():

@@ -160,18 +160,42 @@ fn branch_supported(s: &Snapshot, settings: &Settings) -> Finding {
                 "Install a current branch: `phq-agent install --driver-branch {}`.",
                 settings_branch_hint(settings)
             ))
-    } else if let Some(min) = target_min.filter(|min| facts::version_cmp(&version, min).is_lt()) {
-        Finding::warn(ID, format!("driver {version} is older than CUDA {}'s minimum {min}", settings.cuda))
-            .detail("Applications built with that toolkit still run through minor-version compatibility, but PTX JIT compilation and newer features fail.")
-            .remedy(format!("Upgrade the driver to {min} or later (`phq-agent install`), or install `cuda-compat-{}` for forward compatibility.", settings.cuda.replace('.', "-")))
     } else {
-        Finding::pass(ID, format!("branch {branch} supports Hopper and CUDA {}", settings.cuda))
+        // NVIDIA's support matrix: a branch it does not list, or one past its end of life,
+        // gets no more fixes, security ones included. That outranks a toolkit's minimum.
+        let month = s.observed_at.to_string().get(..7).unwrap_or_default().to_string();
+        let life = facts::branch_life(branch);
+        let move_on = format!(
+            "Move to a supported branch: `phq-agent install --driver-branch {} --replace-driver`.",
+            facts::DEFAULT_DRIVER_BRANCH
+        );
+        match (life, target_min.filter(|min| facts::version_cmp(&version, min).is_lt())) {
+            (Some(l), _) if l.end_of_life < month.as_str() => {
+                Finding::warn(ID, format!("driver branch {branch} reached its end of life in {}", l.end_of_life))
+                    .detail(format!("R{branch} was a {}; NVIDIA no longer fixes it, security issues included.", l.kind))
+                    .remedy(move_on)
+            }
+            (None, _) => Finding::warn(ID, format!("driver branch {branch} is not in NVIDIA's support matrix: end of life"))
+                .detail(format!(
+                    "NVIDIA supports only the branches it lists ({}); every other one gets no fixes, security issues included.",
+                    facts::DRIVER_BRANCHES.iter().map(|b| format!("R{}", b.branch)).collect::<Vec<_>>().join(", ")
+                ))
+                .remedy(move_on),
+            (Some(_), Some(min)) => Finding::warn(ID, format!("driver {version} is older than CUDA {}'s minimum {min}", settings.cuda))
+                .detail("Applications built with that toolkit still run through minor-version compatibility, but PTX JIT compilation and newer features fail.")
+                .remedy(format!("Upgrade the driver to {min} or later (`phq-agent install`), or install `cuda-compat-{}` for forward compatibility.", settings.cuda.replace('.', "-"))),
+            (Some(l), None) => Finding::pass(ID, format!("branch {branch} ({}, supported until {}) runs Hopper and CUDA {}", l.kind, l.end_of_life, settings.cuda)),
+        }
     };
     f.evidence("version", &version).evidence("cuda_target", &settings.cuda).evidence("cuda_min_driver", target_min)
 }
 
 fn settings_branch_hint(settings: &Settings) -> String {
-    facts::cuda_min_driver(&settings.cuda).and_then(facts::driver_branch).unwrap_or(550).to_string()
+    facts::cuda_min_driver(&settings.cuda)
+        .and_then(facts::driver_branch)
+        .unwrap_or(facts::DEFAULT_DRIVER_BRANCH)
+        .max(facts::DEFAULT_DRIVER_BRANCH)
+        .to_string()
 }
 
 fn device_nodes(s: &Snapshot) -> Finding {
@@ -319,6 +343,33 @@ mod tests {
         assert!(v.remedy.as_ref().unwrap().starts_with("Reboot"));
     }
 
+    /// NVIDIA's support matrix in December 2026: R580 is supported, R535 ended in June 2026,
+    /// R550 is no longer listed at all.
+    #[test]
+    fn a_branch_past_its_end_of_life_is_a_warning() {
+        let at = |version: &str, when: &str| {
+            let mut s = healthy();
+            s.driver.nvrm = Fact::Value(NvrmVersion { version: version.into(), open: true, first_line: String::new() });
+            s.driver.module_version = Some(version.into());
+            s.observed_at = crate::snapshot::Timestamp(humantime::parse_rfc3339(when).unwrap());
+            find(&findings(&s), "driver.branch-supported")[0].clone()
+        };
+        let f = at("580.82.07", "2026-12-01T00:00:00Z");
+        assert_eq!(f.severity, Severity::Pass, "{f:?}");
+        assert!(f.summary.contains("long-term support branch, supported until 2028-06"), "{}", f.summary);
+        let f = at("535.274.02", "2026-12-01T00:00:00Z");
+        assert_eq!(
+            (f.severity, f.summary.as_str()),
+            (Severity::Warn, "driver branch 535 reached its end of life in 2026-06")
+        );
+        // Before June 2026 R535 was supported; what it lacked then was CUDA 12.4's minimum.
+        assert!(at("535.274.02", "2026-05-01T00:00:00Z").summary.contains("older than CUDA 12.4's minimum"));
+        let f = at("550.90.07", "2026-12-01T00:00:00Z");
+        assert_eq!(f.severity, Severity::Warn);
+        assert!(f.summary.contains("not in NVIDIA's support matrix"), "{}", f.summary);
+        assert!(f.remedy.unwrap().contains("--driver-branch 580"));
+    }
+
     #[test]
     fn half_installed_driver_is_explained() {
         let mut s = healthy();
@@ -328,7 +379,7 @@ mod tests {
         let f = findings(&s);
         let m = find(&f, "driver.module-loaded")[0];
         assert_eq!(m.severity, Severity::Fail);
-        assert!(m.detail.contains("libnvidia-ml.so 550.90.07"));
+        assert!(m.detail.contains("libnvidia-ml.so 580.82.07"));
         assert_eq!(find(&f, "driver.open-kernel-module")[0].severity, Severity::Unknown);
         assert_eq!(find(&f, "driver.device-nodes")[0].severity, Severity::Unknown);
     }

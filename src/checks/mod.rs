@@ -285,18 +285,18 @@ pub(crate) mod testutil {
                     unit_file_state: "enabled".into(),
                 },
             ]),
-            cuda: CudaStatus::Ok { driver_api_version: 12040, devices: 8 },
+            cuda: CudaStatus::Ok { driver_api_version: 13000, devices: 8 },
             packages: Fact::Value(vec![Package {
-                name: "nvidia-fabricmanager-550".into(),
-                version: "550.90.07-1".into(),
+                name: "nvidia-fabricmanager".into(),
+                version: "580.82.07-1".into(),
                 state: "installed".into(),
                 held: false,
             }]),
             pci: Fact::Value(pci),
             driver: Driver {
                 modules: Fact::Value(vec!["nvidia_uvm".into(), "nvidia".into()]),
-                nvrm: Fact::Value(NvrmVersion { version: "550.90.07".into(), open: true, first_line: String::new() }),
-                module_version: Some("550.90.07".into()),
+                nvrm: Fact::Value(NvrmVersion { version: "580.82.07".into(), open: true, first_line: String::new() }),
+                module_version: Some("580.82.07".into()),
                 nouveau: NouveauConfig {
                     blacklisted_in: vec!["/etc/modprobe.d/blacklist-nouveau.conf".into()],
                     modeset_off_in: vec![],
@@ -310,8 +310,8 @@ pub(crate) mod testutil {
                     .collect(),
                 user_libraries: vec![UserLibrary {
                     name: "libnvidia-ml.so".into(),
-                    version: "550.90.07".into(),
-                    path: "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.90.07".into(),
+                    version: "580.82.07".into(),
+                    path: "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.580.82.07".into(),
                 }],
             },
             cuda_toolkits: Fact::Value(vec![CudaToolkit {
@@ -321,9 +321,9 @@ pub(crate) mod testutil {
             kernel_log: Fact::Value(KernelLog { source: "/dev/kmsg".into(), records: 100, ..Default::default() }),
             nvml: NvmlStatus::Ok(NvmlInfo {
                 library: "libnvidia-ml.so.1".into(),
-                driver_version: Nv::Value("550.90.07".into()),
-                nvml_version: Nv::Value("12.550.90.07".into()),
-                cuda_driver_version: Nv::Value(12040),
+                driver_version: Nv::Value("580.82.07".into()),
+                nvml_version: Nv::Value("13.580.82.07".into()),
+                cuda_driver_version: Nv::Value(13000),
                 devices: (0x09..0x11).enumerate().map(|(i, bus)| nvml_gpu(i as u32, bus)).collect(),
                 xid_events: vec![],
                 events_error: None,

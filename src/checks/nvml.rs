@@ -243,12 +243,15 @@ fn manager_version(s: &Snapshot) -> Finding {
         .filter(|p| p.name.starts_with("nvidia-fabricmanager") || p.name == "nvidia-fabric-manager")
         .collect();
     let branch = facts::driver_branch(&driver).unwrap_or(0);
+    // The package's name on Debian/Ubuntu: branch-suffixed below 580, plain from 580 on.
+    let name =
+        if branch >= 580 { "nvidia-fabricmanager".to_string() } else { format!("nvidia-fabricmanager-{branch}") };
     let f = match fm.as_slice() {
         [] if completed => Finding::pass(ID, "fabric completed on every GPU, though no fabric-manager package is installed")
             .detail("A fabric manager runs (the fabric completes only through one, and it does not start against another driver version); it was installed some other way, such as NVIDIA's runfile, so package upgrades will not keep it matched."),
         [] => Finding::fail(ID, "nvidia-fabricmanager is not installed")
             .detail("This VM sees NVSwitches, so it must run the fabric manager at exactly the driver's version.")
-            .remedy(format!("Install `nvidia-fabricmanager-{branch}={driver}-1` (from 580 on: `nvidia-fabricmanager`) and hold it with the driver; `phq-agent install` does this.")),
+            .remedy(format!("Install `{name}={driver}-1` and hold it with the driver; `phq-agent install` does this.")),
         pkgs => {
             let wrong: Vec<String> = pkgs.iter().filter(|p| crate::collect::packages::upstream_version(&p.version) != driver).map(|p| format!("{} {}", p.name, p.version)).collect();
             if wrong.is_empty() {
@@ -256,7 +259,7 @@ fn manager_version(s: &Snapshot) -> Finding {
             } else {
                 Finding::fail(ID, format!("fabric manager {} does not match driver {driver}", wrong.join(", ")))
                     .detail("The fabric manager refuses to start against a driver of another version, and CUDA then fails with error 802.")
-                    .remedy(format!("Install `nvidia-fabricmanager-{branch}` at exactly {driver} and hold both (`apt-mark hold`)."))
+                    .remedy(format!("Install `{name}={driver}-1` and hold both (`apt-mark hold`)."))
             }
         }
     };
@@ -780,8 +783,8 @@ mod tests {
     fn fabric_manager_version_must_match() {
         let mut s = healthy();
         s.packages = Fact::Value(vec![Package {
-            name: "nvidia-fabricmanager-550".into(),
-            version: "550.54.15-1".into(),
+            name: "nvidia-fabricmanager".into(),
+            version: "580.65.06-1".into(),
             state: "installed".into(),
             held: false,
         }]);
@@ -796,7 +799,7 @@ mod tests {
         let f = findings(&s);
         let v = find(&f, "fabric.manager-version")[0];
         assert_eq!(v.severity, Severity::Fail);
-        assert!(v.remedy.as_ref().unwrap().contains("nvidia-fabricmanager-550=550.90.07-1"));
+        assert!(v.remedy.as_ref().unwrap().contains("nvidia-fabricmanager=580.82.07-1"));
     }
 
     /// Absence is claimed only from evidence: a completed fabric proves a matching fabric

@@ -876,8 +876,10 @@ pub fn fabric_manager_names(distro: &Distro, branch: u32) -> (String, String) {
     match (distro.is_deb(), branch >= 580) {
         (true, false) => (format!("nvidia-fabricmanager-{branch}"), format!("libnvidia-nscq-{branch}")),
         (true, true) => ("nvidia-fabricmanager".into(), "libnvidia-nscq".into()),
+        // EL: NVIDIA dropped the hyphen from 580 on (`nvidia-fabricmanager`), as its own
+        // precompiled driver container for RHEL 9 and Azure's HPC images install it.
         (false, false) => ("nvidia-fabric-manager".into(), format!("libnvidia-nscq-{branch}")),
-        (false, true) => ("nvidia-fabric-manager".into(), "libnvidia-nscq".into()),
+        (false, true) => ("nvidia-fabricmanager".into(), "libnvidia-nscq".into()),
     }
 }
 

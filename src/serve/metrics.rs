@@ -638,7 +638,7 @@ mod tests {
         assert_eq!(m.text.lines().filter(|l| l.starts_with("phq_gpu_up{") && l.ends_with(" 1.0")).count(), 8);
         assert!(m.text.contains("phq_snapshot_timestamp_seconds "));
         assert!(
-            m.text.contains(r#"phq_driver_info{driver_version="550.90.07",cuda_driver_version="12.4"} 1.0"#),
+            m.text.contains(r#"phq_driver_info{driver_version="580.82.07",cuda_driver_version="13.0"} 1.0"#),
             "{}",
             m.text
         );
@@ -675,7 +675,7 @@ mod tests {
     fn dcgm_names_only_when_asked() {
         assert!(!rendered(false).text.contains("DCGM_FI_DEV_GPU_TEMP"));
         let m = rendered(true);
-        assert!(m.text.contains(r#"DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-3f1c0b7e-0000-4000-8000-000000000009",pci_bus_id="00000000:09:00.0",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="vm",DCGM_FI_DRIVER_VERSION="550.90.07"} 31"#), "{}", m.text);
+        assert!(m.text.contains(r#"DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-3f1c0b7e-0000-4000-8000-000000000009",pci_bus_id="00000000:09:00.0",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="vm",DCGM_FI_DRIVER_VERSION="580.82.07"} 31"#), "{}", m.text);
         assert!(m.text.contains(r#"err_code="0",err_msg="No Error"} 0"#), "no Xid yet: {}", m.text);
     }
 
@@ -688,7 +688,7 @@ mod tests {
         let served: Vec<&str> = DCGM_DEFAULT_COUNTERS.iter().filter(|(_, c)| c.is_ok()).map(|(n, _)| *n).collect();
         for name in &served {
             let present = if *name == "DCGM_FI_DRIVER_VERSION" {
-                m.text.contains("DCGM_FI_DRIVER_VERSION=\"550.90.07\"")
+                m.text.contains("DCGM_FI_DRIVER_VERSION=\"580.82.07\"")
             } else {
                 m.text.lines().any(|l| l.starts_with(&format!("{name}{{")))
             };
