@@ -395,7 +395,7 @@ fn install_dry_run_prints_the_plan_for_fixture_guests() {
             "debian12-hgx-fresh",
             &[
                 "Debian 12",
-                "Pin: version 580.*",
+                "install nvidia-driver-pinning-580",
                 "install nvidia-kernel-open-dkms cuda-drivers-580 nvidia-persistenced",
                 "apt-mark hold",
             ][..],

@@ -8,7 +8,8 @@ use phq_agent::snapshot::{OsRelease, Package, SecureBoot};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-const DRIVER: &str = "550.90.07";
+/// An R580 release: the long-term support branch `install` defaults to.
+const DRIVER: &str = "580.82.07";
 
 struct Guest {
     key: &'static str,
@@ -80,8 +81,8 @@ fn os(g: &Guest) -> OsRelease {
 
 fn settings() -> Settings {
     Settings {
-        cuda: "12.4".into(),
-        driver_branch: 550,
+        cuda: "12.9".into(),
+        driver_branch: 580,
         repo_url: String::new(),
         key_fingerprint: String::new(),
         replace_driver: false,
@@ -96,14 +97,27 @@ fn done_packages(g: &Guest, sb: bool, switches: bool) -> Vec<Package> {
     if deb {
         v.push(pkg("cuda-keyring", "1.1-1", "installed", false));
     }
+    if deb && !(g.id == "ubuntu" && sb) {
+        v.push(pkg("nvidia-driver-pinning-580", "580-1", "installed", false));
+    }
     match (g.id, sb) {
-        ("ubuntu", false) => v.push(pkg("nvidia-driver-550-open", &format!("{DRIVER}-0ubuntu1"), "installed", true)),
+        ("ubuntu", false) => v.push(pkg("nvidia-driver-580-open", &format!("{DRIVER}-0ubuntu1"), "installed", true)),
         ("ubuntu", true) => {
-            v.push(pkg("nvidia-driver-550-server-open", &format!("{DRIVER}-0ubuntu0.22.04.1"), "installed", true));
+            let ubuntu = format!("{DRIVER}-0ubuntu0.22.04.1");
+            v.push(pkg("nvidia-headless-no-dkms-580-server", &ubuntu, "installed", true));
+            v.push(pkg("nvidia-utils-580-server", &ubuntu, "installed", true));
+            v.push(pkg(&format!("linux-signatures-nvidia-{}", g.kernel), "5.15.0-113.123", "installed", false));
+            v.push(pkg(
+                &format!("linux-modules-nvidia-580-server-open-{}", g.kernel),
+                "5.15.0-113.123",
+                "installed",
+                false,
+            ));
+            v.push(pkg("linux-modules-nvidia-580-server-open-generic", "5.15.0-113.123", "installed", false));
         }
         ("debian", _) => {
             v.push(pkg("nvidia-kernel-open-dkms", &format!("{DRIVER}-1"), "installed", true));
-            v.push(pkg("cuda-drivers-550", &format!("{DRIVER}-1"), "installed", true));
+            v.push(pkg("cuda-drivers-580", &format!("{DRIVER}-1"), "installed", true));
             v.push(pkg("nvidia-persistenced", &format!("{DRIVER}-1"), "installed", true));
         }
         _ => {
@@ -112,15 +126,12 @@ fn done_packages(g: &Guest, sb: bool, switches: bool) -> Vec<Package> {
         }
     }
     if switches {
-        let (fm, nscq) = if deb {
-            ("nvidia-fabricmanager-550", "libnvidia-nscq-550")
-        } else {
-            ("nvidia-fabric-manager", "libnvidia-nscq-550")
-        };
+        // From 580 on, unversioned names on both families (the hyphen gone on EL).
+        let (fm, nscq) = ("nvidia-fabricmanager", "libnvidia-nscq");
         v.push(pkg(fm, &format!("{DRIVER}-1"), "installed", true));
         v.push(pkg(nscq, &format!("{DRIVER}-1"), "installed", true));
     }
-    v.push(pkg("cuda-toolkit-12-4", "12.4.1-1", "installed", true));
+    v.push(pkg("cuda-toolkit-12-9", "12.9.1-1", "installed", true));
     v
 }
 
@@ -137,7 +148,7 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
             let mut p = vec![];
             if deb {
                 p.push(pkg("cuda-keyring", "1.1-1", "installed", false));
-                let driver = if g.id == "debian" { "nvidia-kernel-open-dkms" } else { "nvidia-driver-550-open" };
+                let driver = if g.id == "debian" { "nvidia-kernel-open-dkms" } else { "nvidia-driver-580-open" };
                 p.push(pkg(driver, &format!("{DRIVER}-1"), "half-configured", false));
             } else {
                 p.push(pkg("kmod-nvidia-open-dkms", &format!("{DRIVER}-1.el9"), "installed", false));
@@ -147,10 +158,6 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
         }
         Stage::Done => {
             files.insert(plan::NOUVEAU_CONF.to_string(), plan::NOUVEAU_CONF_TEXT.to_string());
-            if g.id == "debian" {
-                let pin = "# Written by phq-agent install: keep the NVIDIA driver on branch 550.\nPackage: nvidia-* libnvidia-* libcuda* libxnvctrl* cuda-drivers* firmware-nvidia-*\nPin: version 550.*\nPin-Priority: 1000\n";
-                files.insert(plan::DEBIAN_PIN_PATH.to_string(), pin.to_string());
-            }
             if !deb {
                 let base = format!("{}/{}/x86_64/", plan::NVIDIA_REPO_ROOT, distro.repo_dir());
                 files.insert(
@@ -253,7 +260,28 @@ fn plan_rules() {
                 }
                 // Secure Boot: Ubuntu's signed modules, elsewhere a finding and no unsigned module.
                 if sb && g.id == "ubuntu" {
-                    assert!(text.contains("linux-modules-nvidia-550-server-open-"), "{text}");
+                    // Canonical's signed module for this kernel, its signature, the flavour's
+                    // meta for later kernels, user space without DKMS; no pinning package
+                    // (Ubuntu's archive, not NVIDIA's repository).
+                    for p in [
+                        format!("linux-modules-nvidia-580-server-open-{}", g.kernel),
+                        format!("linux-signatures-nvidia-{}", g.kernel),
+                        "linux-modules-nvidia-580-server-open-generic".to_string(),
+                        "nvidia-headless-no-dkms-580-server".to_string(),
+                        "nvidia-utils-580-server".to_string(),
+                    ] {
+                        assert!(text.contains(&p), "{p}: {text}");
+                    }
+                    assert!(!text.contains("nvidia-driver-pinning") && !text.contains("nvidia-dkms"), "{text}");
+                }
+                // NVIDIA's pinning package, before the driver, on Debian and Ubuntu.
+                if (g.id == "ubuntu" || g.id == "debian") && !sb {
+                    let pin = text.find("install nvidia-driver-pinning-580").expect("the pinning package");
+                    let driver = text
+                        .find("install nvidia-driver-580-open")
+                        .or_else(|| text.find("install nvidia-kernel-open-dkms"))
+                        .expect("the driver");
+                    assert!(pin < driver, "{text}");
                 }
                 if sb && g.id != "ubuntu" {
                     assert!(fresh.steps.iter().all(|s| s.id != "driver"));
@@ -263,7 +291,7 @@ fn plan_rules() {
                 }
                 // Always open kernel modules, always a hold, always verification last.
                 assert!(
-                    !text.contains("nvidia-driver-550 ")
+                    !text.contains("nvidia-driver-580 ")
                         && !text.contains("cuda-drivers ")
                         && !text.contains("kmod-nvidia-latest")
                 );
@@ -292,12 +320,12 @@ fn unsupported_guests_and_impossible_settings_say_what_is_supported() {
     assert!(e.contains("CentOS Linux 7") && e.contains("Ubuntu 22.04") && e.contains("Rocky Linux 9"), "{e}");
 
     let f = facts(&GUESTS[0], false, false, Stage::Fresh);
-    // CUDA 12.6 on branch 550 runs by minor-version compatibility: installed, with a warning
-    // that names what needs 560.28.03. Below 525 no CUDA 12 runs: refused.
-    let p = plan::plan(&f, &Settings { cuda: "12.6".into(), ..settings() }).unwrap();
+    // CUDA 12.9 on branch 570 runs by minor-version compatibility: installed, with a warning
+    // that names what needs 575.51.03. Below 525 no CUDA 12 runs: refused.
+    let p = plan::plan(&f, &Settings { driver_branch: 570, ..settings() }).unwrap();
     let w = p.findings.iter().find(|x| x.id == "install.cuda-driver").expect("the minor-version warning");
     assert_eq!(w.severity, phq_agent::checks::Severity::Warn);
-    assert!(w.summary.contains("560.28.03") && w.summary.contains("minor-version compatibility"), "{w:?}");
+    assert!(w.summary.contains("575.51.03") && w.summary.contains("minor-version compatibility"), "{w:?}");
     assert!(p.steps.iter().any(|s| s.id == "toolkit"), "{}", plan::render(&p));
     let e = plan::plan(&f, &Settings { driver_branch: 520, ..settings() }).unwrap_err();
     assert!(e.contains("predates CUDA 12"), "{e}");
@@ -319,7 +347,7 @@ fn another_branch_is_kept_unless_asked() {
     let text = plan::render(&kept);
     assert!(kept.findings.iter().any(|x| x.id == "install.driver-kept"), "{text}");
     assert!(kept.steps.iter().all(|s| s.id != "driver"), "{text}");
-    // 535 is older than CUDA 12.4 asks for, and runs it by minor-version compatibility: said,
+    // 535 is older than CUDA 12.9 asks for, and runs it by minor-version compatibility: said,
     // and the toolkit is installed.
     let w = kept.findings.iter().find(|x| x.id == "install.cuda-driver").expect("the minor-version warning");
     assert_eq!(w.severity, phq_agent::checks::Severity::Warn, "{text}");
@@ -329,7 +357,7 @@ fn another_branch_is_kept_unless_asked() {
     let replaced = plan::plan(&f, &Settings { replace_driver: true, ..settings() }).unwrap();
     let text = plan::render(&replaced);
     assert!(text.contains("purge nvidia-driver-535 nvidia-fabricmanager-535"), "{text}");
-    assert!(text.contains("install nvidia-driver-550-open"), "{text}");
+    assert!(text.contains("install nvidia-driver-580-open"), "{text}");
 }
 
 #[test]

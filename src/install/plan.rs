@@ -315,15 +315,27 @@ pub fn installed_driver(packages: &[Package]) -> Option<InstalledDriver> {
             || n == "nvidia-kernel-dkms"
             || n == "kmod-nvidia-open-dkms"
             || n == "kmod-nvidia-latest-dkms"
+            || headless_branch(n).is_some()
     };
     let p = packages.iter().find(|p| is_driver(&p.name))?;
     let version = crate::collect::packages::upstream_version(&p.version).to_string();
-    Some(InstalledDriver {
-        package: p.name.clone(),
-        branch: facts::driver_branch(&version),
-        open: p.name.ends_with("-open") || p.name.contains("-open-"),
-        version,
-    })
+    // Ubuntu's signed precompiled driver: user space without DKMS, the kernel module in a
+    // per-kernel package whose name says whether it is the open flavour.
+    let open = match headless_branch(&p.name) {
+        Some(b) => packages.iter().any(|q| q.name.starts_with(&format!("linux-modules-nvidia-{b}-server-open-"))),
+        None => p.name.ends_with("-open") || p.name.contains("-open-"),
+    };
+    Some(InstalledDriver { package: p.name.clone(), branch: facts::driver_branch(&version), open, version })
+}
+
+/// `nvidia-headless-no-dkms-580-server` → 580.
+fn headless_branch(name: &str) -> Option<u32> {
+    name.strip_prefix("nvidia-headless-no-dkms-")?.strip_suffix("-server")?.parse().ok()
+}
+
+/// The kernel's flavour, the last part of its release: `5.15.0-113-generic` → `generic`.
+fn kernel_flavour(kernel: &str) -> Option<&str> {
+    kernel.rsplit_once('-').map(|(_, f)| f).filter(|f| !f.is_empty() && f.chars().all(|c| c.is_ascii_alphabetic()))
 }
 
 /// The plan, or why there can be none (an unsupported guest, a CUDA the branch cannot run).
@@ -487,10 +499,22 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     let ubuntu = matches!(distro, Distro::Ubuntu2204 | Distro::Ubuntu2404);
     let (driver_pkgs, driver_package): (Vec<String>, String) = match &distro {
         _ if keep.is_some() => (Vec::new(), keep.map(|d| d.package.clone()).unwrap_or_default()),
-        Distro::Ubuntu2204 | Distro::Ubuntu2404 if sb_on => (
-            vec![format!("nvidia-driver-{b}-server-open"), format!("linux-modules-nvidia-{b}-server-open-{kernel}")],
-            format!("nvidia-driver-{b}-server-open"),
-        ),
+        // Canonical-signed precompiled modules, as NVIDIA's precompiled driver container
+        // installs them (gpu-driver-container, ubuntu22.04/precompiled): the module for this
+        // kernel and its signature, the flavour's meta package so each new kernel brings its
+        // module, and user space without DKMS or the desktop stack.
+        Distro::Ubuntu2204 | Distro::Ubuntu2404 if sb_on => {
+            let mut v = vec![
+                format!("nvidia-headless-no-dkms-{b}-server"),
+                format!("nvidia-utils-{b}-server"),
+                format!("linux-signatures-nvidia-{kernel}"),
+                format!("linux-modules-nvidia-{b}-server-open-{kernel}"),
+            ];
+            if let Some(flavour) = kernel_flavour(&kernel) {
+                v.push(format!("linux-modules-nvidia-{b}-server-open-{flavour}"));
+            }
+            (v, format!("nvidia-headless-no-dkms-{b}-server"))
+        }
         Distro::Ubuntu2204 | Distro::Ubuntu2404 => {
             (vec![format!("nvidia-driver-{b}-open")], format!("nvidia-driver-{b}-open"))
         }
@@ -502,6 +526,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     };
     // A driver already at the branch, open flavour, is the one to hold and to match.
     let matching = present.as_ref().filter(|d| d.branch == Some(b) && d.open);
+    let matching_present = matching.is_some_and(|d| f.installed(&d.package));
     let (driver_pkgs, driver_package) = match matching {
         Some(d) => {
             let mut v: Vec<String> = vec![d.package.clone()];
@@ -525,6 +550,10 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
                 ),
         );
     } else if keep.is_none() {
+        // NVIDIA's pinning package keeps every driver package of its repository on the branch
+        // (`nvidia-driver-pinning-<branch>`, for Debian and Ubuntu from the 580 era on); Ubuntu's
+        // signed build comes from Ubuntu's archive under branch-named packages instead.
+        let pinning = (distro.is_deb() && b >= 580 && !(ubuntu && sb_on)).then(|| format!("nvidia-driver-pinning-{b}"));
         let replacing = present.as_ref().filter(|d| d.branch != Some(b) || !d.open);
         let mut actions = Vec::new();
         if let Some(old) = replacing {
@@ -546,6 +575,12 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             }
         }
         match &distro {
+            // NVIDIA's own branch lock from 580 on, installed before the driver as its guide
+            // advises ("Version locking packages for Ubuntu / Debian").
+            _ if pinning.is_some() => {
+                actions.push(Action::Run(apt("install", lits(&[pinning.clone().unwrap_or_default()]))));
+                actions.push(Action::Run(apt("install", lits(&driver_pkgs))));
+            }
             Distro::Debian12 => {
                 actions.push(Action::Write { path: DEBIAN_PIN_PATH.into(), contents: debian_pin(b) });
                 actions.push(Action::Run(apt("install", lits(&driver_pkgs))));
@@ -558,7 +593,12 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         let done = present
             .as_ref()
             .filter(|d| d.branch == Some(b) && d.open && f.installed(&d.package))
-            .filter(|_| !matches!(distro, Distro::Debian12) || f.file_is(DEBIAN_PIN_PATH, &debian_pin(b)))
+            .filter(|_| match &pinning {
+                // A driver of the branch already there (Ubuntu's own build, say) is kept as it
+                // is: the hold step keeps it on the branch; the pinning package is for a new one.
+                Some(p) => f.installed(p) || matching_present,
+                None => !matches!(distro, Distro::Debian12) || f.file_is(DEBIAN_PIN_PATH, &debian_pin(b)),
+            })
             .map(|d| format!("{} {} is installed", d.package, d.version));
         let title = match (&distro, sb_on) {
             (Distro::Ubuntu2204 | Distro::Ubuntu2404, true) => {
@@ -635,7 +675,13 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     let mut hold: Vec<String> = Vec::new();
     if driver_allowed {
         if distro.is_deb() {
-            hold.extend(driver_pkgs.iter().filter(|p| !p.starts_with("linux-modules-")).cloned());
+            // Not the per-kernel module packages: a new kernel brings its own through the meta.
+            hold.extend(
+                driver_pkgs
+                    .iter()
+                    .filter(|p| !p.starts_with("linux-modules-") && !p.starts_with("linux-signatures-"))
+                    .cloned(),
+            );
             if let Some(d) = keep {
                 hold.push(d.package.clone());
             }
