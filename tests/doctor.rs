@@ -386,7 +386,8 @@ fn install_dry_run_prints_the_plan_for_fixture_guests() {
             "rocky9-h100-pcie-fresh",
             &[
                 "Rocky Linux 9",
-                "dnf -y -q module install nvidia-driver:580-open",
+                "dnf -y -q module enable nvidia-driver:580-open",
+                "dnf -y -q install nvidia-open",
                 "dracut --force",
                 "config-manager --set-enabled crb",
             ][..],

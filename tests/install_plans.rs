@@ -360,6 +360,25 @@ fn another_branch_is_kept_unless_asked() {
     assert!(text.contains("install nvidia-driver-580-open"), "{text}");
 }
 
+/// EL9: another branch's driver is replaced by switching the module stream (its version locks
+/// dropped first), never by installing a second stream beside it.
+#[test]
+fn el9_changes_branch_by_switching_the_module_stream() {
+    let g = GUESTS.iter().find(|g| g.id == "rocky").expect("a Rocky guest");
+    let mut f = facts(g, false, false, Stage::Done);
+    f.packages = Ok(vec![
+        pkg("kmod-nvidia-open-dkms", "570.195.03-1.el9", "installed", true),
+        pkg("nvidia-driver", "570.195.03-1.el9", "installed", true),
+    ]);
+    f.nvidia_loaded = Some("570.195.03".into());
+    let text = plan::render(&plan::plan(&f, &Settings { replace_driver: true, ..settings() }).unwrap());
+    let unlock = text.find("dnf versionlock delete kmod-nvidia-open-dkms").expect("the old locks go");
+    let switch = text.find("module switch-to nvidia-driver:580-open --allowerasing").expect("the stream switch");
+    let install = text.find("dnf -y -q install nvidia-open").expect("the driver");
+    assert!(unlock < switch && switch < install, "{text}");
+    assert!(!text.contains("module enable"), "{text}");
+}
+
 #[test]
 fn a_mirror_replaces_the_source_and_keeps_the_pin() {
     let f = facts(&GUESTS[2], false, false, Stage::Fresh);

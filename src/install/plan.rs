@@ -350,7 +350,7 @@ fn minor_version_compatible(cuda: &str, cuda_min: &str, min_branch: u32, what: &
 }
 
 /// The packages the steps still to run will install, in order, each once: apt-get's and dnf's
-/// `install` arguments, and dnf module streams as `@module:stream`.
+/// `install` arguments, and dnf module streams (installed or enabled) as `@module:stream`.
 fn packages_to_install(steps: &[Step]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for step in steps.iter().filter(|st| st.done.is_none()) {
@@ -364,6 +364,19 @@ fn packages_to_install(steps: &[Step]) -> Vec<String> {
                     Arg::AtDriverVersion(p) => (p.as_str(), true),
                 })
                 .collect();
+            // A stream enabled for a later install resolves with it: `@module:stream` puts the
+            // stream into the same simulated transaction.
+            if let (true, Some(i)) =
+                (c.program == "dnf", words.windows(2).position(|w| w[0].0 == "module" && w[1].0 == "enable"))
+            {
+                for (w, _) in &words[i + 2..] {
+                    let n = format!("@{w}");
+                    if !out.contains(&n) {
+                        out.push(n);
+                    }
+                }
+                continue;
+            }
             let names: Vec<String> = match (c.program.as_str(), words.iter().position(|(w, _)| *w == "install")) {
                 ("apt-get", Some(i)) => words[i + 1..].iter().map(|(w, _)| w.to_string()).collect(),
                 ("dnf", Some(i)) if i > 0 && words[i - 1].0 == "module" => {
@@ -571,7 +584,16 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
                 actions.push(Action::Run(on(cmd("apt-mark", &["unhold"]), &old_pkgs)));
                 actions.push(Action::Run(apt("purge", lits(&old_pkgs))));
             } else {
-                actions.push(Action::Run(on(dnf(&["remove"]), &old_pkgs)));
+                // The old branch's version locks go, then the module moves to the new stream,
+                // erasing what only the old stream allowed (dnf module switch-to, DNF's
+                // modularity documentation).
+                actions.push(Action::Run(on(cmd("dnf", &["versionlock", "delete"]), &old_pkgs)));
+                actions.push(Action::Run(dnf(&[
+                    "module",
+                    "switch-to",
+                    &format!("nvidia-driver:{b}-open"),
+                    "--allowerasing",
+                ])));
             }
         }
         match &distro {
@@ -585,8 +607,14 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
                 actions.push(Action::Write { path: DEBIAN_PIN_PATH.into(), contents: debian_pin(b) });
                 actions.push(Action::Run(apt("install", lits(&driver_pkgs))));
             }
+            // NVIDIA's Driver Installation Guide (R620 edition, "Open GPU Kernel Modules
+            // Installation", a specific branch on RHEL 9 and its rebuilds): enable the branch's
+            // open stream, then install nvidia-open.
             Distro::El9(_) => {
-                actions.push(Action::Run(dnf(&["module", "install", &format!("nvidia-driver:{b}-open")])));
+                if replacing.is_none() {
+                    actions.push(Action::Run(dnf(&["module", "enable", &format!("nvidia-driver:{b}-open")])));
+                }
+                actions.push(Action::Run(dnf(&["install", "nvidia-open"])));
             }
             _ => actions.push(Action::Run(apt("install", lits(&driver_pkgs)))),
         }
