@@ -132,7 +132,27 @@ fn done_packages(g: &Guest, sb: bool, switches: bool) -> Vec<Package> {
         v.push(pkg(nscq, &format!("{DRIVER}-1"), "installed", true));
     }
     v.push(pkg("cuda-toolkit-12-9", "12.9.1-1", "installed", true));
+    // The running kernel, held while a DKMS-built module depends on it (not on Ubuntu's signed path).
+    let held = !(g.id == "ubuntu" && sb);
+    v.extend(kernel_packages(g, held));
+    if deb {
+        v.push(pkg(&format!("linux-headers-{}", g.kernel), "1", "installed", held));
+    } else {
+        v.push(pkg("kernel-devel", g.kernel.trim_end_matches(".x86_64"), "installed", held));
+    }
     v
+}
+
+/// The running kernel's packages every guest has, whatever the installer did.
+fn kernel_packages(g: &Guest, held: bool) -> Vec<Package> {
+    if g.id == "ubuntu" || g.id == "debian" {
+        vec![pkg(&format!("linux-image-{}", g.kernel), "1", "installed", held)]
+    } else {
+        ["kernel", "kernel-core", "kernel-modules"]
+            .iter()
+            .map(|k| pkg(k, g.kernel.trim_end_matches(".x86_64"), "installed", held))
+            .collect()
+    }
 }
 
 fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
@@ -141,11 +161,11 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
     let mut files = BTreeMap::new();
     let mut units = Vec::new();
     let (packages, headers, nouveau_off, nouveau_loaded, loaded) = match stage {
-        Stage::Fresh => (vec![], false, false, g.id != "debian", None),
+        Stage::Fresh => (kernel_packages(g, false), false, false, g.id != "debian", None),
         Stage::Half => {
             // An earlier run was killed: keyring in, driver unpacked but never configured, the
             // headers missing so DKMS could not build; nouveau already off.
-            let mut p = vec![];
+            let mut p = kernel_packages(g, false);
             if deb {
                 p.push(pkg("cuda-keyring", "1.1-1", "installed", false));
                 let driver = if g.id == "debian" { "nvidia-kernel-open-dkms" } else { "nvidia-driver-580-open" };
@@ -288,6 +308,25 @@ fn plan_rules() {
                     assert!(fresh.findings.iter().any(
                         |f| f.id == "install.secure-boot" && f.remedy.as_deref().unwrap_or("").contains("mokutil")
                     ));
+                }
+                // The running kernel is held with a DKMS-built driver (Google's installer does the
+                // same), never on Ubuntu's signed path, where the meta brings each kernel's module.
+                if !sb {
+                    let kernel: Vec<String> = if g.id == "ubuntu" || g.id == "debian" {
+                        vec![format!("linux-image-{}", g.kernel), format!("linux-headers-{}", g.kernel)]
+                    } else {
+                        ["kernel", "kernel-core", "kernel-modules", "kernel-devel"].map(String::from).to_vec()
+                    };
+                    let line = text.lines().find(|l| l.contains("apt-mark hold") || l.contains("versionlock add"));
+                    for k in &kernel {
+                        assert!(line.is_some_and(|l| l.split(' ').any(|w| w == k)), "{k} not held: {line:?}");
+                    }
+                }
+                if sb && g.id == "ubuntu" {
+                    assert!(
+                        !text.contains("hold linux-image") && !text.contains(&format!("linux-image-{}", g.kernel)),
+                        "{text}"
+                    );
                 }
                 // Always open kernel modules, always a hold, always verification last.
                 assert!(

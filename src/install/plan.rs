@@ -333,9 +333,35 @@ fn headless_branch(name: &str) -> Option<u32> {
     name.strip_prefix("nvidia-headless-no-dkms-")?.strip_suffix("-server")?.parse().ok()
 }
 
-/// The kernel's flavour, the last part of its release: `5.15.0-113-generic` → `generic`.
+/// The flavour of a Debian or Ubuntu kernel, what follows its version and ABI number:
+/// `5.15.0-113-generic` → `generic`, `6.1.0-27-cloud-amd64` → `cloud-amd64`; EL kernels have none.
 fn kernel_flavour(kernel: &str) -> Option<&str> {
-    kernel.rsplit_once('-').map(|(_, f)| f).filter(|f| !f.is_empty() && f.chars().all(|c| c.is_ascii_alphabetic()))
+    let mut parts = kernel.splitn(3, '-');
+    let (_version, abi, flavour) = (parts.next()?, parts.next()?, parts.next()?);
+    (abi.chars().all(|c| c.is_ascii_digit()) && !flavour.is_empty()).then_some(flavour)
+}
+
+/// The kernel packages to hold while a DKMS-built driver is installed, so an unattended upgrade
+/// cannot boot the VM into a kernel the module was never built for: the running kernel's image
+/// and headers and, where installed, its flavour's meta packages (as Google's GPU installer
+/// locks `linux-image-<release>`, `linux-headers-<release>` and the `cloud-amd64` metas on
+/// Debian). EL: `dnf versionlock` of the kernel packages at their installed versions.
+/// Only packages that are there are held (apt-mark refuses a name it does not know), plus the
+/// headers the plan itself installs.
+fn kernel_hold(distro: &Distro, kernel: &str, packages: &[Package]) -> Vec<String> {
+    let present = |n: &str| packages.iter().any(|p| p.name == n);
+    let (installed, headers): (Vec<String>, String) = if distro.is_deb() {
+        let mut v = vec![format!("linux-image-{kernel}")];
+        if let Some(flavour) = kernel_flavour(kernel) {
+            v.extend([format!("linux-image-{flavour}"), format!("linux-headers-{flavour}")]);
+        }
+        (v, format!("linux-headers-{kernel}"))
+    } else {
+        (["kernel", "kernel-core", "kernel-modules"].map(String::from).to_vec(), "kernel-devel".into())
+    };
+    let mut v: Vec<String> = installed.into_iter().filter(|n| present(n)).collect();
+    v.insert(v.len().min(1), headers);
+    v
 }
 
 /// The plan, or why there can be none (an unsupported guest, a CUDA the branch cannot run).
@@ -718,6 +744,11 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         }
         if f.nvswitches > 0 {
             hold.extend([fm.clone(), nscq.clone()]);
+        }
+        // A DKMS module is built for the kernels present when it is installed; Ubuntu's signed
+        // path instead brings each new kernel's module through the flavour's meta package.
+        if !(ubuntu && sb_on) {
+            hold.extend(kernel_hold(&distro, &kernel, packages));
         }
     }
     if steps.iter().any(|s| s.id == "toolkit") {
