@@ -246,6 +246,13 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
                 continue;
             }
             let reason = st.reboot_reason.clone().unwrap_or_else(|| "a step needs it".into());
+            if let Some(unsafe_boot) = boot_gate(plan, runner, o, &head) {
+                st.status = Status::RebootRequired;
+                st.error = Some(unsafe_boot.summary.clone());
+                st.findings.push(unsafe_boot);
+                save(&o.state_dir, &mut st)?;
+                return Ok(st);
+            }
             return Ok(reboot(&mut st, o, &head, &reason));
         }
         if let Some(why) = &step.done {
@@ -296,6 +303,91 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
     st.status = Status::Done;
     save(&o.state_dir, &mut st)?;
     Ok(st)
+}
+
+/// The boot-safety gate: before a reboot that should bring the driver up, the kernel that boots
+/// next must have an `nvidia` module of the installed driver's version, and under Secure Boot
+/// one signed by a key the firmware trusts; otherwise the VM would come back without its GPUs.
+/// None when it is safe (or cannot be checked: said on the progress line), else the finding.
+fn boot_gate(plan: &Plan, runner: &mut dyn Runner, o: &mut Options, head: &str) -> Option<Finding> {
+    let check = plan.boot_check?;
+    let kernel = next_boot_kernel(plan, runner, &o.root);
+    let modinfo = |runner: &mut dyn Runner, field: &str| {
+        runner.run("modinfo", &["-k".into(), kernel.clone(), "-F".into(), field.into(), "nvidia".into()], &[])
+    };
+    let version = match modinfo(runner, "version") {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            (o.progress)(&format!("{head}: modinfo is not installed, so the module of kernel {kernel} cannot be checked before the reboot"));
+            return None;
+        }
+        Err(e) => return Some(unsafe_boot(&kernel, format!("modinfo: {e}"))),
+        Ok(out) if !out.ok() || out.stdout_text().trim().is_empty() => {
+            return Some(unsafe_boot(&kernel, format!("kernel {kernel} has no nvidia module ({})", out.stderr.trim())))
+        }
+        Ok(out) => out.stdout_text().trim().to_string(),
+    };
+    let want = match query_driver_version(plan, runner) {
+        Ok(v) => v,
+        Err(e) => return Some(unsafe_boot(&kernel, e.message)),
+    };
+    if version != want {
+        return Some(unsafe_boot(
+            &kernel,
+            format!("its nvidia module is version {version}, the installed driver {want}"),
+        ));
+    }
+    if check.secure_boot {
+        let signer = modinfo(runner, "signer").map(|o| o.stdout_text().trim().to_string()).unwrap_or_default();
+        if signer.is_empty() {
+            return Some(unsafe_boot(&kernel, "its nvidia module is unsigned and Secure Boot is on".into()));
+        }
+        // A module DKMS signed loads only once its machine-owner key is enrolled
+        // (`mokutil --test-key` says "is already enrolled"); a distribution's signed build is
+        // trusted through shim.
+        if signer.contains("DKMS") {
+            let enrolled = runner
+                .run("mokutil", &["--test-key".into(), DKMS_MOK.into()], &[])
+                .is_ok_and(|o| format!("{}{}", o.stdout_text(), o.stderr).contains("is already enrolled"));
+            if !enrolled {
+                return Some(
+                    unsafe_boot(&kernel, format!("its nvidia module is signed by DKMS's key ({signer}), which is not enrolled"))
+                        .remedy(format!("Run `mokutil --import {DKMS_MOK}`, reboot, confirm the key in the MOK manager on the VM console, then rerun phq-agent install.")),
+                );
+            }
+        }
+    }
+    (o.progress)(&format!("{head}: kernel {kernel} has nvidia {version}; safe to reboot"));
+    None
+}
+
+/// Where DKMS keeps the machine-owner key it signs modules with (Debian and Ubuntu's dkms).
+const DKMS_MOK: &str = "/var/lib/dkms/mok.pub";
+
+fn unsafe_boot(kernel: &str, why: String) -> Finding {
+    Finding::fail("install.boot-safety", format!("not rebooting: the kernel that boots next ({kernel}) would start without the GPU driver"))
+        .detail(why)
+        .remedy(format!("Rebuild the module for that kernel (`dkms autoinstall -k {kernel}`; `dkms status` shows what is built), or install the kernel's headers and rerun phq-agent install."))
+}
+
+/// The kernel the next boot starts: on EL what grubby names as the default; on Debian and
+/// Ubuntu (GRUB's default entry is the newest kernel) the newest `/boot/vmlinuz-*`; the running
+/// one when neither tells.
+fn next_boot_kernel(plan: &Plan, runner: &mut dyn Runner, root: &Path) -> String {
+    if !plan.distro.is_deb() {
+        if let Ok(out) = runner.run("grubby", &["--default-kernel".into()], &[]) {
+            if let Some(k) = out.stdout_text().trim().strip_prefix("/boot/vmlinuz-").filter(|k| !k.is_empty()) {
+                return k.to_string();
+            }
+        }
+    }
+    let numbers =
+        |k: &str| -> Vec<u64> { k.split(|c: char| !c.is_ascii_digit()).filter_map(|n| n.parse().ok()).collect() };
+    std::fs::read_dir(root.join("boot"))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("vmlinuz-").map(str::to_string))
+        .max_by(|a, b| numbers(a).cmp(&numbers(b)))
+        .unwrap_or_else(|| plan.kernel.clone())
 }
 
 fn reboot(st: &mut State, o: &mut Options, head: &str, reason: &str) -> State {
@@ -760,6 +852,12 @@ mod tests {
         /// A package whose unpacking was killed: dpkg refuses to configure while it is there,
         /// dpkg-query shows it with the reinst-required flag, and removing it clears it.
         reinstreq: Option<String>,
+        /// The nvidia module's version for every kernel, as `modinfo -k K -F version nvidia`
+        /// reads it (default: the installed driver's, 550.90.07); empty: no module, which
+        /// modinfo answers with "Module nvidia not found" and exit 1 (kmod's modinfo).
+        module: Option<String>,
+        /// `modinfo -F signer`: empty for an unsigned module.
+        signer: String,
     }
 
     impl Runner for FakeMachine {
@@ -793,6 +891,15 @@ mod tests {
                 return Ok(Output { code: Some(100), stdout: vec![], stderr: "E: Unable to locate package".into() });
             }
             Ok(match program {
+                "modinfo" if args.iter().any(|a| a == "version") => match self.module.as_deref().unwrap_or("550.90.07") {
+                    "" => Output {
+                        code: Some(1),
+                        stdout: vec![],
+                        stderr: "modinfo: ERROR: Module nvidia not found.".into(),
+                    },
+                    v => ok(format!("{v}\n").as_bytes()),
+                },
+                "modinfo" => ok(format!("{}\n", self.signer).as_bytes()),
                 "dpkg-query" => ok(b"550.90.07-0ubuntu1"),
                 "apt-cache" => ok(b" nvidia-fabricmanager-550 | 550.127.05-1 | http://r/ Packages\n nvidia-fabricmanager-550 | 550.90.07-1 | http://r/ Packages\n"),
                 "dpkg-deb" => {
@@ -935,6 +1042,63 @@ mod tests {
         assert_eq!(second.state.reboots, 1);
         assert!(second.state.findings.iter().any(|f| f.id == "gpu.ecc"));
         assert!(second.progress.iter().any(|l| l.contains("done in an earlier run")));
+    }
+
+    /// The boot-safety gate: the newest kernel in /boot (GRUB's default on Ubuntu) has no
+    /// nvidia module, so the VM would come back without its GPUs. No reboot, a failure that says
+    /// which kernel and what to do; once the module is built, the rerun reboots.
+    #[test]
+    fn no_reboot_into_a_kernel_without_the_driver() {
+        let (dir, p, mut m) = fresh_install(None);
+        let boot = dir.path().join("root/boot");
+        std::fs::create_dir_all(&boot).unwrap();
+        for k in ["5.15.0-113-generic", "5.15.0-126-generic", "5.15.0-99-generic"] {
+            std::fs::write(boot.join(format!("vmlinuz-{k}")), b"").unwrap();
+        }
+        m.module = Some(String::new());
+        let first = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(!first.rebooted);
+        assert_eq!(first.state.status, Status::RebootRequired);
+        let f = first.state.findings.iter().find(|f| f.id == "install.boot-safety").expect("the gate's finding");
+        assert_eq!(f.severity, Severity::Fail);
+        assert!(f.summary.contains("(5.15.0-126-generic) would start without the GPU driver"), "{}", f.summary);
+        assert!(f.detail.contains("Module nvidia not found"), "{}", f.detail);
+        assert!(f.remedy.as_deref().unwrap().contains("dkms autoinstall -k 5.15.0-126-generic"));
+        assert!(m.ran.iter().any(|l| l == "modinfo -k 5.15.0-126-generic -F version nvidia"), "{:#?}", m.ran);
+
+        // A module of another version is no better.
+        m.module = Some("550.54.15".into());
+        let second = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(!second.rebooted);
+        let f = second.state.findings.iter().find(|f| f.id == "install.boot-safety").unwrap();
+        assert!(f.detail.contains("version 550.54.15, the installed driver 550.90.07"), "{}", f.detail);
+
+        // Built for that kernel: the reboot goes ahead.
+        m.module = None;
+        let third = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(third.rebooted, "{:#?}", third.progress);
+        assert!(third
+            .progress
+            .iter()
+            .any(|l| l.contains("kernel 5.15.0-126-generic has nvidia 550.90.07; safe to reboot")));
+    }
+
+    /// Under Secure Boot an unsigned module is refused before the reboot; a signed one passes.
+    #[test]
+    fn under_secure_boot_the_next_kernels_module_must_be_signed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, fpr) = test_key();
+        let (mut f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
+        f.secure_boot = Some(SecureBoot::Enabled);
+        let p = plan::plan(&f, &s).unwrap();
+        let mut m = FakeMachine { key, ..Default::default() };
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(!r.rebooted);
+        let f = r.state.findings.iter().find(|f| f.id == "install.boot-safety").expect("the gate's finding");
+        assert!(f.detail.contains("unsigned and Secure Boot is on"), "{}", f.detail);
+        m.signer = "Canonical Ltd. Kernel Module Signing".into();
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(r.rebooted, "{:#?}", r.progress);
     }
 
     #[test]

@@ -226,6 +226,15 @@ pub struct Plan {
     pub findings: Vec<Finding>,
     /// Reboot even if no step runs: the installed driver is not the one loaded.
     pub reboot_reason: Option<String>,
+    /// Before rebooting a VM with GPUs into the driver: check the kernel that boots next has the
+    /// module (`apply`'s boot-safety gate). Whether Secure Boot is on (the module must then be
+    /// signed by a key the firmware trusts).
+    pub boot_check: Option<BootCheck>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BootCheck {
+    pub secure_boot: bool,
 }
 
 pub const DEB_ENV: &[(&str, &str)] = &[("DEBIAN_FRONTEND", "noninteractive")];
@@ -865,6 +874,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         steps,
         findings,
         reboot_reason,
+        boot_check: (f.gpus > 0 && driver_allowed).then_some(BootCheck { secure_boot: sb_on }),
     })
 }
 
