@@ -566,8 +566,24 @@ fn resolve(pkgs: &[String], plan: &Plan, runner: &mut dyn Runner, o: &mut Option
         return Ok(());
     }
     let names = if missing.is_empty() { "see the package manager's words".to_string() } else { missing.join(", ") };
+    // The running kernel's own headers gone from the mirror is the usual case on a guest that
+    // has not been upgraded for a while: DKMS cannot build for this kernel any more.
+    let headers = [format!("linux-headers-{}", plan.kernel), format!("kernel-devel-{}", plan.kernel)];
+    let kernel_gone = if missing.iter().any(|m| headers.contains(m)) {
+        let upgrade = if deb {
+            "apt-get install linux-image-<flavour> linux-headers-<flavour>"
+        } else {
+            "dnf upgrade kernel kernel-devel"
+        };
+        format!(
+            " The headers of the running kernel {} have left the repositories (they carry a newer kernel now): upgrade the kernel (`{upgrade}`), reboot into it, and run phq-agent install again.",
+            plan.kernel
+        )
+    } else {
+        String::new()
+    };
     Err(err(format!(
-        "pre-flight: the repositories cannot install {names}; nothing was installed. {}",
+        "pre-flight: the repositories cannot install {names}; nothing was installed.{kernel_gone} {}",
         tail_lines(&text, 6)
     )))
 }
@@ -1042,6 +1058,26 @@ mod tests {
         assert_eq!(second.state.reboots, 1);
         assert!(second.state.findings.iter().any(|f| f.id == "gpu.ecc"));
         assert!(second.progress.iter().any(|l| l.contains("done in an earlier run")));
+    }
+
+    /// The running kernel's headers have left the mirror: the pre-flight stops and says to move
+    /// to the kernel the mirror carries, instead of a bare "cannot install".
+    #[test]
+    fn headers_gone_from_the_mirror_say_to_upgrade_the_kernel() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, fpr) = test_key();
+        let (mut f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
+        f.headers_present = false;
+        let p = plan::plan(&f, &s).unwrap();
+        let mut m = FakeMachine { key, missing: Some(format!("linux-headers-{}", p.kernel)), ..Default::default() };
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::Failed);
+        let e = r.state.error.as_deref().unwrap();
+        assert!(
+            e.contains(&format!("The headers of the running kernel {} have left the repositories", p.kernel)),
+            "{e}"
+        );
+        assert!(e.contains("reboot into it, and run phq-agent install again"), "{e}");
     }
 
     /// The boot-safety gate: the newest kernel in /boot (GRUB's default on Ubuntu) has no
