@@ -13,7 +13,9 @@ pub const INVALID_DEVICE: CUresult = 101;
 pub const INVALID_CONTEXT: CUresult = 201;
 pub const ECC_UNCORRECTABLE: CUresult = 214;
 pub const PEER_ACCESS_UNSUPPORTED: CUresult = 217;
+pub const INVALID_PTX: CUresult = 218;
 pub const INVALID_HANDLE: CUresult = 400;
+pub const NOT_FOUND: CUresult = 500;
 pub const NOT_READY: CUresult = 600;
 pub const ILLEGAL_ADDRESS: CUresult = 700;
 pub const PEER_ACCESS_ALREADY_ENABLED: CUresult = 704;
@@ -33,6 +35,7 @@ pub const TABLE: &[(CUresult, &str, &str)] = &[
     (201, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"),
     (214, "CUDA_ERROR_ECC_UNCORRECTABLE", "uncorrectable ECC error encountered"),
     (217, "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED", "peer access is not supported between these two devices"),
+    (218, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"),
     (220, "CUDA_ERROR_NVLINK_UNCORRECTABLE", "uncorrectable NVLink error detected during the execution"),
     (400, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"),
     (500, "CUDA_ERROR_NOT_FOUND", "named symbol not found"),

@@ -13,11 +13,15 @@
 //! names where the real behaviour is written down. The abbreviations: *DRV* is NVIDIA's CUDA
 //! Driver API reference, *PG* the CUDA C++ Programming Guide.
 //!
-//! Not modelled: kernels from PTX modules (the agent ships none yet), pageable host memory
-//! (every host buffer copies at the pinned rate), NUMA placement of pinned memory, MIG.
+//! Kernels: a PTX module's `.entry` names are read and each kernel runs through a Rust
+//! reimplementation of its contract (`kernels`); one without a reimplementation is refused at
+//! launch. Not modelled: JIT compilation itself (PTX is not checked beyond its directives),
+//! pageable host memory (every host buffer copies at the pinned rate), NUMA placement of pinned
+//! memory, MIG.
 
 pub mod blas;
 pub mod codes;
+pub mod kernels;
 pub mod scenario;
 
 use codes::*;
@@ -173,6 +177,15 @@ pub(crate) struct World {
     now: f64,
     pinned: BTreeMap<usize, (usize, std::alloc::Layout)>,
     pub(crate) blas: HashMap<usize, blas::BlasHandle>,
+    /// Loaded modules: their context and the kernels their PTX declares.
+    modules: HashMap<usize, Module>,
+    /// Function handles: (module, kernel name).
+    functions: HashMap<usize, (usize, String)>,
+}
+
+struct Module {
+    ctx: usize,
+    entries: Vec<String>,
 }
 
 static WORLD: Mutex<Option<Result<World, CUresult>>> = Mutex::new(None);
@@ -255,6 +268,8 @@ fn load_world() -> Result<World, CUresult> {
         now: 0.0,
         pinned: BTreeMap::new(),
         blas: HashMap::new(),
+        modules: HashMap::new(),
+        functions: HashMap::new(),
     };
     for d in 0..n {
         let h = w.handle();
@@ -1638,6 +1653,143 @@ pub unsafe extern "C" fn cuMemsetD8_v2(ptr: CUdeviceptr, value: u8, n: usize) ->
 #[no_mangle]
 pub unsafe extern "C" fn cuMemsetD32_v2(ptr: CUdeviceptr, value: c_uint, n: usize) -> CUresult {
     cuMemsetD32Async(ptr, value, n, std::ptr::null_mut())
+}
+
+// ---------------------------------------------------------------------------------------
+// Modules and kernels. The fake JIT-compiles nothing: it reads the kernel names a PTX module
+// declares and runs each, by name, through a Rust reimplementation with the same contract
+// (`kernels`). A kernel it has none for is refused at launch, loudly.
+
+/// Loads a PTX module (a NUL-terminated text) into the current context (DRV, cuModuleLoadData).
+/// Text that is not PTX — no `.version` directive, or no `.entry` — is CUDA_ERROR_INVALID_PTX, as
+/// the driver's JIT answers a module it cannot compile.
+///
+/// # Safety
+/// `m` must be writable; `image` a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn cuModuleLoadData(m: *mut Handle, image: *const c_void) -> CUresult {
+    if m.is_null() || image.is_null() {
+        return INVALID_VALUE;
+    }
+    let text = CStr::from_ptr(image as *const c_char).to_string_lossy().into_owned();
+    with(|w| {
+        let ctx = match w.current_ctx() {
+            Ok(c) => c,
+            Err(e) => return e,
+        };
+        let entries: Vec<String> = text
+            .lines()
+            .filter_map(|l| {
+                let after = l.split(".entry").nth(1)?;
+                let name: String =
+                    after.trim_start().chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                (!name.is_empty()).then_some(name)
+            })
+            .collect();
+        if !text.lines().any(|l| l.trim_start().starts_with(".version")) || entries.is_empty() {
+            eprintln!("fake-cuda: cuModuleLoadData: not a PTX module with an .entry");
+            return INVALID_PTX;
+        }
+        let h = w.handle();
+        w.modules.insert(h, Module { ctx, entries });
+        *m = h as Handle;
+        SUCCESS
+    })
+}
+
+/// # Safety
+/// As the real one.
+#[no_mangle]
+pub unsafe extern "C" fn cuModuleUnload(m: Handle) -> CUresult {
+    with(|w| match w.modules.remove(&(m as usize)) {
+        Some(_) => {
+            w.functions.retain(|_, (module, _)| *module != m as usize);
+            SUCCESS
+        }
+        None => INVALID_HANDLE,
+    })
+}
+
+/// A kernel of a loaded module by name (DRV, cuModuleGetFunction): a name the module does not
+/// declare is CUDA_ERROR_NOT_FOUND, an unknown module CUDA_ERROR_INVALID_HANDLE.
+///
+/// # Safety
+/// `f` must be writable; `name` a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn cuModuleGetFunction(f: *mut Handle, m: Handle, name: *const c_char) -> CUresult {
+    if f.is_null() || name.is_null() {
+        return INVALID_VALUE;
+    }
+    let name = CStr::from_ptr(name).to_string_lossy().into_owned();
+    with(|w| {
+        let Some(module) = w.modules.get(&(m as usize)) else { return INVALID_HANDLE };
+        if !module.entries.contains(&name) {
+            return NOT_FOUND;
+        }
+        let h = w.handle();
+        w.functions.insert(h, (m as usize, name));
+        *f = h as Handle;
+        SUCCESS
+    })
+}
+
+/// Launches a kernel on a stream of its module's context (DRV, cuLaunchKernel). A block of more
+/// than 1024 threads is CUDA_ERROR_INVALID_VALUE (Hopper's limit, PG, "Compute Capabilities");
+/// a stream of another context CUDA_ERROR_INVALID_HANDLE. The kernel runs through its Rust
+/// reimplementation; memory it may not touch (freed, or a peer's without access) faults like a
+/// real kernel: the launch succeeds and the context is poisoned with
+/// CUDA_ERROR_ILLEGAL_ADDRESS, seen by the next call.
+///
+/// # Safety
+/// `params` must hold the kernel's arguments as the real launch takes them.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cuLaunchKernel(
+    f: Handle,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    _shared: c_uint,
+    s: Handle,
+    params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    with(|w| {
+        let Some((module, name)) = w.functions.get(&(f as usize)).cloned() else { return INVALID_HANDLE };
+        let Some(mctx) = w.modules.get(&module).map(|m| m.ctx) else { return INVALID_HANDLE };
+        let stream = match w.stream(s) {
+            Ok(id) => id,
+            Err(e) => return e,
+        };
+        if w.streams[&stream].ctx != mctx {
+            eprintln!("fake-cuda: cuLaunchKernel: the stream belongs to another context than the kernel's module");
+            return INVALID_HANDLE;
+        }
+        let threads = bx as u64 * by as u64 * bz as u64;
+        if threads == 0 || threads > 1024 || gx == 0 || gy == 0 || gz == 0 {
+            return INVALID_VALUE;
+        }
+        kernels::launch(w, &name, mctx, stream, params)
+    })
+}
+
+impl World {
+    /// Runs `secs` of SM work on `stream`'s GPU.
+    pub(crate) fn run_on_sms(&mut self, stream: usize, secs: f64) {
+        let dev = self.stream_device(stream);
+        self.occupy(stream, &[Engine::Sm(dev), Engine::Hbm(dev)], secs);
+    }
+
+    pub(crate) fn ctx_dev(&self, ctx: usize) -> usize {
+        self.contexts[&ctx].device
+    }
+
+    pub(crate) fn hbm_gbps(&self, dev: usize) -> f64 {
+        self.spec(dev).hbm_gbps
+    }
 }
 
 /// For tests of the fake itself: a C string's text.

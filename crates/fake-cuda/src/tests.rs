@@ -197,6 +197,52 @@ fn the_drivers_rules() {
         ok(cuCtxSetCurrent(c0));
         ok(cuStreamSynchronize(s0));
 
+        // Kernels: a PTX module declares them by name, each runs through the fake's
+        // reimplementation, at the GPU's HBM rate.
+        let ptx = b".version 7.8\n.target sm_90\n.address_size 64\n\
+            .visible .entry phq_fake_fill_u32(.param .u64 dst, .param .u32 value, .param .u64 count)\n{ ret; }\n\
+            .visible .entry phq_unwritten()\n{ ret; }\n\0";
+        let (mut module, mut f, mut g) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+        assert_eq!(cuModuleLoadData(&mut module, b"not ptx\0".as_ptr() as *const c_void), INVALID_PTX);
+        assert_eq!(name(INVALID_PTX), "CUDA_ERROR_INVALID_PTX");
+        ok(cuModuleLoadData(&mut module, ptx.as_ptr() as *const c_void));
+        assert_eq!(cuModuleGetFunction(&mut f, module, c"phq_missing".as_ptr()), NOT_FOUND);
+        assert_eq!(name(NOT_FOUND), "CUDA_ERROR_NOT_FOUND");
+        ok(cuModuleGetFunction(&mut f, module, c"phq_fake_fill_u32".as_ptr()));
+        let mut k0: CUdeviceptr = 0;
+        ok(cuMemAlloc_v2(&mut k0, 4096));
+        let (mut dst, mut value, mut count) = (k0, 0xdead_beef_u32, 1024u64);
+        let mut params: [*mut c_void; 3] = [
+            &mut dst as *mut _ as *mut c_void,
+            &mut value as *mut _ as *mut c_void,
+            &mut count as *mut _ as *mut c_void,
+        ];
+        let null = std::ptr::null_mut();
+        // More than 1024 threads in a block: refused.
+        assert_eq!(cuLaunchKernel(f, 1, 1, 1, 2048, 1, 1, 0, s0, params.as_mut_ptr(), null), INVALID_VALUE);
+        // A stream of another context than the module's: refused.
+        assert_eq!(cuLaunchKernel(f, 4, 1, 1, 256, 1, 1, 0, s1b, params.as_mut_ptr(), null), INVALID_HANDLE);
+        let ms = elapsed_ms(s0, || ok(cuLaunchKernel(f, 4, 1, 1, 256, 1, 1, 0, s0, params.as_mut_ptr(), null)));
+        assert!((ms as f64 - 4096.0 / 2000e9 * 1e3).abs() < 1e-9, "{ms}");
+        let mut words = [0u32; 4];
+        ok(cuMemcpyDtoHAsync_v2(words.as_mut_ptr() as *mut c_void, k0 + 4092 - 12, 16, s0));
+        assert_eq!(words, [0xdead_beef; 4]);
+        // A kernel the fake cannot run is refused, never silently skipped.
+        ok(cuModuleGetFunction(&mut g, module, c"phq_unwritten".as_ptr()));
+        assert_eq!(cuLaunchKernel(g, 1, 1, 1, 1, 1, 1, 0, s0, params.as_mut_ptr(), null), NOT_SUPPORTED);
+        // A kernel writing a peer's memory without access (GPU 1 → GPU 2): the launch is
+        // accepted and the context is poisoned with an illegal address.
+        ok(cuCtxSetCurrent(c1));
+        let (mut module1, mut f1) = (std::ptr::null_mut(), std::ptr::null_mut());
+        ok(cuModuleLoadData(&mut module1, ptx.as_ptr() as *const c_void));
+        ok(cuModuleGetFunction(&mut f1, module1, c"phq_fake_fill_u32".as_ptr()));
+        dst = d2;
+        ok(cuLaunchKernel(f1, 4, 1, 1, 256, 1, 1, 0, s1b, params.as_mut_ptr(), null));
+        assert_eq!(cuStreamSynchronize(s1b), ILLEGAL_ADDRESS);
+        assert_eq!(cuModuleUnload(module1), SUCCESS);
+        assert_eq!(cuModuleGetFunction(&mut f1, module1, c"phq_fake_fill_u32".as_ptr()), INVALID_HANDLE);
+        ok(cuCtxSetCurrent(c0));
+
         // cuBLAS: an exact integer product, computed lazily, at the scenario's rate.
         let n = 64usize;
         let a_host: Vec<f32> = (0..n * n).map(|x| ((x * 7) % 9) as f32 - 4.0).collect();
