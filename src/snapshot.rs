@@ -314,6 +314,9 @@ pub struct Driver {
     pub device_nodes: Vec<String>,
     /// NVIDIA user-space libraries found, with the version in their file name.
     pub user_libraries: Vec<UserLibrary>,
+    /// `/proc/sys/kernel/tainted`: the kernel's taint flags since boot; None when unreadable.
+    #[serde(default)]
+    pub tainted: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

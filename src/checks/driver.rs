@@ -10,6 +10,7 @@ pub fn run(s: &Snapshot, settings: &Settings, out: &mut Vec<Finding>) {
     out.push(open_kernel_module(s));
     out.push(version_consistent(s));
     out.push(branch_supported(s, settings));
+    out.push(kernel_taint(s));
     out.push(device_nodes(s));
     out.push(cuda_toolkit(s, settings));
     out.push(toolkit_driver_compatible(s));
@@ -190,6 +191,51 @@ fn branch_supported(s: &Snapshot, settings: &Settings) -> Finding {
     f.evidence("version", &version).evidence("cuda_target", &settings.cuda).evidence("cuda_min_driver", target_min)
 }
 
+/// The kernel's taint flags (the kernel's "Tainted kernels" admin guide names each bit). An
+/// out-of-tree module (O, 12) and an unsigned one (E, 13) are what a DKMS-built NVIDIA driver
+/// sets, and a proprietary licence (P, 0) the proprietary flavour: expected. A machine check
+/// (M, 4) or bad page (B, 5) is the hardware reporting errors; a kernel that died (D, 7) or
+/// locked up (L, 14) since boot has had an oops or a hang, often in a driver: failures. A
+/// kernel warning (W, 9) is worth a look.
+fn kernel_taint(s: &Snapshot) -> Finding {
+    const ID: &str = "driver.kernel-taint";
+    let Some(t) = s.driver.tainted else {
+        return Finding::unknown(ID, "cannot read /proc/sys/kernel/tainted");
+    };
+    const FLAGS: &[(u32, char, &str)] = &[
+        (0, 'P', "a proprietary module is loaded"),
+        (1, 'F', "a module was force-loaded"),
+        (3, 'R', "a module was force-unloaded"),
+        (4, 'M', "the CPU reported a machine check"),
+        (5, 'B', "a bad page was found"),
+        (7, 'D', "the kernel died (an oops or BUG)"),
+        (9, 'W', "the kernel issued a warning"),
+        (12, 'O', "an out-of-tree module is loaded"),
+        (13, 'E', "an unsigned module is loaded"),
+        (14, 'L', "a soft lockup occurred"),
+    ];
+    let set: Vec<&(u32, char, &str)> = FLAGS.iter().filter(|(bit, _, _)| t & (1 << bit) != 0).collect();
+    let letters: String = set.iter().map(|(_, c, _)| *c).collect();
+    let said = |bits: &[u32]| -> Vec<String> {
+        set.iter().filter(|(b, _, _)| bits.contains(b)).map(|(_, c, what)| format!("{c}: {what}")).collect()
+    };
+    let bad = said(&[4, 5, 7, 14]);
+    let warned = said(&[9]);
+    let f = if !bad.is_empty() {
+        Finding::fail(ID, format!("the kernel is tainted since boot: {}", bad.join("; ")))
+            .detail("After an oops, lockup or hardware error the GPU driver's state cannot be trusted; the cause is in the kernel log.")
+            .remedy("Read `journalctl -k -b | grep -iE 'BUG|Oops|Machine check|soft lockup|NVRM'`; restart the VM; report it to the platform if it repeats.")
+    } else if !warned.is_empty() {
+        Finding::warn(ID, "the kernel issued a warning since boot (taint W)")
+            .remedy("Read `journalctl -k -b | grep -B2 -A20 'WARNING:'` to see which code warned.")
+    } else if t == 0 {
+        Finding::pass(ID, "the kernel is not tainted")
+    } else {
+        Finding::pass(ID, format!("tainted {letters} only by how drivers are built: {}", said(&[0, 12, 13]).join("; ")))
+    };
+    f.evidence("tainted", t).evidence("flags", letters)
+}
+
 fn settings_branch_hint(settings: &Settings) -> String {
     facts::cuda_min_driver(&settings.cuda)
         .and_then(facts::driver_branch)
@@ -341,6 +387,26 @@ mod tests {
         let v = find(&f, "driver.version-consistent")[0];
         assert_eq!(v.severity, Severity::Fail);
         assert!(v.remedy.as_ref().unwrap().starts_with("Reboot"));
+    }
+
+    #[test]
+    fn kernel_taint_tells_build_flags_from_trouble() {
+        let at = |t: u64| {
+            let mut s = healthy();
+            s.driver.tainted = Some(t);
+            find(&findings(&s), "driver.kernel-taint")[0].clone()
+        };
+        let f = at(0x3000);
+        assert_eq!(f.severity, Severity::Pass);
+        assert!(f.summary.contains("tainted OE only by how drivers are built"), "{}", f.summary);
+        let f = at(0x3000 | 0x80);
+        assert_eq!(f.severity, Severity::Fail);
+        assert!(f.summary.contains("D: the kernel died (an oops or BUG)"), "{}", f.summary);
+        assert_eq!(at(0x200).severity, Severity::Warn);
+        assert_eq!(at(0).summary, "the kernel is not tainted");
+        let mut s = healthy();
+        s.driver.tainted = None;
+        assert_eq!(find(&findings(&s), "driver.kernel-taint")[0].severity, Severity::Unknown);
     }
 
     /// NVIDIA's support matrix in December 2026: R580 is supported, R535 ended in June 2026,

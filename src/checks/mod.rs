@@ -129,6 +129,7 @@ pub const CATALOG: &[&str] = &[
     "driver.open-kernel-module",
     "driver.version-consistent",
     "driver.branch-supported",
+    "driver.kernel-taint",
     "driver.device-nodes",
     "driver.persistence",
     "nvml.init",
@@ -313,6 +314,7 @@ pub(crate) mod testutil {
                     version: "580.82.07".into(),
                     path: "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.580.82.07".into(),
                 }],
+                tainted: Some(0x3000),
             },
             cuda_toolkits: Fact::Value(vec![CudaToolkit {
                 path: "/usr/local/cuda-12.4".into(),

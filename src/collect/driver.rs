@@ -52,6 +52,7 @@ pub fn read(root: &Sysroot, kernel_release: Option<&str>, cmdline: Option<&str>)
             .map(|names| names.into_iter().filter(|n| n.starts_with("nvidia")).collect())
             .unwrap_or_default(),
         user_libraries: read_user_libraries(root),
+        tainted: root.read_attr("proc/sys/kernel/tainted").ok().and_then(|t| t.trim().parse().ok()),
     }
 }
 
