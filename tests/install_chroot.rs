@@ -41,7 +41,7 @@ fn guest_root(work: &Path, repo_url: &str, fingerprint: &str) -> PathBuf {
     std::fs::create_dir_all(root.join("etc/phq-agent")).unwrap();
     std::fs::write(
         root.join("etc/phq-agent/config.toml"),
-        format!("[install]\ncuda = \"12.4\"\ndriver_branch = \"550\"\nrepo_url = \"{repo_url}\"\nrepo_key_fingerprint = \"{fingerprint}\"\n"),
+        format!("[install]\ncuda = \"12.9\"\ndriver_branch = \"580\"\nrepo_url = \"{repo_url}\"\nrepo_key_fingerprint = \"{fingerprint}\"\n"),
     )
     .unwrap();
     eprintln!("timing: root copied in {:.1} s", started.elapsed().as_secs_f64());
@@ -227,7 +227,8 @@ fn journal(root: &Path) -> serde_json::Value {
 
 #[test]
 fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
-    if !runnable("the chroot install test", &["debootstrap", "dpkg-deb", "apt-ftparchive", "gpg", "chroot"]) {
+    if !runnable("the chroot install test", &["debootstrap", "dpkg-deb", "apt-ftparchive", "gpg", "chroot", "objcopy"])
+    {
         return;
     }
     let t0 = Instant::now();
@@ -257,7 +258,7 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     assert!(offline.stderr.contains("tried 4 times"), "{}", offline.stderr);
     eprintln!("timing: unreachable repository reported after {:.1} s", t.elapsed().as_secs_f64());
 
-    // A toolkit the repository does not have (CUDA 12.6; the stand-in has 12.4): the pre-flight
+    // A toolkit the repository does not have (CUDA 12.6; the stand-in has 12.9): the pre-flight
     // resolves every package with apt-get -s and stops, naming it, before any is installed.
     let t = Instant::now();
     let lacking = install(&clean, &["--cuda", "12.6"]);
@@ -267,7 +268,12 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
         "{}",
         lacking.stderr
     );
-    let after: Vec<String> = nvidia_state(&clean).into_iter().filter(|l| !l.contains("cuda-keyring")).collect();
+    // The repository's keyring and the branch lock come before the pre-flight (it resolves with
+    // the pin in place); nothing else may be installed.
+    let after: Vec<String> = nvidia_state(&clean)
+        .into_iter()
+        .filter(|l| !l.contains("cuda-keyring") && !l.contains("nvidia-driver-pinning-580"))
+        .collect();
     assert!(after.is_empty(), "installed before the pre-flight refused: {after:?}");
     eprintln!("timing: pre-flight refusal after {:.1} s", t.elapsed().as_secs_f64());
 
@@ -278,12 +284,14 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     assert!(first.stderr.contains("a reboot is required"), "{}", first.stderr);
     let installed = nvidia_state(&clean);
     let want = [
-        "hi  cuda-drivers-550 550.90.07-1".to_string(),
-        "hi  cuda-toolkit-12-4 12.4.1-1".into(),
-        "hi  libnvidia-nscq-550 550.90.07-1".into(),
-        "hi  nvidia-fabricmanager-550 550.90.07-1".into(),
-        "hi  nvidia-kernel-open-dkms 550.90.07-1".into(),
-        "hi  nvidia-persistenced 550.90.07-1".into(),
+        "hi  cuda-drivers-580 580.82.07-1".to_string(),
+        "hi  cuda-toolkit-12-9 12.9.1-1".into(),
+        "hi  libnvidia-nscq 580.82.07-1".into(),
+        "hi  nvidia-fabricmanager 580.82.07-1".into(),
+        "hi  nvidia-kernel-open-dkms 580.82.07-1".into(),
+        "hi  nvidia-persistenced 580.82.07-1".into(),
+        // NVIDIA's branch lock, installed before the driver.
+        "ii  nvidia-driver-pinning-580 580-1".into(),
         "ii  cuda-keyring 1.1-1".into(),
         // Held with the driver: DKMS built the module for this kernel only.
         format!("hi  linux-headers-{KERNEL} 6.1.112-1"),
@@ -291,8 +299,8 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     for w in &want {
         assert!(installed.contains(w), "missing {w:?} in {installed:#?}\n{}", first.stderr);
     }
-    // The branch pin beat the 560 driver; fabric manager is the driver's version, not the newest.
-    assert!(!installed.iter().any(|l| l.contains("560.") || l.contains("550.127")), "{installed:#?}");
+    // The pinning package beat the 590 driver; fabric manager is the driver's version, not the newest.
+    assert!(!installed.iter().any(|l| l.contains("590.") || l.contains("580.95")), "{installed:#?}");
     for unit in ["nvidia-persistenced.service", "nvidia-fabricmanager.service"] {
         // The link points into the root, so it is read, not followed, from here.
         let link = clean.join("etc/systemd/system/multi-user.target.wants").join(unit);

@@ -104,8 +104,8 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         ("PHQ_HTTP_TOKEN", HTTP_TOKEN.to_string()),
         ("PHQ_PLATFORM_URL", host.clone()),
         ("PHQ_PLATFORM_TOKEN", "platform-token-for-the-vm-test".to_string()),
-        ("PHQ_CUDA", "12.4".to_string()),
-        ("PHQ_DRIVER_BRANCH", "550".to_string()),
+        ("PHQ_CUDA", "12.9".to_string()),
+        ("PHQ_DRIVER_BRANCH", "580".to_string()),
         ("PHQ_REPO_URL", format!("{host}/repo")),
         ("PHQ_REPO_KEY_FINGERPRINT", fpr.clone()),
     ]

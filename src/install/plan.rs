@@ -515,6 +515,24 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     // 1. NVIDIA's repository, trusted only once its key is the pinned one.
     steps.push(repo_step(&distro, f, s, &repo_base, install_dir));
 
+    // 1b. NVIDIA's branch lock (`nvidia-driver-pinning-<branch>`, Debian and Ubuntu from the 580
+    // era on), installed before anything is resolved, as its guide advises: until it is in
+    // place apt resolves the driver to the newest branch (the real-apt test found the pre-flight
+    // failing on exactly that when the pin came in the same transaction). Not under Secure Boot:
+    // Ubuntu's signed path takes branch-named packages from Ubuntu's archive, and elsewhere no
+    // driver is installed then.
+    let pinning =
+        (distro.is_deb() && b >= 580 && !sb_on && keep.is_none()).then(|| format!("nvidia-driver-pinning-{b}"));
+    if let Some(p) = &pinning {
+        steps.push(Step {
+            id: "pin",
+            title: format!("keep the driver on branch {b} ({p})"),
+            actions: vec![Action::Run(apt("install", lits(std::slice::from_ref(p))))],
+            done: f.installed(p).then(|| format!("{p} is installed")),
+            needs_reboot: false,
+        });
+    }
+
     // 2. Kernel headers: DKMS builds the modules against them.
     let headers = if distro.is_deb() {
         Action::Run(apt("install", lits(&[format!("linux-headers-{kernel}")])))
@@ -574,7 +592,6 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     };
     // A driver already at the branch, open flavour, is the one to hold and to match.
     let matching = present.as_ref().filter(|d| d.branch == Some(b) && d.open);
-    let matching_present = matching.is_some_and(|d| f.installed(&d.package));
     let (driver_pkgs, driver_package) = match matching {
         Some(d) => {
             let mut v: Vec<String> = vec![d.package.clone()];
@@ -598,10 +615,6 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
                 ),
         );
     } else if keep.is_none() {
-        // NVIDIA's pinning package keeps every driver package of its repository on the branch
-        // (`nvidia-driver-pinning-<branch>`, for Debian and Ubuntu from the 580 era on); Ubuntu's
-        // signed build comes from Ubuntu's archive under branch-named packages instead.
-        let pinning = (distro.is_deb() && b >= 580 && !(ubuntu && sb_on)).then(|| format!("nvidia-driver-pinning-{b}"));
         let replacing = present.as_ref().filter(|d| d.branch != Some(b) || !d.open);
         let mut actions = Vec::new();
         if let Some(old) = replacing {
@@ -632,12 +645,8 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             }
         }
         match &distro {
-            // NVIDIA's own branch lock from 580 on, installed before the driver as its guide
-            // advises ("Version locking packages for Ubuntu / Debian").
-            _ if pinning.is_some() => {
-                actions.push(Action::Run(apt("install", lits(&[pinning.clone().unwrap_or_default()]))));
-                actions.push(Action::Run(apt("install", lits(&driver_pkgs))));
-            }
+            // NVIDIA's own branch lock is in place from the pin step.
+            _ if pinning.is_some() => actions.push(Action::Run(apt("install", lits(&driver_pkgs)))),
             Distro::Debian12 => {
                 actions.push(Action::Write { path: DEBIAN_PIN_PATH.into(), contents: debian_pin(b) });
                 actions.push(Action::Run(apt("install", lits(&driver_pkgs))));
@@ -656,11 +665,8 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         let done = present
             .as_ref()
             .filter(|d| d.branch == Some(b) && d.open && f.installed(&d.package))
-            .filter(|_| match &pinning {
-                // A driver of the branch already there (Ubuntu's own build, say) is kept as it
-                // is: the hold step keeps it on the branch; the pinning package is for a new one.
-                Some(p) => f.installed(p) || matching_present,
-                None => !matches!(distro, Distro::Debian12) || f.file_is(DEBIAN_PIN_PATH, &debian_pin(b)),
+            .filter(|_| {
+                pinning.is_some() || !matches!(distro, Distro::Debian12) || f.file_is(DEBIAN_PIN_PATH, &debian_pin(b))
             })
             .map(|d| format!("{} {} is installed", d.package, d.version));
         let title = match (&distro, sb_on) {
@@ -842,7 +848,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     // Pre-flight, right after the repository (nothing can be resolved before it): every package
     // the remaining steps install, resolved at once, so a name the repositories do not have
     // stops the install before the first package changes, not half-way through it.
-    let at = steps.iter().position(|st| st.id == "repo").map_or(0, |i| i + 1);
+    let at = steps.iter().rposition(|st| st.id == "pin" || st.id == "repo").map_or(0, |i| i + 1);
     let wanted = packages_to_install(&steps[at..]);
     if !wanted.is_empty() {
         // apt resolves as it will install only with the branch pin in place (without it,

@@ -3,11 +3,13 @@
 //! versions, a flat repository signed with a fresh test key, and a small HTTP server on
 //! 127.0.0.1 that serves it (and takes POSTs, as a platform double).
 //!
-//! The stand-ins carry NVIDIA's names and versions and nothing else: the keyring, the open DKMS
-//! driver (whose postinst takes two seconds, like a build, with a marker file while it runs),
-//! the persistence daemon and fabric manager with their units, NSCQ, the toolkit, the headers.
-//! A newer branch (560) and a newer 550 fabric manager are in the repository too, to prove the
-//! branch pin and the exact fabric-manager match.
+//! The stand-ins carry NVIDIA's R580 names and versions and nothing else: the keyring, the branch
+//! pinning package (`nvidia-driver-pinning-580`, whose stand-in pins the driver packages to 580.*
+//! in an apt preferences file), the open DKMS driver (whose postinst takes two seconds, like a
+//! build, with a marker file while it runs), `cuda-drivers-580`, the persistence daemon and the
+//! fabric manager with their units, NSCQ (unversioned names from 580 on), the CUDA 12.9 toolkit,
+//! the headers. A newer branch (590) and a newer 580 fabric manager are in the repository too, to
+//! prove the branch pin and the exact fabric-manager match.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -17,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The driver version the stand-ins carry.
-pub const STANDIN_DRIVER: &str = "550.90.07";
+pub const STANDIN_DRIVER: &str = "580.82.07";
 
 pub fn target_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target")
@@ -151,9 +153,11 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
     assert!(!key.is_empty());
 
     let v = |s: &str| format!("{s}-1");
-    let d550 = v(STANDIN_DRIVER);
-    let fm_new = v("550.127.05");
+    let d580 = v(STANDIN_DRIVER);
+    let fm_new = v("580.95.05");
     let headers = format!("linux-headers-{kernel}");
+    let module = standin_module(root, STANDIN_DRIVER);
+    let dkms_postinst = format!("touch /tmp/phq-dkms-building; sleep 2; depmod {kernel}; rm -f /tmp/phq-dkms-building");
     let headers_postinst = format!(
         "mkdir -p /lib/modules/{kernel} && ln -sfn /usr/src/linux-headers-{kernel} /lib/modules/{kernel}/build"
     );
@@ -179,50 +183,65 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
             postinst: &headers_postinst,
         },
         Deb {
-            name: "nvidia-kernel-open-dkms",
-            version: &d550,
+            name: "nvidia-driver-pinning-580",
+            version: "580-1",
             depends: "",
-            files: vec![("usr/src/nvidia-550.90.07/dkms.conf".into(), b"PACKAGE_NAME=nvidia\n".to_vec())],
-            // A DKMS build takes a while; the test's kill -9 lands in the middle of it, while
-            // the marker exists.
-            postinst: "touch /tmp/phq-dkms-building; sleep 2; rm -f /tmp/phq-dkms-building",
+            files: vec![(
+                "etc/apt/preferences.d/nvidia-driver-pinning-580".into(),
+                b"Package: nvidia-* libnvidia-* cuda-drivers*\nPin: version 580.*\nPin-Priority: 1000\n".to_vec(),
+            )],
+            postinst: "",
         },
-        Deb { name: "nvidia-kernel-open-dkms", version: "560.35.03-1", depends: "", files: vec![], postinst: "" },
+        Deb {
+            name: "nvidia-kernel-open-dkms",
+            version: &d580,
+            depends: "",
+            files: vec![
+                ("usr/src/nvidia-580.82.07/dkms.conf".into(), b"PACKAGE_NAME=nvidia\n".to_vec()),
+                // What DKMS would build: a module modinfo reads the version of (the installer's
+                // boot-safety gate asks for it before rebooting).
+                (format!("lib/modules/{kernel}/updates/dkms/nvidia.ko"), module),
+            ],
+            // A DKMS build takes a while; the test's kill -9 lands in the middle of it, while
+            // the marker exists. Then depmod, as DKMS runs it, so modinfo -k finds the module.
+            postinst: &dkms_postinst,
+        },
+        Deb { name: "nvidia-kernel-open-dkms", version: "590.44.01-1", depends: "", files: vec![], postinst: "" },
         Deb {
             name: "nvidia-persistenced",
-            version: &d550,
+            version: &d580,
             depends: "",
             files: vec![("lib/systemd/system/nvidia-persistenced.service".into(), unit("NVIDIA Persistence Daemon"))],
             postinst: "",
         },
         Deb {
-            name: "cuda-drivers-550",
-            version: &d550,
-            depends: "nvidia-kernel-open-dkms (>= 550), nvidia-kernel-open-dkms (<< 551), nvidia-persistenced",
+            name: "cuda-drivers-580",
+            version: &d580,
+            depends: "nvidia-kernel-open-dkms (>= 580), nvidia-kernel-open-dkms (<< 581), nvidia-persistenced",
             files: vec![],
             postinst: "",
         },
         Deb {
-            name: "nvidia-fabricmanager-550",
-            version: &d550,
+            name: "nvidia-fabricmanager",
+            version: &d580,
             depends: "",
             files: vec![("lib/systemd/system/nvidia-fabricmanager.service".into(), unit("NVIDIA fabric manager"))],
             postinst: "",
         },
         Deb {
-            name: "nvidia-fabricmanager-550",
+            name: "nvidia-fabricmanager",
             version: &fm_new,
             depends: "",
             files: vec![("lib/systemd/system/nvidia-fabricmanager.service".into(), unit("NVIDIA fabric manager"))],
             postinst: "",
         },
-        Deb { name: "libnvidia-nscq-550", version: &d550, depends: "", files: vec![], postinst: "" },
-        Deb { name: "libnvidia-nscq-550", version: &fm_new, depends: "", files: vec![], postinst: "" },
+        Deb { name: "libnvidia-nscq", version: &d580, depends: "", files: vec![], postinst: "" },
+        Deb { name: "libnvidia-nscq", version: &fm_new, depends: "", files: vec![], postinst: "" },
         Deb {
-            name: "cuda-toolkit-12-4",
-            version: "12.4.1-1",
+            name: "cuda-toolkit-12-9",
+            version: "12.9.1-1",
             depends: "",
-            files: vec![("usr/local/cuda-12.4/version.json".into(), br#"{"cuda":{"name":"CUDA SDK","version":"12.4.1"}}"#.to_vec())],
+            files: vec![("usr/local/cuda-12.9/version.json".into(), br#"{"cuda":{"name":"CUDA SDK","version":"12.9.1"}}"#.to_vec())],
             postinst: "sleep 1",
         },
     ];
@@ -248,6 +267,28 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
         ],
     );
     fpr
+}
+
+/// A stand-in `nvidia.ko`: an ELF object whose only content is the `.modinfo` section a real
+/// module carries (`version=…`, `license=…`), which is all `modinfo` reads; made with objcopy.
+fn standin_module(dir: &Path, version: &str) -> Vec<u8> {
+    let info = dir.join("modinfo.bin");
+    std::fs::write(&info, format!("version={version}\0license=Dual MIT/GPL\0name=nvidia\0")).unwrap();
+    let ko = dir.join("nvidia.ko");
+    sh(
+        "objcopy",
+        &[
+            "-I",
+            "binary",
+            "-O",
+            "elf64-x86-64",
+            "--rename-section",
+            ".data=.modinfo,contents,alloc,load,readonly,data",
+            info.to_str().unwrap(),
+            ko.to_str().unwrap(),
+        ],
+    );
+    std::fs::read(&ko).unwrap()
 }
 
 /// What the server was sent with POST: path, headers (lower-case names), body.
