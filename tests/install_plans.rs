@@ -322,6 +322,11 @@ fn plan_rules() {
                         assert!(line.is_some_and(|l| l.split(' ').any(|w| w == k)), "{k} not held: {line:?}");
                     }
                 }
+                // On Debian and Ubuntu the kernel is held before the driver is built for it.
+                if (g.id == "ubuntu" || g.id == "debian") && !sb {
+                    let hold = text.find("kernel-hold —").expect("the kernel hold step");
+                    assert!(hold < text.find(" driver —").expect("the driver step"), "{text}");
+                }
                 if sb && g.id == "ubuntu" {
                     assert!(
                         !text.contains("hold linux-image") && !text.contains(&format!("linux-image-{}", g.kernel)),

@@ -547,6 +547,22 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         needs_reboot: false,
     });
 
+    // 2b. Debian and Ubuntu with a DKMS-built driver: the running kernel is held before the
+    // driver is built for it, so unattended-upgrades cannot install another kernel mid-install
+    // (its dpkg runs wait on the same lock, DPkg::Lock::Timeout). EL locks the kernel with the
+    // other packages at the end (dnf versionlock needs its plugin installed first).
+    if distro.is_deb() && !sb_on {
+        let kernel_pkgs = kernel_hold(&distro, &kernel, packages);
+        let held = kernel_pkgs.iter().all(|k| packages.iter().any(|p| &p.name == k && p.held));
+        steps.push(Step {
+            id: "kernel-hold",
+            title: format!("hold kernel {kernel} while the driver's module is built for it"),
+            actions: vec![Action::Run(on(cmd("apt-mark", &["hold"]), &kernel_pkgs))],
+            done: held.then(|| format!("kernel {kernel} is held")),
+            needs_reboot: false,
+        });
+    }
+
     // 3. nouveau off, in the initramfs too.
     let initramfs = if distro.is_deb() { cmd("update-initramfs", &["-u"]) } else { cmd("dracut", &["--force"]) };
     steps.push(Step {
@@ -760,9 +776,10 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         if f.nvswitches > 0 {
             hold.extend([fm.clone(), nscq.clone()]);
         }
-        // A DKMS module is built for the kernels present when it is installed; Ubuntu's signed
-        // path instead brings each new kernel's module through the flavour's meta package.
-        if !(ubuntu && sb_on) {
+        // A DKMS module is built for the kernels present when it is installed (Debian and Ubuntu
+        // hold the kernel in their own step, before the driver); Ubuntu's signed path instead
+        // brings each new kernel's module through the flavour's meta package.
+        if !distro.is_deb() {
             hold.extend(kernel_hold(&distro, &kernel, packages));
         }
     }
