@@ -356,8 +356,8 @@ fn kernel_flavour(kernel: &str) -> Option<&str> {
 /// locks `linux-image-<release>`, `linux-headers-<release>` and the `cloud-amd64` metas on
 /// Debian). EL: `dnf versionlock` of the kernel packages at their installed versions.
 /// Only packages that are there are held (apt-mark refuses a name it does not know), plus the
-/// headers the plan itself installs.
-fn kernel_hold(distro: &Distro, kernel: &str, packages: &[Package]) -> Vec<String> {
+/// headers when the plan itself installs them (`headers_planned`).
+fn kernel_hold(distro: &Distro, kernel: &str, packages: &[Package], headers_planned: bool) -> Vec<String> {
     let present = |n: &str| packages.iter().any(|p| p.name == n);
     let (installed, headers): (Vec<String>, String) = if distro.is_deb() {
         let mut v = vec![format!("linux-image-{kernel}")];
@@ -369,7 +369,9 @@ fn kernel_hold(distro: &Distro, kernel: &str, packages: &[Package]) -> Vec<Strin
         (["kernel", "kernel-core", "kernel-modules"].map(String::from).to_vec(), "kernel-devel".into())
     };
     let mut v: Vec<String> = installed.into_iter().filter(|n| present(n)).collect();
-    v.insert(v.len().min(1), headers);
+    if headers_planned || present(&headers) {
+        v.insert(v.len().min(1), headers);
+    }
     v
 }
 
@@ -551,8 +553,9 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     // driver is built for it, so unattended-upgrades cannot install another kernel mid-install
     // (its dpkg runs wait on the same lock, DPkg::Lock::Timeout). EL locks the kernel with the
     // other packages at the end (dnf versionlock needs its plugin installed first).
-    if distro.is_deb() && !sb_on {
-        let kernel_pkgs = kernel_hold(&distro, &kernel, packages);
+    let kernel_pkgs =
+        if distro.is_deb() && !sb_on { kernel_hold(&distro, &kernel, packages, !f.headers_present) } else { vec![] };
+    if !kernel_pkgs.is_empty() {
         let held = kernel_pkgs.iter().all(|k| packages.iter().any(|p| &p.name == k && p.held));
         steps.push(Step {
             id: "kernel-hold",
@@ -780,7 +783,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         // hold the kernel in their own step, before the driver); Ubuntu's signed path instead
         // brings each new kernel's module through the flavour's meta package.
         if !distro.is_deb() {
-            hold.extend(kernel_hold(&distro, &kernel, packages));
+            hold.extend(kernel_hold(&distro, &kernel, packages, !f.headers_present));
         }
     }
     if steps.iter().any(|s| s.id == "toolkit") {
