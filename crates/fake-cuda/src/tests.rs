@@ -203,7 +203,7 @@ fn the_drivers_rules() {
             .visible .entry phq_fake_fill_u32(.param .u64 dst, .param .u32 value, .param .u64 count)\n{ ret; }\n\
             .visible .entry phq_unwritten()\n{ ret; }\n\0";
         let (mut module, mut f, mut g) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
-        assert_eq!(cuModuleLoadData(&mut module, b"not ptx\0".as_ptr() as *const c_void), INVALID_PTX);
+        assert_eq!(cuModuleLoadData(&mut module, c"not ptx".as_ptr() as *const c_void), INVALID_PTX);
         assert_eq!(name(INVALID_PTX), "CUDA_ERROR_INVALID_PTX");
         ok(cuModuleLoadData(&mut module, ptx.as_ptr() as *const c_void));
         assert_eq!(cuModuleGetFunction(&mut f, module, c"phq_missing".as_ptr()), NOT_FOUND);
@@ -236,8 +236,13 @@ fn the_drivers_rules() {
         let (mut module1, mut f1) = (std::ptr::null_mut(), std::ptr::null_mut());
         ok(cuModuleLoadData(&mut module1, ptx.as_ptr() as *const c_void));
         ok(cuModuleGetFunction(&mut f1, module1, c"phq_fake_fill_u32".as_ptr()));
-        dst = d2;
-        ok(cuLaunchKernel(f1, 4, 1, 1, 256, 1, 1, 0, s1b, params.as_mut_ptr(), null));
+        let (mut peer, mut value1, mut count1) = (d2, 1u32, 1024u64);
+        let mut params1: [*mut c_void; 3] = [
+            &mut peer as *mut _ as *mut c_void,
+            &mut value1 as *mut _ as *mut c_void,
+            &mut count1 as *mut _ as *mut c_void,
+        ];
+        ok(cuLaunchKernel(f1, 4, 1, 1, 256, 1, 1, 0, s1b, params1.as_mut_ptr(), null));
         assert_eq!(cuStreamSynchronize(s1b), ILLEGAL_ADDRESS);
         assert_eq!(cuModuleUnload(module1), SUCCESS);
         assert_eq!(cuModuleGetFunction(&mut f1, module1, c"phq_fake_fill_u32".as_ptr()), INVALID_HANDLE);
