@@ -567,7 +567,14 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     }
 
     // 3. nouveau off, in the initramfs too.
-    let initramfs = if distro.is_deb() { cmd("update-initramfs", &["-u"]) } else { cmd("dracut", &["--force"]) };
+    // Every installed kernel's initramfs, not only the running one's: a newer kernel booted
+    // later must not bring nouveau back (update-initramfs(8): `-k all`; dracut(8):
+    // `--regenerate-all`).
+    let initramfs = if distro.is_deb() {
+        cmd("update-initramfs", &["-u", "-k", "all"])
+    } else {
+        cmd("dracut", &["--force", "--regenerate-all"])
+    };
     steps.push(Step {
         id: "nouveau",
         title: "blacklist nouveau and rebuild the initramfs".into(),
