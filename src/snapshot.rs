@@ -317,6 +317,20 @@ pub struct Driver {
     /// `/proc/sys/kernel/tainted`: the kernel's taint flags since boot; None when unreadable.
     #[serde(default)]
     pub tainted: Option<u64>,
+    /// The kernels installed in /boot (`vmlinuz-<release>`), each with whether an `nvidia`
+    /// module is installed for it under /lib/modules/<release>; an error when /boot is unreadable.
+    #[serde(default = "no_kernels")]
+    pub installed_kernels: Fact<Vec<InstalledKernel>>,
+}
+
+fn no_kernels() -> Fact<Vec<InstalledKernel>> {
+    Fact::Error("not collected".into())
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstalledKernel {
+    pub release: String,
+    pub nvidia_module: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

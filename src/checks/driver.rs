@@ -11,6 +11,7 @@ pub fn run(s: &Snapshot, settings: &Settings, out: &mut Vec<Finding>) {
     out.push(version_consistent(s));
     out.push(branch_supported(s, settings));
     out.push(kernel_taint(s));
+    out.push(next_kernel(s));
     out.push(device_nodes(s));
     out.push(cuda_toolkit(s, settings));
     out.push(toolkit_driver_compatible(s));
@@ -236,6 +237,33 @@ fn kernel_taint(s: &Snapshot) -> Finding {
     f.evidence("tainted", t).evidence("flags", letters)
 }
 
+/// The kernel that boots next (the newest in /boot, GRUB's default) must have the driver's module,
+/// or the next reboot — an unattended kernel upgrade's, say — brings the VM up without its GPUs.
+fn next_kernel(s: &Snapshot) -> Finding {
+    const ID: &str = "driver.next-kernel";
+    if s.gpus().is_empty() {
+        return Finding::pass(ID, "no NVIDIA GPU: nothing to check");
+    }
+    let kernels = match &s.driver.installed_kernels {
+        Fact::Value(k) => k,
+        Fact::Error(e) => return Finding::unknown(ID, format!("cannot list the kernels in /boot: {e}")),
+    };
+    let running = s.host.kernel_release.value().cloned().unwrap_or_default();
+    let Some(next) = kernels.iter().max_by_key(|k| crate::collect::driver::release_numbers(&k.release)) else {
+        return Finding::unknown(ID, "no kernel image in /boot: which kernel boots next is unknown");
+    };
+    let f = if next.release == running {
+        Finding::pass(ID, format!("the running kernel {running} is the newest installed"))
+    } else if next.nvidia_module {
+        Finding::pass(ID, format!("kernel {}, which boots next, has an nvidia module", next.release))
+    } else {
+        Finding::warn(ID, format!("kernel {} boots next but has no nvidia module", next.release))
+            .detail(format!("It is newer than the running {running}; after the next reboot the VM would start without its GPU driver."))
+            .remedy(format!("Build the module for it before rebooting: `apt-get install linux-headers-{0}` (or `dnf install kernel-devel-{0}`), then `dkms autoinstall -k {0}`; or hold the kernel while the driver is built for the running one.", next.release))
+    };
+    f.evidence("running", &running).evidence("next", &next.release)
+}
+
 fn settings_branch_hint(settings: &Settings) -> String {
     facts::cuda_min_driver(&settings.cuda)
         .and_then(facts::driver_branch)
@@ -387,6 +415,27 @@ mod tests {
         let v = find(&f, "driver.version-consistent")[0];
         assert_eq!(v.severity, Severity::Fail);
         assert!(v.remedy.as_ref().unwrap().starts_with("Reboot"));
+    }
+
+    #[test]
+    fn a_newer_kernel_without_the_module_is_warned_about() {
+        let with = |kernels: &[(&str, bool)]| {
+            let mut s = healthy();
+            s.driver.installed_kernels = Fact::Value(
+                kernels.iter().map(|(r, m)| InstalledKernel { release: r.to_string(), nvidia_module: *m }).collect(),
+            );
+            find(&findings(&s), "driver.next-kernel")[0].clone()
+        };
+        let running = "5.15.0-113-generic";
+        assert_eq!(with(&[(running, true)]).severity, Severity::Pass);
+        // 5.15.0-99 is older than the running kernel, despite sorting after it as text.
+        assert_eq!(with(&[(running, true), ("5.15.0-99-generic", false)]).severity, Severity::Pass);
+        let f = with(&[(running, true), ("5.15.0-126-generic", false)]);
+        assert_eq!(
+            (f.severity, f.summary.as_str()),
+            (Severity::Warn, "kernel 5.15.0-126-generic boots next but has no nvidia module")
+        );
+        assert_eq!(with(&[(running, true), ("5.15.0-126-generic", true)]).severity, Severity::Pass);
     }
 
     #[test]

@@ -130,6 +130,7 @@ pub const CATALOG: &[&str] = &[
     "driver.version-consistent",
     "driver.branch-supported",
     "driver.kernel-taint",
+    "driver.next-kernel",
     "driver.device-nodes",
     "driver.persistence",
     "nvml.init",
@@ -315,6 +316,10 @@ pub(crate) mod testutil {
                     path: "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.580.82.07".into(),
                 }],
                 tainted: Some(0x3000),
+                installed_kernels: Fact::Value(vec![InstalledKernel {
+                    release: "5.15.0-113-generic".into(),
+                    nvidia_module: true,
+                }]),
             },
             cuda_toolkits: Fact::Value(vec![CudaToolkit {
                 path: "/usr/local/cuda-12.4".into(),

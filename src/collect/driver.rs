@@ -53,7 +53,48 @@ pub fn read(root: &Sysroot, kernel_release: Option<&str>, cmdline: Option<&str>)
             .unwrap_or_default(),
         user_libraries: read_user_libraries(root),
         tainted: root.read_attr("proc/sys/kernel/tainted").ok().and_then(|t| t.trim().parse().ok()),
+        installed_kernels: installed_kernels(root),
     }
+}
+
+/// Every `vmlinuz-<release>` in /boot, each with whether an `nvidia.ko` (plain or compressed) is
+/// somewhere under /lib/modules/<release> (DKMS puts it in updates/dkms, distributions' builds
+/// elsewhere).
+fn installed_kernels(root: &Sysroot) -> Fact<Vec<crate::snapshot::InstalledKernel>> {
+    let names = match root.list_dir("boot") {
+        Ok(n) => n,
+        Err(e) => return Fact::Error(e.to_string()),
+    };
+    let mut kernels: Vec<crate::snapshot::InstalledKernel> = names
+        .iter()
+        .filter_map(|n| n.strip_prefix("vmlinuz-"))
+        .map(|release| crate::snapshot::InstalledKernel {
+            release: release.to_string(),
+            nvidia_module: has_nvidia_module(root, &format!("lib/modules/{release}"), 0),
+        })
+        .collect();
+    kernels.sort_by_key(|k| release_numbers(&k.release));
+    Fact::Value(kernels)
+}
+
+fn has_nvidia_module(root: &Sysroot, dir: &str, depth: u32) -> bool {
+    const MODULE: [&str; 4] = ["nvidia.ko", "nvidia.ko.xz", "nvidia.ko.zst", "nvidia.ko.gz"];
+    let Ok(names) = root.list_dir(dir) else { return false };
+    if names.iter().any(|n| MODULE.contains(&n.as_str())) {
+        return true;
+    }
+    // Modules sit at most a few directories down (kernel/drivers/video/…, updates/dkms).
+    depth < 5
+        && names
+            .iter()
+            .filter(|n| !n.contains('.') || n.ends_with(".d"))
+            .any(|n| has_nvidia_module(root, &format!("{dir}/{n}"), depth + 1))
+}
+
+/// `6.1.0-27-cloud-amd64` → [6, 1, 0, 27, 64]: the numbers of a release, for ordering kernels
+/// as GRUB's newest-first default does.
+pub fn release_numbers(release: &str) -> Vec<u64> {
+    release.split(|c: char| !c.is_ascii_digit()).filter_map(|n| n.parse().ok()).collect()
 }
 
 /// Module names from /proc/modules (`nvidia 56799232 2 nvidia_uvm,nvidia_modeset, Live 0x0 (POE)`).
