@@ -12,6 +12,10 @@ import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUSES = [0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x0E, 0x0F, 0x10]
+# The driver every NVML scenario reports: an R580 release (NVIDIA's long-term support branch in
+# December 2026), whose CUDA driver API is 13.0 and whose NVML version carries that major.
+DRIVER = {"driver_version": "580.82.07", "nvml_version": "13.580.82.07", "cuda_driver_version": 13000}
+CUDA_DRIVER_API = DRIVER["cuda_driver_version"]
 SWITCH_BUSES = [0x11, 0x12, 0x13, 0x14]
 
 
@@ -64,9 +68,7 @@ def h100(i, bus):
 def hgx():
     return {
         "init_error": None,
-        "driver_version": "580.82.07",
-        "nvml_version": "13.580.82.07",
-        "cuda_driver_version": 13000,
+        **DRIVER,
         "devices": [h100(i, b) for i, b in enumerate(BUSES)],
     }
 
@@ -146,7 +148,7 @@ def vm_unsupported():
         "persistence_mode": True,
         "unsupported": ["nvmlDeviceGetPowerUsage", "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetSerial"],
     }
-    return {"driver_version": "580.82.07", "nvml_version": "13.580.82.07", "cuda_driver_version": 13000, "devices": [d]}
+    return {**DRIVER, "devices": [d]}
 
 
 def h200_vm():
@@ -159,7 +161,7 @@ def h200_vm():
         "temperature_c": 36,
         "persistence_mode": True,
     }
-    return {"driver_version": "580.105.08", "nvml_version": "12.580.105.08", "cuda_driver_version": 12080, "devices": [d]}
+    return {**DRIVER, "devices": [d]}
 
 
 def h200_vm_agent_context():
@@ -218,7 +220,7 @@ def cuda_gpu(name, bus, rank, memory, h2d, hbm, sgemm):
 
 def cuda_hgx():
     gpus = [cuda_gpu("NVIDIA H100 80GB HBM3", b, i ^ 1, 85520809984, 55.0, 2540.0, 51.0) for i, b in enumerate(BUSES)]
-    return {"driver_version": 13000, "devices": gpus, "peers": {"access": True, "gbps": 375.0, "pairs": []}}
+    return {"driver_version": CUDA_DRIVER_API, "devices": gpus, "peers": {"access": True, "gbps": 375.0, "pairs": []}}
 
 
 def cuda_hgx_ecc():
@@ -253,14 +255,15 @@ def cuda_hgx_pcie_pair():
 
 def cuda_hgx_gen3x8():
     """GPU 5 (0000:0e:00.0) on a link trained down to PCIe Gen3 x8: 8 GT/s x 8 lanes with
-    128b/130b coding is 7.9 GB/s raw, and pinned copies reach about 85% of a link's raw rate."""
+    128b/130b coding is 7.9 GB/s raw (PCIe Base Specification); the 6.6 GB/s copy rate is this
+    scenario's choice, about the share of raw that the healthy scenarios' 55 of 63 GB/s is."""
     s = cuda_hgx()
     s["devices"][5].update({"h2d_gbps": 6.6, "d2h_gbps": 6.6})
     return s
 
 
 def cuda_h100_pcie():
-    return {"driver_version": 13000, "devices": [cuda_gpu("NVIDIA H100 PCIe", 0x09, 0, 85520809984, 55.0, 1640.0, 30.0)]}
+    return {"driver_version": CUDA_DRIVER_API, "devices": [cuda_gpu("NVIDIA H100 PCIe", 0x09, 0, 85520809984, 55.0, 1640.0, 30.0)]}
 
 
 def cuda_h100_pcie_stuck_bit():
@@ -271,7 +274,7 @@ def cuda_h100_pcie_stuck_bit():
 
 
 def cuda_h200():
-    return {"driver_version": 12080, "devices": [cuda_gpu("NVIDIA H200", 0x09, 0, 150754820096, 55.0, 3110.0, 55.0)]}
+    return {"driver_version": CUDA_DRIVER_API, "devices": [cuda_gpu("NVIDIA H200", 0x09, 0, 150754820096, 55.0, 3110.0, 55.0)]}
 
 
 CUDA_SCENARIOS = {

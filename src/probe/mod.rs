@@ -574,15 +574,7 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
             .unwrap_or(facts::probe_floors(0))
     };
     for s in &report.skipped {
-        for id in [
-            "probe.h2d-bandwidth",
-            "probe.d2h-bandwidth",
-            "probe.bidir-bandwidth",
-            "probe.d2d-bandwidth",
-            "probe.memory-integrity",
-            "probe.gemm",
-            "probe.p2p-bandwidth",
-        ] {
+        for id in crate::checks::CATALOG.iter().filter(|id| id.starts_with("probe.")) {
             out.push(Finding::unknown(id, format!("skipped: {}", s.reason)).gpu(&s.pci));
         }
     }

@@ -56,44 +56,34 @@ pub fn needs(tools: &[(&str, &str)]) -> bool {
     false
 }
 
-/// The fake library, built once per test binary (cargo does not build a workspace member's
-/// cdylib for another package's tests).
+/// The fake NVML library, built once per test binary; `PHQ_FAKE_NVML_LIB` names a prebuilt one.
 pub fn fake_nvml() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        if let Ok(p) = std::env::var("PHQ_FAKE_NVML_LIB") {
-            return PathBuf::from(p);
-        }
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "--quiet", "-p", "fake-nvml"])
-            .current_dir(repo())
-            .status()
-            .expect("run cargo build -p fake-nvml");
-        assert!(status.success(), "cargo build -p fake-nvml failed");
-        let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
-        target.join("debug/libfake_nvml.so")
-    })
+    LIB.get_or_init(|| fake_library("fake-nvml", "PHQ_FAKE_NVML_LIB"))
 }
 
 /// The fake CUDA driver (crates/fake-cuda: libcuda and libcublas in one library), built once per
 /// test binary; `PHQ_FAKE_CUDA_LIB` names a prebuilt one.
 pub fn fake_cuda() -> &'static Path {
     static LIB: OnceLock<PathBuf> = OnceLock::new();
-    LIB.get_or_init(|| {
-        if let Ok(p) = std::env::var("PHQ_FAKE_CUDA_LIB") {
-            return PathBuf::from(p);
-        }
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "--quiet", "-p", "fake-cuda"])
-            .current_dir(repo())
-            .status()
-            .expect("run cargo build -p fake-cuda");
-        assert!(status.success(), "cargo build -p fake-cuda failed");
-        let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
-        target.join("debug/libfake_cuda.so")
-    })
+    LIB.get_or_init(|| fake_library("fake-cuda", "PHQ_FAKE_CUDA_LIB"))
+}
+
+/// A fake's cdylib: the file `env` names, else built (cargo does not build a workspace member's
+/// cdylib for another package's tests).
+fn fake_library(package: &str, env: &str) -> PathBuf {
+    if let Ok(p) = std::env::var(env) {
+        return PathBuf::from(p);
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "--quiet", "-p", package])
+        .current_dir(repo())
+        .status()
+        .unwrap_or_else(|e| panic!("run cargo build -p {package}: {e}"));
+    assert!(status.success(), "cargo build -p {package} failed");
+    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
+    target.join(format!("debug/lib{}.so", package.replace('-', "_")))
 }
 
 /// The TCP port `child` listens on, once it does, or None if it exits first (its stderr is

@@ -679,8 +679,10 @@ pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(
     })
 }
 
-/// Peer-to-peer status of a pair for one capability. Only the NVLink capability is modelled:
-/// the others answer NOT_SUPPORTED (the query itself), as an absent field does.
+/// Peer-to-peer status of a pair for one capability (NVML API reference,
+/// nvmlDeviceGetP2PStatus: the status is an `nvmlGpuP2PStatus_t`, OK or the reason the pair
+/// cannot). Only the NVLink capability is modelled: the others answer NOT_SUPPORTED (the query
+/// itself), as an absent field does.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetP2PStatus(
     a: nvmlDevice_t,
