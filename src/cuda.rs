@@ -41,6 +41,7 @@ pub mod code {
 pub mod attr {
     /// 0 default, 1 exclusive-thread (gone since CUDA 8), 2 prohibited, 3 exclusive-process.
     pub const COMPUTE_MODE: i32 = 20;
+    pub const MULTIPROCESSOR_COUNT: i32 = 16;
 }
 
 /// Errors after which "the process is left in an inconsistent state and any further CUDA work
@@ -131,6 +132,14 @@ api!("the CUDA driver", DriverApi {
     cuMemcpyDtoDAsync_v2: fn(CUdeviceptr, CUdeviceptr, usize, Handle) -> CUresult;
     cuMemcpyPeerAsync: fn(CUdeviceptr, Handle, CUdeviceptr, Handle, usize, Handle) -> CUresult;
     cuMemsetD32Async: fn(CUdeviceptr, c_uint, usize, Handle) -> CUresult;
+    cuMemHostGetDevicePointer_v2: fn(*mut CUdeviceptr, *mut c_void, c_uint) -> CUresult;
+    cuModuleLoadData: fn(*mut Handle, *const c_void) -> CUresult;
+    cuModuleUnload: fn(Handle) -> CUresult;
+    cuModuleGetFunction: fn(*mut Handle, Handle, *const c_char) -> CUresult;
+    cuLaunchKernel: fn(
+        Handle, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
+        c_uint, Handle, *mut *mut c_void, *mut *mut c_void
+    ) -> CUresult;
 });
 
 api!("cuBLAS", BlasApi {
@@ -406,8 +415,97 @@ impl Ctx {
         if ptr.is_null() && bytes > 0 {
             return Err(self.drv.error("cuMemHostAlloc", code::OUT_OF_MEMORY));
         }
-        Ok(PinnedBuffer { ctx: self.clone(), ptr: ptr.cast(), bytes })
+        Ok(PinnedBuffer { ctx: self.clone(), ptr: ptr.cast(), bytes, device: None })
     }
+
+    /// Page-locked host memory that kernels read and write directly (`CU_MEMHOSTALLOC_DEVICEMAP`),
+    /// through the device pointer `cuMemHostGetDevicePointer` gives (the spin kernel's flag, the
+    /// host end of a latency chase). Zeroed.
+    pub fn mapped(self: &Arc<Self>, bytes: usize) -> Result<PinnedBuffer> {
+        const CU_MEMHOSTALLOC_PORTABLE_DEVICEMAP: c_uint = 0x01 | 0x02;
+        self.bind()?;
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: the out pointer is a valid local.
+        self.drv.check("cuMemHostAlloc", unsafe {
+            (self.drv.api.cuMemHostAlloc)(&mut ptr, bytes, CU_MEMHOSTALLOC_PORTABLE_DEVICEMAP)
+        })?;
+        if ptr.is_null() {
+            return Err(self.drv.error("cuMemHostAlloc", code::OUT_OF_MEMORY));
+        }
+        let mut buf = PinnedBuffer { ctx: self.clone(), ptr: ptr.cast(), bytes, device: None };
+        buf.as_mut_slice().fill(0);
+        let mut dev = 0;
+        // SAFETY: `ptr` is a live cuMemHostAlloc allocation; flags must be 0 (driver API reference).
+        self.drv.check("cuMemHostGetDevicePointer", unsafe {
+            (self.drv.api.cuMemHostGetDevicePointer_v2)(&mut dev, ptr, 0)
+        })?;
+        buf.device = Some(dev);
+        Ok(buf)
+    }
+
+    /// Loads a PTX module into this context; the driver JIT-compiles it for the GPU
+    /// (cuModuleLoadData). A JIT failure is CUDA_ERROR_INVALID_PTX (218) or
+    /// CUDA_ERROR_UNSUPPORTED_PTX_VERSION (222, a driver older than the text's `.version`).
+    pub fn load_ptx(self: &Arc<Self>, ptx: &str) -> Result<Module> {
+        let text = std::ffi::CString::new(ptx).map_err(|_| CudaError {
+            call: "cuModuleLoadData",
+            code: 1,
+            name: "CUDA_ERROR_INVALID_VALUE".into(),
+            text: "the PTX text holds a NUL byte".into(),
+            sticky: false,
+        })?;
+        self.bind()?;
+        let mut h = std::ptr::null_mut();
+        // SAFETY: the out pointer is a valid local; `text` is NUL-terminated and outlives the call.
+        self.drv.check("cuModuleLoadData", unsafe { (self.drv.api.cuModuleLoadData)(&mut h, text.as_ptr().cast()) })?;
+        Ok(Module { ctx: self.clone(), handle: h })
+    }
+}
+
+/// A loaded module; its kernels are valid while it lives.
+pub struct Module {
+    ctx: Arc<Ctx>,
+    handle: Handle,
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: a live module, unloaded once; its kernels' launches were synchronized by
+            // their streams, which borrow the module's functions and are dropped first.
+            unsafe { (self.ctx.drv.api.cuModuleUnload)(self.handle) };
+        }
+    }
+}
+
+impl Module {
+    /// The kernel `name` (its `.entry`); CUDA_ERROR_NOT_FOUND (500) when the module has none.
+    pub fn function(&self, name: &'static str) -> Result<Function<'_>> {
+        let c = std::ffi::CString::new(name).map_err(|_| self.ctx.drv.error("cuModuleGetFunction", 1))?;
+        let mut h = std::ptr::null_mut();
+        self.ctx.bind()?;
+        // SAFETY: live module; `c` is NUL-terminated.
+        let r = unsafe { (self.ctx.drv.api.cuModuleGetFunction)(&mut h, self.handle, c.as_ptr()) };
+        self.ctx.drv.check("cuModuleGetFunction", r)?;
+        Ok(Function { module: self, handle: h, name })
+    }
+}
+
+/// A kernel of a loaded module.
+pub struct Function<'m> {
+    module: &'m Module,
+    handle: Handle,
+    pub name: &'static str,
+}
+
+// `Stream::launch` passes a u32 argument as the low half of an 8-byte slot.
+const _: () = assert!(cfg!(target_endian = "little"), "kernel arguments are laid out for a little-endian host");
+
+/// One kernel argument, as the `.entry` declares its parameter.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    U32(u32),
+    U64(u64),
 }
 
 /// Device memory from `cuMemAlloc`.
@@ -445,9 +543,40 @@ pub struct PinnedBuffer {
     ctx: Arc<Ctx>,
     ptr: *mut u8,
     bytes: usize,
+    /// The pointer kernels use, for memory mapped into the device's address space.
+    device: Option<CUdeviceptr>,
 }
 
 impl PinnedBuffer {
+    /// The device pointer of mapped memory (`Ctx::mapped`); `None` for other pinned memory.
+    pub fn device_ptr(&self) -> Option<CUdeviceptr> {
+        self.device
+    }
+
+    /// Reads the 32-bit word at byte `offset` as it is in memory now (a kernel may be writing
+    /// it: a volatile read, never cached in a register).
+    pub fn read_u32(&self, offset: usize) -> u32 {
+        assert!(
+            offset + 4 <= self.bytes && offset.is_multiple_of(4),
+            "word {offset} outside a {}-byte buffer",
+            self.bytes
+        );
+        // SAFETY: in bounds and aligned (checked above; cuMemHostAlloc returns page-aligned memory).
+        unsafe { std::ptr::read_volatile(self.ptr.add(offset).cast::<u32>()) }
+    }
+
+    /// Writes the 32-bit word at byte `offset` so a kernel polling it sees it (volatile).
+    pub fn write_u32(&self, offset: usize, value: u32) {
+        assert!(
+            offset + 4 <= self.bytes && offset.is_multiple_of(4),
+            "word {offset} outside a {}-byte buffer",
+            self.bytes
+        );
+        // SAFETY: in bounds and aligned (checked above). A kernel may read the word at the same
+        // time; a 32-bit aligned store is single-copy atomic on the host and over PCIe.
+        unsafe { std::ptr::write_volatile(self.ptr.add(offset).cast::<u32>(), value) }
+    }
+
     /// The bytes. Call only when no copy into the buffer is in flight (its stream synchronized).
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `ptr` addresses `bytes` bytes for the buffer's life (cuMemHostAlloc), and
@@ -629,6 +758,49 @@ impl Stream {
             (self.ctx.drv.api.cuMemcpyPeerAsync)(dst.ptr, dst.ctx.handle, src.ptr, src.ctx.handle, bytes, self.handle)
         };
         self.ctx.drv.check("cuMemcpyPeerAsync", r)
+    }
+
+    /// Queues kernel `f` on this stream: `grid` blocks of `block` threads, one-dimensional, no
+    /// dynamic shared memory. Each argument is passed by pointer, as cuLaunchKernel takes them.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number and type, and every pointer among them
+    /// must address live memory of the size the kernel touches (device buffers of this context
+    /// or its peers, mapped host memory) until this stream is synchronized.
+    pub unsafe fn launch(&self, f: &Function<'_>, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+        if !Arc::ptr_eq(&f.module.ctx, &self.ctx) {
+            return Err(self.ctx.drv.error("cuLaunchKernel", 400));
+        }
+        // Each value in its own 8-byte slot; the driver reads as many bytes as the parameter's
+        // type has (4 for a u32: the low half, first on a little-endian host).
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::U32(v) => u64::from(v),
+                Arg::U64(v) => v,
+            })
+            .collect();
+        let mut ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+        self.ctx.bind()?;
+        // SAFETY: the function and stream are live in this context; `ptrs` points at `slots`,
+        // both alive across the call (the driver copies the values at launch); the caller
+        // vouches for the pointers inside.
+        let r = unsafe {
+            (self.ctx.drv.api.cuLaunchKernel)(
+                f.handle,
+                grid,
+                1,
+                1,
+                block,
+                1,
+                1,
+                0,
+                self.handle,
+                ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        self.ctx.drv.check("cuLaunchKernel", r)
     }
 
     /// Queues `words` 32-bit writes of `value` from byte `offset` of `dst` (4-byte aligned).

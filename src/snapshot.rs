@@ -561,6 +561,12 @@ pub struct Conditions {
     pub power_mw: Option<u32>,
     /// Names of the active clocks-event (throttle) reasons.
     pub throttle_reasons: Option<Vec<String>>,
+    /// ECC errors since the driver loaded (volatile counters), for a rise across a probe.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ecc_volatile: Option<EccCounts>,
+    /// Rows remapped so far, for a rise across a probe.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remapped_rows: Option<RemappedRows>,
 }
 
 impl Conditions {

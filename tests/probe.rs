@@ -368,8 +368,30 @@ fn the_agents_own_process_does_not_make_a_gpu_busy() {
     assert_eq!(p.severity("probe.gemm", "0000:09:00.0"), "pass", "{}", p.finding("probe.gemm", "0000:09:00.0"));
 }
 
-/// A bit stuck at 1 is found by the patterns that write 0 there (0x00000000 and 0x55555555 have
-/// bit 3 clear) and only by them: two mismatching words, a memory failure.
+/// The memory test's passes by name: (mismatches, first mismatch's read word).
+fn passes(f: &Value) -> Vec<(String, u64, Option<u64>)> {
+    f["evidence"]["memtest"]["passes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no passes in {f}"))
+        .iter()
+        .map(|p| {
+            (p["name"].as_str().unwrap().to_string(), p["mismatches"].as_u64().unwrap(), p["first"][0]["read"].as_u64())
+        })
+        .collect()
+}
+
+fn pass<'a>(all: &'a [(String, u64, Option<u64>)], prefix: &str) -> &'a (String, u64, Option<u64>) {
+    all.iter().find(|p| p.0.starts_with(prefix)).unwrap_or_else(|| panic!("no pass {prefix} in {all:?}"))
+}
+
+/// Device address of byte `offset` of the fake's GPU 0 (its unified address space starts at
+/// 0x7f00_0000_0000).
+const GPU0: u64 = 0x7f00_0000_0000;
+
+/// A bit stuck at 1 (bit 3 of the word 1 GiB in) is found by the kernels' device-side test over
+/// 90% of the GPU's memory, by the pass that writes 0 there (address in address: the address
+/// has bit 3 clear) and not by the one that writes 1 (its inverse): a memory failure, with the
+/// word's address and what it read.
 #[test]
 fn a_stuck_bit_is_a_memory_failure() {
     let r = Run::new("h100-pcie-single", "h100-pcie-vm-unsupported", "cuda-h100-pcie-stuck-bit");
@@ -377,10 +399,41 @@ fn a_stuck_bit_is_a_memory_failure() {
     assert_eq!(p.code, 2, "{:#}", p.report["findings"]);
     let f = p.finding("probe.memory-integrity", "0000:09:00.0");
     assert_eq!(f["severity"], "fail", "{f}");
-    assert_eq!(f["evidence"]["memtest"]["mismatches"], 2, "{f}");
-    let first = f["evidence"]["memtest"]["first_mismatch"][1].as_str().unwrap();
-    assert_eq!(first, "0x00000008 for 0x00000000", "{f}");
+    let m = &f["evidence"]["memtest"];
+    assert_eq!(m["method"], "kernels", "{f}");
+    // 90% of the 79.6 GiB scenario GPU's free memory, in 1 GiB chunks.
+    assert!(m["bytes_tested"].as_u64().unwrap() > 70 << 30, "{f}");
+    let all = passes(f);
+    let word = GPU0 + (1 << 30);
+    assert_eq!(pass(&all, "address in address"), &("address in address".into(), 1, Some(word | 8)), "{all:?}");
+    assert_eq!(pass(&all, "inverse address").1, 0, "{all:?}");
+    assert!(!all.iter().any(|p| p.0.starts_with("moving inversions")), "quick runs no moving inversions: {all:?}");
+    assert!(f["summary"].as_str().unwrap().contains(&format!("{word:#x}")), "{f}");
     assert_eq!(p.severity("probe.gemm", "0000:09:00.0"), "pass");
+}
+
+/// Two cells shorted together (bit 6 of one word reads bit 6 of the word 64 bytes below) hold
+/// the same value under solid patterns: the solid checks and the downward moving-inversions
+/// passes cannot see it, while address in address, its inverse and the upward passes (which
+/// rewrite the neighbour before reaching the victim) do.
+#[test]
+fn a_coupled_bit_is_found_by_the_patterns_that_can_see_it_and_only_those() {
+    let r = Run::new("h100-pcie-single", "h100-pcie-vm-unsupported", "cuda-h100-pcie-coupled-bit");
+    let p = r.run(&["--level", "standard"]);
+    let f = p.finding("probe.memory-integrity", "0000:09:00.0");
+    assert_eq!(f["severity"], "fail", "{f}");
+    let all = passes(f);
+    let victim = GPU0 + (16 << 30) + 64;
+    // Address in address expects bit 6 set (the address has it) and reads the neighbour's, clear.
+    assert_eq!(pass(&all, "address in address"), &("address in address".into(), 1, Some(victim & !0x40)), "{all:?}");
+    assert_eq!(pass(&all, "inverse address").1, 1, "{all:?}");
+    assert_eq!(pass(&all, "moving inversions up 0x0000000000000000").1, 1, "{all:?}");
+    assert_eq!(pass(&all, "moving inversions up 0x5555555555555555").1, 1, "{all:?}");
+    for blind in ["moving inversions down", "solid"] {
+        for p in all.iter().filter(|p| p.0.starts_with(blind)) {
+            assert_eq!(p.1, 0, "{} cannot see a coupling between two cells it fills alike: {all:?}", p.0);
+        }
+    }
 }
 
 /// `--dry-run` plans the run from the snapshot without loading CUDA: 8 GPUs and 56 pairs, the
@@ -414,4 +467,28 @@ fn an_h200_vm_is_held_to_its_own_floors() {
     assert_eq!(d2d["evidence"]["floor_gbps"], 2333.0, "{d2d}");
     assert!((d2d["evidence"]["median_gbps"].as_f64().unwrap() - 3110.0).abs() < 1.0, "{d2d}");
     assert!(p.finding("probe.gemm", gpu)["summary"].as_str().unwrap().contains("floor 37.5"));
+    // The SM copy kernel, held to the same DCGM floor (its memory-bandwidth test is a kernel).
+    let sm = p.finding("probe.sm-copy-bandwidth", gpu);
+    assert_eq!((sm["severity"].as_str(), sm["evidence"]["floor_gbps"].as_f64()), (Some("pass"), Some(2333.0)), "{sm}");
+    assert!((sm["evidence"]["median_gbps"].as_f64().unwrap() - 3110.0).abs() < 1.0, "{sm}");
+    // The chase through pinned host memory: the scenario's 1,000 ns per dependent load.
+    let lat = p.finding("probe.latency", gpu);
+    assert_eq!(lat["severity"], "pass", "{lat}");
+    assert!((lat["evidence"]["median_ns"].as_f64().unwrap() - 1000.0).abs() < 1.0, "{lat}");
+    // Every copy sample ran behind a released spin kernel: none was dropped.
+    let h2d = p.finding("probe.h2d-bandwidth", gpu);
+    assert_eq!(h2d["evidence"]["samples_gbps"].as_array().unwrap().len(), 3, "{h2d}");
+}
+
+/// SMs that reach HBM slower than the copy engines do: the SM copy fails on its own, the copy
+/// engines' device copy passes.
+#[test]
+fn a_slow_sm_copy_fails_beside_a_passing_copy_engine() {
+    let r = Run::new("h200-single", "h200-vm", "cuda-h200-slow-sm-copy");
+    let p = r.run(&[]);
+    let gpu = "0000:09:00.0";
+    assert_eq!(p.severity("probe.d2d-bandwidth", gpu), "pass");
+    let sm = p.finding("probe.sm-copy-bandwidth", gpu);
+    assert_eq!(sm["severity"], "fail", "{sm}");
+    assert!(sm["summary"].as_str().unwrap().contains("SM copy 1800.0 GB/s"), "{sm}");
 }

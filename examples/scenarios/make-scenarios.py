@@ -273,8 +273,28 @@ def cuda_h100_pcie_stuck_bit():
     return s
 
 
+def cuda_h100_pcie_coupled_bit():
+    """The H100 PCIe with bit 6 of the word 16 GiB + 64 bytes into its memory shorted to bit 6 of
+    the word 16 GiB in: it reads what its neighbour holds (16 GiB: past the buffers the copy
+    probes allocate first, inside what the memory test covers). Solid patterns give both words the
+    same value and cannot see it; the address patterns give them different bit 6 (the two
+    addresses differ by 0x40) and see it; moving inversions see it only walking up (the
+    neighbour below is rewritten before the victim is checked)."""
+    s = cuda_h100_pcie()
+    s["devices"][0]["coupled_bits"] = [{"offset": (16 << 30) + 64, "bit": 6, "aggressor": 16 << 30}]
+    return s
+
+
 def cuda_h200():
     return {"driver_version": CUDA_DRIVER_API, "devices": [cuda_gpu("NVIDIA H200", 0x09, 0, 150754820096, 55.0, 3110.0, 55.0)]}
+
+
+def cuda_h200_slow_sm_copy():
+    """The H200 whose SMs reach HBM at 1800 GB/s (below DCGM's 2333 floor) while its copy
+    engines still copy at 3110: the scenario's own figures, a GPU whose kernels are held back."""
+    s = cuda_h200()
+    s["devices"][0]["sm_copy_gbps"] = 1800.0
+    return s
 
 
 CUDA_SCENARIOS = {
@@ -286,7 +306,9 @@ CUDA_SCENARIOS = {
     "cuda-hgx-8gpu-gen3x8": cuda_hgx_gen3x8,
     "cuda-h100-pcie": cuda_h100_pcie,
     "cuda-h100-pcie-stuck-bit": cuda_h100_pcie_stuck_bit,
+    "cuda-h100-pcie-coupled-bit": cuda_h100_pcie_coupled_bit,
     "cuda-h200": cuda_h200,
+    "cuda-h200-slow-sm-copy": cuda_h200_slow_sm_copy,
     "cuda-init-not-ready": lambda: {"init_error": "CUDA_ERROR_SYSTEM_NOT_READY", "devices": []},
 }
 

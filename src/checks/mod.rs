@@ -159,9 +159,11 @@ pub const CATALOG: &[&str] = &[
     "probe.d2h-bandwidth",
     "probe.bidir-bandwidth",
     "probe.d2d-bandwidth",
+    "probe.sm-copy-bandwidth",
     "probe.p2p-bandwidth",
     "probe.memory-integrity",
     "probe.gemm",
+    "probe.latency",
     "agent.platform-reachable",
     "agent.endpoint-auth",
 ];

@@ -98,6 +98,14 @@ impl Session {
             temperature_c: d.temperature(TemperatureSensor::Gpu).ok(),
             power_mw: d.power_usage().ok(),
             throttle_reasons: d.current_throttle_reasons().ok().map(|r| throttle_names(r.bits())),
+            ecc_volatile: match (
+                d.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile),
+                d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile),
+            ) {
+                (Ok(corrected), Ok(uncorrected)) => Some(crate::snapshot::EccCounts { corrected, uncorrected }),
+                _ => None,
+            },
+            remapped_rows: h.sys.as_ref().and_then(|s| remapped_rows(s, &d).value().copied()),
         })
     }
 

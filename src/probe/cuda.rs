@@ -1,8 +1,10 @@
 //! The CUDA backend of the probes: the driver API and cuBLAS through `crate::cuda`.
 //!
-//! Copies use the copy engines (`cuMemcpy*Async`), patterns use `cuMemsetD32Async`, the GEMM
-//! uses cuBLAS: nothing here needs a kernel compiled with `nvcc`. Every copy of a sample is
-//! queued before the stream runs them back to back; CUDA events around the batch time it.
+//! Copies use the copy engines (`cuMemcpy*Async`); the memory test, the SM copy, the spin gate
+//! and the latency chase are the agent's own PTX kernels (`kernels.ptx`, JIT-compiled by the
+//! driver: no `nvcc` anywhere); the GEMM uses cuBLAS. Every copy of a sample is queued behind a
+//! spin kernel that holds the stream until all are queued, then released, so they run back to
+//! back (nvbandwidth's method); CUDA events around the batch time it.
 //!
 //! The rules this file keeps (each one a defect the strict fake driver caught):
 //! - a context is made only on a GPU being probed, when its first probe starts; a busy,
@@ -14,6 +16,7 @@
 //!   carry on.
 
 use super::affinity;
+use super::kernels::{self, Gate, Loaded};
 use super::{Backend, GemmResult, LevelParams, MemtestResult, ProbeError};
 use crate::cuda::{self, BlasHandle, Ctx, CudaError, Device, DeviceBuffer, Driver, PinnedBuffer, Stream};
 use std::collections::HashMap;
@@ -47,6 +50,10 @@ pub struct CudaBackend {
     pcis: Vec<String>,
     /// Where each GPU's pinned host buffers were placed (`affinity::Near::placement`).
     placement: HashMap<usize, String>,
+    /// Each GPU's probe kernels, loaded on first use; why not, when the driver refused them.
+    kernels: HashMap<usize, Result<Loaded, String>>,
+    /// The level being run, for the memory test's patterns.
+    pub level: crate::config::ProbeLevel,
 }
 
 /// A driver error as a probe error of `gpu`: sticky ones poison that GPU; a GPU that another
@@ -91,7 +98,16 @@ impl CudaBackend {
             devices.push(d);
         }
         let pcis = info.iter().map(|d| d.pci.clone()).collect();
-        Ok((CudaBackend { drv, devices, contexts: HashMap::new(), pcis, placement: HashMap::new() }, info))
+        let backend = CudaBackend {
+            drv,
+            devices,
+            contexts: HashMap::new(),
+            pcis,
+            placement: HashMap::new(),
+            kernels: HashMap::new(),
+            level: crate::config::ProbeLevel::Quick,
+        };
+        Ok((backend, info))
     }
 
     /// The GPU's primary context, retained on first use.
@@ -104,12 +120,36 @@ impl CudaBackend {
         self.contexts.insert(gpu, c.clone());
         Ok(c)
     }
+
+    /// The GPU's context and its probe kernels, loaded (JIT-compiled) on first use. A driver that
+    /// cannot compile them (too old for the PTX's version, CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
+    /// a JIT failure, CUDA_ERROR_INVALID_PTX) leaves the kernel probes `unknown` with its answer;
+    /// a sticky error poisons the GPU as anywhere else.
+    fn with_kernels(&mut self, gpu: usize) -> Result<(Arc<Ctx>, &Loaded), ProbeError> {
+        let ctx = self.ctx(gpu)?;
+        if !self.kernels.contains_key(&gpu) {
+            let sms = self.devices[gpu].attribute(cuda::attr::MULTIPROCESSOR_COUNT).unwrap_or(132).max(1) as u32;
+            let loaded = match Loaded::load(&ctx, sms) {
+                Ok(k) => Ok(k),
+                Err(e) if e.sticky => return Err(on(gpu)(e)),
+                Err(e) => Err(format!("the driver could not load the probe kernels: {e}")),
+            };
+            self.kernels.insert(gpu, loaded);
+        }
+        match &self.kernels[&gpu] {
+            Ok(k) => Ok((ctx, k)),
+            Err(why) => Err(ProbeError::Unavailable(why.clone())),
+        }
+    }
 }
 
 /// Runs `enqueue` once untimed, then `samples` times `copies_per_sample` copies between two
-/// events of `stream`'s context; GB/s per sample for `bytes_per_copy` counted bytes each.
+/// events of `stream`'s context; GB/s per sample for `bytes_per_copy` counted bytes each. With a
+/// gate, each sample's copies wait behind the spin kernel until all are queued, so the host's
+/// launch gaps stay out of the timing; a sample whose spin kernel timed out is dropped.
 fn timed(
     stream: &Stream,
+    gate: Option<&Gate<'_>>,
     p: &LevelParams,
     bytes_per_copy: f64,
     mut enqueue: impl FnMut() -> cuda::Result<()>,
@@ -119,12 +159,22 @@ fn timed(
     let (start, end) = (stream.context().event()?, stream.context().event()?);
     let mut out = Vec::new();
     for _ in 0..p.samples {
+        if let Some(g) = gate {
+            g.hold(stream)?;
+        }
         stream.record(&start)?;
         for _ in 0..p.copies_per_sample {
             enqueue()?;
         }
         stream.record(&end)?;
+        if let Some(g) = gate {
+            g.release();
+        }
         stream.synchronize()?;
+        if gate.is_some_and(|g| g.timed_out()) {
+            tracing::warn!("a sample's spin kernel timed out before its copies were queued; sample dropped");
+            continue;
+        }
         let ms = start.elapsed_ms(&end)? as f64;
         out.push(bytes_per_copy * p.copies_per_sample as f64 / (ms / 1000.0) / 1e9);
     }
@@ -132,22 +182,22 @@ fn timed(
 }
 
 /// Host→device copies from pinned memory.
-fn h2d(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
+fn h2d(ctx: &Arc<Ctx>, gate: Option<&Gate<'_>>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
     let host = ctx.pinned(p.buffer_bytes)?;
     let dev = ctx.alloc(p.buffer_bytes)?;
     let stream = ctx.stream()?; // dropped (drained) before the buffers
-    timed(&stream, p, p.buffer_bytes as f64, || {
+    timed(&stream, gate, p, p.buffer_bytes as f64, || {
         // SAFETY: `host` outlives `stream`, which is drained when dropped; nothing writes it.
         unsafe { stream.copy_h2d(&dev, 0, &host, p.buffer_bytes) }
     })
 }
 
-fn d2h(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
+fn d2h(ctx: &Arc<Ctx>, gate: Option<&Gate<'_>>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
     let host = ctx.pinned(p.buffer_bytes)?;
     let dev = ctx.alloc(p.buffer_bytes)?;
     let stream = ctx.stream()?;
     stream.memset_d32(&dev, 0, 0, p.buffer_bytes / 4)?;
-    timed(&stream, p, p.buffer_bytes as f64, || {
+    timed(&stream, gate, p, p.buffer_bytes as f64, || {
         // SAFETY: `host` outlives `stream` and is never read here.
         unsafe { stream.copy_d2h(&host, 0, &dev, 0, p.buffer_bytes) }
     })
@@ -155,7 +205,7 @@ fn d2h(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
 
 /// Both directions at once on two streams joined by events; the sample's time is the whole
 /// batch, its bytes both directions' copies.
-fn bidir(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
+fn bidir(ctx: &Arc<Ctx>, gate: Option<&Gate<'_>>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
     let (host_up, host_down) = (ctx.pinned(p.buffer_bytes)?, ctx.pinned(p.buffer_bytes)?);
     let (dev_up, dev_down) = (ctx.alloc(p.buffer_bytes)?, ctx.alloc(p.buffer_bytes)?);
     let (up, down) = (ctx.stream()?, ctx.stream()?);
@@ -165,6 +215,9 @@ fn bidir(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
     let mut out = Vec::new();
     // Sample 0 is the warm-up, untimed.
     for sample in 0..=p.samples {
+        if let Some(g) = gate.filter(|_| sample > 0) {
+            g.hold(&up)?;
+        }
         up.record(&start)?;
         down.wait(&start)?;
         for _ in 0..p.copies_per_sample {
@@ -177,8 +230,15 @@ fn bidir(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
         down.record(&mid)?;
         up.wait(&mid)?;
         up.record(&end)?;
+        if let Some(g) = gate {
+            g.release();
+        }
         up.synchronize()?;
         if sample == 0 {
+            continue;
+        }
+        if gate.is_some_and(|g| g.timed_out()) {
+            tracing::warn!("a sample's spin kernel timed out before its copies were queued; sample dropped");
             continue;
         }
         let ms = start.elapsed_ms(&end)? as f64;
@@ -187,20 +247,55 @@ fn bidir(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
     Ok(out)
 }
 
-fn d2d(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
+fn d2d(ctx: &Arc<Ctx>, gate: Option<&Gate<'_>>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
     let (src, dst) = (ctx.alloc(p.buffer_bytes)?, ctx.alloc(p.buffer_bytes)?);
     let stream = ctx.stream()?;
     stream.memset_d32(&src, 0, 0, p.buffer_bytes / 4)?;
     // A device copy reads and writes every byte: count both, as DCGM's figures do.
-    timed(&stream, p, 2.0 * p.buffer_bytes as f64, || stream.copy_d2d(&dst, &src, p.buffer_bytes))
+    timed(&stream, gate, p, 2.0 * p.buffer_bytes as f64, || stream.copy_d2d(&dst, &src, p.buffer_bytes))
 }
+
+/// The same copy by the SMs: `phq_copy_sm`, 16 bytes per access, a grid that fills the GPU.
+fn sm_copy(ctx: &Arc<Ctx>, k: &Loaded, gate: &Gate<'_>, p: &LevelParams) -> cuda::Result<Vec<f64>> {
+    let (src, dst) = (ctx.alloc(p.buffer_bytes)?, ctx.alloc(p.buffer_bytes)?);
+    let stream = ctx.stream()?;
+    stream.memset_d32(&src, 0, 0x5a5a_5a5a, p.buffer_bytes / 4)?;
+    let copy = k.module.function("phq_copy_sm")?;
+    let args = [cuda::Arg::U64(dst.ptr()), cuda::Arg::U64(src.ptr()), cuda::Arg::U64((p.buffer_bytes / 16) as u64)];
+    timed(&stream, Some(gate), p, 2.0 * p.buffer_bytes as f64, || {
+        // SAFETY: both buffers hold `buffer_bytes` (16-byte aligned by cuMemAlloc) and outlive
+        // the stream.
+        unsafe { stream.launch(&copy, k.grid, kernels::BLOCK, &args) }
+    })
+}
+
+/// Nanoseconds per dependent load of mapped host memory from a kernel (nvbandwidth's
+/// host-device latency test does the same: a pointer chase through host memory).
+fn host_latency(ctx: &Arc<Ctx>, k: &Loaded, p: &LevelParams) -> cuda::Result<Vec<f64>> {
+    let mut chain = ctx.mapped(kernels::CHASE_NODES * kernels::CHASE_STRIDE)?;
+    let base = chain.device_ptr().unwrap_or(0);
+    let words = kernels::chain_words(base, kernels::CHASE_NODES, kernels::CHASE_STRIDE);
+    for (dst, w) in chain.as_mut_slice().chunks_exact_mut(8).zip(&words) {
+        dst.copy_from_slice(&w.to_le_bytes());
+    }
+    let out = ctx.alloc(8)?;
+    let stream = ctx.stream()?;
+    kernels::chase_ns(&stream, k, base, &out, LATENCY_STEPS, p.samples)
+}
+
+/// Dependent loads per latency sample: about 2 ms at a microsecond each, a thousand times CUDA
+/// events' resolution (about half a microsecond, CUDA runtime API, cudaEventElapsedTime), and
+/// short enough that 56 pairs of an HGX stay within the quick level's budget.
+pub(crate) const LATENCY_STEPS: u64 = 2_000;
 
 /// Device memory is read back 64 MiB at a time; the host compare is a `memcmp` against the
 /// expected bytes, and only a chunk that differs is scanned word by word.
 const MEMTEST_CHUNK: usize = 64 << 20;
 pub(crate) const MEMTEST_PATTERNS: [u32; 4] = [0x0000_0000, 0xFFFF_FFFF, 0xAAAA_AAAA, 0x5555_5555];
 
-fn memory_integrity(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<MemtestResult> {
+/// The fallback memory test, when the driver cannot load the kernels: `cuMemsetD32` patterns
+/// over the level's `memtest_bytes`, read back to the host and compared there.
+fn memory_readback(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<MemtestResult> {
     let (free, _) = ctx.mem_info()?;
     // Leave room for the driver and other buffers: at most 90% of what is free.
     let bytes = p.memtest_bytes.min(free / 10 * 9) & !(MEMTEST_CHUNK - 1);
@@ -246,6 +341,10 @@ fn memory_integrity(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<MemtestResu
         patterns: MEMTEST_PATTERNS.iter().map(|p| format!("{p:#010x}")).collect(),
         mismatches,
         first_mismatch: first,
+        method: "host read-back".into(),
+        chunks: 1,
+        seed: None,
+        passes: Vec::new(),
     })
 }
 
@@ -369,21 +468,56 @@ fn gemm(ctx: &Arc<Ctx>, blas: &Arc<cuda::Blas>, p: &LevelParams) -> cuda::Result
 impl Backend for CudaBackend {
     fn h2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         let _near = self.near(gpu);
-        h2d(&self.ctx(gpu)?, p).map_err(on(gpu))
+        self.gated(gpu, |ctx, gate| h2d(ctx, gate, p))
     }
 
     fn d2h(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         let _near = self.near(gpu);
-        d2h(&self.ctx(gpu)?, p).map_err(on(gpu))
+        self.gated(gpu, |ctx, gate| d2h(ctx, gate, p))
     }
 
     fn bidir(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         let _near = self.near(gpu);
-        bidir(&self.ctx(gpu)?, p).map_err(on(gpu))
+        self.gated(gpu, |ctx, gate| bidir(ctx, gate, p))
     }
 
     fn d2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
-        d2d(&self.ctx(gpu)?, p).map_err(on(gpu))
+        self.gated(gpu, |ctx, gate| d2d(ctx, gate, p))
+    }
+
+    fn sm_copy(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let (ctx, k) = self.with_kernels(gpu)?;
+        let gate = Gate::new(&ctx, k).map_err(on(gpu))?;
+        sm_copy(&ctx, k, &gate, p).map_err(on(gpu))
+    }
+
+    fn host_latency(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let _near = self.near(gpu);
+        let (ctx, k) = self.with_kernels(gpu)?;
+        host_latency(&ctx, k, p).map_err(on(gpu))
+    }
+
+    /// A chain in `dst`'s memory, chased by a kernel on `src` (peer access is enabled by `p2p`,
+    /// which runs first; enabling it again is harmless).
+    fn peer_latency(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let b = self.ctx(dst)?;
+        let (a, k) = self.with_kernels(src)?;
+        a.enable_peer_access(&b).map_err(on(src))?;
+        let chain = b.alloc(kernels::CHASE_NODES * kernels::CHASE_STRIDE).map_err(on(dst))?;
+        let words = kernels::chain_words(chain.ptr(), kernels::CHASE_NODES, kernels::CHASE_STRIDE);
+        let mut staging = b.pinned(chain.len()).map_err(on(dst))?;
+        for (d, w) in staging.as_mut_slice().chunks_exact_mut(8).zip(&words) {
+            d.copy_from_slice(&w.to_le_bytes());
+        }
+        {
+            let up = b.stream().map_err(on(dst))?;
+            // SAFETY: `staging` lives until `up` is synchronized just below.
+            unsafe { up.copy_h2d(&chain, 0, &staging, chain.len()) }.map_err(on(dst))?;
+            up.synchronize().map_err(on(dst))?;
+        }
+        let out = a.alloc(8).map_err(on(src))?;
+        let stream = a.stream().map_err(on(src))?;
+        kernels::chase_ns(&stream, k, chain.ptr(), &out, LATENCY_STEPS, p.samples).map_err(on(src))
     }
 
     fn can_access_peer(&mut self, src: usize, dst: usize) -> Result<bool, ProbeError> {
@@ -401,14 +535,33 @@ impl Backend for CudaBackend {
         let to = b.alloc(p.buffer_bytes).map_err(on(dst))?;
         a.enable_peer_access(&b).map_err(on(src))?;
         let from = a.alloc(p.buffer_bytes).map_err(on(src))?;
-        let stream = a.stream().map_err(on(src))?;
-        stream.memset_d32(&from, 0, 0, p.buffer_bytes / 4).map_err(on(src))?;
-        timed(&stream, p, p.buffer_bytes as f64, || stream.copy_peer(&to, &from, p.buffer_bytes)).map_err(on(src))
+        self.gated(src, |a, gate| {
+            let stream = a.stream()?;
+            stream.memset_d32(&from, 0, 0, p.buffer_bytes / 4)?;
+            timed(&stream, gate, p, p.buffer_bytes as f64, || stream.copy_peer(&to, &from, p.buffer_bytes))
+        })
     }
 
+    /// The device-side test over 90% of free memory; the host read-back of `memtest_bytes` when
+    /// the kernels cannot load.
     fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError> {
         let _near = self.near(gpu);
-        memory_integrity(&self.ctx(gpu)?, p).map_err(on(gpu))
+        let level = self.level;
+        match self.with_kernels(gpu) {
+            Ok((ctx, k)) => {
+                let seed = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(0x5eed);
+                let steps = kernels::steps(level, seed, std::time::Duration::from_secs(p.fade_secs.into()));
+                kernels::memtest(&ctx, k, &steps, usize::MAX, seed).map_err(on(gpu))
+            }
+            Err(ProbeError::Unavailable(why)) => {
+                tracing::warn!(gpu, %why, "memory test falls back to the host read-back");
+                memory_readback(&self.ctx(gpu)?, p).map_err(on(gpu))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
@@ -420,6 +573,8 @@ impl Backend for CudaBackend {
     }
 
     fn release(&mut self, gpu: usize) {
+        // The module before the context it lives in.
+        self.kernels.remove(&gpu);
         self.contexts.remove(&gpu);
     }
 
@@ -429,6 +584,27 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// Runs `f` with the GPU's context and a spin gate for its copies — or without a gate when
+    /// the kernels cannot load (the copies are then timed as queued, as before nvbandwidth's
+    /// method: launch gaps may lower the figure slightly).
+    fn gated<T>(
+        &mut self,
+        gpu: usize,
+        f: impl FnOnce(&Arc<Ctx>, Option<&Gate<'_>>) -> cuda::Result<T>,
+    ) -> Result<T, ProbeError> {
+        match self.with_kernels(gpu) {
+            Ok((ctx, k)) => {
+                let gate = Gate::new(&ctx, k).map_err(on(gpu))?;
+                f(&ctx, Some(&gate)).map_err(on(gpu))
+            }
+            Err(ProbeError::Unavailable(_)) => {
+                let ctx = self.ctx(gpu)?;
+                f(&ctx, None).map_err(on(gpu))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Runs the calling thread near GPU `gpu` while the guard lives, so pinned buffers are
     /// allocated on its NUMA node; remembers where for the report.
     fn near(&mut self, gpu: usize) -> affinity::Near {

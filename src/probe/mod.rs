@@ -11,6 +11,7 @@
 
 pub mod affinity;
 pub mod cuda;
+pub mod kernels;
 pub mod lock;
 pub mod plan;
 
@@ -26,8 +27,12 @@ pub struct LevelParams {
     pub buffer_bytes: usize,
     pub copies_per_sample: u32,
     pub samples: u32,
-    /// Bytes of device memory the integrity test writes and reads back.
+    /// Bytes of device memory the host read-back memory test covers, the fallback when the
+    /// probe kernels cannot load (the kernels' test covers 90% of free memory at every level).
     pub memtest_bytes: usize,
+    /// Seconds the full level's bit-fade passes leave each pattern alone before checking it.
+    #[serde(default)]
+    pub fade_secs: u32,
     /// Square GEMM size.
     pub gemm_n: usize,
     pub gemm_reps: u32,
@@ -42,6 +47,7 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             copies_per_sample: 8,
             samples: 3,
             memtest_bytes: 1024 * MIB,
+            fade_secs: 0,
             gemm_n: 4096,
             gemm_reps: 5,
         },
@@ -51,6 +57,7 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             copies_per_sample: 16,
             samples: 5,
             memtest_bytes: 8192 * MIB,
+            fade_secs: 0,
             gemm_n: 8192,
             gemm_reps: 10,
         },
@@ -59,6 +66,10 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             copies_per_sample: 16,
             samples: 11,
             memtest_bytes: 64 * 1024 * MIB,
+            // Our choice: long enough for a leaking cell to lose a charge it should hold for
+            // the 32–64 ms between refreshes many times over, short enough that 8 GPUs tested
+            // one after another stay within minutes.
+            fade_secs: 20,
             gemm_n: 16384,
             gemm_reps: 10,
         },
@@ -104,8 +115,37 @@ pub struct MemtestResult {
     pub bytes_tested: u64,
     pub patterns: Vec<String>,
     pub mismatches: u64,
-    /// Byte offset of the first mismatching word, and what was read there.
+    /// Where the first mismatching word was (its device address with the kernels, its byte
+    /// offset with the host read-back), and what was read there.
     pub first_mismatch: Option<(u64, String)>,
+    /// `kernels` (the device-side test) or `host read-back` (the fallback).
+    #[serde(default)]
+    pub method: String,
+    /// Allocations the tested memory came in.
+    #[serde(default)]
+    pub chunks: usize,
+    /// The random pattern's seed (a new one each run).
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Each check pass: its pattern and what it found.
+    #[serde(default)]
+    pub passes: Vec<MemtestPass>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemtestPass {
+    pub name: String,
+    pub mismatches: u64,
+    /// The first (up to 8) mismatches the GPU recorded.
+    pub first: Vec<Mismatch>,
+}
+
+/// A 64-bit word that read back wrong: its device address, what was read, what was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mismatch {
+    pub address: u64,
+    pub read: u64,
+    pub expected: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -134,6 +174,19 @@ pub trait Backend {
     fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError>;
     fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError>;
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError>;
+    /// Device-local copy by a kernel on the SMs, counting bytes read plus written.
+    fn sm_copy(&mut self, _gpu: usize, _p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        Err(ProbeError::Unavailable("this backend has no SM copy".into()))
+    }
+    /// Nanoseconds per dependent load of pinned host memory by a kernel on GPU `gpu`.
+    fn host_latency(&mut self, _gpu: usize, _p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        Err(ProbeError::Unavailable("this backend has no latency probe".into()))
+    }
+    /// Nanoseconds per dependent load of GPU `dst`'s memory by a kernel on GPU `src` (peer
+    /// access enabled by `p2p` before).
+    fn peer_latency(&mut self, _src: usize, _dst: usize, _p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        Err(ProbeError::Unavailable("this backend has no latency probe".into()))
+    }
     /// Lets go of a GPU the run stops using (its context is poisoned).
     fn release(&mut self, _gpu: usize) {}
     /// Where GPU `gpu`'s pinned host buffers were placed (NUMA node), once it has some.
@@ -199,6 +252,13 @@ pub struct GpuProbes {
     pub d2d_gbps: Outcome<Stat>,
     pub memory: Outcome<MemtestResult>,
     pub gemm: Outcome<GemmResult>,
+    /// HBM bandwidth through a copy kernel on the SMs (read + written), beside the copy
+    /// engines' `d2d_gbps`.
+    #[serde(default)]
+    pub sm_copy_gbps: Option<Outcome<Stat>>,
+    /// Nanoseconds per dependent load of pinned host memory from a kernel on the GPU.
+    #[serde(default)]
+    pub host_latency_ns: Option<Outcome<Stat>>,
     /// Where the pinned host buffers were placed (NUMA node and CPUs, or why not).
     #[serde(default)]
     pub host_memory: Option<String>,
@@ -214,6 +274,9 @@ pub struct PeerLink {
     pub dst: usize,
     pub peer_access: bool,
     pub gbps: Option<Outcome<Stat>>,
+    /// Nanoseconds per dependent load of `dst`'s memory from a kernel on `src`.
+    #[serde(default)]
+    pub latency_ns: Option<Outcome<Stat>>,
     /// `nvlink` when NVML reports active NVLinks on both GPUs (without NVML link states: when
     /// the pair copies faster than PCIe can, over 100 GB/s), `pcie` for other pairs with peer
     /// access, `none` without. A degraded NVLink is a slow `nvlink` pair, judged against the
@@ -275,6 +338,10 @@ pub fn run(
         let bidir = bandwidth(guard.call(backend, &[g], |b| b.bidir(g, &p)));
         step("device copy");
         let d2d = bandwidth(guard.call(backend, &[g], |b| b.d2d(g, &p)));
+        step("SM copy");
+        let sm_copy = bandwidth(guard.call(backend, &[g], |b| b.sm_copy(g, &p)));
+        step("host latency");
+        let host_latency = bandwidth(guard.call(backend, &[g], |b| b.host_latency(g, &p)));
         step("memory integrity");
         let memory = guard.call(backend, &[g], |b| b.memory_integrity(g, &p)).into();
         step("GEMM");
@@ -289,6 +356,8 @@ pub fn run(
             d2d_gbps: d2d,
             memory,
             gemm,
+            sm_copy_gbps: Some(sm_copy),
+            host_latency_ns: Some(host_latency),
             host_memory: backend.host_placement(g),
             conditions: backend.conditions(g),
         });
@@ -303,12 +372,27 @@ pub fn run(
             let link = match guard.call(backend, &[src, dst], |x| x.can_access_peer(src, dst)) {
                 Ok(true) => {
                     let bw = bandwidth(guard.call(backend, &[src, dst], |x| x.p2p(src, dst, &p)));
-                    PeerLink { src, dst, peer_access: true, gbps: Some(bw), scope: String::new() }
+                    let lat = bandwidth(guard.call(backend, &[src, dst], |x| x.peer_latency(src, dst, &p)));
+                    PeerLink {
+                        src,
+                        dst,
+                        peer_access: true,
+                        gbps: Some(bw),
+                        latency_ns: Some(lat),
+                        scope: String::new(),
+                    }
                 }
-                Ok(false) => PeerLink { src, dst, peer_access: false, gbps: None, scope: "none".into() },
-                Err(e) => {
-                    PeerLink { src, dst, peer_access: false, gbps: Some(Outcome::Error(e)), scope: "none".into() }
+                Ok(false) => {
+                    PeerLink { src, dst, peer_access: false, gbps: None, latency_ns: None, scope: "none".into() }
                 }
+                Err(e) => PeerLink {
+                    src,
+                    dst,
+                    peer_access: false,
+                    gbps: Some(Outcome::Error(e)),
+                    latency_ns: None,
+                    scope: "none".into(),
+                },
             };
             report.peers.push(link);
         }
@@ -423,6 +507,7 @@ pub fn run_here(
 ) -> Result<(ProbeReport, Vec<Target>), NotRun> {
     let _lock = lock::acquire(state_dir, who)?;
     let (mut backend, devices) = cuda::CudaBackend::open()?;
+    backend.level = opts.level;
     let targets = targets_of(snapshot, &devices, std::process::id());
     // NVML beside CUDA, for the clocks after each measurement; without it the figures stand alone.
     let session = snapshot.nvml().map(|n| crate::collect::nvml::Session::new(&n.library));
@@ -476,13 +561,25 @@ impl Backend for Observed<'_> {
     fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         self.inner.p2p(src, dst, p)
     }
+    /// NVML's counters are read before the memory test as well, so a rise across it shows.
     fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError> {
+        let _ = self.after(gpu, "memory_before", Ok(()));
         let r = self.inner.memory_integrity(gpu, p);
         self.after(gpu, "memory", r)
     }
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
         let r = self.inner.gemm(gpu, p);
         self.after(gpu, "gemm", r)
+    }
+    fn sm_copy(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        let r = self.inner.sm_copy(gpu, p);
+        self.after(gpu, "sm_copy", r)
+    }
+    fn host_latency(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        self.inner.host_latency(gpu, p)
+    }
+    fn peer_latency(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        self.inner.peer_latency(src, dst, p)
     }
     fn release(&mut self, gpu: usize) {
         self.inner.release(gpu)
@@ -607,7 +704,19 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
             bandwidth_finding("probe.d2d-bandwidth", "device copy", &g.d2d_gbps, f.d2d_gbps, &g.pci),
             seen("d2d"),
         ));
-        out.push(beside(memory_finding(&g.memory).gpu(&g.pci), seen("memory")));
+        out.push(beside(
+            ecc_across(memory_finding(&g.memory), seen("memory_before"), seen("memory")).gpu(&g.pci),
+            seen("memory"),
+        ));
+        if let Some(sm) = &g.sm_copy_gbps {
+            out.push(beside(
+                bandwidth_finding("probe.sm-copy-bandwidth", "SM copy", sm, f.d2d_gbps, &g.pci),
+                seen("sm_copy"),
+            ));
+        }
+        if let Some(lat) = &g.host_latency_ns {
+            out.push(latency_finding(report, g, lat));
+        }
         out.push(beside(gemm_finding(&g.gemm, f.gemm_tflops).gpu(&g.pci), seen("gemm")));
         out.push(p2p_finding(report, g, f.p2p_gbps));
     }
@@ -652,6 +761,95 @@ fn bandwidth_finding(id: &str, what: &str, o: &Outcome<Stat>, floor: Option<f64>
     f.gpu(pci).evidence("floor_gbps", floor)
 }
 
+/// A rise of NVML's ECC or row-remap counters across the memory test is a finding even when
+/// every word read back right: the GPU corrected (or could not correct) errors while it ran.
+fn ecc_across(f: Finding, before: Option<&Conditions>, after: Option<&Conditions>) -> Finding {
+    use crate::checks::Severity;
+    let (Some(b), Some(a)) = (before, after) else { return f };
+    let rise = |x: u64, y: u64| y.saturating_sub(x);
+    let mut fail = Vec::new();
+    let mut warn = Vec::new();
+    if let (Some(x), Some(y)) = (&b.ecc_volatile, &a.ecc_volatile) {
+        if rise(x.uncorrected, y.uncorrected) > 0 {
+            fail.push(format!("{} uncorrectable ECC error(s)", rise(x.uncorrected, y.uncorrected)));
+        }
+        if rise(x.corrected, y.corrected) > 0 {
+            warn.push(format!("{} corrected ECC error(s)", rise(x.corrected, y.corrected)));
+        }
+    }
+    if let (Some(x), Some(y)) = (&b.remapped_rows, &a.remapped_rows) {
+        let (u, c) =
+            (rise(x.uncorrectable.into(), y.uncorrectable.into()), rise(x.correctable.into(), y.correctable.into()));
+        if u > 0 {
+            fail.push(format!("{u} row(s) remapped for uncorrectable errors"));
+        }
+        if c > 0 {
+            warn.push(format!("{c} row(s) remapped for correctable errors"));
+        }
+        if y.pending && !x.pending {
+            warn.push("a row remap pending (applied at the next GPU reset)".into());
+        }
+    }
+    if fail.is_empty() && warn.is_empty() {
+        return f;
+    }
+    let what = fail.iter().chain(&warn).cloned().collect::<Vec<_>>().join(", ");
+    let text = format!("NVML counted {what} while the memory test ran");
+    let severity = if fail.is_empty() { Severity::Warn } else { Severity::Fail };
+    let f = if f.severity == Severity::Pass || (severity == Severity::Fail && f.severity != Severity::Fail) {
+        let summary = if f.severity == Severity::Pass { format!("{} — but {text}", f.summary) } else { text.clone() };
+        let base =
+            if severity == Severity::Fail { Finding::fail(&f.id, summary) } else { Finding::warn(&f.id, summary) };
+        let mut base = base
+            .detail("Every word read back right, but the GPU's memory needed error correction (or failed it) under the test's load: memory that is wearing out.")
+            .remedy("Check gpu.ecc-uncorrectable and gpu.row-remap; drain the GPU, reset it (restart the VM) and probe again; report it to the platform if the counters keep rising.");
+        base.evidence = f.evidence.clone();
+        base
+    } else {
+        let detail = if f.detail.is_empty() { format!("{text}.") } else { format!("{} {text}.", f.detail) };
+        f.detail(detail)
+    };
+    f.evidence("counters_before", b).evidence("counters_after", a)
+}
+
+/// Host↔device latency (and the peers' in the evidence): no published floor, so the figure is
+/// reported, kept in the baseline and judged by its drift (`probe.baseline`).
+fn latency_finding(report: &ProbeReport, g: &GpuProbes, o: &Outcome<Stat>) -> Finding {
+    const ID: &str = "probe.latency";
+    let peers: Vec<serde_json::Value> = report
+        .peers
+        .iter()
+        .filter(|l| l.src == g.ordinal)
+        .filter_map(|l| match &l.latency_ns {
+            Some(Outcome::Ok(s)) => Some(serde_json::json!({"dst": l.dst, "scope": l.scope, "median_ns": s.median})),
+            _ => None,
+        })
+        .collect();
+    let f = match o {
+        Outcome::Error(ProbeError::Unavailable(why)) => Finding::unknown(ID, why.clone()),
+        Outcome::Error(e) if is_ecc(e) => Finding::unknown(
+            ID,
+            format!("stopped by an uncorrectable ECC error on this GPU (see probe.memory-integrity): {e}"),
+        ),
+        Outcome::Error(e) => Finding::fail(ID, format!("latency probe failed: {e}"))
+            .remedy("Read `dmesg | grep NVRM`; restart the VM and probe again."),
+        Outcome::Ok(s) => {
+            let slowest = peers
+                .iter()
+                .filter_map(|p| p["median_ns"].as_f64())
+                .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
+            let peer_text = slowest.map(|v| format!("; slowest peer {:.2} µs", v / 1000.0)).unwrap_or_default();
+            Finding::pass(
+                ID,
+                format!("host memory {:.2} µs per dependent load from the GPU{peer_text}", s.median / 1000.0),
+            )
+            .evidence("median_ns", s.median)
+            .evidence("samples_ns", &s.samples)
+        }
+    };
+    f.gpu(&g.pci).evidence("peers", &peers)
+}
+
 fn memory_finding(o: &Outcome<MemtestResult>) -> Finding {
     const ID: &str = "probe.memory-integrity";
     match o {
@@ -668,19 +866,35 @@ fn memory_finding(o: &Outcome<MemtestResult>) -> Finding {
         Outcome::Ok(m) if m.mismatches == 0 => Finding::pass(
             ID,
             format!(
-                "{} MiB written and read back with {} pattern(s), no mismatch",
+                "{} MiB written and checked with {} pattern(s){}, no mismatch",
                 m.bytes_tested >> 20,
-                m.patterns.len()
+                m.patterns.len(),
+                if m.method == "kernels" { " on the GPU" } else { " (read back to the host: the probe kernels could not load)" }
             ),
         )
         .evidence("memtest", m),
         Outcome::Ok(m) => {
-            let at = m
-                .first_mismatch
-                .as_ref()
-                .map(|(o, v)| format!(" (first at byte offset {o:#x}: read {v})"))
-                .unwrap_or_default();
-            Finding::fail(ID, format!("{} mismatching word(s) in {} MiB{at}", m.mismatches, m.bytes_tested >> 20))
+            let first = m.passes.iter().find_map(|p| p.first.first().map(|x| (p, x)));
+            let at = match (first, &m.first_mismatch) {
+                (Some((p, x)), _) => {
+                    let bits: Vec<String> =
+                        (0..64).filter(|b| (x.read ^ x.expected) >> b & 1 == 1).map(|b: u32| b.to_string()).collect();
+                    format!(
+                        " (first in {}: device address {:#x} read {:#018x}, expected {:#018x}; bit(s) {} differ)",
+                        p.name,
+                        x.address,
+                        x.read,
+                        x.expected,
+                        bits.join(", ")
+                    )
+                }
+                (None, Some((o, v))) => format!(" (first at byte offset {o:#x}: read {v})"),
+                (None, None) => String::new(),
+            };
+            let by_pass: Vec<String> =
+                m.passes.iter().filter(|p| p.mismatches > 0).map(|p| format!("{} {}", p.name, p.mismatches)).collect();
+            let by_pass = if by_pass.is_empty() { String::new() } else { format!(": {}", by_pass.join(", ")) };
+            Finding::fail(ID, format!("{} mismatching word(s) in {} MiB{by_pass}{at}", m.mismatches, m.bytes_tested >> 20))
                 .detail("The GPU returned different data than was written: its memory is corrupting data.")
                 .remedy("Drain the GPU, check gpu.ecc-uncorrectable and gpu.row-remap, reset it (restart the VM) and probe again; if mismatches remain, report it to the platform for replacement.")
                 .evidence("memtest", m)
@@ -840,6 +1054,15 @@ mod tests {
         fn d2d(&mut self, _gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
             Ok(vec![2900.0; p.samples as usize])
         }
+        fn sm_copy(&mut self, _gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+            Ok(vec![3000.0; p.samples as usize])
+        }
+        fn host_latency(&mut self, _gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+            Ok(vec![1100.0; p.samples as usize])
+        }
+        fn peer_latency(&mut self, _a: usize, _b: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+            Ok(vec![900.0; p.samples as usize])
+        }
         fn can_access_peer(&mut self, _a: usize, _b: usize) -> Result<bool, ProbeError> {
             Ok(self.peer)
         }
@@ -865,6 +1088,10 @@ mod tests {
                 patterns: vec!["0x00000000".into(), "0xffffffff".into()],
                 mismatches: if bad { 3 } else { 0 },
                 first_mismatch: bad.then(|| (0x1000, "0xfffffffe".into())),
+                method: "host read-back".into(),
+                chunks: 1,
+                seed: None,
+                passes: Vec::new(),
             })
         }
         fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
@@ -909,6 +1136,44 @@ mod tests {
     }
 
     #[test]
+    fn counters_that_rise_across_the_memory_test_are_a_finding_without_a_mismatch() {
+        use crate::snapshot::{EccCounts, RemappedRows};
+        let clean = Outcome::Ok(MemtestResult {
+            bytes_tested: 1 << 30,
+            patterns: vec!["address in address".into()],
+            mismatches: 0,
+            first_mismatch: None,
+            method: "kernels".into(),
+            chunks: 1,
+            seed: Some(1),
+            passes: Vec::new(),
+        });
+        let at = |corrected, uncorrected, remapped| Conditions {
+            sm_clock_mhz: None,
+            mem_clock_mhz: None,
+            temperature_c: None,
+            power_mw: None,
+            throttle_reasons: None,
+            ecc_volatile: Some(EccCounts { corrected, uncorrected }),
+            remapped_rows: Some(RemappedRows {
+                correctable: 0,
+                uncorrectable: remapped,
+                pending: false,
+                failure: false,
+            }),
+        };
+        let judge = |b: &Conditions, a: &Conditions| ecc_across(memory_finding(&clean), Some(b), Some(a));
+        assert_eq!(judge(&at(5, 0, 0), &at(5, 0, 0)).severity, Severity::Pass);
+        let corrected = judge(&at(5, 0, 0), &at(9, 0, 0));
+        assert_eq!(corrected.severity, Severity::Warn, "{corrected:?}");
+        assert!(corrected.summary.contains("4 corrected ECC error(s)"), "{}", corrected.summary);
+        assert_eq!(judge(&at(5, 0, 0), &at(5, 1, 0)).severity, Severity::Fail);
+        assert_eq!(judge(&at(5, 0, 0), &at(5, 0, 1)).severity, Severity::Fail);
+        // Without a reading on both sides nothing is claimed.
+        assert_eq!(ecc_across(memory_finding(&clean), None, Some(&at(9, 9, 9))).severity, Severity::Pass);
+    }
+
+    #[test]
     fn medians_of_odd_and_even_sample_counts() {
         assert_eq!(Stat::of(vec![3.0, 1.0, 2.0]).unwrap().median, 2.0);
         assert_eq!(Stat::of(vec![4.0, 1.0, 2.0, 3.0]).unwrap().median, 2.5);
@@ -925,7 +1190,7 @@ mod tests {
         assert!(r.peers.iter().all(|l| l.scope == "nvlink"));
         let f = judge(&r, &t);
         assert!(f.iter().all(|x| x.severity == Severity::Pass), "{f:#?}");
-        assert_eq!(f.len(), 8 * 7);
+        assert_eq!(f.len(), 8 * 9);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! bound for a healthy GPU: one that meets its floors finishes sooner. Context creation, the
 //! host's share of the memory compare and process start are not GPU time and are not counted.
 
+use super::kernels::{self, Step};
 use super::{cuda, params, LevelParams, Options, Target};
 use crate::config::ProbeLevel;
 use crate::facts;
@@ -20,6 +21,10 @@ pub const QUICK_BUDGET_S: f64 = 10.0;
 /// The standard level's budget.
 pub const STANDARD_BUDGET_S: f64 = 120.0;
 
+/// What a dependent load is planned at, host or peer memory: a round figure above what PCIe and
+/// NVLink round trips take (about a microsecond), our planning assumption, not a floor.
+const PLANNED_LATENCY_S: f64 = 2e-6;
+
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GpuPlan {
     pub index: usize,
@@ -29,6 +34,8 @@ pub struct GpuPlan {
     pub d2h_s: f64,
     pub bidir_s: f64,
     pub d2d_s: f64,
+    pub sm_copy_s: f64,
+    pub latency_s: f64,
     pub memory_s: f64,
     pub memory_bytes: u64,
     pub gemm_s: f64,
@@ -42,6 +49,7 @@ pub struct PairPlan {
     /// The rate the pair is planned at: its NVLink floor when both GPUs have active NVLinks,
     /// else PCIe.
     pub gbps: f64,
+    /// The copies and the latency chase.
     pub seconds: f64,
 }
 
@@ -72,13 +80,22 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
         let d2h = f.d2h_gbps.unwrap_or(FALLBACK_PCIE_GBPS);
         let hbm = f.d2d_gbps.unwrap_or(FALLBACK_HBM_GBPS);
         let tflops = f.gemm_tflops.unwrap_or(FALLBACK_TFLOPS);
-        // As the memory test sizes itself: the level's bytes, at most 90% of the GPU's memory.
-        let memory_bytes =
-            memory_total(&t.pci).map(|m| (p.memtest_bytes as u64).min(m / 10 * 9)).unwrap_or(p.memtest_bytes as u64);
-        // Per pattern: a memset writes every byte (half of a read + write copy's traffic), then
-        // every byte comes back to the host.
-        let memory_s = cuda::MEMTEST_PATTERNS.len() as f64
-            * (secs(memory_bytes as f64, hbm / 2.0) + secs(memory_bytes as f64, d2h));
+        // As the memory test sizes itself: 90% of the GPU's memory (of what is free, when it runs).
+        // Each step moves its bytes through HBM once (a write or a check) or twice (a check that
+        // rewrites); the fade passes wait.
+        let memory_bytes = memory_total(&t.pci).map(|m| m / 10 * 9).unwrap_or(p.memtest_bytes as u64) as f64;
+        let fade = std::time::Duration::from_secs(p.fade_secs.into());
+        let memory_s: f64 = kernels::steps(opts.level, 0, fade)
+            .iter()
+            .map(|s| match s {
+                Step::Write(_) | Step::Check { then: None, .. } => secs(memory_bytes, hbm),
+                Step::Check { then: Some(_), .. } => secs(2.0 * memory_bytes, hbm),
+                Step::Pause(d) => d.as_secs_f64(),
+            })
+            .sum();
+        let memory_bytes = memory_bytes as u64;
+        // The chase: a warm-up of a tenth, then the samples.
+        let chase = (p.samples as f64 + 0.1) * cuda::LATENCY_STEPS as f64 * PLANNED_LATENCY_S;
         let n = p.gemm_n as f64;
         let gemm_s = (1 + cuda::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3) / (tflops * 1e12)
             + secs(2.0 * n * n * 4.0, h2d);
@@ -90,12 +107,14 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             d2h_s: secs(copy, d2h),
             bidir_s: secs(2.0 * copy, h2d.min(d2h)),
             d2d_s: secs(2.0 * copy, hbm),
+            sm_copy_s: secs(2.0 * copy, hbm),
+            latency_s: chase,
             memory_s,
             memory_bytes,
             gemm_s,
             total_s: 0.0,
         };
-        g.total_s = g.h2d_s + g.d2h_s + g.bidir_s + g.d2d_s + g.memory_s + g.gemm_s;
+        g.total_s = g.h2d_s + g.d2h_s + g.bidir_s + g.d2d_s + g.sm_copy_s + g.latency_s + g.memory_s + g.gemm_s;
         gpus.push(g);
     }
     let mut pairs = Vec::new();
@@ -110,7 +129,8 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             };
             let gbps =
                 facts::probe_floors(a.device_id.unwrap_or(0)).p2p_gbps.filter(|_| nvlink).unwrap_or(FALLBACK_PCIE_GBPS);
-            pairs.push(PairPlan { src: *ia, dst: *ib, gbps, seconds: secs(copy, gbps) });
+            let chase = (p.samples as f64 + 0.1) * cuda::LATENCY_STEPS as f64 * PLANNED_LATENCY_S;
+            pairs.push(PairPlan { src: *ia, dst: *ib, gbps, seconds: secs(copy, gbps) + chase });
         }
     }
     let total_s = gpus.iter().map(|g| g.total_s).chain(pairs.iter().map(|p| p.seconds)).fold(0.0, |a, b| a + b);
@@ -135,12 +155,11 @@ pub fn render(plan: &Plan) -> String {
     );
     let _ = writeln!(
         s,
-        "  copies: {} MiB × {} per sample × {} samples + a warm-up; memory test up to {} MiB × {} patterns; GEMM {}² × {} × {} samples + a warm-up",
+        "  copies: {} MiB × {} per sample × {} samples + a warm-up; memory test: 90% of each GPU's memory, {} passes on the GPU; GEMM {}² × {} × {} samples + a warm-up",
         plan.params.buffer_bytes >> 20,
         plan.params.copies_per_sample,
         plan.params.samples,
-        plan.params.memtest_bytes >> 20,
-        cuda::MEMTEST_PATTERNS.len(),
+        kernels::steps(plan.level, 0, std::time::Duration::from_secs(plan.params.fade_secs.into())).len(),
         plan.params.gemm_n,
         plan.params.gemm_reps,
         cuda::GEMM_SAMPLES
@@ -148,7 +167,7 @@ pub fn render(plan: &Plan) -> String {
     for g in &plan.gpus {
         let _ = writeln!(
             s,
-            "  GPU {} {} {:<16} h2d {:.2} s · d2h {:.2} s · both {:.2} s · device copy {:.2} s · memory {:.2} s · GEMM {:.2} s = {:.2} s",
+            "  GPU {} {} {:<16} h2d {:.2} s · d2h {:.2} s · both {:.2} s · device copy {:.2} s · SM copy {:.2} s · latency {:.2} s · memory {:.2} s · GEMM {:.2} s = {:.2} s",
             g.index,
             g.pci,
             g.sku.as_deref().unwrap_or("unknown SKU"),
@@ -156,6 +175,8 @@ pub fn render(plan: &Plan) -> String {
             g.d2h_s,
             g.bidir_s,
             g.d2d_s,
+            g.sm_copy_s,
+            g.latency_s,
             g.memory_s,
             g.gemm_s,
             g.total_s
@@ -221,7 +242,11 @@ mod tests {
         let g = &p.gpus[0];
         // 4 rounds (warm-up + 3 samples) × 8 copies × 64 MiB = 2 GiB at the 48 GB/s floor.
         assert!((g.h2d_s - (2u64 << 30) as f64 / 48e9).abs() < 1e-9, "{g:?}");
-        // A small GPU's memory test is sized to 90% of its memory, as the probe sizes it.
+        // The memory test covers 90% of the GPU's memory at every level, as the probe sizes it;
+        // quick's six passes (three writes, three checks) each move it through HBM once.
+        assert_eq!(g.memory_bytes, (80u64 << 30) / 10 * 9);
+        let once = g.memory_bytes as f64 / 1905e9;
+        assert!((g.memory_s - 6.0 * once).abs() < 1e-9, "{g:?}");
         let small = plan(&hgx(1), &Options { level: ProbeLevel::Full, only: &[], force: false }, &|_| Some(10 << 30));
         assert_eq!(small.gpus[0].memory_bytes, (10u64 << 30) / 10 * 9);
     }

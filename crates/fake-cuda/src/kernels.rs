@@ -1,12 +1,19 @@
 //! The kernels the fake can run, each a Rust reimplementation of a PTX kernel's contract,
-//! chosen by the name the module declares. The agent ships no kernel yet (the device-kernels
-//! work adds its memory test, copy and GEMM kernels here, one function per kernel); the one
-//! below is the fake's own reference kernel, which its tests load from PTX text.
+//! chosen by the name the module declares: the agent's own (`src/probe/kernels.ptx`, whose
+//! comments state each contract) and the fake's reference kernel, which its tests load.
 //!
 //! Each reimplementation reads its arguments as `cuLaunchKernel` passes them (an array of
 //! pointers, one per parameter, in the order the `.entry` declares them), checks that every
-//! byte it touches is memory the launching context may reach, and charges the time the work
-//! takes on the GPU's SMs and HBM.
+//! byte it touches is memory the launching context may reach — its GPU's, a peer's with access
+//! enabled, or page-locked host memory through its unified address — and charges the time the
+//! work takes on the GPU's SMs and HBM. A kernel touching memory it may not reach faults as a
+//! real one does: the launch succeeds and the context is poisoned with
+//! CUDA_ERROR_ILLEGAL_ADDRESS (700), which the next call returns.
+//!
+//! The memory-test kernels see the scenario's planted faults: stuck bits (a bit that always
+//! reads one value) and coupled bits (a bit that reads another cell's bit). A pass finds a
+//! fault only when its pattern gives the faulty bit a value it cannot hold, so solid patterns
+//! miss a coupling between two cells they fill alike, and address patterns find it.
 
 use super::*;
 
@@ -21,8 +28,17 @@ pub(crate) unsafe fn launch(
     stream: usize,
     params: *mut *mut c_void,
 ) -> CUresult {
+    if params.is_null() {
+        return INVALID_VALUE;
+    }
+    let a = Args(params);
     match name {
-        "phq_fake_fill_u32" => fill_u32(w, ctx, stream, params),
+        "phq_fake_fill_u32" => fill_u32(w, ctx, stream, &a),
+        "phq_mem_write" => mem_write(w, ctx, stream, &a),
+        "phq_mem_check" => mem_check(w, ctx, stream, &a),
+        "phq_copy_sm" => copy_sm(w, ctx, stream, &a),
+        "phq_spin" => spin(w, ctx, &a),
+        "phq_chase" => chase(w, ctx, stream, &a),
         other => {
             eprintln!("fake-cuda: cuLaunchKernel: no reimplementation of kernel {other:?} in the fake");
             NOT_SUPPORTED
@@ -30,28 +46,327 @@ pub(crate) unsafe fn launch(
     }
 }
 
-/// `phq_fake_fill_u32(u64 dst, u32 value, u64 count)`: `count` 32-bit words at `dst` set to
-/// `value`, one write per byte of HBM traffic.
-unsafe fn fill_u32(w: &mut World, ctx: usize, stream: usize, params: *mut *mut c_void) -> CUresult {
-    if params.is_null() {
-        return INVALID_VALUE;
+/// The kernel's parameters, read by position.
+struct Args(*mut *mut c_void);
+
+impl Args {
+    unsafe fn u64(&self, i: usize) -> u64 {
+        *(*self.0.add(i) as *const u64)
     }
-    let dst = *(*params.add(0) as *const u64);
-    let value = *(*params.add(1) as *const u32);
-    let count = *(*params.add(2) as *const u64);
-    let dev = w.ctx_dev(ctx);
-    let len = count * 4;
-    match w.reaches_ptr(ctx, dst, len) {
-        Ok(true) => {}
-        Ok(false) | Err(_) => {
-            eprintln!("fake-cuda: phq_fake_fill_u32: {dst:#x} is not memory this GPU may access");
-            w.poison(dev, ILLEGAL_ADDRESS);
-            return SUCCESS;
+    unsafe fn u32(&self, i: usize) -> u32 {
+        *(*self.0.add(i) as *const u32)
+    }
+}
+
+/// The 64-bit word the memory-test patterns put at byte address `a` (kernels.ptx, `phq_pattern`):
+/// mode 1 the address, 2 its inverse, 3 a xorshift64 step of the word index times the
+/// golden-ratio constant XOR the seed, anything else the constant `arg`.
+pub(crate) fn pattern(a: u64, mode: u32, arg: u64) -> u64 {
+    match mode {
+        1 => a,
+        2 => !a,
+        3 => {
+            let mut x = (a >> 3).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ arg;
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
         }
+        _ => arg,
+    }
+}
+
+/// A pattern as a function of the address (two specs with the same key hold the same words).
+fn key(mode: u32, arg: u64) -> (u32, u64) {
+    match mode {
+        1 | 2 => (mode, 0),
+        3 => (3, arg),
+        _ => (0, arg),
+    }
+}
+
+/// Whether `[ptr, ptr + len)` is device memory context `ctx` may touch, or poisons its GPU as a
+/// real kernel's stray access does. Returns the allocation's base.
+fn reach(w: &mut World, ctx: usize, what: &str, ptr: u64, len: u64) -> Option<u64> {
+    match w.find(ptr, len) {
+        Ok((base, _)) if w.reaches_ptr(ctx, ptr, len) == Ok(true) => Some(base),
+        _ => {
+            eprintln!("fake-cuda: {what}: [{ptr:#x}, +{len}) is not memory this GPU may access");
+            let dev = w.ctx_dev(ctx);
+            w.poison(dev, ILLEGAL_ADDRESS);
+            None
+        }
+    }
+}
+
+/// Writes pattern `(mode, arg)` over `[ptr, ptr + len)`: the whole allocation as a pattern, a
+/// part of it as bytes.
+fn write_pattern(w: &mut World, base: u64, ptr: u64, len: usize, mode: u32, arg: u64) -> Result<(), CUresult> {
+    let whole = ptr == base && len == w.allocs[&base].len;
+    if whole {
+        blas::overwrite(w, base, 0, len);
+        let a = w.allocs.get_mut(&base).ok_or(INVALID_VALUE)?;
+        a.mem = Mem::Pattern { mode, arg };
+        a.generation += 1;
+        return Ok(());
+    }
+    w.write_with(ptr, len, |dst| pattern_bytes(dst, ptr, mode, arg))
+}
+
+/// `phq_mem_write(u64 ptr, u64 words, u32 mode, u64 arg)`.
+unsafe fn mem_write(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+    let (ptr, words, mode, arg) = (a.u64(0), a.u64(1), a.u32(2), a.u64(3));
+    let len = words * 8;
+    let Some(base) = reach(w, ctx, "phq_mem_write", ptr, len) else { return SUCCESS };
+    if let Err(e) = write_pattern(w, base, ptr, len as usize, mode, arg) {
+        return e;
+    }
+    let dev = w.ctx_dev(ctx);
+    let secs = len as f64 / (w.hbm_gbps(dev) * 1e9);
+    w.run_on_sms(stream, secs);
+    SUCCESS
+}
+
+/// The word at `addr` as memory holds it now (stuck bits included), if it is allocated.
+fn stored(w: &mut World, addr: u64) -> Option<u64> {
+    let b = w.read(addr, 8).ok()?;
+    Some(u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+}
+
+/// `phq_mem_check(u64 ptr, u64 words, u32 mode, u64 arg, u32 next_mode, u64 next_arg,
+/// u32 descending, u64 result)`.
+unsafe fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+    let (ptr, words, mode, arg) = (a.u64(0), a.u64(1), a.u32(2), a.u64(3));
+    let (next_mode, next_arg, descending, result) = (a.u32(4), a.u64(5), a.u32(6) != 0, a.u64(7));
+    let len = words * 8;
+    let Some(base) = reach(w, ctx, "phq_mem_check", ptr, len) else { return SUCCESS };
+    if reach(w, ctx, "phq_mem_check (result)", result, 200).is_none() {
+        return SUCCESS;
+    }
+    blas::materialise(w, base, (ptr - base) as usize, len as usize);
+    let dev = w.ctx_dev(ctx);
+    let dev_base = BASE + dev as u64 * SPAN;
+    let end = ptr + len;
+    let rewrites = next_mode != u32::MAX;
+    // The word a pass finds at `addr`: what memory holds, with a coupled bit reading its
+    // aggressor's bit as it is when the pass reaches `addr` — already rewritten with the next
+    // pattern if the pass visited the aggressor first.
+    let couplings = w.scenario.devices[dev].coupled_bits.clone();
+    let seen = |w: &mut World, addr: u64, held: u64| -> u64 {
+        let mut v = held;
+        for c in couplings.iter().filter(|c| dev_base + (c.offset & !7) == addr) {
+            let aggr = dev_base + (c.aggressor & !7);
+            let first = if descending { aggr > addr } else { aggr < addr };
+            let av = if rewrites && aggr >= ptr && aggr < end && first {
+                Some(pattern(aggr, next_mode, next_arg))
+            } else {
+                stored(w, aggr)
+            };
+            let Some(av) = av else { continue };
+            let from = (c.aggressor & 7) * 8 + u64::from(c.bit & 7);
+            let to = (c.offset & 7) * 8 + u64::from(c.bit & 7);
+            v = (v & !(1 << to)) | (((av >> from) & 1) << to);
+        }
+        v
+    };
+    let held_as = match w.allocs[&base].mem {
+        Mem::Fill(x) => Some(key(0, u64::from(x) | u64::from(x) << 32)),
+        Mem::Pattern { mode, arg } => Some(key(mode, arg)),
+        Mem::Bytes(_) => None,
+    };
+    let mut bad: Vec<(u64, u64, u64)> = Vec::new();
+    if held_as == Some(key(mode, arg)) {
+        // Memory holds the expected pattern: only the planted faults can differ.
+        let spec = &w.scenario.devices[dev];
+        let mut sites: Vec<u64> = spec
+            .stuck_bits
+            .iter()
+            .map(|b| b.offset)
+            .chain(spec.coupled_bits.iter().map(|c| c.offset))
+            .map(|o| dev_base + (o & !7))
+            .filter(|x| *x >= ptr && *x < end)
+            .collect();
+        sites.sort_unstable();
+        sites.dedup();
+        if descending {
+            sites.reverse();
+        }
+        for addr in sites {
+            let Some(held) = stored(w, addr) else { continue };
+            let got = seen(w, addr, held);
+            let want = pattern(addr, mode, arg);
+            if got != want {
+                bad.push((addr, got, want));
+            }
+        }
+    } else {
+        // Every word compared, a chunk at a time, in the pass's order.
+        const CHUNK: u64 = 1 << 20;
+        let mut starts: Vec<u64> = (0..len.div_ceil(CHUNK)).map(|i| ptr + i * CHUNK).collect();
+        if descending {
+            starts.reverse();
+        }
+        for s in starts {
+            let n = CHUNK.min(end - s);
+            let Ok(bytes) = w.read(s, n as usize) else { return INVALID_VALUE };
+            let mut found: Vec<(u64, u64, u64)> = Vec::new();
+            for (i, c) in bytes.chunks_exact(8).enumerate() {
+                let addr = s + 8 * i as u64;
+                let held = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+                let got = seen(w, addr, held);
+                let want = pattern(addr, mode, arg);
+                if got != want {
+                    found.push((addr, got, want));
+                }
+            }
+            if descending {
+                found.reverse();
+            }
+            bad.extend(found);
+        }
+    }
+    // The result: a count added atomically, the first eight kept.
+    let Some(old) = stored(w, result) else { return INVALID_VALUE };
+    let mut out = Vec::new();
+    out.extend_from_slice(&(old + bad.len() as u64).to_le_bytes());
+    if let Err(e) = w.write(result, &out) {
+        return e;
+    }
+    for (k, (addr, got, want)) in bad.iter().enumerate() {
+        let slot = old + k as u64;
+        if slot >= 8 {
+            break;
+        }
+        let rec: Vec<u8> = [*addr, *got, *want].iter().flat_map(|v| v.to_le_bytes()).collect();
+        if let Err(e) = w.write(result + 8 + 24 * slot, &rec) {
+            return e;
+        }
+    }
+    if rewrites {
+        if let Err(e) = write_pattern(w, base, ptr, len as usize, next_mode, next_arg) {
+            return e;
+        }
+    }
+    let traffic = len as f64 * if rewrites { 2.0 } else { 1.0 };
+    let secs = traffic / (w.hbm_gbps(dev) * 1e9);
+    w.run_on_sms(stream, secs);
+    SUCCESS
+}
+
+/// `phq_copy_sm(u64 dst, u64 src, u64 count)`: count 16-byte vectors; reads and writes every
+/// byte, at the GPU's SM copy rate.
+unsafe fn copy_sm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+    let (dst, src, count) = (a.u64(0), a.u64(1), a.u64(2));
+    let len = count * 16;
+    if dst % 16 != 0 || src % 16 != 0 {
+        // A misaligned vector access is a misaligned-address fault (PTX ISA, "Vectors": vector
+        // accesses must be aligned to their size): sticky 716.
+        eprintln!("fake-cuda: phq_copy_sm: {dst:#x} or {src:#x} is not 16-byte aligned");
+        let dev = w.ctx_dev(ctx);
+        w.poison(dev, 716);
+        return SUCCESS;
+    }
+    if reach(w, ctx, "phq_copy_sm (source)", src, len).is_none()
+        || reach(w, ctx, "phq_copy_sm (destination)", dst, len).is_none()
+    {
+        return SUCCESS;
+    }
+    if let Err(e) = w.copy(dst, src, len as usize) {
+        return e;
+    }
+    let dev = w.ctx_dev(ctx);
+    let secs = 2.0 * len as f64 / (w.sm_copy_gbps(dev) * 1e9);
+    w.run_on_sms(stream, secs);
+    SUCCESS
+}
+
+/// A spin kernel holding its stream until the host writes its flag.
+pub(crate) struct Gate {
+    flag: u64,
+    status: u64,
+    timeout_ns: u64,
+}
+
+/// `phq_spin(u64 flag, u64 timeout_ns, u64 status)`: flag and status must be page-locked host
+/// memory (reached through its unified address). A flag already set lets the stream go at once.
+/// Otherwise the kernel waits for the host: the fake does not model launch gaps, so the copies
+/// queued behind it run as if the host released it at once — but a stream waited on while the
+/// flag is still clear would, on a GPU, have waited for the timeout, so the fake then writes
+/// the kernel's timed-out status (`settle_gates`).
+unsafe fn spin(w: &mut World, ctx: usize, a: &Args) -> CUresult {
+    let (flag, timeout_ns, status) = (a.u64(0), a.u64(1), a.u64(2));
+    if !w.host_mapped(flag, 4) || !w.host_mapped(status, 4) {
+        eprintln!("fake-cuda: phq_spin: the flag {flag:#x} or status {status:#x} is not page-locked host memory");
+        let dev = w.ctx_dev(ctx);
+        w.poison(dev, ILLEGAL_ADDRESS);
+        return SUCCESS;
+    }
+    if std::ptr::read_volatile(flag as *const u32) == 0 {
+        w.gates.push(Gate { flag, status, timeout_ns });
+    }
+    SUCCESS
+}
+
+/// At a synchronization: every spin kernel whose flag is still clear timed out.
+pub(crate) fn settle_gates(w: &mut World) {
+    for g in std::mem::take(&mut w.gates) {
+        // SAFETY: `spin` checked both words lie in live page-locked allocations; the host may
+        // free them only after synchronizing, which is now.
+        unsafe {
+            if std::ptr::read_volatile(g.flag as *const u32) == 0 {
+                eprintln!(
+                    "fake-cuda: phq_spin: its stream was waited on before the host released the flag: it timed out after {} ns",
+                    g.timeout_ns
+                );
+                std::ptr::write_volatile(g.status as *mut u32, 1);
+            }
+        }
+    }
+}
+
+/// `phq_chase(u64 start, u64 steps, u64 out)`: follows 64-bit pointers through host, local or
+/// peer memory; each step costs that memory's latency (the scenario's).
+unsafe fn chase(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+    let (mut p, steps, out) = (a.u64(0), a.u64(1), a.u64(2));
+    let dev = w.ctx_dev(ctx);
+    let mut secs = 0.0;
+    for _ in 0..steps {
+        if w.host_mapped(p, 8) && p % 8 == 0 {
+            p = std::ptr::read_volatile(p as *const u64);
+            secs += w.latency_s(dev, None);
+        } else {
+            let Some(base) = reach(w, ctx, "phq_chase", p, 8) else { return SUCCESS };
+            let owner = w.allocs[&base].device;
+            let Some(next) = stored(w, p) else { return INVALID_VALUE };
+            secs += w.latency_s(dev, Some(owner));
+            p = next;
+        }
+    }
+    if w.host_mapped(out, 8) {
+        std::ptr::write_volatile(out as *mut u64, p);
+    } else if reach(w, ctx, "phq_chase (out)", out, 8).is_some() {
+        if let Err(e) = w.write(out, &p.to_le_bytes()) {
+            return e;
+        }
+    } else {
+        return SUCCESS;
+    }
+    w.run_on_sms(stream, secs);
+    SUCCESS
+}
+
+/// `phq_fake_fill_u32(u64 dst, u32 value, u64 count)`: `count` 32-bit words at `dst` set to
+/// `value`, one write per byte of HBM traffic. The fake's reference kernel.
+unsafe fn fill_u32(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+    let (dst, value, count) = (a.u64(0), a.u32(1), a.u64(2));
+    let len = count * 4;
+    if reach(w, ctx, "phq_fake_fill_u32", dst, len).is_none() {
+        return SUCCESS;
     }
     if let Err(e) = w.fill(dst, len as usize, value) {
         return e;
     }
+    let dev = w.ctx_dev(ctx);
     let secs = len as f64 / (w.hbm_gbps(dev) * 1e9);
     w.run_on_sms(stream, secs);
     SUCCESS

@@ -82,6 +82,21 @@ struct Event {
 pub(crate) enum Mem {
     Fill(u32),
     Bytes(Vec<u8>),
+    /// Every 64-bit word holds `kernels::pattern(its address, mode, arg)`: what the memory-test
+    /// kernels write over a whole allocation (address in address, random words) without the
+    /// fake holding its bytes.
+    Pattern {
+        mode: u32,
+        arg: u64,
+    },
+}
+
+/// Writes the bytes of pattern memory from device address `addr` into `dst`.
+pub(crate) fn pattern_bytes(dst: &mut [u8], addr: u64, mode: u32, arg: u64) {
+    for (i, b) in dst.iter_mut().enumerate() {
+        let a = addr + i as u64;
+        *b = kernels::pattern(a & !7, mode, arg).to_le_bytes()[(a & 7) as usize];
+    }
 }
 
 /// Writes the repeated little-endian `word` into `dst`, `dst[0]` being byte `phase` of a word.
@@ -112,14 +127,16 @@ fn uniform_word(bytes: &[u8]) -> Option<u32> {
 }
 
 pub(crate) struct Alloc {
-    device: usize,
+    /// Its device address.
+    pub(crate) base: u64,
+    pub(crate) device: usize,
     ctx: usize,
-    len: usize,
-    mem: Mem,
+    pub(crate) len: usize,
+    pub(crate) mem: Mem,
     /// From the stream-ordered allocator (cuMemAllocAsync): its pool's access rules apply.
     pool: bool,
     /// Bumped on every write, so a GEMM can reuse its snapshot of an unchanged input.
-    generation: u64,
+    pub(crate) generation: u64,
     snapshot: Option<(u64, Arc<Vec<u8>>)>,
     /// A GEMM result not computed yet: entries are computed when something reads them.
     pending: Option<blas::Pending>,
@@ -130,19 +147,20 @@ impl Alloc {
         match &self.mem {
             Mem::Bytes(v) => dst.copy_from_slice(&v[off..off + dst.len()]),
             Mem::Fill(w) => fill_pattern(dst, *w, off % 4),
+            Mem::Pattern { mode, arg } => pattern_bytes(dst, self.base + off as u64, *mode, *arg),
         }
     }
 
-    /// The bytes, materialised from the repeated word on first need.
+    /// The bytes, materialised from the repeated word or the pattern on first need.
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        if let Mem::Fill(w) = self.mem {
+        if !matches!(self.mem, Mem::Bytes(_)) {
             let mut v = vec![0u8; self.len];
-            fill_pattern(&mut v, w, 0);
+            self.read_into(0, &mut v);
             self.mem = Mem::Bytes(v);
         }
         match &mut self.mem {
             Mem::Bytes(v) => v,
-            Mem::Fill(_) => &mut [],
+            Mem::Fill(_) | Mem::Pattern { .. } => &mut [],
         }
     }
 }
@@ -181,6 +199,8 @@ pub(crate) struct World {
     modules: HashMap<usize, Module>,
     /// Function handles: (module, kernel name).
     functions: HashMap<usize, (usize, String)>,
+    /// Spin kernels (`phq_spin`) waiting for their host flag.
+    pub(crate) gates: Vec<kernels::Gate>,
 }
 
 struct Module {
@@ -267,6 +287,7 @@ fn load_world() -> Result<World, CUresult> {
         busy: HashMap::new(),
         now: 0.0,
         pinned: BTreeMap::new(),
+        gates: Vec::new(),
         blas: HashMap::new(),
         modules: HashMap::new(),
         functions: HashMap::new(),
@@ -396,7 +417,21 @@ impl World {
     pub(crate) fn read_into(&mut self, ptr: CUdeviceptr, dst: &mut [u8]) -> Result<(), CUresult> {
         let (base, off) = self.find(ptr, dst.len() as u64)?;
         blas::materialise(self, base, off, dst.len());
-        self.allocs[&base].read_into(off, dst);
+        let a = &self.allocs[&base];
+        a.read_into(off, dst);
+        // Written bytes carry their stuck bits already (`write_with`); pattern memory gets them
+        // as it is read.
+        if matches!(a.mem, Mem::Pattern { .. }) {
+            let dev_base = BASE + a.device as u64 * SPAN;
+            let start = ptr - dev_base;
+            for b in self.scenario.devices[a.device].stuck_bits.iter() {
+                if b.offset >= start && b.offset < start + dst.len() as u64 {
+                    let byte = &mut dst[(b.offset - start) as usize];
+                    let mask = 1u8 << (b.bit & 7);
+                    *byte = if b.value != 0 { *byte | mask } else { *byte & !mask };
+                }
+            }
+        }
         Ok(())
     }
 
@@ -436,7 +471,7 @@ impl World {
             return self.fill(dst, len, rotated);
         }
         let (dbase, _) = self.find(dst, len as u64)?;
-        if dbase == sbase {
+        if dbase == sbase || matches!(self.allocs[&sbase].mem, Mem::Pattern { .. }) {
             let bytes = self.read(src, len)?;
             return self.write(dst, &bytes);
         }
@@ -445,7 +480,7 @@ impl World {
         let taken = std::mem::replace(&mut a.mem, Mem::Fill(0));
         let r = match &taken {
             Mem::Bytes(v) => self.write_with(dst, len, |d| d.copy_from_slice(&v[soff..soff + len])),
-            Mem::Fill(_) => Ok(()),
+            Mem::Fill(_) | Mem::Pattern { .. } => Ok(()),
         };
         if let Some(a) = self.allocs.get_mut(&sbase) {
             a.mem = taken;
@@ -580,6 +615,7 @@ impl World {
         self.allocs.insert(
             base,
             Alloc {
+                base,
                 device: dev,
                 ctx,
                 len: bytes,
@@ -1017,6 +1053,7 @@ pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
 pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
     with(|w| match w.current_ctx() {
         Ok(c) => {
+            kernels::settle_gates(w);
             let done = w.streams.values().filter(|s| s.ctx == c).map(|s| s.clock).fold(w.now, f64::max);
             w.now = done;
             SUCCESS
@@ -1141,6 +1178,7 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(s: Handle) -> CUresult {
 pub unsafe extern "C" fn cuStreamSynchronize(s: Handle) -> CUresult {
     with(|w| match w.stream(s) {
         Ok(id) => {
+            kernels::settle_gates(w);
             w.now = w.now.max(w.streams[&id].clock);
             SUCCESS
         }
@@ -1238,6 +1276,7 @@ pub unsafe extern "C" fn cuEventSynchronize(e: Handle) -> CUresult {
     with(|w| match w.events.get(&(e as usize)).map(|ev| (ev.ctx, ev.at)) {
         Some((ctx, at)) => match w.contexts.get(&ctx).map(|c| c.device) {
             Some(device) => {
+                kernels::settle_gates(w);
                 w.now = w.now.max(at.unwrap_or(0.0));
                 w.healthy(device).err().unwrap_or(SUCCESS)
             }
@@ -1487,6 +1526,37 @@ pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytes: usize, flag
         }
         w.pinned.insert(p as usize, (bytes, layout));
         *pp = p as *mut c_void;
+        SUCCESS
+    })
+}
+
+/// The device pointer of page-locked host memory (DRV, cuMemHostGetDevicePointer): flags must be 0
+/// (CUDA_ERROR_INVALID_VALUE otherwise); memory that is not from cuMemHostAlloc is
+/// CUDA_ERROR_INVALID_VALUE. Under unified addressing every cuMemHostAlloc allocation is mapped
+/// whatever its flags, and "the pointer value through which allocated host memory may be
+/// accessed in kernels ... is the same as the pointer value through which that memory is
+/// accessed on the host" (DRV, "Unified Addressing": automatic mapping of host allocated host
+/// memory): the fake answers the host pointer.
+///
+/// # Safety
+/// `out` must be writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
+    out: *mut CUdeviceptr,
+    p: *mut c_void,
+    flags: c_uint,
+) -> CUresult {
+    if out.is_null() || flags != 0 {
+        return INVALID_VALUE;
+    }
+    with(|w| {
+        if let Err(e) = w.current_ctx() {
+            return e;
+        }
+        if !w.host_mapped(p as u64, 1) {
+            return INVALID_VALUE;
+        }
+        *out = p as u64;
         SUCCESS
     })
 }
@@ -1790,6 +1860,21 @@ impl World {
     pub(crate) fn hbm_gbps(&self, dev: usize) -> f64 {
         self.spec(dev).hbm_gbps
     }
+
+    pub(crate) fn sm_copy_gbps(&self, dev: usize) -> f64 {
+        self.spec(dev).sm_copy_gbps.unwrap_or(self.spec(dev).hbm_gbps)
+    }
+
+    /// Seconds one dependent load from `dev`'s kernel takes: of host memory (`None`), its own
+    /// memory, or a peer's.
+    pub(crate) fn latency_s(&self, dev: usize, owner: Option<usize>) -> f64 {
+        let ns = match owner {
+            None => self.spec(dev).host_latency_ns,
+            Some(o) if o == dev => self.spec(dev).hbm_latency_ns,
+            Some(_) => self.scenario.peers.latency_ns,
+        };
+        ns * 1e-9
+    }
 }
 
 /// For tests of the fake itself: a C string's text.
@@ -1818,6 +1903,15 @@ impl World {
     pub(crate) fn current_ctx_pub(&self) -> Result<usize, CUresult> {
         self.current_ctx()
     }
+    /// Whether `[ptr, ptr + len)` lies in one page-locked host allocation (which kernels may
+    /// reach through its unified address).
+    pub(crate) fn host_mapped(&self, ptr: u64, len: u64) -> bool {
+        self.pinned
+            .range(..=(ptr as usize))
+            .next_back()
+            .is_some_and(|(&base, &(bytes, _))| ptr.checked_add(len).is_some_and(|end| end <= (base + bytes) as u64))
+    }
+
     pub(crate) fn new_handle(&mut self) -> usize {
         self.handle()
     }

@@ -49,6 +49,17 @@ pub struct Device {
     /// HBM traffic rate, GB/s: a device-to-device copy of N bytes reads N and writes N, so it
     /// takes 2·N ÷ this.
     pub hbm_gbps: f64,
+    /// HBM traffic rate of a copy kernel on the SMs (`phq_copy_sm`), GB/s read + written;
+    /// absent: `hbm_gbps`.
+    #[serde(default)]
+    pub sm_copy_gbps: Option<f64>,
+    /// What one dependent load of page-locked host memory costs a kernel, ns (`phq_chase`). The
+    /// defaults here and below are the fake's own round figures, not measurements.
+    #[serde(default = "default_host_latency_ns")]
+    pub host_latency_ns: f64,
+    /// One dependent load of the GPU's own memory, ns.
+    #[serde(default = "default_hbm_latency_ns")]
+    pub hbm_latency_ns: f64,
     /// FP32 GEMM rate of cuBLAS SGEMM, TFLOP/s.
     #[serde(default = "default_sgemm_tflops")]
     pub sgemm_tflops: f64,
@@ -63,6 +74,22 @@ pub struct Device {
     /// Bits of this GPU's memory that read back as a fixed value whatever is written.
     #[serde(default)]
     pub stuck_bits: Vec<StuckBit>,
+    /// Bits shorted to a bit of another cell: they read what that cell's bit holds (a bridging
+    /// coupling fault). Seen only by the memory-test kernels' checks.
+    #[serde(default)]
+    pub coupled_bits: Vec<CoupledBit>,
+}
+
+fn default_host_latency_ns() -> f64 {
+    1000.0
+}
+
+fn default_hbm_latency_ns() -> f64 {
+    600.0
+}
+
+fn default_peer_latency_ns() -> f64 {
+    1000.0
 }
 
 fn default_context_bytes() -> u64 {
@@ -113,6 +140,17 @@ pub struct StuckBit {
     pub value: u8,
 }
 
+/// Bit `bit` of the byte at `offset` (from the GPU's first allocation) reads bit `bit` of the
+/// byte at `aggressor`, whatever was written to it: two cells shorted together. Solid patterns
+/// write both alike and cannot see it; patterns that give the two cells different values can.
+#[derive(Debug, Deserialize, Clone, Copy)]
+#[serde(deny_unknown_fields)]
+pub struct CoupledBit {
+    pub offset: u64,
+    pub bit: u8,
+    pub aggressor: u64,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Peers {
@@ -122,13 +160,16 @@ pub struct Peers {
     /// Direct peer copy rate for pairs not in `pairs`, GB/s.
     #[serde(default)]
     pub gbps: f64,
+    /// One dependent load of a peer's memory, ns (`phq_chase`), for every pair.
+    #[serde(default = "default_peer_latency_ns")]
+    pub latency_ns: f64,
     #[serde(default)]
     pub pairs: Vec<Pair>,
 }
 
 impl Default for Peers {
     fn default() -> Self {
-        Peers { access: false, gbps: 0.0, pairs: Vec::new() }
+        Peers { access: false, gbps: 0.0, latency_ns: default_peer_latency_ns(), pairs: Vec::new() }
     }
 }
 

@@ -1,0 +1,363 @@
+//! The probes that run the agent's own kernels (`kernels.ptx`, embedded and JIT-compiled by the
+//! driver): the memory test, the SM copy, the spin gate that times copies as nvbandwidth does,
+//! and the pointer chase that measures latency.
+
+use super::{MemtestPass, MemtestResult};
+use crate::cuda::{self, Arg, Ctx, DeviceBuffer, Function, Module, PinnedBuffer, Stream};
+use std::sync::Arc;
+
+/// The kernels' text, assembled by CI with ptxas (tests/ptx.rs).
+pub(crate) const PTX: &str = include_str!("kernels.ptx");
+
+/// Threads per block of the grid-stride kernels; 8 blocks per SM fill Hopper's 2,048 threads
+/// per SM (CUDA programming guide, "Compute Capabilities", 9.0).
+pub(crate) const BLOCK: u32 = 256;
+pub(crate) const BLOCKS_PER_SM: u32 = 8;
+
+/// How long a spin kernel holds its stream at most: nvbandwidth's `DEFAULT_SPIN_KERNEL_TIMEOUT`
+/// (10 s, its kernels.cuh).
+const SPIN_TIMEOUT_NS: u64 = 10_000_000_000;
+
+/// A GPU's loaded kernels.
+pub(crate) struct Loaded {
+    pub module: Module,
+    /// Blocks for a grid-stride launch that fills the GPU.
+    pub grid: u32,
+}
+
+impl Loaded {
+    pub fn load(ctx: &Arc<Ctx>, sms: u32) -> cuda::Result<Loaded> {
+        Ok(Loaded { module: ctx.load_ptx(PTX)?, grid: sms.max(1) * BLOCKS_PER_SM })
+    }
+}
+
+/// The patterns of `phq_pattern` (kernels.ptx).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Pattern {
+    pub mode: u32,
+    pub arg: u64,
+}
+
+impl Pattern {
+    pub const fn solid(word: u64) -> Pattern {
+        Pattern { mode: 0, arg: word }
+    }
+    pub const ADDRESS: Pattern = Pattern { mode: 1, arg: 0 };
+    pub const NOT_ADDRESS: Pattern = Pattern { mode: 2, arg: 0 };
+    pub const fn random(seed: u64) -> Pattern {
+        Pattern { mode: 3, arg: seed }
+    }
+}
+
+/// One step of the memory test.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Step {
+    /// Every word written with the pattern.
+    Write(Pattern),
+    /// Every word checked against `want`, then (a moving-inversions pass) written with `then`;
+    /// walking down from the top when `descending`.
+    Check { name: String, want: Pattern, then: Option<Pattern>, descending: bool },
+    /// Memory left alone with its pattern (bit fade: a cell that leaks loses its charge).
+    Pause(std::time::Duration),
+}
+
+fn check(name: impl Into<String>, want: Pattern, then: Option<Pattern>, descending: bool) -> Step {
+    Step::Check { name: name.into(), want, then, descending }
+}
+
+/// The memory test of a level. Every level covers the same memory (90% of what is free); the
+/// levels differ in patterns.
+///
+/// - quick: address in address (each word holds its own address: a fault in the address
+///   decoding makes two addresses one cell and one of them reads the other's address), its
+///   inverse (every bit the other value), and a seeded random pattern (neighbouring cells get
+///   unrelated values, for coupling between cells);
+/// - standard: also moving inversions (memtest86's test 3/4 scheme: fill p; up: check p, write
+///   NOT p; down: check NOT p, write p; check p) with 0x00… and 0x55…, which find stuck bits
+///   both ways and cells disturbed by writes to their neighbours, in both address directions;
+/// - full: also a second random seed and bit fade (all ones, then all zeros, left for
+///   `fade` before they are checked: cells that leak charge lose it).
+pub(crate) fn steps(level: crate::config::ProbeLevel, seed: u64, fade: std::time::Duration) -> Vec<Step> {
+    use crate::config::ProbeLevel;
+    // Each pattern written whole, then checked whole: a check that rewrote as it went would
+    // compare a cell with neighbours already holding the next pattern, and miss a coupling
+    // between two of them (the fake's coupled-bit test found this). The traffic is the same.
+    let mut s = vec![
+        Step::Write(Pattern::ADDRESS),
+        check("address in address", Pattern::ADDRESS, None, false),
+        Step::Write(Pattern::NOT_ADDRESS),
+        check("inverse address", Pattern::NOT_ADDRESS, None, false),
+        Step::Write(Pattern::random(seed)),
+        check(format!("random (seed {seed:#018x})"), Pattern::random(seed), None, false),
+    ];
+    if matches!(level, ProbeLevel::Standard | ProbeLevel::Full) {
+        for p in [0u64, 0x5555_5555_5555_5555] {
+            let (a, b) = (Pattern::solid(p), Pattern::solid(!p));
+            s.push(Step::Write(a));
+            s.push(check(format!("moving inversions up {p:#018x}"), a, Some(b), false));
+            s.push(check(format!("moving inversions down {:#018x}", !p), b, Some(a), true));
+            s.push(check(format!("solid {p:#018x}"), a, None, false));
+        }
+    }
+    if level == ProbeLevel::Full {
+        let seed2 = seed.rotate_left(32) ^ 0x9E37_79B9_7F4A_7C15;
+        s.push(Step::Write(Pattern::random(seed2)));
+        s.push(check(format!("random (seed {seed2:#018x})"), Pattern::random(seed2), None, true));
+        for p in [u64::MAX, 0] {
+            s.push(Step::Write(Pattern::solid(p)));
+            s.push(Step::Pause(fade));
+            s.push(check(format!("bit fade {p:#018x} after {} s", fade.as_secs()), Pattern::solid(p), None, false));
+        }
+    }
+    s
+}
+
+/// The memory the test covers: chunks of `cuMemAlloc` memory up to `bytes` together. Chunks
+/// rather than one allocation: a GPU's free memory is rarely one free range, and a 1 GiB chunk
+/// keeps each launch short.
+fn allocate(ctx: &Arc<Ctx>, bytes: usize) -> cuda::Result<Vec<DeviceBuffer>> {
+    const CHUNK: usize = 1 << 30;
+    const SMALLEST: usize = 64 << 20;
+    let mut chunks = Vec::new();
+    let mut left = bytes;
+    let mut size = CHUNK;
+    while left >= SMALLEST.min(bytes) && left > 0 {
+        let want = size.min(left) & !((2 << 20) - 1);
+        let want = if want == 0 { left & !7 } else { want };
+        match ctx.alloc(want) {
+            Ok(b) => {
+                left -= want;
+                chunks.push(b);
+            }
+            Err(e) if e.code == cuda::code::OUT_OF_MEMORY && size > SMALLEST => size /= 2,
+            Err(e) if e.code == cuda::code::OUT_OF_MEMORY && !chunks.is_empty() => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(chunks)
+}
+
+/// Runs the memory test over at most `cap` bytes (and at most 90% of free memory).
+pub(crate) fn memtest(
+    ctx: &Arc<Ctx>,
+    k: &Loaded,
+    steps: &[Step],
+    cap: usize,
+    seed: u64,
+) -> cuda::Result<MemtestResult> {
+    let (free, _) = ctx.mem_info()?;
+    // Room for the driver, the result buffer and what the other probes hold: 90% of free.
+    let bytes = cap.min(free / 10 * 9);
+    let chunks = allocate(ctx, bytes)?;
+    let tested: usize = chunks.iter().map(DeviceBuffer::len).sum();
+    let write = k.module.function("phq_mem_write")?;
+    let check_fn = k.module.function("phq_mem_check")?;
+    let result = ctx.alloc(256)?;
+    let host = ctx.pinned(256)?;
+    let stream = ctx.stream()?;
+    let mut passes = Vec::new();
+    for step in steps {
+        match step {
+            Step::Write(p) => {
+                for c in &chunks {
+                    let args = [Arg::U64(c.ptr()), Arg::U64((c.len() / 8) as u64), Arg::U32(p.mode), Arg::U64(p.arg)];
+                    // SAFETY: the kernel writes `words` 64-bit words from the chunk's start, all
+                    // inside the live chunk, which outlives the stream.
+                    unsafe { stream.launch(&write, k.grid, BLOCK, &args) }?;
+                }
+            }
+            Step::Pause(d) => {
+                stream.synchronize()?;
+                std::thread::sleep(*d);
+            }
+            Step::Check { name, want, then, descending } => {
+                stream.memset_d32(&result, 0, 0, 64)?;
+                let order: Vec<&DeviceBuffer> =
+                    if *descending { chunks.iter().rev().collect() } else { chunks.iter().collect() };
+                let next = then.unwrap_or(Pattern { mode: u32::MAX, arg: 0 });
+                for c in order {
+                    let args = [
+                        Arg::U64(c.ptr()),
+                        Arg::U64((c.len() / 8) as u64),
+                        Arg::U32(want.mode),
+                        Arg::U64(want.arg),
+                        Arg::U32(next.mode),
+                        Arg::U64(next.arg),
+                        Arg::U32(u32::from(*descending)),
+                        Arg::U64(result.ptr()),
+                    ];
+                    // SAFETY: the kernel reads and writes the live chunk's words and at most
+                    // 200 bytes of the live 256-byte result buffer.
+                    unsafe { stream.launch(&check_fn, k.grid, BLOCK, &args) }?;
+                }
+                // SAFETY: `host` is read only after the synchronize below.
+                unsafe { stream.copy_d2h(&host, 0, &result, 0, 200) }?;
+                stream.synchronize()?;
+                passes.push(read_pass(name, host.as_slice()));
+            }
+        }
+    }
+    stream.synchronize()?;
+    let mismatches = passes.iter().map(|p| p.mismatches).sum();
+    let first = passes.iter().find_map(|p| {
+        p.first.first().map(|m| (m.address, format!("{:#018x} for {:#018x} in {}", m.read, m.expected, p.name)))
+    });
+    Ok(MemtestResult {
+        bytes_tested: tested as u64,
+        patterns: passes.iter().map(|p| p.name.clone()).collect(),
+        mismatches,
+        first_mismatch: first,
+        method: "kernels".into(),
+        chunks: chunks.len(),
+        seed: Some(seed),
+        passes,
+    })
+}
+
+/// A check's result buffer: the count, then up to 8 (address, read, expected) records.
+fn read_pass(name: &str, b: &[u8]) -> MemtestPass {
+    let word = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+    let count = word(0);
+    let first = (0..count.min(8) as usize)
+        .map(|s| super::Mismatch { address: word(1 + 3 * s), read: word(2 + 3 * s), expected: word(3 + 3 * s) })
+        .collect();
+    MemtestPass { name: name.to_string(), mismatches: count, first }
+}
+
+/// Holds a stream until the host lets it go, so a sample's copies run back to back from the
+/// moment the host releases them (nvbandwidth's spin kernel).
+pub(crate) struct Gate<'m> {
+    spin: Function<'m>,
+    /// Mapped host memory: the flag at byte 0, the kernel's timed-out status at byte 4.
+    words: PinnedBuffer,
+}
+
+impl<'m> Gate<'m> {
+    pub fn new(ctx: &Arc<Ctx>, k: &'m Loaded) -> cuda::Result<Gate<'m>> {
+        Ok(Gate { spin: k.module.function("phq_spin")?, words: ctx.mapped(8)? })
+    }
+
+    /// Queues the spin kernel on `stream`: work queued after it waits for `release`.
+    pub fn hold(&self, stream: &Stream) -> cuda::Result<()> {
+        self.words.write_u32(0, 0);
+        self.words.write_u32(4, 0);
+        let dev = self.words.device_ptr().unwrap_or(0);
+        let args = [Arg::U64(dev), Arg::U64(SPIN_TIMEOUT_NS), Arg::U64(dev + 4)];
+        // SAFETY: both words lie in the live mapped buffer, which outlives every stream it
+        // holds (the gate is dropped after the streams are synchronized).
+        unsafe { stream.launch(&self.spin, 1, 1, &args) }
+    }
+
+    pub fn release(&self) {
+        self.words.write_u32(0, 1);
+    }
+
+    /// Whether the last hold ran out before its release (the sample then includes the time the
+    /// host took to queue it).
+    pub fn timed_out(&self) -> bool {
+        self.words.read_u32(4) != 0
+    }
+}
+
+/// Latency by pointer chase: `steps` dependent loads through a chain of `nodes` pointers laid
+/// `stride` bytes apart in `chain` (whose device address is `base`), built by `store`.
+pub(crate) fn chain_words(base: u64, nodes: usize, stride: usize) -> Vec<u64> {
+    // Node i points to node (i + 1) mod nodes; every node on its own 4 KiB page or more, so
+    // each load is its own transaction.
+    let per = stride / 8;
+    let mut words = vec![0u64; nodes * per];
+    for i in 0..nodes {
+        words[i * per] = base + (((i + 1) % nodes) * stride) as u64;
+    }
+    words
+}
+
+pub(crate) const CHASE_NODES: usize = 256;
+pub(crate) const CHASE_STRIDE: usize = 4096;
+
+/// Nanoseconds per dependent load from GPU `stream`'s kernel through the chain at `start`.
+pub(crate) fn chase_ns(
+    stream: &Stream,
+    k: &Loaded,
+    start: u64,
+    out: &DeviceBuffer,
+    steps: u64,
+    samples: u32,
+) -> cuda::Result<Vec<f64>> {
+    let f = k.module.function("phq_chase")?;
+    let ctx = stream.context();
+    let (a, b) = (ctx.event()?, ctx.event()?);
+    let args = [Arg::U64(start), Arg::U64(steps / 10), Arg::U64(out.ptr())];
+    // SAFETY: the chain's every pointer addresses a node of the live chain buffer; `out` is a
+    // live 8-byte-or-larger device buffer. Warm-up, untimed.
+    unsafe { stream.launch(&f, 1, 1, &args) }?;
+    stream.synchronize()?;
+    let mut out_ns = Vec::new();
+    for _ in 0..samples {
+        stream.record(&a)?;
+        let args = [Arg::U64(start), Arg::U64(steps), Arg::U64(out.ptr())];
+        // SAFETY: as above.
+        unsafe { stream.launch(&f, 1, 1, &args) }?;
+        stream.record(&b)?;
+        stream.synchronize()?;
+        out_ns.push(a.elapsed_ms(&b)? as f64 * 1e6 / steps as f64);
+    }
+    Ok(out_ns)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ProbeLevel;
+
+    #[test]
+    fn levels_add_patterns_and_every_check_follows_a_write_of_its_pattern() {
+        let fade = std::time::Duration::from_secs(60);
+        let names = |l| -> Vec<String> {
+            steps(l, 7, fade)
+                .into_iter()
+                .filter_map(|s| match s {
+                    Step::Check { name, .. } => Some(name),
+                    _ => None,
+                })
+                .collect()
+        };
+        let (q, s, f) = (names(ProbeLevel::Quick), names(ProbeLevel::Standard), names(ProbeLevel::Full));
+        assert_eq!(q.len(), 3);
+        assert!(s.len() > q.len() && f.len() > s.len());
+        assert!(s.iter().any(|n| n.starts_with("moving inversions down")));
+        assert!(f.iter().any(|n| n.starts_with("bit fade")));
+        // Simulate the memory's pattern through the steps: each check expects what is there.
+        for level in [ProbeLevel::Quick, ProbeLevel::Standard, ProbeLevel::Full] {
+            let mut held = None;
+            for st in steps(level, 7, fade) {
+                match st {
+                    Step::Write(p) => held = Some(p),
+                    Step::Check { want, then, name, .. } => {
+                        assert_eq!(held, Some(want), "{level:?}: {name}");
+                        if then.is_some() {
+                            held = then;
+                        }
+                    }
+                    Step::Pause(_) => {}
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_chain_visits_every_node_and_returns() {
+        let base = 0x7000_0000u64;
+        let w = chain_words(base, 4, 4096);
+        let mut p = base;
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            seen.push(p);
+            p = w[((p - base) / 8) as usize];
+        }
+        assert_eq!(p, base);
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), 4);
+    }
+}
