@@ -480,6 +480,30 @@ fn an_h200_vm_is_held_to_its_own_floors() {
     assert_eq!(h2d["evidence"]["samples_gbps"].as_array().unwrap().len(), 3, "{h2d}");
 }
 
+/// The first passing run becomes the GPU's baseline in the state directory; the same GPU (its
+/// serial) 12% slower host→device later still passes its floor but warns against its baseline,
+/// and the run exits 1 (degraded).
+#[test]
+fn a_gpu_slower_than_its_own_baseline_warns_above_the_floor() {
+    let mut r = Run::new("h200-single", "h200-vm", "cuda-h200");
+    let gpu = "0000:09:00.0";
+    let first = r.run(&[]);
+    assert_eq!(first.code, 0, "{:#}", first.report["findings"]);
+    let b = first.finding("probe.baseline", gpu);
+    assert!(b["summary"].as_str().unwrap().starts_with("baseline recorded"), "{b}");
+    let file: Value =
+        serde_json::from_slice(&std::fs::read(r.dir.path().join("state/probe-baseline.json")).unwrap()).unwrap();
+    let serial = b["evidence"]["serial"].as_str().unwrap();
+    assert!((file["gpus"][serial]["quick"]["figures"]["h2d_gbps"].as_f64().unwrap() - 55.0).abs() < 0.1, "{file}");
+    r.cuda = "cuda-h200-slower-h2d";
+    let later = r.run(&[]);
+    assert_eq!(later.severity("probe.h2d-bandwidth", gpu), "pass");
+    let b = later.finding("probe.baseline", gpu);
+    assert_eq!(b["severity"], "warn", "{b}");
+    assert!(b["summary"].as_str().unwrap().contains("host→device (GB/s) -12.0% (55.0 → 48.4)"), "{b}");
+    assert_eq!(later.code, 1);
+}
+
 /// SMs that reach HBM slower than the copy engines do: the SM copy fails on its own, the copy
 /// engines' device copy passes.
 #[test]

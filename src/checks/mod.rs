@@ -164,6 +164,7 @@ pub const CATALOG: &[&str] = &[
     "probe.memory-integrity",
     "probe.gemm",
     "probe.latency",
+    "probe.baseline",
     "agent.platform-reachable",
     "agent.endpoint-auth",
 ];

@@ -60,7 +60,7 @@ impl Doctor {
                     "phq-agent doctor --probe",
                 ) {
                     Ok((report, targets)) => {
-                        findings.extend(crate::probe::judge(&report, &targets));
+                        findings.extend(crate::probe::judge_here(&report, &targets, &config.agent.state_dir));
                         probes = Some(report);
                     }
                     Err(e) => findings.extend(crate::probe::unavailable(&e.to_string())),

@@ -63,7 +63,7 @@ impl Probe {
             "phq-agent probe",
         ) {
             Ok((report, targets)) => {
-                findings.extend(probe::judge(&report, &targets));
+                findings.extend(probe::judge_here(&report, &targets, &config.agent.state_dir));
                 (Some(report), None)
             }
             Err(e) => {

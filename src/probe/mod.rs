@@ -10,6 +10,7 @@
 //! events, several samples, the median reported.
 
 pub mod affinity;
+pub mod baseline;
 pub mod cuda;
 pub mod kernels;
 pub mod lock;
@@ -94,6 +95,8 @@ pub struct Target {
     /// The GPUs (PCI addresses) NVML says this one reaches over NVLink (`nvmlDeviceGetP2PStatus`,
     /// NVLink capability), when NVML answered.
     pub nvlink_peers: Option<Vec<String>>,
+    /// NVML's serial number of the board (else its UUID): the key of its baseline.
+    pub serial: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
@@ -641,6 +644,7 @@ pub fn targets_of(snapshot: &crate::snapshot::Snapshot, devices: &[cuda::DeviceI
                     .unwrap_or(0),
                 nvlinks_known: links.is_some(),
                 nvlink_peers: nv.and_then(|g| g.nvlink_p2p.value()).cloned(),
+                serial: nv.and_then(|g| g.serial.value().filter(|s| !s.trim().is_empty()).or(g.uuid.value())).cloned(),
             }
         })
         .collect()
@@ -658,6 +662,15 @@ pub fn unavailable(why: &str) -> Vec<Finding> {
 /// GEMM results must match the host reference this closely (relative). The inputs are small
 /// integers, exact in FP32, so any real difference is a wrong result, not rounding.
 pub const GEMM_TOLERANCE: f64 = 1e-4;
+
+/// `judge`, then each GPU against its own baseline in `state_dir` (recorded from its first run
+/// that passes every probe: `baseline`).
+pub fn judge_here(report: &ProbeReport, targets: &[Target], state_dir: &std::path::Path) -> Vec<Finding> {
+    let mut f = judge(report, targets);
+    let b = baseline::apply(state_dir, report, targets, &f);
+    f.extend(b);
+    f
+}
 
 /// Turns a report into `probe.*` findings against the floors of each GPU's SKU.
 pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
@@ -1123,6 +1136,7 @@ mod tests {
                 nvlinks_active: 18,
                 nvlinks_known: true,
                 nvlink_peers: None,
+                serial: Some(format!("16503240{i:05}")),
             })
             .collect()
     }
@@ -1171,6 +1185,43 @@ mod tests {
         assert_eq!(judge(&at(5, 0, 0), &at(5, 0, 1)).severity, Severity::Fail);
         // Without a reading on both sides nothing is claimed.
         assert_eq!(ecc_across(memory_finding(&clean), None, Some(&at(9, 9, 9))).severity, Severity::Pass);
+    }
+
+    /// The first passing run records each GPU's baseline; the same figures later pass; a GPU
+    /// 12% slower host→device (still above its 48 GB/s floor) warns, naming the figure; a run
+    /// with a failure records nothing.
+    #[test]
+    fn each_gpu_is_held_to_its_own_first_passing_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = targets(8);
+        let sev = |f: &[Finding], gpu: usize| {
+            f.iter()
+                .find(|x| x.id == "probe.baseline" && x.gpu.as_deref() == Some(t[gpu].pci.as_str()))
+                .cloned()
+                .unwrap()
+        };
+        let mut b = SimGpus::hgx();
+        b.bad_memory = Some(2);
+        let first = judge_here(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t, dir.path());
+        assert!(sev(&first, 0).summary.starts_with("baseline recorded"), "{:?}", sev(&first, 0));
+        assert!(sev(&first, 2).summary.starts_with("no baseline yet"), "{:?}", sev(&first, 2));
+        let mut b = SimGpus::hgx();
+        b.h2d[3] = 55.0 * 0.88;
+        let later = judge_here(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t, dir.path());
+        assert_eq!(sev(&later, 0).severity, Severity::Pass, "{:?}", sev(&later, 0));
+        let drifted = sev(&later, 3);
+        assert_eq!(drifted.severity, Severity::Warn, "{drifted:?}");
+        assert!(drifted.summary.contains("host→device (GB/s) -12.0%"), "{}", drifted.summary);
+        assert_eq!(
+            later
+                .iter()
+                .find(|x| x.id == "probe.h2d-bandwidth" && x.gpu.as_deref() == Some(t[3].pci.as_str()))
+                .unwrap()
+                .severity,
+            Severity::Pass
+        );
+        // GPU 2 failed the first time: its baseline comes from this, its first passing run.
+        assert!(sev(&later, 2).summary.starts_with("baseline recorded"), "{:?}", sev(&later, 2));
     }
 
     #[test]

@@ -218,6 +218,7 @@ mod tests {
                 nvlinks_active: 18,
                 nvlinks_known: true,
                 nvlink_peers: None,
+                serial: Some(format!("16503240{i:05}")),
             })
             .collect()
     }

@@ -53,7 +53,7 @@ impl Agent {
             &mut |step| tracing::info!("probe: {step}"),
         ) {
             Ok((report, targets)) => {
-                serde_json::json!({ "findings": crate::probe::judge(&report, &targets), "probes": report })
+                serde_json::json!({ "findings": crate::probe::judge_here(&report, &targets, &self.state_dir), "probes": report })
             }
             Err(e) => {
                 serde_json::json!({ "findings": crate::probe::unavailable(&e.to_string()), "probes": null, "error": e.to_string() })

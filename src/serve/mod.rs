@@ -425,9 +425,10 @@ pub fn run_probes(
     match crate::probe::run_here(snapshot, &opts, state_dir, "phq-agent serve (boot or idle probes)", &mut |step| {
         tracing::info!("probe: {step}")
     }) {
-        Ok((report, targets)) => {
-            Some((serde_json::to_value(&report).unwrap_or_default(), crate::probe::judge(&report, &targets)))
-        }
+        Ok((report, targets)) => Some((
+            serde_json::to_value(&report).unwrap_or_default(),
+            crate::probe::judge_here(&report, &targets, state_dir),
+        )),
         Err(e) => {
             tracing::warn!(error = %e, "probes cannot run");
             None
