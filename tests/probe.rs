@@ -169,10 +169,25 @@ fn hgx_passes_with_all_56_pairs_at_the_links_rate_and_one_run_at_a_time() {
             "probe.memory-integrity",
             "probe.gemm",
             "probe.p2p-bandwidth",
+            "probe.sm-copy-bandwidth",
+            "probe.latency",
+            "probe.baseline",
         ] {
             assert_eq!(p.severity(id, gpu), "pass", "{}", p.finding(id, gpu));
         }
     }
+    // The NVLink scope, one line: NVML's P2P status for every pair, links leading to NVSwitch
+    // (remote PCI addresses that are none of the GPUs), the fabric NVML reports.
+    let scope = p.report["findings"].as_array().unwrap().iter().find(|f| f["id"] == "probe.nvlink-scope").unwrap();
+    assert_eq!(
+        scope["summary"],
+        "8 GPU(s), all-to-all over NVLink through NVSwitch, 18 links each, 56/56 pairs ≥ 335 GB/s (fabric completed, clique 1)",
+        "{scope}"
+    );
+    assert_eq!(p.report["probes"]["nvlink"]["nvlink_pairs"], 56);
+    // Peer latency by pointer chase through the other GPU's memory: the scenario's 1,000 ns.
+    let l = &p.peers()[0];
+    assert!((median(&l["latency_ns"]) - 1000.0).abs() < 1.0, "{l}");
     let g = &p.report["probes"]["gpus"][0];
     assert!((median(&g["h2d_gbps"]) - 55.0).abs() < 0.1, "{g}");
     // Both directions at once on PCIe: the fake's two copy engines each run at 55 GB/s.

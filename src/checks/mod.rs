@@ -161,6 +161,7 @@ pub const CATALOG: &[&str] = &[
     "probe.d2d-bandwidth",
     "probe.sm-copy-bandwidth",
     "probe.p2p-bandwidth",
+    "probe.nvlink-scope",
     "probe.memory-integrity",
     "probe.gemm",
     "probe.latency",

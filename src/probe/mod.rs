@@ -97,6 +97,10 @@ pub struct Target {
     pub nvlink_peers: Option<Vec<String>>,
     /// NVML's serial number of the board (else its UUID): the key of its baseline.
     pub serial: Option<String>,
+    /// The PCI address each active NVLink leads to (an NVSwitch, or a bridged GPU).
+    pub nvlink_remotes: Vec<String>,
+    /// NVML's fabric state and clique, when it reports one ("completed, clique 1").
+    pub fabric: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
@@ -300,6 +304,47 @@ pub struct ProbeReport {
     pub gpus: Vec<GpuProbes>,
     pub peers: Vec<PeerLink>,
     pub skipped: Vec<Skipped>,
+    /// Which probed GPUs reach which over NVLink, and how.
+    #[serde(default)]
+    pub nvlink: Option<NvlinkScope>,
+}
+
+/// The VM's NVLink scope: what NVML says links the probed GPUs, and what the peer copies found.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NvlinkScope {
+    pub gpus: usize,
+    /// Ordered pairs of probed GPUs.
+    pub pairs: usize,
+    /// Ordered pairs that NVML (or, without NVML link data, the copy rate) puts on NVLink.
+    pub nvlink_pairs: usize,
+    /// Active NVLinks per GPU (PCI address).
+    pub links: std::collections::BTreeMap<String, usize>,
+    /// What the links lead to: `NVSwitch` (to devices that are none of the GPUs), `direct`
+    /// (GPU to GPU bridges), `mixed`, or `unknown` (NVML gave no remote addresses).
+    pub through: String,
+    /// NVML's fabric state and clique per GPU, when reported.
+    pub fabric: std::collections::BTreeMap<String, String>,
+}
+
+fn nvlink_scope(report: &ProbeReport, targets: &[Target]) -> NvlinkScope {
+    let probed: Vec<&Target> = report.gpus.iter().filter_map(|g| targets.iter().find(|t| t.pci == g.pci)).collect();
+    let gpu_pcis: Vec<&str> = probed.iter().map(|t| t.pci.as_str()).collect();
+    let remotes: Vec<&String> = probed.iter().flat_map(|t| &t.nvlink_remotes).collect();
+    let to_gpu = remotes.iter().filter(|r| gpu_pcis.contains(&r.as_str())).count();
+    let through = match (remotes.len(), to_gpu) {
+        (0, _) => "unknown",
+        (_, 0) => "NVSwitch",
+        (n, k) if n == k => "direct",
+        _ => "mixed",
+    };
+    NvlinkScope {
+        gpus: probed.len(),
+        pairs: report.peers.len(),
+        nvlink_pairs: report.peers.iter().filter(|l| l.scope == "nvlink").count(),
+        links: probed.iter().map(|t| (t.pci.clone(), t.nvlinks_active)).collect(),
+        through: through.into(),
+        fabric: probed.iter().filter_map(|t| Some((t.pci.clone(), t.fabric.clone()?))).collect(),
+    }
 }
 
 /// Peer copies faster than this cannot have gone over PCIe Gen5 x16 (≈ 64 GB/s raw).
@@ -324,8 +369,14 @@ pub fn run(
     progress: &mut dyn FnMut(&str),
 ) -> ProbeReport {
     let p = params(opts.level);
-    let mut report =
-        ProbeReport { level: opts.level, params: p, gpus: Vec::new(), peers: Vec::new(), skipped: Vec::new() };
+    let mut report = ProbeReport {
+        level: opts.level,
+        params: p,
+        gpus: Vec::new(),
+        peers: Vec::new(),
+        skipped: Vec::new(),
+        nvlink: None,
+    };
     let (chosen, skipped) = choose(targets, opts);
     report.skipped = skipped;
     let chosen: Vec<&Target> = chosen.into_iter().map(|(t, _)| t).collect();
@@ -416,6 +467,7 @@ pub fn run(
         }
         .into();
     }
+    report.nvlink = Some(nvlink_scope(&report, targets));
     report
 }
 
@@ -645,6 +697,18 @@ pub fn targets_of(snapshot: &crate::snapshot::Snapshot, devices: &[cuda::DeviceI
                 nvlinks_known: links.is_some(),
                 nvlink_peers: nv.and_then(|g| g.nvlink_p2p.value()).cloned(),
                 serial: nv.and_then(|g| g.serial.value().filter(|s| !s.trim().is_empty()).or(g.uuid.value())).cloned(),
+                nvlink_remotes: links
+                    .map(|l| {
+                        l.iter()
+                            .filter(|l| l.active.value() == Some(&true))
+                            .filter_map(|l| l.remote_pci.value().cloned())
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                fabric: nv.and_then(|g| g.fabric.value()).map(|f| {
+                    let state = format!("{:?}", f.state).to_lowercase();
+                    format!("{state}, clique {}", f.clique_id)
+                }),
             }
         })
         .collect()
@@ -733,7 +797,64 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
         out.push(beside(gemm_finding(&g.gemm, f.gemm_tflops).gpu(&g.pci), seen("gemm")));
         out.push(p2p_finding(report, g, f.p2p_gbps));
     }
+    if let Some(n) = &report.nvlink {
+        out.push(scope_finding(report, n, &floors_of));
+    }
     out
+}
+
+/// The NVLink scope in one line a person reads — "8 GPUs, all-to-all over NVLink through
+/// NVSwitch, 18 links each, 56/56 pairs ≥ 335 GB/s (fabric completed, clique 1)". An account,
+/// not a judgement: the pairs are judged by `probe.p2p-bandwidth`, the fabric by doctor's
+/// `fabric.state`.
+fn scope_finding(report: &ProbeReport, n: &NvlinkScope, floors_of: &dyn Fn(&str) -> ProbeFloors) -> Finding {
+    const ID: &str = "probe.nvlink-scope";
+    let mut text = format!("{} GPU(s)", n.gpus);
+    if n.gpus < 2 {
+        text.push_str(": no peers to reach");
+    } else if n.nvlink_pairs == 0 {
+        text.push_str(": no NVLink between them (peer copies over PCIe or none)");
+    } else {
+        let reach = if n.nvlink_pairs == n.pairs {
+            "all-to-all over NVLink".to_string()
+        } else {
+            format!("{} of {} pairs over NVLink", n.nvlink_pairs, n.pairs)
+        };
+        let through = match n.through.as_str() {
+            "NVSwitch" => " through NVSwitch",
+            "direct" => " by direct bridges",
+            "mixed" => " through NVSwitch and bridges",
+            _ => "",
+        };
+        let counts: std::collections::BTreeSet<usize> = n.links.values().copied().collect();
+        let links = match (counts.first(), counts.last()) {
+            (Some(a), Some(b)) if a == b => format!("{a} links each"),
+            (Some(a), Some(b)) => format!("{a}–{b} links per GPU"),
+            _ => "no link states".to_string(),
+        };
+        text.push_str(&format!(", {reach}{through}, {links}"));
+        let nv: Vec<&PeerLink> = report.peers.iter().filter(|l| l.scope == "nvlink").collect();
+        let floor = report.gpus.first().and_then(|g| floors_of(&g.pci).p2p_gbps);
+        let ok = nv
+            .iter()
+            .filter(|l| match (&l.gbps, floor) {
+                (Some(Outcome::Ok(s)), Some(fl)) => s.median >= fl,
+                (Some(Outcome::Ok(_)), None) => true,
+                _ => false,
+            })
+            .count();
+        match floor {
+            Some(fl) => text.push_str(&format!(", {ok}/{} pairs ≥ {fl:.0} GB/s", nv.len())),
+            None => text.push_str(&format!(", {ok}/{} pairs measured (no floor for this SKU)", nv.len())),
+        }
+    }
+    let fabrics: std::collections::BTreeSet<&String> = n.fabric.values().collect();
+    match fabrics.len() {
+        0 => {}
+        1 => text.push_str(&format!(" (fabric {})", fabrics.iter().next().map(|s| s.as_str()).unwrap_or(""))),
+        _ => text.push_str(" (fabric states differ between GPUs: see the evidence)"),
+    }
+    Finding::pass(ID, text).evidence("nvlink", n)
 }
 
 /// NVML's reading after the measurement goes into the evidence; a figure that failed while the
@@ -1137,6 +1258,8 @@ mod tests {
                 nvlinks_known: true,
                 nvlink_peers: None,
                 serial: Some(format!("16503240{i:05}")),
+                nvlink_remotes: Vec::new(),
+                fabric: None,
             })
             .collect()
     }
@@ -1241,7 +1364,10 @@ mod tests {
         assert!(r.peers.iter().all(|l| l.scope == "nvlink"));
         let f = judge(&r, &t);
         assert!(f.iter().all(|x| x.severity == Severity::Pass), "{f:#?}");
-        assert_eq!(f.len(), 8 * 9);
+        // Nine checks per GPU and the run's NVLink scope.
+        assert_eq!(f.len(), 8 * 9 + 1);
+        let scope = f.iter().find(|x| x.id == "probe.nvlink-scope").unwrap();
+        assert_eq!(scope.summary, "8 GPU(s), all-to-all over NVLink, 18 links each, 56/56 pairs ≥ 335 GB/s");
     }
 
     #[test]

@@ -219,6 +219,8 @@ mod tests {
                 nvlinks_known: true,
                 nvlink_peers: None,
                 serial: Some(format!("16503240{i:05}")),
+                nvlink_remotes: Vec::new(),
+                fabric: None,
             })
             .collect()
     }
