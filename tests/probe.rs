@@ -195,7 +195,9 @@ fn hgx_passes_with_all_56_pairs_at_the_links_rate_and_one_run_at_a_time() {
     // A device copy counts read + write bytes, as the scenario's HBM rate does.
     assert!((median(&g["d2d_gbps"]) - 2540.0).abs() < 1.0, "{g}");
     assert_eq!(g["gemm"]["ok"]["wrong_entries"], 0);
-    assert_eq!(g["gemm"]["ok"]["checked_entries"], 3 * 1024, "every timed result is checked: {g}");
+    // Every entry of every timed result, checked on the GPU by the check kernel.
+    assert_eq!(g["gemm"]["ok"]["checked_on"], "device", "{g}");
+    assert_eq!(g["gemm"]["ok"]["checked_entries"], 3 * 4096 * 4096, "every timed result is checked: {g}");
     // One context per GPU, each made once.
     assert_eq!(r.contexts_made(), PCI);
 }
@@ -517,6 +519,35 @@ fn a_gpu_slower_than_its_own_baseline_warns_above_the_floor() {
     assert_eq!(b["severity"], "warn", "{b}");
     assert!(b["summary"].as_str().unwrap().contains("host→device (GB/s) -12.0% (55.0 → 48.4)"), "{b}");
     assert_eq!(later.code, 1);
+}
+
+/// A VM with the driver but no CUDA toolkit (no cuBLAS) still gets a GEMM verdict: the agent's
+/// own PTX GEMM, every entry checked on the GPU, no cuBLAS floor held against it.
+#[test]
+fn without_cublas_the_ptx_gemm_gives_the_verdict() {
+    let r = Run::new("h200-single", "h200-vm", "cuda-h200");
+    let out = r.command(&[]).env("PHQ_CUBLAS_LIB", r.dir.path().join("no-libcublas.so.12")).output().unwrap();
+    let p = Probed::of(out);
+    let f = p.finding("probe.gemm", "0000:09:00.0");
+    assert_eq!(f["severity"], "pass", "{f}");
+    assert_eq!(f["evidence"]["gemm"]["library"], "PTX fallback (phq_sgemm)", "{f}");
+    assert_eq!(f["evidence"]["gemm"]["checked_entries"], 3 * 4096 * 4096, "{f}");
+    assert!(f["summary"].as_str().unwrap().contains("no floor applies"), "{f}");
+    // The scenario's PTX rate: a quarter of its cuBLAS 55 TFLOP/s.
+    assert!((f["evidence"]["median_tflops"].as_f64().unwrap() - 13.75).abs() < 0.1, "{f}");
+}
+
+/// One wrong entry in a 4096×4096 product is found: the check kernel compares every entry of
+/// every timed result on the GPU, where 1,024 sampled entries would almost surely miss it.
+#[test]
+fn a_single_wrong_gemm_entry_is_found_by_the_device_check() {
+    let r = Run::new("h200-single", "h200-vm", "cuda-h200-wrong-gemm-entry");
+    let p = r.run(&[]);
+    let f = p.finding("probe.gemm", "0000:09:00.0");
+    assert_eq!(f["severity"], "fail", "{f}");
+    // One wrong entry in each of the three timed samples.
+    assert_eq!(f["evidence"]["gemm"]["wrong_entries"], 3, "{f}");
+    assert!(f["summary"].as_str().unwrap().contains("first C[4000, 17]"), "{f}");
 }
 
 /// SMs that reach HBM slower than the copy engines do: the SM copy fails on its own, the copy

@@ -305,6 +305,14 @@ def cuda_h200_slower_h2d():
     return s
 
 
+def cuda_h200_wrong_gemm_entry():
+    """The H200 computing one entry of every GEMM product wrong, C[4000, 17] one too large (a
+    faulty SM): an entry the old 1,024-entry spot check never sampled."""
+    s = cuda_h200()
+    s["devices"][0]["gemm_wrong_entries"] = [[4000, 17]]
+    return s
+
+
 CUDA_SCENARIOS = {
     "cuda-hgx-8gpu": cuda_hgx,
     "cuda-hgx-8gpu-ecc": cuda_hgx_ecc,
@@ -318,6 +326,7 @@ CUDA_SCENARIOS = {
     "cuda-h200": cuda_h200,
     "cuda-h200-slow-sm-copy": cuda_h200_slow_sm_copy,
     "cuda-h200-slower-h2d": cuda_h200_slower_h2d,
+    "cuda-h200-wrong-gemm-entry": cuda_h200_wrong_gemm_entry,
     "cuda-init-not-ready": lambda: {"init_error": "CUDA_ERROR_SYSTEM_NOT_READY", "devices": []},
 }
 

@@ -18,7 +18,7 @@
 use super::affinity;
 use super::kernels::{self, Gate, Loaded};
 use super::{Backend, GemmResult, LevelParams, MemtestResult, ProbeError};
-use crate::cuda::{self, BlasHandle, Ctx, CudaError, Device, DeviceBuffer, Driver, PinnedBuffer, Stream};
+use crate::cuda::{self, BlasHandle, Ctx, CudaError, Device, DeviceBuffer, Driver, Function, PinnedBuffer, Stream};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -407,7 +407,42 @@ fn upload_matrix(
 const GEMM_CHECKED_PER_SAMPLE: usize = 1024;
 pub(crate) const GEMM_SAMPLES: usize = 3;
 
-fn gemm(ctx: &Arc<Ctx>, blas: &Arc<cuda::Blas>, p: &LevelParams) -> cuda::Result<GemmResult> {
+/// What computes the GEMM: cuBLAS's SGEMM, or the agent's own PTX kernel where the toolkit's
+/// cuBLAS is missing (a VM with the driver only).
+enum Gemmer<'a> {
+    Blas(BlasHandle),
+    Ptx(Function<'a>),
+}
+
+impl Gemmer<'_> {
+    fn run(&self, stream: &Stream, n: usize, a: &DeviceBuffer, b: &DeviceBuffer, c: &DeviceBuffer) -> cuda::Result<()> {
+        match self {
+            Gemmer::Blas(h) => h.sgemm(n, a, b, c),
+            Gemmer::Ptx(f) => {
+                let tiles = (n / 16) as u32;
+                let args = [
+                    cuda::Arg::U64(a.ptr()),
+                    cuda::Arg::U64(b.ptr()),
+                    cuda::Arg::U64(c.ptr()),
+                    cuda::Arg::U32(n as u32),
+                ];
+                // SAFETY: the three live buffers hold n×n floats and n is a multiple of 16
+                // (`gemm` checks), so every tile the kernel reads and writes lies inside them.
+                unsafe { stream.launch(f, tiles * tiles, 256, &args) }
+            }
+        }
+    }
+}
+
+/// The GEMM probe: `samples` timed batches of `gemm_reps` products, every batch's product
+/// checked — on the GPU, every entry against the exact 17×17 table (`phq_gemm_check`), when the
+/// kernels are loaded; otherwise 1,024 scattered entries read back to the host.
+fn gemm(
+    ctx: &Arc<Ctx>,
+    blas: Option<&Arc<cuda::Blas>>,
+    k: Option<&Loaded>,
+    p: &LevelParams,
+) -> cuda::Result<GemmResult> {
     let n = p.gemm_n;
     let bytes = n * n * 4;
     let (a, b, c) = (ctx.alloc(bytes)?, ctx.alloc(bytes)?, ctx.alloc(bytes)?);
@@ -417,22 +452,68 @@ fn gemm(ctx: &Arc<Ctx>, blas: &Arc<cuda::Blas>, p: &LevelParams) -> cuda::Result
     upload_matrix(&stream, &mut staging, &a, n, SALT_A)?;
     upload_matrix(&stream, &mut staging, &b, n, SALT_B)?;
     let reference = gemm_reference(n);
-    let handle = BlasHandle::new(blas, &stream)?;
-    handle.sgemm(n, &a, &b, &c)?; // warm-up
+    let (gemmer, library) = match (blas, k) {
+        (Some(blas), _) => (Gemmer::Blas(BlasHandle::new(blas, &stream)?), "cuBLAS SGEMM"),
+        (None, Some(k)) if n.is_multiple_of(16) => (Gemmer::Ptx(k.module.function("phq_sgemm")?), PTX_GEMM),
+        _ => return Err(ctx_error("the GEMM needs cuBLAS or the probe kernels")),
+    };
+    // The device check: the exact table uploaded once, a result buffer per sample.
+    let check = match k {
+        Some(k) => {
+            let table = ctx.alloc(17 * 17 * 4)?;
+            let mut host = ctx.pinned(17 * 17 * 4)?;
+            for (slot, v) in host.as_mut_slice().chunks_exact_mut(4).zip(reference.iter().flatten()) {
+                slot.copy_from_slice(&(*v as f32).to_ne_bytes());
+            }
+            // SAFETY: `host` lives until the synchronize just below.
+            unsafe { stream.copy_h2d(&table, 0, &host, 17 * 17 * 4) }?;
+            stream.synchronize()?;
+            Some((k.module.function("phq_gemm_check")?, table, ctx.alloc(256)?, ctx.pinned(256)?, k.grid))
+        }
+        None => None,
+    };
+    gemmer.run(&stream, n, &a, &b, &c)?; // warm-up
     stream.synchronize()?;
     let (start, end) = (ctx.event()?, ctx.event()?);
     let mut tflops = Vec::new();
     let (mut checked, mut wrong, mut max_rel) = (0, 0u64, 0.0f64);
+    let mut first_wrong = None;
     for sample in 0..GEMM_SAMPLES {
         stream.record(&start)?;
         for _ in 0..p.gemm_reps {
-            handle.sgemm(n, &a, &b, &c)?;
+            gemmer.run(&stream, n, &a, &b, &c)?;
         }
         stream.record(&end)?;
         stream.synchronize()?;
         let ms = start.elapsed_ms(&end)? as f64;
         tflops.push(2.0 * (n as f64).powi(3) * p.gemm_reps as f64 / (ms / 1000.0) / 1e12);
-        // Every sample's product is checked: scattered entries, different ones each sample.
+        if let Some((f, table, result, host, grid)) = &check {
+            stream.memset_d32(result, 0, 0, 64)?;
+            let args = [
+                cuda::Arg::U64(c.ptr()),
+                cuda::Arg::U32(n as u32),
+                cuda::Arg::U64(table.ptr()),
+                cuda::Arg::U64(result.ptr()),
+            ];
+            // SAFETY: C holds n×n floats, the table 17×17, the result 256 bytes: all live.
+            unsafe { stream.launch(f, *grid, kernels::BLOCK, &args) }?;
+            // SAFETY: `host` is read only after the synchronize below.
+            unsafe { stream.copy_d2h(host, 0, result, 0, 200) }?;
+            stream.synchronize()?;
+            let b = host.as_slice();
+            let word = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+            let count = word(0);
+            wrong += count;
+            checked += n * n;
+            if count > 0 {
+                let (e, got, want) =
+                    (word(1), f32::from_bits(word(2) as u32) as f64, f32::from_bits(word(3) as u32) as f64);
+                max_rel = max_rel.max((got - want).abs() / want.abs().max(1.0));
+                first_wrong.get_or_insert(format!("C[{}, {}] = {got} for {want}", e % n as u64, e / n as u64));
+            }
+            continue;
+        }
+        // Without the kernels: scattered entries, different ones each sample, read back.
         let entries: Vec<(usize, usize)> = (0..GEMM_CHECKED_PER_SAMPLE)
             .map(|s| {
                 let s = s + sample * GEMM_CHECKED_PER_SAMPLE;
@@ -451,6 +532,7 @@ fn gemm(ctx: &Arc<Ctx>, blas: &Arc<cuda::Blas>, p: &LevelParams) -> cuda::Result
             if got != want as f64 {
                 wrong += 1;
                 max_rel = max_rel.max((got - want as f64).abs() / (want.abs() as f64).max(1.0));
+                first_wrong.get_or_insert(format!("C[{i}, {j}] = {got} for {want}"));
             }
             checked += 1;
         }
@@ -461,8 +543,17 @@ fn gemm(ctx: &Arc<Ctx>, blas: &Arc<cuda::Blas>, p: &LevelParams) -> cuda::Result
         max_rel_error: max_rel,
         checked_entries: checked,
         wrong_entries: wrong,
-        library: "cuBLAS SGEMM".into(),
+        library: library.into(),
+        checked_on: if check.is_some() { "device" } else { "host" }.into(),
+        first_wrong,
     })
+}
+
+/// The library name a GEMM by the agent's own kernel reports.
+pub(crate) const PTX_GEMM: &str = "PTX fallback (phq_sgemm)";
+
+fn ctx_error(text: &str) -> CudaError {
+    CudaError { call: "gemm", code: 801, name: "CUDA_ERROR_NOT_SUPPORTED".into(), text: text.into(), sticky: false }
 }
 
 impl Backend for CudaBackend {
@@ -564,12 +655,24 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// cuBLAS when the toolkit's library loads, else the agent's PTX GEMM; checked on the GPU
+    /// when the kernels load.
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
-        let blas = cuda::blas().map_err(|e| {
-            ProbeError::Unavailable(format!("the GEMM probe needs cuBLAS, which ships with the CUDA toolkit: {e}"))
-        })?;
+        let blas = cuda::blas();
         let _near = self.near(gpu);
-        gemm(&self.ctx(gpu)?, &blas, p).map_err(on(gpu))
+        let ctx = self.ctx(gpu)?;
+        let kernels = match self.with_kernels(gpu) {
+            Ok((_, k)) => Some(k),
+            Err(ProbeError::Unavailable(_)) => None,
+            Err(e) => return Err(e),
+        };
+        match (&blas, kernels) {
+            (Err(e), None) => Err(ProbeError::Unavailable(format!(
+                "the GEMM probe needs cuBLAS (it ships with the CUDA toolkit: {e}) or the probe kernels, which the driver could not load"
+            ))),
+            (Err(e), Some(_)) if !p.gemm_n.is_multiple_of(16) => Err(ProbeError::Unavailable(format!("no cuBLAS ({e}), and the PTX GEMM needs n a multiple of 16"))),
+            _ => gemm(&ctx, blas.as_ref().ok(), kernels, p).map_err(on(gpu)),
+        }
     }
 
     fn release(&mut self, gpu: usize) {

@@ -167,6 +167,12 @@ pub struct GemmResult {
     #[serde(default)]
     pub wrong_entries: u64,
     pub library: String,
+    /// `device` (every entry, by the check kernel) or `host` (scattered entries read back).
+    #[serde(default)]
+    pub checked_on: String,
+    /// The first wrong entry: where, what it was, what it should be.
+    #[serde(default)]
+    pub first_wrong: Option<String>,
 }
 
 /// Measures one GPU or pair. Bandwidth methods return GB/s per sample.
@@ -1048,8 +1054,13 @@ fn gemm_finding(o: &Outcome<GemmResult>, floor: Option<f64>) -> Finding {
             .remedy("Read `dmesg | grep NVRM`; restart the VM and probe again."),
         Outcome::Ok(g) => {
             let tflops = Stat::of(g.tflops_samples.clone()).map(|s| s.median).unwrap_or(0.0);
+            // DCGM's floors are cuBLAS's figures; the agent's own fallback kernel is checked for
+            // right results only.
+            let fallback = g.library == cuda::PTX_GEMM;
+            let floor = floor.filter(|_| !fallback);
             let f = if g.wrong_entries > 0 || g.max_rel_error > GEMM_TOLERANCE {
-                Finding::fail(ID, format!("GEMM {n}×{n} gave wrong results: {} of {} checked entries differ (largest relative error {:.2e})", g.wrong_entries, g.checked_entries, g.max_rel_error, n = g.n))
+                let first = g.first_wrong.as_ref().map(|w| format!("; first {w}")).unwrap_or_default();
+                Finding::fail(ID, format!("GEMM {n}×{n} gave wrong results: {} of {} checked entries differ (largest relative error {:.2e}{first})", g.wrong_entries, g.checked_entries, g.max_rel_error, n = g.n))
                     .detail("The GPU computed a different product than the host: a faulty GPU (compute or memory).")
                     .remedy("Drain the GPU, reset it (restart the VM) and probe again; report it to the platform if it repeats.")
             } else if let Some(fl) = floor.filter(|fl| tflops < *fl) {
@@ -1057,15 +1068,20 @@ fn gemm_finding(o: &Outcome<GemmResult>, floor: Option<f64>) -> Finding {
                     .detail("The result was right but the GPU computes slower than its SKU sustains: clocks held down (power, heat) or a GPU shared with other work.")
                     .remedy("Check gpu.throttle, gpu.temperature and gpu.power; probe again with nothing else running; report the GPU to the platform if it stays low.")
             } else {
-                let against = floor.map(|fl| format!(" (floor {fl:.1})")).unwrap_or_default();
-                Finding::pass(
-                    ID,
+                let against = match (floor, fallback) {
+                    (Some(fl), _) => format!(" (floor {fl:.1})"),
+                    (None, true) => " by the agent's PTX kernel (no cuBLAS here: no floor applies)".into(),
+                    (None, false) => String::new(),
+                };
+                let how = if g.checked_on == "device" {
                     format!(
-                        "FP32 GEMM {n}×{n}: {tflops:.1} TFLOP/s{against}, every timed result checked exactly on {} entries",
-                        g.checked_entries,
-                        n = g.n
-                    ),
-                )
+                        "every entry of every timed result checked exactly on the GPU ({} entries)",
+                        g.checked_entries
+                    )
+                } else {
+                    format!("every timed result checked exactly on {} entries", g.checked_entries)
+                };
+                Finding::pass(ID, format!("FP32 GEMM {n}×{n}: {tflops:.1} TFLOP/s{against}, {how}", n = g.n))
             };
             f.evidence("gemm", g).evidence("median_tflops", tflops).evidence("floor_tflops", floor)
         }
@@ -1242,6 +1258,8 @@ mod tests {
                 checked_entries: 1024,
                 wrong_entries: 0,
                 library: "cuBLAS".into(),
+                checked_on: "host".into(),
+                first_wrong: None,
             })
         }
     }

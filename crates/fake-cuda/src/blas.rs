@@ -47,6 +47,11 @@ pub struct Pending {
     done: Vec<u64>,
     /// Entries not yet computed nor written over.
     left: usize,
+    /// The allocation's generation once the GEMM was queued: while it stands, nothing has
+    /// written over any entry of C.
+    generation: u64,
+    /// Entries (row, column) the scenario's faulty GPU computes 1.0 too large.
+    wrong: Vec<(usize, usize)>,
 }
 
 fn f32_at(bytes: &[u8], off: usize) -> f32 {
@@ -56,6 +61,35 @@ fn f32_at(bytes: &[u8], off: usize) -> f32 {
 }
 
 impl Pending {
+    /// The same product without its bookkeeping (the snapshots are shared).
+    fn clone_shallow(&self) -> Pending {
+        Pending {
+            c_off: self.c_off,
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            ldc: self.ldc,
+            a: self.a.clone(),
+            a_off: self.a_off,
+            lda: self.lda,
+            b: self.b.clone(),
+            b_off: self.b_off,
+            ldb: self.ldb,
+            alpha: self.alpha,
+            beta: self.beta,
+            old: self.old.clone(),
+            done: Vec::new(),
+            left: 0,
+            generation: self.generation,
+            wrong: self.wrong.clone(),
+        }
+    }
+
+    /// The entries the scenario's fault makes wrong.
+    pub(crate) fn wrong_entries(&self) -> &[(usize, usize)] {
+        &self.wrong
+    }
+
     fn is_done(&self, e: usize) -> bool {
         self.done[e / 64] & (1 << (e % 64)) != 0
     }
@@ -76,7 +110,8 @@ impl Pending {
             Some(o) => self.beta * f32_at(o, self.c_off + 4 * (i + j * self.ldc)),
             None => 0.0,
         };
-        self.alpha * sum + old
+        let fault = if self.wrong.contains(&(i, j)) { 1.0 } else { 0.0 };
+        self.alpha * sum + old + fault
     }
     /// The entries (i, j, element index, fully inside) whose bytes meet `[off, off + len)`.
     fn touching(&self, off: usize, len: usize) -> Vec<(usize, usize, usize, bool)> {
@@ -97,6 +132,53 @@ impl Pending {
         }
         out
     }
+}
+
+/// A GEMM input scanned for periodicity: its snapshot, (its address, offset), the answer.
+pub(crate) type Scanned = (std::sync::Weak<Vec<u8>>, (usize, usize), bool);
+
+/// Whether an m×k column-major matrix's entries depend only on row and column modulo `p`.
+fn periodic(bytes: &[u8], off: usize, ld: usize, rows: usize, cols: usize, p: usize) -> bool {
+    (0..cols).all(|c| {
+        (0..rows).all(|r| {
+            let at = |r: usize, c: usize| &bytes[off + 4 * (r + c * ld)..off + 4 * (r + c * ld) + 4];
+            at(r, c) == at(r % p, c % p)
+        })
+    })
+}
+
+/// C's entries as a `p`×`p` table when they repeat with period `p` in both indices: a GEMM of
+/// inputs whose entries depend only on row and column modulo `p` (the agent's GEMM inputs do,
+/// with 17) and nothing written over C since. Each table entry is the same sum in the same
+/// order as `Pending::entry`, so it equals every entry it stands for to the bit. `None` when
+/// that cannot be said: the caller then reads C entry by entry.
+pub(crate) fn periodic_table(w: &mut World, base: u64, p: usize) -> Option<Vec<f32>> {
+    let a = w.allocs.get(&base)?;
+    let pd = a.pending.as_ref()?;
+    if pd.generation != a.generation || pd.old.is_some() || pd.m < p || pd.n < p {
+        return None;
+    }
+    let key = |m: &Arc<Vec<u8>>, off: usize| (Arc::as_ptr(m) as usize, off);
+    let (ka, kb) = (key(&pd.a, pd.a_off), key(&pd.b, pd.b_off));
+    let known = |w: &World, k: (usize, usize), m: &Arc<Vec<u8>>| {
+        w.periodic
+            .iter()
+            .find(|(weak, kk, _)| *kk == k && weak.upgrade().is_some_and(|x| Arc::ptr_eq(&x, m)))
+            .map(|x| x.2)
+    };
+    let (am, bm) = (pd.a.clone(), pd.b.clone());
+    let (a_ok, b_ok) = (known(w, ka, &am), known(w, kb, &bm));
+    let pd = w.allocs.get(&base)?.pending.as_ref()?;
+    let a_ok = a_ok.unwrap_or_else(|| periodic(&pd.a, pd.a_off, pd.lda, pd.m, pd.k, p));
+    let b_ok = b_ok.unwrap_or_else(|| periodic(&pd.b, pd.b_off, pd.ldb, pd.k, pd.n, p));
+    // The table from the sums alone: the scenario's wrong entries are exceptions to it, which
+    // the caller takes from `wrong_entries`.
+    let clean = Pending { wrong: Vec::new(), done: Vec::new(), old: None, ..pd.clone_shallow() };
+    let table = (a_ok && b_ok).then(|| (0..p * p).map(|e| clean.entry(e / p, e % p)).collect());
+    w.periodic.retain(|(weak, _, _)| weak.strong_count() > 0);
+    w.periodic.push((Arc::downgrade(&am), ka, a_ok));
+    w.periodic.push((Arc::downgrade(&bm), kb, b_ok));
+    table
 }
 
 /// Computes the pending entries of the allocation at `base` that `[off, off + len)` covers.
@@ -315,26 +397,59 @@ fn sgemm(
     if m == 0 || n == 0 {
         return SUCCESS;
     }
+    let tflops = w.sgemm_tflops(dev);
+    match queue(w, ctx, stream, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc), tflops) {
+        Queued::Done | Queued::Poisoned => SUCCESS,
+        Queued::Failed => EXECUTION_FAILED,
+    }
+}
+
+/// What queueing a GEMM came to.
+pub(crate) enum Queued {
+    Done,
+    /// It touched memory the context may not reach: the context is poisoned, as a faulting
+    /// kernel poisons it (the call itself succeeded).
+    Poisoned,
+    /// The scenario's GEMM fault, or a pointer into no allocation.
+    Failed,
+}
+
+/// Queues `C = α·A·B + β·C` (column-major) on `stream` of context `ctx` at `tflops`: the lazy
+/// product cuBLAS's SGEMM and the agent's own PTX GEMM both leave.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn queue(
+    w: &mut World,
+    ctx: usize,
+    stream: usize,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    (a, lda): (CUdeviceptr, usize),
+    (b, ldb): (CUdeviceptr, usize),
+    beta: f32,
+    (c, ldc): (CUdeviceptr, usize),
+    tflops: f64,
+) -> Queued {
+    let Some(dev) = w.ctx_device(ctx) else { return Queued::Failed };
     let span = |ld: usize, rows: usize, cols: usize| (4 * (ld * (cols.max(1) - 1) + rows)) as u64;
     let regions = [(a, span(lda, m, k)), (b, span(ldb, k, n)), (c, span(ldc, m, n))];
     for (ptr, len) in regions {
         match w.reaches_ptr(ctx, ptr, len) {
             Ok(true) => {}
             Ok(false) | Err(_) => {
-                eprintln!("fake-cuda: cublasSgemm_v2: {ptr:#x} is not memory this GPU may access");
+                eprintln!("fake-cuda: GEMM: {ptr:#x} is not memory this GPU may access");
                 w.poison(dev, ILLEGAL_ADDRESS);
-                return SUCCESS;
+                return Queued::Poisoned;
             }
         }
     }
     if let Err(code) = w.gemm_fault(dev) {
         let _: CUresult = code;
-        return EXECUTION_FAILED;
+        return Queued::Failed;
     }
     let base_of = |w: &World, p: CUdeviceptr| w.find(p, 1);
     let (Ok((a_base, a_off)), Ok((b_base, b_off)), Ok((c_base, c_off))) = (base_of(w, a), base_of(w, b), base_of(w, c))
     else {
-        return EXECUTION_FAILED;
+        return Queued::Failed;
     };
     let a_snap = w.snapshot(a_base);
     let b_snap = w.snapshot(b_base);
@@ -356,12 +471,14 @@ fn sgemm(
         old,
         done: vec![0; (m * n).div_ceil(64)],
         left: m * n,
+        generation: 0,
+        wrong: w.gemm_wrong(dev),
     };
     if let Some(alloc) = w.allocs.get_mut(&c_base) {
-        alloc.pending = Some(pending);
         alloc.generation += 1;
+        alloc.pending = Some(Pending { generation: alloc.generation, ..pending });
     }
-    let secs = 2.0 * (m * n * k) as f64 / (w.sgemm_tflops(dev) * 1e12);
+    let secs = 2.0 * (m * n * k) as f64 / (tflops * 1e12);
     w.run_on_sm(stream, dev, secs);
-    SUCCESS
+    Queued::Done
 }

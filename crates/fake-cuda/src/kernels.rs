@@ -39,6 +39,8 @@ pub(crate) unsafe fn launch(
         "phq_copy_sm" => copy_sm(w, ctx, stream, &a),
         "phq_spin" => spin(w, ctx, &a),
         "phq_chase" => chase(w, ctx, stream, &a),
+        "phq_sgemm" => sgemm(w, ctx, stream, &a),
+        "phq_gemm_check" => gemm_check(w, ctx, stream, &a),
         other => {
             eprintln!("fake-cuda: cuLaunchKernel: no reimplementation of kernel {other:?} in the fake");
             NOT_SUPPORTED
@@ -351,6 +353,114 @@ unsafe fn chase(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult 
     } else {
         return SUCCESS;
     }
+    w.run_on_sms(stream, secs);
+    SUCCESS
+}
+
+/// `phq_sgemm(u64 a, u64 b, u64 c, u32 n)`: C = A·B, n×n column-major, n a multiple of 16 (the
+/// kernel's tiles; another n would read past the matrices: an illegal address). The product is
+/// the same lazy one cuBLAS's SGEMM leaves, at the scenario's PTX GEMM rate.
+unsafe fn sgemm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+    let (pa, pb, pc, n) = (a.u64(0), a.u64(1), a.u64(2), a.u32(3) as usize);
+    let dev = w.ctx_dev(ctx);
+    if n == 0 || n % 16 != 0 {
+        eprintln!("fake-cuda: phq_sgemm: n = {n} is not a multiple of 16: the tiles run past the matrices");
+        w.poison(dev, ILLEGAL_ADDRESS);
+        return SUCCESS;
+    }
+    let spec = w.spec(dev);
+    let tflops = spec.ptx_sgemm_tflops.unwrap_or(spec.sgemm_tflops / 4.0);
+    match blas::queue(w, ctx, stream, (n, n, n), 1.0, (pa, n), (pb, n), 0.0, (pc, n), tflops) {
+        blas::Queued::Done | blas::Queued::Poisoned => SUCCESS,
+        blas::Queued::Failed => 719, // CUDA_ERROR_LAUNCH_FAILED
+    }
+}
+
+/// `phq_gemm_check(u64 c, u32 n, u64 table, u64 result)`: every entry of C compared bit for bit
+/// with `table[(i mod 17)·17 + (j mod 17)]`; the count and first eight (element index, read,
+/// expected) in `result`, as `phq_mem_check` leaves them.
+unsafe fn gemm_check(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+    let (pc, n, table, result) = (a.u64(0), a.u32(1) as u64, a.u64(2), a.u64(3));
+    let len = n * n * 4;
+    let Some(base) = reach(w, ctx, "phq_gemm_check", pc, len) else { return SUCCESS };
+    if reach(w, ctx, "phq_gemm_check (table)", table, 17 * 17 * 4).is_none()
+        || reach(w, ctx, "phq_gemm_check (result)", result, 200).is_none()
+    {
+        return SUCCESS;
+    }
+    let Ok(t) = w.read(table, 17 * 17 * 4) else { return INVALID_VALUE };
+    let want = |i: u64, j: u64| {
+        let at = (4 * ((i % 17) * 17 + (j % 17))) as usize;
+        u32::from_le_bytes([t[at], t[at + 1], t[at + 2], t[at + 3]])
+    };
+    let mut bad: Vec<(u64, u64, u64)> = Vec::new();
+    let mut count = 0u64;
+    let whole = pc == base && len as usize == w.allocs[&base].len;
+    match whole.then(|| blas::periodic_table(w, base, 17)).flatten() {
+        Some(got) => {
+            // C repeats with period 17 but for the scenario's wrong entries: compare the table,
+            // count each wrong residue pair's entries, add the exceptions, list the first ones by
+            // element index.
+            let per = |r: u64| (n - r).div_ceil(17);
+            let wrong: Vec<(usize, usize)> =
+                w.allocs[&base].pending.as_ref().map(|p| p.wrong_entries().to_vec()).unwrap_or_default();
+            for (i, j) in wrong.into_iter().map(|(i, j)| (i as u64, j as u64)).filter(|(i, j)| *i < n && *j < n) {
+                let sum = got[((i % 17) * 17 + j % 17) as usize];
+                // An entry of a residue pair that is wrong anyway is counted below already.
+                if sum.to_bits() != want(i, j) {
+                    continue;
+                }
+                let v = sum + 1.0;
+                if v.to_bits() != want(i, j) {
+                    count += 1;
+                    bad.push((i + j * n, u64::from(v.to_bits()), u64::from(want(i, j))));
+                }
+            }
+            for e in 0..17 * 17u64 {
+                let (p, q) = (e / 17, e % 17);
+                let g = got[e as usize].to_bits();
+                if g != want(p, q) {
+                    count += per(p) * per(q);
+                    for j in (q..n).step_by(17).take(8) {
+                        for i in (p..n).step_by(17).take(8) {
+                            bad.push((i + j * n, u64::from(g), u64::from(want(p, q))));
+                        }
+                    }
+                }
+            }
+            bad.sort_unstable();
+        }
+        None => {
+            let Ok(bytes) = w.read(pc, len as usize) else { return INVALID_VALUE };
+            for (e, c) in bytes.chunks_exact(4).enumerate() {
+                let e = e as u64;
+                let g = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                if g != want(e % n, e / n) {
+                    count += 1;
+                    if bad.len() < 8 {
+                        bad.push((e, u64::from(g), u64::from(want(e % n, e / n))));
+                    }
+                }
+            }
+        }
+    }
+    bad.truncate(8);
+    let Some(old) = stored(w, result) else { return INVALID_VALUE };
+    if let Err(e) = w.write(result, &(old + count).to_le_bytes()) {
+        return e;
+    }
+    for (k, (e, got, want)) in bad.iter().enumerate() {
+        let slot = old + k as u64;
+        if slot >= 8 {
+            break;
+        }
+        let rec: Vec<u8> = [*e, *got, *want].iter().flat_map(|v| v.to_le_bytes()).collect();
+        if let Err(err) = w.write(result + 8 + 24 * slot, &rec) {
+            return err;
+        }
+    }
+    let dev = w.ctx_dev(ctx);
+    let secs = len as f64 / (w.hbm_gbps(dev) * 1e9);
     w.run_on_sms(stream, secs);
     SUCCESS
 }

@@ -201,6 +201,9 @@ pub(crate) struct World {
     functions: HashMap<usize, (usize, String)>,
     /// Spin kernels (`phq_spin`) waiting for their host flag.
     pub(crate) gates: Vec<kernels::Gate>,
+    /// GEMM inputs already scanned for period 17 (`blas::periodic_table`): the snapshot, its
+    /// offset, whether it is periodic.
+    pub(crate) periodic: Vec<blas::Scanned>,
 }
 
 struct Module {
@@ -288,6 +291,7 @@ fn load_world() -> Result<World, CUresult> {
         now: 0.0,
         pinned: BTreeMap::new(),
         gates: Vec::new(),
+        periodic: Vec::new(),
         blas: HashMap::new(),
         modules: HashMap::new(),
         functions: HashMap::new(),
@@ -1859,6 +1863,10 @@ impl World {
 
     pub(crate) fn hbm_gbps(&self, dev: usize) -> f64 {
         self.spec(dev).hbm_gbps
+    }
+
+    pub(crate) fn gemm_wrong(&self, dev: usize) -> Vec<(usize, usize)> {
+        self.spec(dev).gemm_wrong_entries.iter().map(|e| (e[0], e[1])).collect()
     }
 
     pub(crate) fn sm_copy_gbps(&self, dev: usize) -> f64 {

@@ -60,6 +60,14 @@ pub struct Device {
     /// One dependent load of the GPU's own memory, ns.
     #[serde(default = "default_hbm_latency_ns")]
     pub hbm_latency_ns: f64,
+    /// FP32 GEMM rate of the agent's own PTX GEMM (`phq_sgemm`), TFLOP/s; absent: a quarter of
+    /// `sgemm_tflops` (the fake's guess for a plain tiled kernel beside cuBLAS, not a measurement).
+    #[serde(default)]
+    pub ptx_sgemm_tflops: Option<f64>,
+    /// Entries `[row, column]` of every GEMM product (cuBLAS's or the PTX kernel's) that this
+    /// GPU computes 1.0 too large: a faulty GPU, the scenario's own fault.
+    #[serde(default)]
+    pub gemm_wrong_entries: Vec<[usize; 2]>,
     /// FP32 GEMM rate of cuBLAS SGEMM, TFLOP/s.
     #[serde(default = "default_sgemm_tflops")]
     pub sgemm_tflops: f64,
