@@ -550,6 +550,24 @@ fn a_single_wrong_gemm_entry_is_found_by_the_device_check() {
     assert!(f["summary"].as_str().unwrap().contains("first C[4000, 17]"), "{f}");
 }
 
+/// `--gemm-seconds`: every GPU of the HGX computes checked GEMMs at once for that much GPU time;
+/// each GPU's result is judged like the single GEMM (every entry exact, cuBLAS's floor).
+#[test]
+fn every_gpu_runs_the_checked_gemm_at_once_for_the_time_asked() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
+    let p = r.run(&["--gpu", "0", "--gpu", "1", "--gpu", "2", "--gemm-seconds", "1"]);
+    for gpu in &PCI[..3] {
+        let f = p.finding("probe.gemm-sustained", gpu);
+        assert_eq!(f["severity"], "pass", "{f}");
+        let g = &f["evidence"]["gemm"];
+        assert!(g["seconds"].as_f64().unwrap() >= 1.0, "{f}");
+        assert_eq!(g["wrong_entries"], 0, "{f}");
+        assert!(f["summary"].as_str().unwrap().ends_with("with 3 GPU(s) loaded at once"), "{f}");
+    }
+    // The GPUs not asked for ran nothing.
+    assert_eq!(r.contexts_made(), PCI[..3]);
+}
+
 /// SMs that reach HBM slower than the copy engines do: the SM copy fails on its own, the copy
 /// engines' device copy passes.
 #[test]

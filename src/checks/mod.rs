@@ -164,6 +164,7 @@ pub const CATALOG: &[&str] = &[
     "probe.nvlink-scope",
     "probe.memory-integrity",
     "probe.gemm",
+    "probe.gemm-sustained",
     "probe.latency",
     "probe.baseline",
     "agent.platform-reachable",

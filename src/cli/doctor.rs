@@ -56,6 +56,7 @@ impl Doctor {
                     level,
                     &[],
                     false,
+                    None,
                     &config.agent.state_dir,
                     "phq-agent doctor --probe",
                 ) {

@@ -29,6 +29,10 @@ pub struct Probe {
     /// GPU's floors), then stop: CUDA is not loaded and no GPU is touched.
     #[arg(long)]
     pub dry_run: bool,
+    /// Seconds of GEMM on every probed GPU at once, each result checked (the full level runs
+    /// 60; 0 turns it off; any level runs it when given).
+    #[arg(long, value_name = "SECONDS")]
+    pub gemm_seconds: Option<u32>,
 }
 
 impl Probe {
@@ -42,7 +46,10 @@ impl Probe {
         );
         let level = if self.level == ProbeLevel::None { ProbeLevel::Quick } else { self.level };
         if self.dry_run {
-            let plan = probe::plan_here(&snapshot, &Options { level, only: &self.gpu, force: self.force });
+            let plan = probe::plan_here(
+                &snapshot,
+                &Options { level, only: &self.gpu, force: self.force, gemm_seconds: self.gemm_seconds },
+            );
             if self.json {
                 println!("{}", serde_json::to_string_pretty(&plan)?);
             } else {
@@ -59,6 +66,7 @@ impl Probe {
             level,
             &self.gpu,
             self.force,
+            self.gemm_seconds,
             &config.agent.state_dir,
             "phq-agent probe",
         ) {
@@ -85,6 +93,7 @@ pub fn probe_with_progress(
     level: ProbeLevel,
     only: &[usize],
     force: bool,
+    gemm_seconds: Option<u32>,
     state_dir: &std::path::Path,
     who: &str,
 ) -> Result<(probe::ProbeReport, Vec<probe::Target>), probe::NotRun> {
@@ -93,10 +102,16 @@ pub fn probe_with_progress(
         b.enable_steady_tick(std::time::Duration::from_millis(120));
         b
     });
-    let result = probe::run_here(snapshot, &Options { level, only, force }, state_dir, who, &mut |step| match &bar {
-        Some(b) => b.set_message(step.to_string()),
-        None => tracing::info!("probe: {step}"),
-    });
+    let result = probe::run_here(
+        snapshot,
+        &Options { level, only, force, gemm_seconds },
+        state_dir,
+        who,
+        &mut |step| match &bar {
+            Some(b) => b.set_message(step.to_string()),
+            None => tracing::info!("probe: {step}"),
+        },
+    );
     if let Some(b) = bar {
         b.finish_and_clear();
     }

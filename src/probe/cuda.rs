@@ -434,84 +434,144 @@ impl Gemmer<'_> {
     }
 }
 
-/// The GEMM probe: `samples` timed batches of `gemm_reps` products, every batch's product
-/// checked — on the GPU, every entry against the exact 17×17 table (`phq_gemm_check`), when the
-/// kernels are loaded; otherwise 1,024 scattered entries read back to the host.
-fn gemm(
-    ctx: &Arc<Ctx>,
-    blas: Option<&Arc<cuda::Blas>>,
-    k: Option<&Loaded>,
-    p: &LevelParams,
-) -> cuda::Result<GemmResult> {
-    let n = p.gemm_n;
-    let bytes = n * n * 4;
-    let (a, b, c) = (ctx.alloc(bytes)?, ctx.alloc(bytes)?, ctx.alloc(bytes)?);
-    let mut staging = ctx.pinned((16 << 20).max(n * 4).min(bytes))?;
-    let readback = ctx.pinned(GEMM_CHECKED_PER_SAMPLE * 4)?;
-    let stream = ctx.stream()?;
-    upload_matrix(&stream, &mut staging, &a, n, SALT_A)?;
-    upload_matrix(&stream, &mut staging, &b, n, SALT_B)?;
-    let reference = gemm_reference(n);
-    let (gemmer, library) = match (blas, k) {
-        (Some(blas), _) => (Gemmer::Blas(BlasHandle::new(blas, &stream)?), "cuBLAS SGEMM"),
-        (None, Some(k)) if n.is_multiple_of(16) => (Gemmer::Ptx(k.module.function("phq_sgemm")?), PTX_GEMM),
-        _ => return Err(ctx_error("the GEMM needs cuBLAS or the probe kernels")),
-    };
-    // The device check: the exact table uploaded once, a result buffer per sample.
-    let check = match k {
-        Some(k) => {
-            let table = ctx.alloc(17 * 17 * 4)?;
-            let mut host = ctx.pinned(17 * 17 * 4)?;
-            for (slot, v) in host.as_mut_slice().chunks_exact_mut(4).zip(reference.iter().flatten()) {
-                slot.copy_from_slice(&(*v as f32).to_ne_bytes());
+/// One GPU's GEMM in progress: its inputs uploaded, what computes it, how each result is
+/// checked, and the figures so far. The single-GPU probe and the sustained all-GPU load both
+/// queue batches on it and finish them one sample at a time.
+struct GemmRun<'a> {
+    n: usize,
+    ctx: Arc<Ctx>,
+    stream: Stream,
+    a: DeviceBuffer,
+    b: DeviceBuffer,
+    c: DeviceBuffer,
+    gemmer: Gemmer<'a>,
+    library: &'static str,
+    /// On the GPU: the check kernel, the exact table, a result buffer and its host copy, the grid.
+    device_check: Option<(Function<'a>, DeviceBuffer, DeviceBuffer, PinnedBuffer, u32)>,
+    reference: Vec<[i64; 17]>,
+    readback: PinnedBuffer,
+    start: cuda::Event,
+    end: cuda::Event,
+    reps: u32,
+    tflops: Vec<f64>,
+    seconds: f64,
+    checked: usize,
+    wrong: u64,
+    max_rel: f64,
+    first_wrong: Option<String>,
+    samples: usize,
+}
+
+impl<'a> GemmRun<'a> {
+    fn new(
+        ctx: &Arc<Ctx>,
+        blas: Option<&Arc<cuda::Blas>>,
+        k: Option<&'a Loaded>,
+        n: usize,
+    ) -> cuda::Result<GemmRun<'a>> {
+        let bytes = n * n * 4;
+        let (a, b, c) = (ctx.alloc(bytes)?, ctx.alloc(bytes)?, ctx.alloc(bytes)?);
+        let mut staging = ctx.pinned((16 << 20).max(n * 4).min(bytes))?;
+        let stream = ctx.stream()?;
+        upload_matrix(&stream, &mut staging, &a, n, SALT_A)?;
+        upload_matrix(&stream, &mut staging, &b, n, SALT_B)?;
+        let reference = gemm_reference(n);
+        let (gemmer, library) = match (blas, k) {
+            (Some(blas), _) => (Gemmer::Blas(BlasHandle::new(blas, &stream)?), "cuBLAS SGEMM"),
+            (None, Some(k)) if n.is_multiple_of(16) => (Gemmer::Ptx(k.module.function("phq_sgemm")?), PTX_GEMM),
+            _ => return Err(ctx_error("the GEMM needs cuBLAS or the probe kernels")),
+        };
+        let device_check = match k {
+            Some(k) => {
+                let table = ctx.alloc(17 * 17 * 4)?;
+                let mut host = ctx.pinned(17 * 17 * 4)?;
+                for (slot, v) in host.as_mut_slice().chunks_exact_mut(4).zip(reference.iter().flatten()) {
+                    slot.copy_from_slice(&(*v as f32).to_ne_bytes());
+                }
+                // SAFETY: `host` lives until the synchronize just below.
+                unsafe { stream.copy_h2d(&table, 0, &host, 17 * 17 * 4) }?;
+                stream.synchronize()?;
+                Some((k.module.function("phq_gemm_check")?, table, ctx.alloc(256)?, ctx.pinned(256)?, k.grid))
             }
-            // SAFETY: `host` lives until the synchronize just below.
-            unsafe { stream.copy_h2d(&table, 0, &host, 17 * 17 * 4) }?;
-            stream.synchronize()?;
-            Some((k.module.function("phq_gemm_check")?, table, ctx.alloc(256)?, ctx.pinned(256)?, k.grid))
+            None => None,
+        };
+        let (start, end) = (ctx.event()?, ctx.event()?);
+        Ok(GemmRun {
+            n,
+            ctx: ctx.clone(),
+            stream,
+            a,
+            b,
+            c,
+            gemmer,
+            library,
+            device_check,
+            reference,
+            readback: ctx.pinned(GEMM_CHECKED_PER_SAMPLE * 4)?,
+            start,
+            end,
+            reps: 0,
+            tflops: Vec::new(),
+            seconds: 0.0,
+            checked: 0,
+            wrong: 0,
+            max_rel: 0.0,
+            first_wrong: None,
+            samples: 0,
+        })
+    }
+
+    /// One untimed product, waited for.
+    fn warm_up(&self) -> cuda::Result<()> {
+        self.gemmer.run(&self.stream, self.n, &self.a, &self.b, &self.c)?;
+        self.stream.synchronize()
+    }
+
+    /// Queues `reps` products between the two events; returns at once.
+    fn queue(&mut self, reps: u32) -> cuda::Result<()> {
+        self.stream.record(&self.start)?;
+        for _ in 0..reps {
+            self.gemmer.run(&self.stream, self.n, &self.a, &self.b, &self.c)?;
         }
-        None => None,
-    };
-    gemmer.run(&stream, n, &a, &b, &c)?; // warm-up
-    stream.synchronize()?;
-    let (start, end) = (ctx.event()?, ctx.event()?);
-    let mut tflops = Vec::new();
-    let (mut checked, mut wrong, mut max_rel) = (0, 0u64, 0.0f64);
-    let mut first_wrong = None;
-    for sample in 0..GEMM_SAMPLES {
-        stream.record(&start)?;
-        for _ in 0..p.gemm_reps {
-            gemmer.run(&stream, n, &a, &b, &c)?;
-        }
-        stream.record(&end)?;
-        stream.synchronize()?;
-        let ms = start.elapsed_ms(&end)? as f64;
-        tflops.push(2.0 * (n as f64).powi(3) * p.gemm_reps as f64 / (ms / 1000.0) / 1e12);
-        if let Some((f, table, result, host, grid)) = &check {
-            stream.memset_d32(result, 0, 0, 64)?;
+        self.stream.record(&self.end)?;
+        self.reps = reps;
+        Ok(())
+    }
+
+    /// Waits for the queued batch, keeps its rate and checks its product.
+    fn finish(&mut self) -> cuda::Result<()> {
+        let n = self.n;
+        self.stream.synchronize()?;
+        let ms = self.start.elapsed_ms(&self.end)? as f64;
+        self.seconds += ms / 1000.0;
+        self.tflops.push(2.0 * (n as f64).powi(3) * self.reps as f64 / (ms / 1000.0) / 1e12);
+        let sample = self.samples;
+        self.samples += 1;
+        if let Some((f, table, result, host, grid)) = &self.device_check {
+            self.stream.memset_d32(result, 0, 0, 64)?;
             let args = [
-                cuda::Arg::U64(c.ptr()),
+                cuda::Arg::U64(self.c.ptr()),
                 cuda::Arg::U32(n as u32),
                 cuda::Arg::U64(table.ptr()),
                 cuda::Arg::U64(result.ptr()),
             ];
             // SAFETY: C holds n×n floats, the table 17×17, the result 256 bytes: all live.
-            unsafe { stream.launch(f, *grid, kernels::BLOCK, &args) }?;
+            unsafe { self.stream.launch(f, *grid, kernels::BLOCK, &args) }?;
             // SAFETY: `host` is read only after the synchronize below.
-            unsafe { stream.copy_d2h(host, 0, result, 0, 200) }?;
-            stream.synchronize()?;
+            unsafe { self.stream.copy_d2h(host, 0, result, 0, 200) }?;
+            self.stream.synchronize()?;
             let b = host.as_slice();
             let word = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
             let count = word(0);
-            wrong += count;
-            checked += n * n;
+            self.wrong += count;
+            self.checked += n * n;
             if count > 0 {
                 let (e, got, want) =
                     (word(1), f32::from_bits(word(2) as u32) as f64, f32::from_bits(word(3) as u32) as f64);
-                max_rel = max_rel.max((got - want).abs() / want.abs().max(1.0));
-                first_wrong.get_or_insert(format!("C[{}, {}] = {got} for {want}", e % n as u64, e / n as u64));
+                self.max_rel = self.max_rel.max((got - want).abs() / want.abs().max(1.0));
+                self.first_wrong.get_or_insert(format!("C[{}, {}] = {got} for {want}", e % n as u64, e / n as u64));
             }
-            continue;
+            return Ok(());
         }
         // Without the kernels: scattered entries, different ones each sample, read back.
         let entries: Vec<(usize, usize)> = (0..GEMM_CHECKED_PER_SAMPLE)
@@ -522,31 +582,97 @@ fn gemm(
             .collect();
         for (slot, (i, j)) in entries.iter().enumerate() {
             // SAFETY: `readback` is read only after the synchronize below.
-            unsafe { stream.copy_d2h(&readback, slot * 4, &c, (i + j * n) * 4, 4) }?;
+            unsafe { self.stream.copy_d2h(&self.readback, slot * 4, &self.c, (i + j * n) * 4, 4) }?;
         }
-        stream.synchronize()?;
+        self.stream.synchronize()?;
         for (slot, (i, j)) in entries.iter().enumerate() {
-            let w = &readback.as_slice()[slot * 4..slot * 4 + 4];
+            let w = &self.readback.as_slice()[slot * 4..slot * 4 + 4];
             let got = f32::from_ne_bytes([w[0], w[1], w[2], w[3]]) as f64;
-            let want = reference[i % 17][j % 17];
+            let want = self.reference[i % 17][j % 17];
             if got != want as f64 {
-                wrong += 1;
-                max_rel = max_rel.max((got - want as f64).abs() / (want.abs() as f64).max(1.0));
-                first_wrong.get_or_insert(format!("C[{i}, {j}] = {got} for {want}"));
+                self.wrong += 1;
+                self.max_rel = self.max_rel.max((got - want as f64).abs() / (want.abs() as f64).max(1.0));
+                self.first_wrong.get_or_insert(format!("C[{i}, {j}] = {got} for {want}"));
             }
-            checked += 1;
+            self.checked += 1;
+        }
+        Ok(())
+    }
+
+    fn result(self) -> GemmResult {
+        let _ = &self.ctx;
+        GemmResult {
+            n: self.n,
+            tflops_samples: self.tflops,
+            max_rel_error: self.max_rel,
+            checked_entries: self.checked,
+            wrong_entries: self.wrong,
+            library: self.library.into(),
+            checked_on: if self.device_check.is_some() { "device" } else { "host" }.into(),
+            first_wrong: self.first_wrong,
+            seconds: self.seconds,
         }
     }
-    Ok(GemmResult {
-        n,
-        tflops_samples: tflops,
-        max_rel_error: max_rel,
-        checked_entries: checked,
-        wrong_entries: wrong,
-        library: library.into(),
-        checked_on: if check.is_some() { "device" } else { "host" }.into(),
-        first_wrong,
-    })
+}
+
+/// The GEMM probe: `samples` timed batches of `gemm_reps` products, every batch's product
+/// checked — on the GPU, every entry against the exact 17×17 table (`phq_gemm_check`), when the
+/// kernels are loaded; otherwise 1,024 scattered entries read back to the host.
+fn gemm(
+    ctx: &Arc<Ctx>,
+    blas: Option<&Arc<cuda::Blas>>,
+    k: Option<&Loaded>,
+    p: &LevelParams,
+) -> cuda::Result<GemmResult> {
+    let mut run = GemmRun::new(ctx, blas, k, p.gemm_n)?;
+    run.warm_up()?;
+    for _ in 0..GEMM_SAMPLES {
+        run.queue(p.gemm_reps)?;
+        run.finish()?;
+    }
+    Ok(run.result())
+}
+
+/// Every GPU in `gpus` computing GEMMs at once for `secs` seconds of GPU time: batches queued
+/// on all of them, then each finished and checked in turn, until every GPU has run `secs`.
+/// A GPU that fails drops out with its error; the others carry on.
+fn gemm_sustained(runs: &mut [(usize, Result<GemmRun<'_>, ProbeError>)], reps: u32, secs: f64) {
+    let wall = std::time::Instant::now();
+    // A bound on the host's wait whatever the events say: three times the asked time, plus a minute.
+    let give_up = std::time::Duration::from_secs_f64(secs * 3.0 + 60.0);
+    for (gpu, r) in runs.iter_mut() {
+        if let Ok(run) = r {
+            if let Err(e) = run.warm_up() {
+                *r = Err(on(*gpu)(e));
+            }
+        }
+    }
+    loop {
+        let going = runs.iter().any(|(_, r)| r.as_ref().is_ok_and(|g| g.seconds < secs));
+        if !going || wall.elapsed() > give_up {
+            break;
+        }
+        for (gpu, r) in runs.iter_mut() {
+            if let Ok(run) = r {
+                if run.seconds < secs {
+                    if let Err(e) = run.queue(reps) {
+                        *r = Err(on(*gpu)(e));
+                    }
+                }
+            }
+        }
+        for (gpu, r) in runs.iter_mut() {
+            if let Ok(run) = r {
+                if run.reps > 0 {
+                    if let Err(e) = run.finish() {
+                        *r = Err(on(*gpu)(e));
+                    } else {
+                        run.reps = 0;
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The library name a GEMM by the agent's own kernel reports.
@@ -673,6 +799,44 @@ impl Backend for CudaBackend {
             (Err(e), Some(_)) if !p.gemm_n.is_multiple_of(16) => Err(ProbeError::Unavailable(format!("no cuBLAS ({e}), and the PTX GEMM needs n a multiple of 16"))),
             _ => gemm(&ctx, blas.as_ref().ok(), kernels, p).map_err(on(gpu)),
         }
+    }
+
+    /// Every GPU at once (`gemm_sustained`), cuBLAS where it loads, the PTX GEMM elsewhere.
+    fn gemm_sustained(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+        secs: f64,
+    ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
+        let blas = cuda::blas().ok();
+        // Contexts and kernels first (they need `self` mutably); then the runs borrow the kernels.
+        let mut ready = Vec::new();
+        for &g in gpus {
+            let r = self.ctx(g).and_then(|c| match self.with_kernels(g) {
+                Ok(_) => Ok((c, true)),
+                Err(ProbeError::Unavailable(_)) => Ok((c, false)),
+                Err(e) => Err(e),
+            });
+            ready.push((g, r));
+        }
+        let loaded = &self.kernels;
+        let mut runs: Vec<(usize, Result<GemmRun<'_>, ProbeError>)> = ready
+            .into_iter()
+            .map(|(g, r)| {
+                let run = r.and_then(|(ctx, has)| {
+                    let k = if has { loaded.get(&g).and_then(|x| x.as_ref().ok()) } else { None };
+                    if blas.is_none() && k.is_none() {
+                        return Err(ProbeError::Unavailable(
+                            "the GEMM needs cuBLAS (the CUDA toolkit) or the probe kernels, which the driver could not load".into(),
+                        ));
+                    }
+                    GemmRun::new(&ctx, blas.as_ref(), k, p.gemm_n).map_err(on(g))
+                });
+                (g, run)
+            })
+            .collect();
+        gemm_sustained(&mut runs, p.gemm_reps, secs);
+        runs.into_iter().map(|(g, r)| (g, r.map(GemmRun::result))).collect()
     }
 
     fn release(&mut self, gpu: usize) {

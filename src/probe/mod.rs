@@ -34,6 +34,9 @@ pub struct LevelParams {
     /// Seconds the full level's bit-fade passes leave each pattern alone before checking it.
     #[serde(default)]
     pub fade_secs: u32,
+    /// Seconds of GEMM on every probed GPU at once (0: none), checked as the single GEMM is.
+    #[serde(default)]
+    pub gemm_secs: u32,
     /// Square GEMM size.
     pub gemm_n: usize,
     pub gemm_reps: u32,
@@ -49,6 +52,7 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             samples: 3,
             memtest_bytes: 1024 * MIB,
             fade_secs: 0,
+            gemm_secs: 0,
             gemm_n: 4096,
             gemm_reps: 5,
         },
@@ -59,6 +63,7 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             samples: 5,
             memtest_bytes: 8192 * MIB,
             fade_secs: 0,
+            gemm_secs: 0,
             gemm_n: 8192,
             gemm_reps: 10,
         },
@@ -71,6 +76,9 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             // the 32–64 ms between refreshes many times over, short enough that 8 GPUs tested
             // one after another stay within minutes.
             fade_secs: 20,
+            // A minute of every GPU at full load: long enough for clocks to settle under the
+            // power and thermal limits a node reaches only with all its GPUs busy.
+            gemm_secs: 60,
             gemm_n: 16384,
             gemm_reps: 10,
         },
@@ -173,6 +181,9 @@ pub struct GemmResult {
     /// The first wrong entry: where, what it was, what it should be.
     #[serde(default)]
     pub first_wrong: Option<String>,
+    /// GPU time the timed products took, seconds.
+    #[serde(default)]
+    pub seconds: f64,
 }
 
 /// Measures one GPU or pair. Bandwidth methods return GB/s per sample.
@@ -194,6 +205,15 @@ pub trait Backend {
     /// Nanoseconds per dependent load of pinned host memory by a kernel on GPU `gpu`.
     fn host_latency(&mut self, _gpu: usize, _p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         Err(ProbeError::Unavailable("this backend has no latency probe".into()))
+    }
+    /// GEMMs on all of `gpus` at once for `secs` seconds of GPU time each, every result checked.
+    fn gemm_sustained(
+        &mut self,
+        gpus: &[usize],
+        _p: &LevelParams,
+        _secs: f64,
+    ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
+        gpus.iter().map(|g| (*g, Err(ProbeError::Unavailable("this backend has no sustained GEMM".into())))).collect()
     }
     /// Nanoseconds per dependent load of GPU `dst`'s memory by a kernel on GPU `src` (peer
     /// access enabled by `p2p` before).
@@ -272,6 +292,9 @@ pub struct GpuProbes {
     /// Nanoseconds per dependent load of pinned host memory from a kernel on the GPU.
     #[serde(default)]
     pub host_latency_ns: Option<Outcome<Stat>>,
+    /// The GEMM run on every probed GPU at once (the full level), when it ran.
+    #[serde(default)]
+    pub gemm_sustained: Option<Outcome<GemmResult>>,
     /// Where the pinned host buffers were placed (NUMA node and CPUs, or why not).
     #[serde(default)]
     pub host_memory: Option<String>,
@@ -362,6 +385,8 @@ pub struct Options<'a> {
     pub only: &'a [usize],
     /// Run on GPUs with compute processes too.
     pub force: bool,
+    /// Seconds of the all-GPU GEMM instead of the level's (`--gemm-seconds`; 0: none).
+    pub gemm_seconds: Option<u32>,
 }
 
 /// Runs the probes `opts` asks for. `progress` hears each step as it starts.
@@ -418,9 +443,27 @@ pub fn run(
             gemm,
             sm_copy_gbps: Some(sm_copy),
             host_latency_ns: Some(host_latency),
+            gemm_sustained: None,
             host_memory: backend.host_placement(g),
             conditions: backend.conditions(g),
         });
+    }
+    let secs = opts.gemm_seconds.unwrap_or(p.gemm_secs);
+    if secs > 0 && !chosen.is_empty() {
+        let live: Vec<usize> = chosen.iter().map(|t| t.ordinal).filter(|g| !guard.0.contains_key(g)).collect();
+        progress(&format!("GPUs {live:?} at once: GEMM for {secs} s each"));
+        for (g, r) in backend.gemm_sustained(&live, &p, secs.into()) {
+            if let Err(e @ ProbeError::Sticky { gpu, .. }) = &r {
+                backend.release(*gpu);
+                guard.0.insert(*gpu, e.clone());
+            }
+            if let Some(gp) = report.gpus.iter_mut().find(|x| x.ordinal == g) {
+                gp.gemm_sustained = Some(r.into());
+            }
+        }
+        for gp in report.gpus.iter_mut() {
+            gp.conditions = backend.conditions(gp.ordinal);
+        }
     }
     for a in &chosen {
         for b in &chosen {
@@ -636,6 +679,18 @@ impl Backend for Observed<'_> {
         let r = self.inner.sm_copy(gpu, p);
         self.after(gpu, "sm_copy", r)
     }
+    fn gemm_sustained(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+        secs: f64,
+    ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
+        let out = self.inner.gemm_sustained(gpus, p, secs);
+        for g in gpus {
+            let _ = self.after(*g, "gemm_sustained", Ok(()));
+        }
+        out
+    }
     fn host_latency(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         self.inner.host_latency(gpu, p)
     }
@@ -800,7 +855,22 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
         if let Some(lat) = &g.host_latency_ns {
             out.push(latency_finding(report, g, lat));
         }
-        out.push(beside(gemm_finding(&g.gemm, f.gemm_tflops).gpu(&g.pci), seen("gemm")));
+        out.push(beside(gemm_finding("probe.gemm", &g.gemm, f.gemm_tflops).gpu(&g.pci), seen("gemm")));
+        if let Some(s) = &g.gemm_sustained {
+            let all = report.gpus.iter().filter(|x| x.gemm_sustained.is_some()).count();
+            let f = gemm_finding("probe.gemm-sustained", s, f.gemm_tflops);
+            let f = if f.severity == crate::checks::Severity::Pass {
+                let secs = match s {
+                    Outcome::Ok(r) => r.seconds,
+                    Outcome::Error(_) => 0.0,
+                };
+                let summary = format!("{} — for {secs:.0} s with {all} GPU(s) loaded at once", f.summary);
+                Finding { summary, ..f }
+            } else {
+                f
+            };
+            out.push(beside(f.gpu(&g.pci), seen("gemm_sustained")));
+        }
         out.push(p2p_finding(report, g, f.p2p_gbps));
     }
     if let Some(n) = &report.nvlink {
@@ -1042,8 +1112,9 @@ fn memory_finding(o: &Outcome<MemtestResult>) -> Finding {
     }
 }
 
-fn gemm_finding(o: &Outcome<GemmResult>, floor: Option<f64>) -> Finding {
-    const ID: &str = "probe.gemm";
+fn gemm_finding(id: &str, o: &Outcome<GemmResult>, floor: Option<f64>) -> Finding {
+    #[allow(non_snake_case)]
+    let ID = id;
     match o {
         Outcome::Error(ProbeError::Unavailable(why)) => Finding::unknown(ID, why.clone()),
         Outcome::Error(e) if is_ecc(e) => Finding::unknown(
@@ -1260,6 +1331,7 @@ mod tests {
                 library: "cuBLAS".into(),
                 checked_on: "host".into(),
                 first_wrong: None,
+                seconds: 0.1,
             })
         }
     }
@@ -1283,7 +1355,7 @@ mod tests {
     }
 
     fn opts(level: ProbeLevel) -> Options<'static> {
-        Options { level, only: &[], force: false }
+        Options { level, only: &[], force: false, gemm_seconds: None }
     }
 
     fn sev(f: &[Finding], id: &str, gpu: &str) -> Severity {
@@ -1411,16 +1483,24 @@ mod tests {
         let f = judge(&r, &t);
         let skipped: Vec<_> = f.iter().filter(|x| x.gpu.as_deref() == Some("0000:0a:00.0")).collect();
         assert!(skipped.iter().all(|x| x.severity == Severity::Unknown && x.summary.contains("pid 4242")));
-        let forced =
-            run(&mut SimGpus::hgx(), &t, &Options { level: ProbeLevel::Quick, only: &[], force: true }, &mut |_| {});
+        let forced = run(
+            &mut SimGpus::hgx(),
+            &t,
+            &Options { level: ProbeLevel::Quick, only: &[], force: true, gemm_seconds: None },
+            &mut |_| {},
+        );
         assert_eq!(forced.gpus.len(), 2);
     }
 
     #[test]
     fn only_the_asked_gpus() {
         let mut b = SimGpus::hgx();
-        let r =
-            run(&mut b, &targets(8), &Options { level: ProbeLevel::Quick, only: &[2, 5], force: false }, &mut |_| {});
+        let r = run(
+            &mut b,
+            &targets(8),
+            &Options { level: ProbeLevel::Quick, only: &[2, 5], force: false, gemm_seconds: None },
+            &mut |_| {},
+        );
         assert_eq!(r.gpus.iter().map(|g| g.ordinal).collect::<Vec<_>>(), vec![2, 5]);
         assert_eq!(r.peers.len(), 2);
     }

@@ -60,6 +60,8 @@ pub struct Plan {
     pub gpus: Vec<GpuPlan>,
     pub pairs: Vec<PairPlan>,
     pub skipped: Vec<super::Skipped>,
+    /// The all-GPU GEMM: every GPU at once, so counted once.
+    pub gemm_sustained_s: f64,
     pub total_s: f64,
     /// The level's budget, where it has one.
     pub budget_s: Option<f64>,
@@ -133,13 +135,15 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             pairs.push(PairPlan { src: *ia, dst: *ib, gbps, seconds: secs(copy, gbps) + chase });
         }
     }
-    let total_s = gpus.iter().map(|g| g.total_s).chain(pairs.iter().map(|p| p.seconds)).fold(0.0, |a, b| a + b);
+    let gemm_sustained_s = if gpus.is_empty() { 0.0 } else { opts.gemm_seconds.unwrap_or(p.gemm_secs) as f64 };
+    let total_s =
+        gpus.iter().map(|g| g.total_s).chain(pairs.iter().map(|p| p.seconds)).fold(gemm_sustained_s, |a, b| a + b);
     let budget_s = match opts.level {
         ProbeLevel::None | ProbeLevel::Quick => Some(QUICK_BUDGET_S),
         ProbeLevel::Standard => Some(STANDARD_BUDGET_S),
         ProbeLevel::Full => None,
     };
-    Plan { level: opts.level, params: p, gpus, pairs, skipped, total_s, budget_s }
+    Plan { level: opts.level, params: p, gpus, pairs, skipped, gemm_sustained_s, total_s, budget_s }
 }
 
 /// The plan as a person reads it.
@@ -188,6 +192,9 @@ pub fn render(plan: &Plan) -> String {
         let _ =
             writeln!(s, "  peers: {} pair(s), {secs:.2} s (slowest planned rate {slowest:.0} GB/s)", plan.pairs.len());
     }
+    if plan.gemm_sustained_s > 0.0 {
+        let _ = writeln!(s, "  all GPUs at once: GEMM for {:.0} s", plan.gemm_sustained_s);
+    }
     if plan.gpus.is_empty() && plan.skipped.is_empty() {
         let _ = writeln!(s, "  no NVIDIA GPU to probe: the machine's PCI devices list none");
     }
@@ -226,7 +233,7 @@ mod tests {
     }
 
     fn total(level: ProbeLevel) -> Plan {
-        plan(&hgx(8), &Options { level, only: &[], force: false }, &|_| Some(80 << 30))
+        plan(&hgx(8), &Options { level, only: &[], force: false, gemm_seconds: None }, &|_| Some(80 << 30))
     }
 
     #[test]
@@ -241,7 +248,10 @@ mod tests {
 
     #[test]
     fn the_plan_counts_what_the_probes_move() {
-        let p = plan(&hgx(1), &Options { level: ProbeLevel::Quick, only: &[], force: false }, &|_| Some(80 << 30));
+        let p =
+            plan(&hgx(1), &Options { level: ProbeLevel::Quick, only: &[], force: false, gemm_seconds: None }, &|_| {
+                Some(80 << 30)
+            });
         let g = &p.gpus[0];
         // 4 rounds (warm-up + 3 samples) × 8 copies × 64 MiB = 2 GiB at the 48 GB/s floor.
         assert!((g.h2d_s - (2u64 << 30) as f64 / 48e9).abs() < 1e-9, "{g:?}");
@@ -250,7 +260,10 @@ mod tests {
         assert_eq!(g.memory_bytes, (80u64 << 30) / 10 * 9);
         let once = g.memory_bytes as f64 / 1905e9;
         assert!((g.memory_s - 6.0 * once).abs() < 1e-9, "{g:?}");
-        let small = plan(&hgx(1), &Options { level: ProbeLevel::Full, only: &[], force: false }, &|_| Some(10 << 30));
+        let small =
+            plan(&hgx(1), &Options { level: ProbeLevel::Full, only: &[], force: false, gemm_seconds: None }, &|_| {
+                Some(10 << 30)
+            });
         assert_eq!(small.gpus[0].memory_bytes, (10u64 << 30) / 10 * 9);
     }
 }

@@ -47,7 +47,7 @@ impl Agent {
         let p = super::current(&self.shared).ok_or_else(|| fdo("no snapshot yet: the agent is starting"))?;
         let answer = match crate::probe::run_here(
             &p.snapshot,
-            &crate::probe::Options { level, only: &[], force: false },
+            &crate::probe::Options { level, only: &[], force: false, gemm_seconds: None },
             &self.state_dir,
             "D-Bus RunProbes",
             &mut |step| tracing::info!("probe: {step}"),

@@ -421,7 +421,7 @@ pub fn run_probes(
     level: crate::config::ProbeLevel,
     state_dir: &std::path::Path,
 ) -> Option<(serde_json::Value, Vec<checks::Finding>)> {
-    let opts = crate::probe::Options { level, only: &[], force: false };
+    let opts = crate::probe::Options { level, only: &[], force: false, gemm_seconds: None };
     match crate::probe::run_here(snapshot, &opts, state_dir, "phq-agent serve (boot or idle probes)", &mut |step| {
         tracing::info!("probe: {step}")
     }) {
