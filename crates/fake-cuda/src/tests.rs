@@ -248,6 +248,48 @@ fn the_drivers_rules() {
         assert_eq!(cuModuleGetFunction(&mut f1, module1, c"phq_fake_fill_u32".as_ptr()), INVALID_HANDLE);
         ok(cuCtxSetCurrent(c0));
 
+        // Page-locked host memory through its unified address: flags must be 0, the pointer must
+        // come from cuMemHostAlloc.
+        let mut host: *mut c_void = std::ptr::null_mut();
+        ok(cuMemHostAlloc(&mut host, 8, 0x3));
+        let mut dev_ptr: CUdeviceptr = 0;
+        assert_eq!(cuMemHostGetDevicePointer_v2(&mut dev_ptr, host, 1), INVALID_VALUE);
+        let mut not_pinned = [0u8; 8];
+        assert_eq!(
+            cuMemHostGetDevicePointer_v2(&mut dev_ptr, not_pinned.as_mut_ptr() as *mut c_void, 0),
+            INVALID_VALUE
+        );
+        ok(cuMemHostGetDevicePointer_v2(&mut dev_ptr, host, 0));
+        assert_eq!(dev_ptr, host as u64);
+        // The agent's spin kernel: a stream waited on before the host released the flag would
+        // have waited for the timeout, and the kernel says so in its status word.
+        let agent = format!("{}\0", include_str!("../../../src/probe/kernels.ptx"));
+        let (mut agent_module, mut spin) = (std::ptr::null_mut(), std::ptr::null_mut());
+        ok(cuModuleLoadData(&mut agent_module, agent.as_ptr() as *const c_void));
+        ok(cuModuleGetFunction(&mut spin, agent_module, c"phq_spin".as_ptr()));
+        let words = host as *mut u32;
+        let (mut flag, mut timeout, mut status) = (dev_ptr, 10_000_000_000u64, dev_ptr + 4);
+        let mut spin_params: [*mut c_void; 3] = [
+            &mut flag as *mut _ as *mut c_void,
+            &mut timeout as *mut _ as *mut c_void,
+            &mut status as *mut _ as *mut c_void,
+        ];
+        ok(cuLaunchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s0, spin_params.as_mut_ptr(), null));
+        ok(cuStreamSynchronize(s0));
+        assert_eq!(std::ptr::read_volatile(words.add(1)), 1, "never released: timed out");
+        std::ptr::write_volatile(words.add(1), 0);
+        ok(cuLaunchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s0, spin_params.as_mut_ptr(), null));
+        std::ptr::write_volatile(words, 1);
+        ok(cuStreamSynchronize(s0));
+        assert_eq!(std::ptr::read_volatile(words.add(1)), 0, "released before the wait");
+        // Every kernel the agent ships has a reimplementation here.
+        for entry in agent.lines().filter_map(|l| l.strip_prefix(".visible .entry ")) {
+            let name = entry.trim_end_matches('(');
+            assert!(kernels::NAMES.contains(&name), "the fake cannot run the agent's kernel {name}");
+        }
+        ok(cuModuleUnload(agent_module));
+        ok(cuMemFreeHost(host));
+
         // cuBLAS: an exact integer product, computed lazily, at the scenario's rate.
         let n = 64usize;
         let a_host: Vec<f32> = (0..n * n).map(|x| ((x * 7) % 9) as f32 - 4.0).collect();
