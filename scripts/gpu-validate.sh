@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Hardware validation on a machine with a Hopper GPU: runs the release binary's doctor and quick
-# probes, measures the same copies with PyTorch (pinned host↔device and device copy, CUDA
-# events, same buffer size and copy count), and prints them side by side as ratios, plus each
-# figure against the link's physical limit.
+# probes, measures the same copies with PyTorch (pinned host↔device, device copy by the copy
+# engine, and an elementwise kernel copy beside the probe's SM copy; CUDA events, same buffer
+# size and copy count), and prints them side by side as ratios, plus each figure against the
+# link's physical limit; then the memory test's coverage and effective rate, the latency
+# chase, the NVLink scope line and a short sustained GEMM.
 #
 #   scripts/gpu-validate.sh [path/to/phq-agent]        (default: target/release/phq-agent)
 #
@@ -73,6 +75,8 @@ for gpu in range(torch.cuda.device_count()):
         "h2d": bw(lambda: dev.copy_(host, non_blocking=True), n),
         "d2h": bw(lambda: host.copy_(dev, non_blocking=True), n),
         "d2d": bw(lambda: dev2.copy_(dev, non_blocking=True), 2 * n),
+        # An elementwise kernel: every byte read and written by the SMs, as phq_copy_sm does.
+        "sm_copy": bw(lambda: torch.add(dev.view(torch.float32), 0, out=dev2.view(torch.float32)), 2 * n),
         "gemm_tflops": 2 * g ** 3 * 5 / (s.elapsed_time(e) / 1000) / 1e12,
     }
 print(json.dumps(res))
@@ -96,11 +100,11 @@ gpus = (probe.get("probes") or {}).get("gpus", [])
 print(f"{'GPU':<14}{'what':<6}{'phq':>9}{'torch':>9}{'phq/torch':>11}{'limit':>8}{'phq/limit':>11}")
 for g in gpus:
     pe = next((v for v in peer.values() if v.get("index") == g["ordinal"]), {})
-    for key, what in (("h2d_gbps", "h2d"), ("d2h_gbps", "d2h"), ("d2d_gbps", "d2d")):
-        o = g.get(key, {})
+    for key, what in (("h2d_gbps", "h2d"), ("d2h_gbps", "d2h"), ("d2d_gbps", "d2d"), ("sm_copy_gbps", "sm_copy")):
+        o = g.get(key) or {}
         ours = o.get("ok", {}).get("median") if isinstance(o, dict) else None
         theirs = pe.get(what)
-        limit = PCIE if what != "d2d" else HBM.get(models.get(g["pci"], ""), None)
+        limit = PCIE if what in ("h2d", "d2h") else HBM.get(models.get(g["pci"], ""), None)
         r1 = f"{ours/theirs:.2f}" if ours and theirs else "-"
         r2 = f"{ours/limit:.2f}" if ours and limit else "-"
         print(f"{g['pci']:<14}{what:<6}{(ours or 0):>9.1f}{(theirs or 0):>9.1f}{r1:>11}{(limit or 0):>8.0f}{r2:>11}")
@@ -110,9 +114,31 @@ for g in gpus:
         theirs = pe.get("gemm_tflops")
         r1 = f"{ours/theirs:.2f}" if theirs else "-"
         print(f"{g['pci']:<14}{'gemm':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s, {gm['wrong_entries']} wrong of {gm['checked_entries']}")
+    mt = (g.get("memory") or {}).get("ok")
+    if mt:
+        secs = mt.get("seconds") or 0
+        traffic = mt["bytes_tested"] * 2 * len(mt.get("passes", []))  # each pass: one write, one read
+        rate = f"{traffic / secs / 1e9:.0f} GB/s of write+check traffic" if secs else "no time"
+        print(f"{'':<14}memory test: {mt['bytes_tested'] >> 20} MiB in {mt['chunks']} chunks, {len(mt.get('passes', []))} passes, {secs:.2f} s ({rate}), {mt['mismatches']} mismatches, method {mt['method']}")
+    lat = (g.get("host_latency_ns") or {}).get("ok")
+    if lat:
+        print(f"{'':<14}host latency: {lat['median']:.0f} ns per dependent load (nvbandwidth host_device_latency_sm is the peer to run by hand)")
     print(f"{'':<14}host memory: {g.get('host_memory')}; NVML after h2d: {g.get('conditions', {}).get('h2d')}")
+for f in probe.get("findings", []):
+    if f["id"] == "probe.nvlink-scope":
+        print(f"NVLink scope: {f['summary']}")
 for f in probe.get("findings", []):
     if f["id"].startswith("probe.") and f["severity"] != "pass":
         print(f"{f['severity'].upper():<8}{f['id']:<26}{f.get('gpu') or '':<14}{f['summary']}")
+PY
+echo "== phq-agent probe --gemm-seconds 20 (every GPU at once; NVML clocks after it)"
+"$bin" probe --level quick --gemm-seconds 20 --json > "$out/sustained.json" 2> "$out/sustained.stderr"; echo "exit $?"
+python3 - "$out/sustained.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for f in r.get("findings", []):
+    if f["id"] == "probe.gemm-sustained":
+        c = (f.get("evidence") or {}).get("conditions") or {}
+        print(f"{f['severity'].upper():<6}{f.get('gpu') or '':<14}{f['summary']}  [SM {c.get('sm_clock_mhz')} MHz, {c.get('power_mw')} mW, {c.get('throttle_reasons')}]")
 PY
 echo "== files in $out"; ls "$out"

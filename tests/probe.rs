@@ -185,6 +185,10 @@ fn hgx_passes_with_all_56_pairs_at_the_links_rate_and_one_run_at_a_time() {
         "{scope}"
     );
     assert_eq!(p.report["probes"]["nvlink"]["nvlink_pairs"], 56);
+    // Each unordered pair once, both directions measured.
+    let pairs = p.report["probes"]["nvlink"]["pairs_gbps"].as_array().unwrap();
+    assert_eq!(pairs.len(), 28);
+    assert!(pairs.iter().all(|x| x["a_to_b"].as_f64().is_some() && x["b_to_a"].as_f64().is_some()), "{pairs:?}");
     // Peer latency by pointer chase through the other GPU's memory: the scenario's 1,000 ns.
     let l = &p.peers()[0];
     assert!((median(&l["latency_ns"]) - 1000.0).abs() < 1.0, "{l}");

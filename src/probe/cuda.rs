@@ -345,6 +345,7 @@ fn memory_readback(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<MemtestResul
         chunks: 1,
         seed: None,
         passes: Vec::new(),
+        seconds: None,
     })
 }
 

@@ -155,6 +155,8 @@ pub(crate) fn memtest(
     let result = ctx.alloc(256)?;
     let host = ctx.pinned(256)?;
     let stream = ctx.stream()?;
+    let (t0, t1) = (ctx.event()?, ctx.event()?);
+    stream.record(&t0)?;
     let mut passes = Vec::new();
     for step in steps {
         match step {
@@ -197,7 +199,9 @@ pub(crate) fn memtest(
             }
         }
     }
+    stream.record(&t1)?;
     stream.synchronize()?;
+    let seconds = t0.elapsed_ms(&t1)? as f64 / 1000.0;
     let mismatches = passes.iter().map(|p| p.mismatches).sum();
     let first = passes.iter().find_map(|p| {
         p.first.first().map(|m| (m.address, format!("{:#018x} for {:#018x} in {}", m.read, m.expected, p.name)))
@@ -211,6 +215,7 @@ pub(crate) fn memtest(
         chunks: chunks.len(),
         seed: Some(seed),
         passes,
+        seconds: Some(seconds),
     })
 }
 

@@ -145,6 +145,9 @@ pub struct MemtestResult {
     /// Each check pass: its pattern and what it found.
     #[serde(default)]
     pub passes: Vec<MemtestPass>,
+    /// GPU time the whole test took (bit-fade pauses included), by CUDA events.
+    #[serde(default)]
+    pub seconds: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -353,6 +356,18 @@ pub struct NvlinkScope {
     pub through: String,
     /// NVML's fabric state and clique per GPU, when reported.
     pub fabric: std::collections::BTreeMap<String, String>,
+    /// Every measured pair: GPU indices, its scope, GB/s each way (`None` where not measured).
+    #[serde(default)]
+    pub pairs_gbps: Vec<PairFigures>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PairFigures {
+    pub a: usize,
+    pub b: usize,
+    pub scope: String,
+    pub a_to_b: Option<f64>,
+    pub b_to_a: Option<f64>,
 }
 
 fn nvlink_scope(report: &ProbeReport, targets: &[Target]) -> NvlinkScope {
@@ -373,6 +388,26 @@ fn nvlink_scope(report: &ProbeReport, targets: &[Target]) -> NvlinkScope {
         links: probed.iter().map(|t| (t.pci.clone(), t.nvlinks_active)).collect(),
         through: through.into(),
         fabric: probed.iter().filter_map(|t| Some((t.pci.clone(), t.fabric.clone()?))).collect(),
+        pairs_gbps: {
+            let rate = |src: usize, dst: usize| {
+                report.peers.iter().find(|l| l.src == src && l.dst == dst).and_then(|l| match &l.gbps {
+                    Some(Outcome::Ok(s)) => Some(s.median),
+                    _ => None,
+                })
+            };
+            report
+                .peers
+                .iter()
+                .filter(|l| l.src < l.dst)
+                .map(|l| PairFigures {
+                    a: l.src,
+                    b: l.dst,
+                    scope: l.scope.clone(),
+                    a_to_b: rate(l.src, l.dst),
+                    b_to_a: rate(l.dst, l.src),
+                })
+                .collect()
+        },
     }
 }
 
@@ -1313,6 +1348,7 @@ mod tests {
                 chunks: 1,
                 seed: None,
                 passes: Vec::new(),
+                seconds: None,
             })
         }
         fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
@@ -1374,6 +1410,7 @@ mod tests {
             chunks: 1,
             seed: Some(1),
             passes: Vec::new(),
+            seconds: None,
         });
         let at = |corrected, uncorrected, remapped| Conditions {
             sm_clock_mhz: None,
