@@ -78,9 +78,17 @@ pub type Result<T> = std::result::Result<T, CudaError>;
 
 /// Declares a table of C functions and how to resolve it from a library.
 macro_rules! api {
-    ($what:literal, $table:ident { $($name:ident : fn($($arg:ty),*) -> $ret:ty;)* }) => {
+    ($what:literal, $file:literal, $table:ident { $($name:ident : fn($($arg:ty),*) -> $ret:ty;)* }) => {
         #[allow(non_snake_case)]
-        struct $table { $($name: unsafe extern "C" fn($($arg),*) -> $ret,)* }
+        pub struct $table { $($name: unsafe extern "C" fn($($arg),*) -> $ret,)* }
+
+        impl Api for $table {
+            const FILE: &'static str = $file;
+            unsafe fn from(lib: &Library, file: &Path) -> std::result::Result<Self, LoadError> {
+                // SAFETY: the caller keeps `lib` loaded while the table is used.
+                unsafe { Self::resolve(lib, file) }
+            }
+        }
 
         impl $table {
             /// # Safety
@@ -100,7 +108,7 @@ macro_rules! api {
     };
 }
 
-api!("the CUDA driver", DriverApi {
+api!("the CUDA driver", "libcuda (the NVIDIA driver's CUDA library)", DriverApi {
     cuInit: fn(c_uint) -> CUresult;
     cuDriverGetVersion: fn(*mut c_int) -> CUresult;
     cuGetErrorName: fn(CUresult, *mut *const c_char) -> CUresult;
@@ -142,7 +150,7 @@ api!("the CUDA driver", DriverApi {
     ) -> CUresult;
 });
 
-api!("cuBLAS", BlasApi {
+api!("cuBLAS", "cuBLAS (libcublas, part of the CUDA toolkit)", BlasApi {
     cublasCreate_v2: fn(*mut Handle) -> c_int;
     cublasDestroy_v2: fn(Handle) -> c_int;
     cublasSetStream_v2: fn(Handle, Handle) -> c_int;
@@ -186,39 +194,62 @@ fn open(what: &'static str, candidates: &[PathBuf]) -> std::result::Result<(Libr
     })
 }
 
-/// The loaded driver library. Kept loaded for the process's life, as every CUDA application
-/// keeps it: libcuda does not support being unloaded while it has initialised.
-pub struct Driver {
-    api: DriverApi,
+/// A table of C functions the `api!` macro declares.
+pub trait Api: Sized {
+    /// The library, as a person would look for it.
+    const FILE: &'static str;
+    /// # Safety
+    /// `lib` must stay loaded for as long as the table is used.
+    unsafe fn from(lib: &Library, file: &Path) -> std::result::Result<Self, LoadError>;
+}
+
+/// A loaded library and its resolved table, kept loaded for the process's life: libcuda does
+/// not support being unloaded while it has initialised, and cuBLAS's handles point into it.
+pub struct Loaded<A> {
+    api: A,
     _lib: Library,
     pub file: PathBuf,
 }
 
-// SAFETY: the table holds plain function pointers into a library that is never unloaded; the
-// driver API is thread-safe (driver API reference, "Thread safety" in the CUDA programming guide).
-unsafe impl Send for Driver {}
+// SAFETY: the table holds plain function pointers into a library that is never unloaded. The
+// driver API is thread-safe (CUDA programming guide, "Thread safety"); a cuBLAS handle is used by
+// one thread at a time (`BlasHandle`), which is what cuBLAS asks ("Thread Safety").
+unsafe impl<A> Send for Loaded<A> {}
 // SAFETY: as above.
-unsafe impl Sync for Driver {}
+unsafe impl<A> Sync for Loaded<A> {}
 
-static DRIVER: Mutex<Option<Arc<Driver>>> = Mutex::new(None);
+/// The loaded driver library.
+pub type Driver = Loaded<DriverApi>;
+/// The loaded cuBLAS library.
+pub type Blas = Loaded<BlasApi>;
 
-/// The CUDA driver library, loaded on first use (a failure is retried next time: the
-/// installer may have put the driver there since).
-pub fn driver() -> std::result::Result<Arc<Driver>, LoadError> {
-    let mut slot = DRIVER.lock().unwrap_or_else(|e| e.into_inner());
+/// The library in `slot`, loaded from the first of `candidates` that loads on first use; a
+/// failure is retried next time (the installer may have put the library there since).
+fn cached<A: Api>(
+    slot: &Mutex<Option<Arc<Loaded<A>>>>,
+    candidates: &[PathBuf],
+) -> std::result::Result<Arc<Loaded<A>>, LoadError> {
+    let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(d) = slot.as_ref() {
         return Ok(d.clone());
     }
+    let (lib, file) = open(A::FILE, candidates)?;
+    // SAFETY: the library is stored beside the table and never unloaded.
+    let api = unsafe { A::from(&lib, &file) }?;
+    let d = Arc::new(Loaded { api, _lib: lib, file });
+    *slot = Some(d.clone());
+    Ok(d)
+}
+
+static DRIVER: Mutex<Option<Arc<Driver>>> = Mutex::new(None);
+
+/// The CUDA driver library: `use_library`'s, else `libcuda.so.1`, else `libcuda.so`.
+pub fn driver() -> std::result::Result<Arc<Driver>, LoadError> {
     let candidates = match named_library() {
         Some(p) => vec![p.to_path_buf()],
         None => vec![PathBuf::from("libcuda.so.1"), PathBuf::from("libcuda.so")],
     };
-    let (lib, file) = open("libcuda (the NVIDIA driver's CUDA library)", &candidates)?;
-    // SAFETY: the library is stored beside the table and never unloaded.
-    let api = unsafe { DriverApi::resolve(&lib, &file) }?;
-    let d = Arc::new(Driver { api, _lib: lib, file });
-    *slot = Some(d.clone());
-    Ok(d)
+    cached(&DRIVER, &candidates)
 }
 
 fn c_text(p: *const c_char) -> String {
@@ -813,38 +844,16 @@ impl Stream {
     }
 }
 
-/// The loaded cuBLAS library.
-pub struct Blas {
-    api: BlasApi,
-    _lib: Library,
-    pub file: PathBuf,
-}
-
-// SAFETY: plain function pointers into a library that is never unloaded; a cuBLAS handle is
-// used by one thread at a time (below), which is what cuBLAS asks ("Thread Safety").
-unsafe impl Send for Blas {}
-// SAFETY: as above.
-unsafe impl Sync for Blas {}
-
 static BLAS: Mutex<Option<Arc<Blas>>> = Mutex::new(None);
 
-/// cuBLAS, loaded on first use: `PHQ_CUBLAS_LIB`, else CUDA 12's `libcublas.so.12`, else
-/// `libcublas.so`. It ships with the CUDA toolkit, not the driver.
+/// cuBLAS: `PHQ_CUBLAS_LIB`, else CUDA 12's `libcublas.so.12`, else `libcublas.so`. It ships with
+/// the CUDA toolkit, not the driver.
 pub fn blas() -> std::result::Result<Arc<Blas>, LoadError> {
-    let mut slot = BLAS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(b) = slot.as_ref() {
-        return Ok(b.clone());
-    }
     let candidates = match std::env::var_os("PHQ_CUBLAS_LIB") {
         Some(p) => vec![PathBuf::from(p)],
         None => vec![PathBuf::from("libcublas.so.12"), PathBuf::from("libcublas.so")],
     };
-    let (lib, file) = open("cuBLAS (libcublas, part of the CUDA toolkit)", &candidates)?;
-    // SAFETY: the library is stored beside the table and never unloaded.
-    let api = unsafe { BlasApi::resolve(&lib, &file) }?;
-    let b = Arc::new(Blas { api, _lib: lib, file });
-    *slot = Some(b.clone());
-    Ok(b)
+    cached(&BLAS, &candidates)
 }
 
 /// `cublasStatus_t` names (cublas_api.h).
