@@ -572,6 +572,32 @@ fn every_gpu_runs_the_checked_gemm_at_once_for_the_time_asked() {
     assert_eq!(r.contexts_made(), PCI[..3]);
 }
 
+/// A driver too old for the kernels' PTX (CUDA 10.2 against ISA 7.0) refuses the module with
+/// CUDA_ERROR_UNSUPPORTED_PTX_VERSION: the kernel probes are unknown and say why, the memory test
+/// falls back to patterns read back to the host, the GEMM is checked on the host, and the copies
+/// are still measured.
+#[test]
+fn a_driver_too_old_for_the_kernels_leaves_them_unknown_and_the_rest_measured() {
+    let r = Run::new("h200-single", "h200-vm", "cuda-h200-old-driver");
+    let p = r.run(&[]);
+    let gpu = "0000:09:00.0";
+    for id in ["probe.sm-copy-bandwidth", "probe.latency"] {
+        let f = p.finding(id, gpu);
+        assert_eq!(f["severity"], "unknown", "{f}");
+        assert!(f["summary"].as_str().unwrap().contains("CUDA_ERROR_UNSUPPORTED_PTX_VERSION"), "{f}");
+    }
+    let m = p.finding("probe.memory-integrity", gpu);
+    assert_eq!(m["severity"], "pass", "{m}");
+    assert_eq!(m["evidence"]["memtest"]["method"], "host read-back", "{m}");
+    let g = p.finding("probe.gemm", gpu);
+    assert_eq!(
+        (g["severity"].as_str(), g["evidence"]["gemm"]["checked_on"].as_str()),
+        (Some("pass"), Some("host")),
+        "{g}"
+    );
+    assert_eq!(p.severity("probe.h2d-bandwidth", gpu), "pass");
+}
+
 /// SMs that reach HBM slower than the copy engines do: the SM copy fails on its own, the copy
 /// engines' device copy passes.
 #[test]

@@ -313,6 +313,14 @@ def cuda_h200_wrong_gemm_entry():
     return s
 
 
+def cuda_h200_old_driver():
+    """The H200 under a driver of CUDA 10.2, older than the probe kernels' PTX ISA 7.0 (which
+    needs CUDA 11.0): the driver refuses the module, and the probes that need no kernel still run."""
+    s = cuda_h200()
+    s["driver_version"] = 10020
+    return s
+
+
 CUDA_SCENARIOS = {
     "cuda-hgx-8gpu": cuda_hgx,
     "cuda-hgx-8gpu-ecc": cuda_hgx_ecc,
@@ -327,6 +335,7 @@ CUDA_SCENARIOS = {
     "cuda-h200-slow-sm-copy": cuda_h200_slow_sm_copy,
     "cuda-h200-slower-h2d": cuda_h200_slower_h2d,
     "cuda-h200-wrong-gemm-entry": cuda_h200_wrong_gemm_entry,
+    "cuda-h200-old-driver": cuda_h200_old_driver,
     "cuda-init-not-ready": lambda: {"init_error": "CUDA_ERROR_SYSTEM_NOT_READY", "devices": []},
 }
 

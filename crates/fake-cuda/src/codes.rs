@@ -14,6 +14,7 @@ pub const INVALID_CONTEXT: CUresult = 201;
 pub const ECC_UNCORRECTABLE: CUresult = 214;
 pub const PEER_ACCESS_UNSUPPORTED: CUresult = 217;
 pub const INVALID_PTX: CUresult = 218;
+pub const UNSUPPORTED_PTX_VERSION: CUresult = 222;
 pub const INVALID_HANDLE: CUresult = 400;
 pub const NOT_FOUND: CUresult = 500;
 pub const NOT_READY: CUresult = 600;
@@ -37,12 +38,14 @@ pub const TABLE: &[(CUresult, &str, &str)] = &[
     (217, "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED", "peer access is not supported between these two devices"),
     (218, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"),
     (220, "CUDA_ERROR_NVLINK_UNCORRECTABLE", "uncorrectable NVLink error detected during the execution"),
+    (222, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "the provided PTX was compiled with an unsupported toolchain."),
     (400, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"),
     (500, "CUDA_ERROR_NOT_FOUND", "named symbol not found"),
     (600, "CUDA_ERROR_NOT_READY", "device not ready"),
     (700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"),
     (704, "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED", "peer access is already enabled"),
     (705, "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED", "peer access has not been enabled"),
+    (716, "CUDA_ERROR_MISALIGNED_ADDRESS", "misaligned address"),
     (719, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"),
     (801, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"),
     (802, "CUDA_ERROR_SYSTEM_NOT_READY", "system not yet initialized"),

@@ -1764,10 +1764,51 @@ pub unsafe extern "C" fn cuModuleLoadData(m: *mut Handle, image: *const c_void) 
             eprintln!("fake-cuda: cuModuleLoadData: not a PTX module with an .entry");
             return INVALID_PTX;
         }
+        // A driver loads PTX of the ISA versions its CUDA release knows, and answers newer text
+        // with CUDA_ERROR_UNSUPPORTED_PTX_VERSION (DRV, cuModuleLoadData). Which CUDA release
+        // first loads each ISA version: the PTX ISA's release history, as NVIDIA's cuda-python
+        // maps it (`cuda.bindings.utils.get_minimal_required_cuda_ver_from_ptx_ver`).
+        let needs =
+            text.lines().find_map(|l| l.trim_start().strip_prefix(".version")).and_then(|v| ptx_min_driver(v.trim()));
+        match needs {
+            Some(min) if w.scenario.driver_version < min => {
+                eprintln!(
+                    "fake-cuda: cuModuleLoadData: PTX needs CUDA {}.{}, the driver is CUDA {}.{}",
+                    min / 1000,
+                    min % 1000 / 10,
+                    w.scenario.driver_version / 1000,
+                    w.scenario.driver_version % 1000 / 10
+                );
+                return codes::UNSUPPORTED_PTX_VERSION;
+            }
+            None => {
+                eprintln!("fake-cuda: cuModuleLoadData: a .version this fake does not know");
+                return INVALID_PTX;
+            }
+            Some(_) => {}
+        }
         let h = w.handle();
         w.modules.insert(h, Module { ctx, entries });
         *m = h as Handle;
         SUCCESS
+    })
+}
+
+/// The first CUDA driver (as `cuDriverGetVersion` reports it) that loads PTX ISA `version`
+/// (the PTX ISA's release history: 6.5 with CUDA 10.2, 7.x with 11.x, 8.0–8.5 with 12.0–12.5,
+/// 8.6 with 12.7, 8.7 with 12.8, 8.8 with 12.9, 9.x with 13.x).
+fn ptx_min_driver(version: &str) -> Option<i32> {
+    let (major, minor) = version.split_once('.')?;
+    let (major, minor): (i32, i32) = (major.parse().ok()?, minor.parse().ok()?);
+    Some(match (major, minor) {
+        (6, 5) => 10020,
+        (7, m) if m <= 8 => 11000 + 10 * m,
+        (8, m) if m <= 5 => 12000 + 10 * m,
+        (8, 6) => 12070,
+        (8, 7) => 12080,
+        (8, 8) => 12090,
+        (9, m) if m <= 9 => 13000 + 10 * m,
+        _ => return None,
     })
 }
 

@@ -205,6 +205,10 @@ fn the_drivers_rules() {
         let (mut module, mut f, mut g) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
         assert_eq!(cuModuleLoadData(&mut module, c"not ptx".as_ptr() as *const c_void), INVALID_PTX);
         assert_eq!(name(INVALID_PTX), "CUDA_ERROR_INVALID_PTX");
+        // PTX newer than the driver's CUDA release (ISA 9.0 needs CUDA 13.0; this driver is 12.8).
+        let newer = b".version 9.0\n.target sm_90\n.address_size 64\n.visible .entry k()\n{ ret; }\n\0";
+        assert_eq!(cuModuleLoadData(&mut module, newer.as_ptr() as *const c_void), codes::UNSUPPORTED_PTX_VERSION);
+        assert_eq!(name(codes::UNSUPPORTED_PTX_VERSION), "CUDA_ERROR_UNSUPPORTED_PTX_VERSION");
         ok(cuModuleLoadData(&mut module, ptx.as_ptr() as *const c_void));
         assert_eq!(cuModuleGetFunction(&mut f, module, c"phq_missing".as_ptr()), NOT_FOUND);
         assert_eq!(name(NOT_FOUND), "CUDA_ERROR_NOT_FOUND");
