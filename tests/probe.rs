@@ -598,6 +598,28 @@ fn a_driver_too_old_for_the_kernels_leaves_them_unknown_and_the_rest_measured() 
     assert_eq!(p.severity("probe.h2d-bandwidth", gpu), "pass");
 }
 
+/// NVML's volatile corrected-ECC count rises while the memory test runs (the scenario's GPU
+/// corrects errors under load): every word read back right, yet the memory finding warns with
+/// the counts before and after.
+#[test]
+fn ecc_errors_corrected_during_the_memory_test_are_a_warning_without_a_mismatch() {
+    let r = Run::new("h200-single", "h200-vm-ecc-rising", "cuda-h200");
+    let p = r.run(&[]);
+    let f = p.finding("probe.memory-integrity", "0000:09:00.0");
+    assert_eq!(f["severity"], "warn", "{f}");
+    assert_eq!(f["evidence"]["memtest"]["mismatches"], 0, "{f}");
+    assert!(
+        f["summary"].as_str().unwrap().contains("NVML counted 2 corrected ECC error(s) while the memory test ran"),
+        "{f}"
+    );
+    let (before, after) = (&f["evidence"]["counters_before"], &f["evidence"]["counters_after"]);
+    assert_eq!(
+        after["ecc_volatile"]["corrected"].as_u64().unwrap() - before["ecc_volatile"]["corrected"].as_u64().unwrap(),
+        2,
+        "{f}"
+    );
+}
+
 /// SMs that reach HBM slower than the copy engines do: the SM copy fails on its own, the copy
 /// engines' device copy passes.
 #[test]

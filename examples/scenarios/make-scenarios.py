@@ -171,6 +171,20 @@ def h200_vm_agent_context():
     return s
 
 
+def h200_vm_ecc_rising():
+    """The H200 VM correcting ECC errors while it is used: each read of its volatile corrected
+    count finds 2 more (the scenario's fault). No uncorrectable error, no row remapped."""
+    s = h200_vm()
+    s["devices"][0]["ecc"] = {
+        "current": True,
+        "pending": True,
+        "volatile": {"corrected": 0, "uncorrected": 0},
+        "aggregate": {"corrected": 0, "uncorrected": 0},
+        "corrected_per_read": 2,
+    }
+    return s
+
+
 def hgx_nvlink_p2p_off():
     """NVML says GPUs 0000:0b:00.0 and 0000:0f:00.0 reach no GPU over NVLink (P2P status not
     supported), though their links report active: their peer copies go over PCIe."""
@@ -195,6 +209,7 @@ SCENARIOS = {
     "h100-pcie-vm-unsupported": vm_unsupported,
     "h200-vm": h200_vm,
     "h200-vm-agent-context": h200_vm_agent_context,
+    "h200-vm-ecc-rising": h200_vm_ecc_rising,
     "init-driver-not-loaded": lambda: init_error("NVML_ERROR_DRIVER_NOT_LOADED"),
     "init-version-mismatch": lambda: init_error("NVML_ERROR_LIB_RM_VERSION_MISMATCH"),
     "init-no-permission": lambda: init_error("NVML_ERROR_NO_PERMISSION"),

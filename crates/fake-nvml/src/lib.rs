@@ -589,7 +589,13 @@ pub unsafe extern "C" fn nvmlDeviceGetTotalEccErrors(
         let e = d.ecc.as_ref()?;
         // nvmlMemoryErrorType_t: 0 corrected, 1 uncorrected; nvmlEccCounterType_t: 0 volatile, 1 aggregate
         let counts = if counter_type == 0 { e.volatile.as_ref()? } else { e.aggregate.as_ref()? };
-        Some(put(out, if error_type == 0 { counts.corrected } else { counts.uncorrected }))
+        let rising = if counter_type == 0 && error_type == 0 && e.corrected_per_read > 0 {
+            static READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            e.corrected_per_read * READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        } else {
+            0
+        };
+        Some(put(out, if error_type == 0 { counts.corrected + rising } else { counts.uncorrected }))
     })
 }
 

@@ -105,6 +105,10 @@ pub struct Ecc {
     pub pending: Option<bool>,
     pub volatile: Option<EccCounts>,
     pub aggregate: Option<EccCounts>,
+    /// The scenario's fault: each read of the volatile corrected count finds this many more
+    /// errors than the read before (a GPU correcting errors while it is used).
+    #[serde(default)]
+    pub corrected_per_read: u64,
 }
 
 #[derive(Debug, Deserialize)]
