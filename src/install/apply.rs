@@ -360,7 +360,10 @@ fn boot_gate(plan: &Plan, runner: &mut dyn Runner, o: &mut Options, head: &str) 
     None
 }
 
-/// Where DKMS keeps the machine-owner key it signs modules with (Debian and Ubuntu's dkms).
+/// Where DKMS keeps the machine-owner key it signs modules with: the dkms project's README
+/// ("Module signing") says the key and certificate are generated the first time DKMS runs and
+/// placed in /var/lib/dkms (`mok.key`, `mok.pub`), unless `mok_signing_key`/`mok_certificate` in
+/// /etc/dkms/framework.conf name others (Ubuntu's shim-signed MOK, for one).
 const DKMS_MOK: &str = "/var/lib/dkms/mok.pub";
 
 fn unsafe_boot(kernel: &str, why: String) -> Finding {
