@@ -89,11 +89,11 @@ pub enum ProbeLevel {
     /// No probes (configuration only: `probes.at_boot = "none"`).
     #[value(skip)]
     None,
-    /// 64 MiB copies, 1 GiB memory test, 4096² GEMM: seconds per GPU.
+    /// 64 MiB copies, memory test with 3 patterns, 4096² GEMM: seconds per GPU.
     Quick,
-    /// nvbandwidth's 512 MiB copies, 8 GiB memory test, 8192² GEMM.
+    /// nvbandwidth's 512 MiB copies, moving inversions added, 8192² GEMM.
     Standard,
-    /// More samples, 64 GiB memory test, 16384² GEMM: minutes.
+    /// More samples, bit fade added, 16384² GEMM, a minute of all GPUs at once: minutes.
     Full,
 }
 
