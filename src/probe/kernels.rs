@@ -219,14 +219,20 @@ pub(crate) fn memtest(
     })
 }
 
-/// A check's result buffer: the count, then up to 8 (address, read, expected) records.
-fn read_pass(name: &str, b: &[u8]) -> MemtestPass {
+/// A check kernel's result buffer (`phq_mem_check`, `phq_gemm_check`): the count, then up to 8
+/// (address or element, read, expected) records.
+pub(crate) fn read_result(b: &[u8]) -> (u64, Vec<super::Mismatch>) {
     let word = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
     let count = word(0);
     let first = (0..count.min(8) as usize)
         .map(|s| super::Mismatch { address: word(1 + 3 * s), read: word(2 + 3 * s), expected: word(3 + 3 * s) })
         .collect();
-    MemtestPass { name: name.to_string(), mismatches: count, first }
+    (count, first)
+}
+
+fn read_pass(name: &str, b: &[u8]) -> MemtestPass {
+    let (mismatches, first) = read_result(b);
+    MemtestPass { name: name.to_string(), mismatches, first }
 }
 
 /// Holds a stream until the host lets it go, so a sample's copies run back to back from the

@@ -75,6 +75,8 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
     let rounds = (p.samples + 1) as f64 * p.copies_per_sample as f64; // a warm-up, then the samples
     let copy = rounds * p.buffer_bytes as f64;
     let secs = |bytes: f64, gbps: f64| bytes / (gbps * 1e9);
+    // A latency chase (host or peer): a warm-up of a tenth, then the samples.
+    let chase = (p.samples as f64 + 0.1) * cuda::LATENCY_STEPS as f64 * PLANNED_LATENCY_S;
     let mut gpus = Vec::new();
     for (t, index) in &chosen {
         let f = facts::probe_floors(t.device_id.unwrap_or(0));
@@ -96,8 +98,6 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             })
             .sum();
         let memory_bytes = memory_bytes as u64;
-        // The chase: a warm-up of a tenth, then the samples.
-        let chase = (p.samples as f64 + 0.1) * cuda::LATENCY_STEPS as f64 * PLANNED_LATENCY_S;
         let n = p.gemm_n as f64;
         let gemm_s = (1 + cuda::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3) / (tflops * 1e12)
             + secs(2.0 * n * n * 4.0, h2d);
@@ -131,7 +131,6 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             };
             let gbps =
                 facts::probe_floors(a.device_id.unwrap_or(0)).p2p_gbps.filter(|_| nvlink).unwrap_or(FALLBACK_PCIE_GBPS);
-            let chase = (p.samples as f64 + 0.1) * cuda::LATENCY_STEPS as f64 * PLANNED_LATENCY_S;
             pairs.push(PairPlan { src: *ia, dst: *ib, gbps, seconds: secs(copy, gbps) + chase });
         }
     }

@@ -240,22 +240,8 @@ unsafe fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUres
             bad.extend(found);
         }
     }
-    // The result: a count added atomically, the first eight kept.
-    let Some(old) = stored(w, result) else { return INVALID_VALUE };
-    let mut out = Vec::new();
-    out.extend_from_slice(&(old + bad.len() as u64).to_le_bytes());
-    if let Err(e) = w.write(result, &out) {
+    if let Err(e) = record(w, result, bad.len() as u64, &bad) {
         return e;
-    }
-    for (k, (addr, got, want)) in bad.iter().enumerate() {
-        let slot = old + k as u64;
-        if slot >= 8 {
-            break;
-        }
-        let rec: Vec<u8> = [*addr, *got, *want].iter().flat_map(|v| v.to_le_bytes()).collect();
-        if let Err(e) = w.write(result + 8 + 24 * slot, &rec) {
-            return e;
-        }
     }
     if rewrites {
         if let Err(e) = write_pattern(w, base, ptr, len as usize, next_mode, next_arg) {
@@ -266,6 +252,19 @@ unsafe fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUres
     let secs = traffic / (w.hbm_gbps(dev) * 1e9);
     w.run_on_sms(stream, secs);
     SUCCESS
+}
+
+/// What the check kernels leave in their result buffer: `count` added to the 64-bit count at
+/// `result` (atomically, on a GPU), and the first eight of all the launches' mismatches as
+/// (address or element, read, expected) at `result + 8 + 24·slot`.
+fn record(w: &mut World, result: u64, count: u64, bad: &[(u64, u64, u64)]) -> Result<(), CUresult> {
+    let old = stored(w, result).ok_or(INVALID_VALUE)?;
+    w.write(result, &(old + count).to_le_bytes())?;
+    for (slot, (at, got, want)) in (old..8).zip(bad) {
+        let rec: Vec<u8> = [*at, *got, *want].iter().flat_map(|v| v.to_le_bytes()).collect();
+        w.write(result + 8 + 24 * slot, &rec)?;
+    }
+    Ok(())
 }
 
 /// `phq_copy_sm(u64 dst, u64 src, u64 count)`: count 16-byte vectors; reads and writes every
@@ -457,20 +456,8 @@ unsafe fn gemm_check(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUre
             }
         }
     }
-    bad.truncate(8);
-    let Some(old) = stored(w, result) else { return INVALID_VALUE };
-    if let Err(e) = w.write(result, &(old + count).to_le_bytes()) {
+    if let Err(e) = record(w, result, count, &bad) {
         return e;
-    }
-    for (k, (e, got, want)) in bad.iter().enumerate() {
-        let slot = old + k as u64;
-        if slot >= 8 {
-            break;
-        }
-        let rec: Vec<u8> = [*e, *got, *want].iter().flat_map(|v| v.to_le_bytes()).collect();
-        if let Err(err) = w.write(result + 8 + 24 * slot, &rec) {
-            return err;
-        }
     }
     let dev = w.ctx_dev(ctx);
     let secs = len as f64 / (w.hbm_gbps(dev) * 1e9);
