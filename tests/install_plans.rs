@@ -192,13 +192,6 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
             (done_packages(g, sb, switches), true, true, false, Some(DRIVER.to_string()))
         }
     };
-    // A Secure Boot guest that could not get a driver has none loaded and none installed.
-    let sb_blocks = sb && g.id != "ubuntu";
-    let packages = if stage == Stage::Done && sb_blocks {
-        packages.into_iter().filter(|p| p.name.starts_with("cuda")).collect()
-    } else {
-        packages
-    };
     Facts {
         os: Ok(os(g)),
         kernel: Some(g.kernel.into()),
@@ -209,7 +202,7 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
         packages: Ok(packages),
         nouveau_off,
         nouveau_loaded,
-        nvidia_loaded: if sb_blocks { None } else { loaded },
+        nvidia_loaded: loaded,
         dpkg_interrupted: false,
         // Fetched by every run that got past the repository step.
         apt_lists: if stage == Stage::Fresh {
@@ -218,7 +211,7 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
             let base = format!("{}/{}/x86_64/", plan::NVIDIA_REPO_ROOT, distro.repo_dir());
             vec![format!("{}Packages.lz4", plan::apt_list_prefix(&base)), "lock".into()]
         },
-        enabled_units: if sb_blocks { vec![] } else { units },
+        enabled_units: units,
         files,
     }
 }
@@ -274,11 +267,11 @@ fn plan_rules() {
                 let fresh = plan::plan(&facts(g, switches, sb, Stage::Fresh), &settings()).unwrap();
                 let text = plan::render(&fresh);
                 // Fabric manager only when the NVSwitches are visible, and only at the driver's version.
-                assert_eq!(text.contains("fabricmanager —"), switches && (!sb || g.id == "ubuntu"), "{} {text}", g.key);
-                if switches && !sb {
+                assert_eq!(text.contains("fabricmanager —"), switches, "{} {text}", g.key);
+                if switches {
                     assert!(text.contains("=<driver version>") || text.contains("-<driver version>"));
                 }
-                // Secure Boot: Ubuntu's signed modules, elsewhere a finding and no unsigned module.
+                // Secure Boot: Ubuntu's signed modules.
                 if sb && g.id == "ubuntu" {
                     // Canonical's signed module for this kernel, its signature, the flavour's
                     // meta for later kernels, user space without DKMS; no pinning package
@@ -294,8 +287,10 @@ fn plan_rules() {
                     }
                     assert!(!text.contains("nvidia-driver-pinning") && !text.contains("nvidia-dkms"), "{text}");
                 }
-                // NVIDIA's pinning package, before the driver, on Debian and Ubuntu.
-                if (g.id == "ubuntu" || g.id == "debian") && !sb {
+                // NVIDIA's pinning package, before the driver, on Debian and Ubuntu (not on
+                // Ubuntu's signed path).
+                let signed_by_ubuntu = sb && g.id == "ubuntu";
+                if (g.id == "ubuntu" || g.id == "debian") && !signed_by_ubuntu {
                     let pin = text.find("install nvidia-driver-pinning-580").expect("the pinning package");
                     let driver = text
                         .find("install nvidia-driver-580-open")
@@ -303,15 +298,24 @@ fn plan_rules() {
                         .expect("the driver");
                     assert!(pin < driver, "{text}");
                 }
+                // Secure Boot elsewhere: the DKMS-built driver, then DKMS's key queued for
+                // enrolment (the dkms README's Secure Boot steps), and a warning that says what
+                // the person at the console does.
                 if sb && g.id != "ubuntu" {
-                    assert!(fresh.steps.iter().all(|s| s.id != "driver"));
-                    assert!(fresh.findings.iter().any(
-                        |f| f.id == "install.secure-boot" && f.remedy.as_deref().unwrap_or("").contains("mokutil")
-                    ));
+                    let ids: Vec<&str> = fresh.steps.iter().map(|s| s.id).collect();
+                    let driver = ids.iter().position(|i| *i == "driver").expect("the driver step");
+                    let mok = ids.iter().position(|i| *i == "mok").expect("the MOK step");
+                    assert!(driver < mok, "{ids:?}");
+                    assert!(text.contains("$ mokutil --import /var/lib/dkms/mok.pub"), "{text}");
+                    assert!(fresh.findings.iter().any(|f| f.id == "install.secure-boot"
+                        && f.severity == phq_agent::checks::Severity::Warn
+                        && f.remedy.as_deref().unwrap_or("").contains("Enroll MOK")));
+                } else {
+                    assert!(fresh.steps.iter().all(|s| s.id != "mok"), "{text}");
                 }
                 // The running kernel is held with a DKMS-built driver (Google's installer does the
                 // same), never on Ubuntu's signed path, where the meta brings each kernel's module.
-                if !sb {
+                if !signed_by_ubuntu {
                     let kernel: Vec<String> = if g.id == "ubuntu" || g.id == "debian" {
                         vec![format!("linux-image-{}", g.kernel), format!("linux-headers-{}", g.kernel)]
                     } else {
@@ -323,7 +327,7 @@ fn plan_rules() {
                     }
                 }
                 // On Debian and Ubuntu the kernel is held before the driver is built for it.
-                if (g.id == "ubuntu" || g.id == "debian") && !sb {
+                if (g.id == "ubuntu" || g.id == "debian") && !signed_by_ubuntu {
                     let hold = text.find("kernel-hold —").expect("the kernel hold step");
                     assert!(hold < text.find(" driver —").expect("the driver step"), "{text}");
                 }

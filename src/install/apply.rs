@@ -7,7 +7,7 @@
 //! journal holds it with the same hash. A step killed half-way is not journaled, so it runs
 //! again — each is idempotent.
 
-use super::plan::{Action, Arg, Cmd, Plan, Retry};
+use super::plan::{Action, Arg, Cmd, Plan, Retry, DKMS_MOK, DOWNLOAD_DIR, MOK_PASSWORD_FILE};
 use crate::checks::{Finding, Severity};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -40,6 +40,9 @@ impl Output {
 /// use a recording one.
 pub trait Runner {
     fn run(&mut self, program: &str, args: &[String], env: &[(String, String)]) -> std::io::Result<Output>;
+    /// `run` with `input` on the program's stdin: for a secret (a password) that must not be
+    /// an argument, where any user could read it in /proc. Never logged.
+    fn run_input(&mut self, program: &str, args: &[String], input: &[u8]) -> std::io::Result<Output>;
     /// One download attempt of `url` to `to`.
     fn fetch(&mut self, url: &str, to: &Path) -> Result<(), String>;
     fn sleep(&mut self, d: Duration);
@@ -341,18 +344,18 @@ fn boot_gate(plan: &Plan, runner: &mut dyn Runner, o: &mut Options, head: &str) 
         if signer.is_empty() {
             return Some(unsafe_boot(&kernel, "its nvidia module is unsigned and Secure Boot is on".into()));
         }
-        // A module DKMS signed loads only once its machine-owner key is enrolled
-        // (`mokutil --test-key` says "is already enrolled"); a distribution's signed build is
-        // trusted through shim.
+        // A module DKMS signed loads only once its machine-owner key is enrolled; a
+        // distribution's signed build is trusted through shim.
         if signer.contains("DKMS") {
-            let enrolled = runner
-                .run("mokutil", &["--test-key".into(), DKMS_MOK.into()], &[])
-                .is_ok_and(|o| format!("{}{}", o.stdout_text(), o.stderr).contains("is already enrolled"));
-            if !enrolled {
-                return Some(
-                    unsafe_boot(&kernel, format!("its nvidia module is signed by DKMS's key ({signer}), which is not enrolled"))
-                        .remedy(format!("Run `mokutil --import {DKMS_MOK}`, reboot, confirm the key in the MOK manager on the VM console, then rerun phq-agent install.")),
-                );
+            match mok_state(DKMS_MOK, runner) {
+                MokState::Trusted => {}
+                MokState::Queued => return Some(mok_confirm(&kernel, &o.root)),
+                other => {
+                    return Some(
+                        unsafe_boot(&kernel, format!("its nvidia module is signed by DKMS's key ({signer}), which the firmware does not trust: {}", other.describe()))
+                            .remedy(format!("Rerun phq-agent install: it queues the enrolment of {DKMS_MOK} (or by hand: `mokutil --import {DKMS_MOK}`), then confirm it at the VM console on the next boot.")),
+                    );
+                }
             }
         }
     }
@@ -360,11 +363,128 @@ fn boot_gate(plan: &Plan, runner: &mut dyn Runner, o: &mut Options, head: &str) 
     None
 }
 
-/// Where DKMS keeps the machine-owner key it signs modules with: the dkms project's README
-/// ("Module signing") says the key and certificate are generated the first time DKMS runs and
-/// placed in /var/lib/dkms (`mok.key`, `mok.pub`), unless `mok_signing_key`/`mok_certificate` in
-/// /etc/dkms/framework.conf name others (Ubuntu's shim-signed MOK, for one).
-const DKMS_MOK: &str = "/var/lib/dkms/mok.pub";
+/// Whether the firmware trusts a certificate, as `mokutil --test-key` tells (mokutil's
+/// `test_key` and `print_skip_message`: "is not enrolled"; "is already in db", "is already
+/// enrolled" (MokListRT); "is already in the enrollment request" (MokNew); "is blocked in dbx" /
+/// "in MokListX"; on stderr "is already in the built-in trusted keyring" and "Failed to open").
+#[derive(Debug, Clone, PartialEq)]
+enum MokState {
+    Trusted,
+    Queued,
+    Absent,
+    Blocked(String),
+    /// The certificate is not there (DKMS has not signed anything yet).
+    NoKey,
+    Unknown(String),
+}
+
+impl MokState {
+    fn describe(&self) -> String {
+        match self {
+            MokState::Trusted => "it is enrolled".into(),
+            MokState::Queued => "its enrolment is queued, not yet confirmed".into(),
+            MokState::Absent => "it is not enrolled".into(),
+            MokState::Blocked(t) | MokState::Unknown(t) => format!("mokutil says {t:?}"),
+            MokState::NoKey => "the certificate is not there".into(),
+        }
+    }
+}
+
+fn mok_state(key: &str, runner: &mut dyn Runner) -> MokState {
+    let out = match runner.run("mokutil", &["--test-key".into(), key.into()], &[]) {
+        Ok(out) => out,
+        Err(e) => return MokState::Unknown(format!("mokutil: {e}")),
+    };
+    let text = format!("{}{}", out.stdout_text(), out.stderr);
+    let has = |s: &str| text.contains(s);
+    if has("is already enrolled") || has("is already in db") || has("is already in the built-in trusted keyring") {
+        MokState::Trusted
+    } else if has("is already in the enrollment request") {
+        MokState::Queued
+    } else if has("is blocked in") {
+        MokState::Blocked(text.trim().to_string())
+    } else if has("is not enrolled") {
+        MokState::Absent
+    } else if has("Failed to open") {
+        MokState::NoKey
+    } else {
+        MokState::Unknown(text.trim().to_string())
+    }
+}
+
+/// The one-time password of an enrolment: 12 characters a person can read off one screen and
+/// type into the MOK manager's prompt (mokutil takes 1 to 256), without look-alikes (0/o, 1/l).
+fn mok_password() -> Result<String, String> {
+    const ALPHABET: &[u8] = b"abcdefghjkmnpqrstuvwxyz23456789";
+    let mut bytes = [0u8; 12];
+    File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+        .map_err(|e| format!("/dev/urandom: {e}"))?;
+    Ok(bytes.iter().map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char).collect())
+}
+
+/// Queue `key` for enrolment unless the firmware trusts it or it is queued already.
+fn enroll_mok(key: &str, runner: &mut dyn Runner, o: &mut Options) -> Result<(), StepError> {
+    match mok_state(key, runner) {
+        MokState::Trusted => {
+            (o.progress)(&format!("      {key} is enrolled already"));
+            return Ok(());
+        }
+        MokState::Queued => {
+            (o.progress)(&format!("      {key} is queued for enrolment already; it is confirmed at the console on the next boot"));
+            return Ok(());
+        }
+        MokState::Absent => {}
+        MokState::NoKey => {
+            return Err(err(format!(
+                "{key} is not there: DKMS made no signing key while building the driver (see /etc/dkms/framework.conf, mok_signing_key and mok_certificate, and `dkms status`)"
+            )))
+        }
+        other @ (MokState::Blocked(_) | MokState::Unknown(_)) => {
+            return Err(err(format!("cannot enrol {key}: {}", other.describe())))
+        }
+    }
+    let dir = under(&o.root, DOWNLOAD_DIR);
+    private_dir(&dir).map_err(err)?;
+    let password = mok_password().map_err(err)?;
+    let file = dir.join(MOK_PASSWORD_FILE);
+    crate::durable::write(&file, format!("{password}\n").as_bytes(), 0o600)
+        .map_err(|e| err(format!("{}: {e}", file.display())))?;
+    // mokutil reads the password twice from stdin (`get_password`: "input password:", "input
+    // password again:").
+    let input = format!("{password}\n{password}\n");
+    let out = runner
+        .run_input("mokutil", &["--import".into(), key.into()], input.as_bytes())
+        .map_err(|e| err(format!("mokutil --import {key}: {e}")))?;
+    if !out.ok() {
+        return Err(err(format!("mokutil --import {key} failed ({}): {}", code(&out), out.stderr.trim())));
+    }
+    (o.progress)(&format!(
+        "      {key} is queued for enrolment; its one-time password is in {DOWNLOAD_DIR}/{MOK_PASSWORD_FILE} (root-only)"
+    ));
+    Ok(())
+}
+
+/// The reboot that confirms a queued enrolment needs a person at the console: shim's MOK
+/// manager waits for a key press a few seconds, then boots on without enrolling, and the module
+/// would not load. So no automatic reboot: what to do, and where the password is.
+fn mok_confirm(kernel: &str, root: &Path) -> Finding {
+    let file = format!("{DOWNLOAD_DIR}/{MOK_PASSWORD_FILE}");
+    let have = under(root, &file).is_file();
+    let password = if have {
+        format!("the one-time password is in {file} (sudo cat {file})")
+    } else {
+        format!("the request was queued by someone else; if its password is lost, `mokutil --revoke-import` and rerun phq-agent install to queue it again with one kept in {file}")
+    };
+    Finding::warn(
+        "install.mok-enrolment",
+        format!("reboot at the VM console to confirm DKMS's signing key: kernel {kernel} has the driver, signed by a key whose enrolment waits for a person"),
+    )
+    .detail(format!(
+        "Secure Boot is on and the nvidia module is signed by DKMS's key ({DKMS_MOK}). Its enrolment is queued; shim's MOK manager asks for it on the next boot, only at the console, and boots on without it if nobody answers. Not rebooting unattended; {password}."
+    ))
+    .remedy("Open the VM's console (virtctl vnc <vm>), reboot (sudo systemctl reboot), press a key when the MOK manager appears, choose Enroll MOK → Continue → Yes, type the password, then Reboot; phq-agent-install.service resumes the install.")
+}
 
 fn unsafe_boot(kernel: &str, why: String) -> Finding {
     Finding::fail("install.boot-safety", format!("not rebooting: the kernel that boots next ({kernel}) would start without the GPU driver"))
@@ -512,6 +632,7 @@ fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options)
             run_cmd(configure, &lit_args(configure), runner, o)?;
             run_cmd(fix, &lit_args(fix), runner, o)
         }
+        Action::EnrollMok { key } => enroll_mok(key, runner, o),
         Action::Reboot | Action::Verify => Ok(()),
     }
 }
@@ -811,6 +932,34 @@ impl Runner for SystemRunner {
         Ok(Output { code: out.status.code(), stdout: out.stdout, stderr: String::from_utf8_lossy(&out.stderr).into() })
     }
 
+    fn run_input(&mut self, program: &str, args: &[String], input: &[u8]) -> std::io::Result<Output> {
+        let mut child = std::process::Command::new(program)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        // Written from another thread: a program that writes much before reading its input
+        // would otherwise block on a full pipe while we block on its stdin.
+        let writer = child.stdin.take().map(|mut stdin| {
+            let input = input.to_vec();
+            std::thread::spawn(move || stdin.write_all(&input))
+        });
+        let out = child.wait_with_output()?;
+        if let Some(w) = writer {
+            // A program that exits without reading its input closes the pipe: its exit status
+            // says what went wrong, not our write.
+            let _ = w.join();
+        }
+        if let Some(log) = &mut self.log {
+            let _ = writeln!(log, "$ {program} {} (input on stdin, not logged)", args.join(" "));
+            let _ = log.write_all(&out.stdout);
+            let _ = log.write_all(&out.stderr);
+            let _ = writeln!(log, "(exit {:?})", out.status.code());
+        }
+        Ok(Output { code: out.status.code(), stdout: out.stdout, stderr: String::from_utf8_lossy(&out.stderr).into() })
+    }
+
     fn fetch(&mut self, url: &str, to: &Path) -> Result<(), String> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -877,6 +1026,21 @@ mod tests {
         module: Option<String>,
         /// `modinfo -F signer`: empty for an unsigned module.
         signer: String,
+        /// Where DKMS's certificate stands with the firmware, as `mokutil --test-key` answers
+        /// (mokutil's `test_key`: "is not enrolled" exit 0, the others exit 1); `--import` of a
+        /// certificate that is not enrolled queues it.
+        mok: FakeMok,
+        /// What was written to a program's stdin.
+        stdin: Vec<String>,
+    }
+
+    #[derive(Default, Clone, Copy, PartialEq, Debug)]
+    enum FakeMok {
+        #[default]
+        Absent,
+        Queued,
+        Enrolled,
+        NoKey,
     }
 
     impl Runner for FakeMachine {
@@ -909,6 +1073,16 @@ mod tests {
             if self.fail_when.as_deref().is_some_and(|f| line.contains(f)) {
                 return Ok(Output { code: Some(100), stdout: vec![], stderr: "E: Unable to locate package".into() });
             }
+            if program == "mokutil" && args.first().map(String::as_str) == Some("--test-key") {
+                let key = &args[1];
+                let (code, stdout, stderr) = match self.mok {
+                    FakeMok::Absent => (0, format!("{key} is not enrolled\n"), String::new()),
+                    FakeMok::Queued => (1, format!("{key} is already in the enrollment request\n"), String::new()),
+                    FakeMok::Enrolled => (1, format!("{key} is already enrolled\n"), String::new()),
+                    FakeMok::NoKey => (255, String::new(), format!("Failed to open {key}\n")),
+                };
+                return Ok(Output { code: Some(code), stdout: stdout.into_bytes(), stderr });
+            }
             Ok(match program {
                 "modinfo" if args.iter().any(|a| a == "version") => match self.module.as_deref().unwrap_or("550.90.07") {
                     "" => Output {
@@ -932,6 +1106,21 @@ mod tests {
                 }
                 _ => ok(b""),
             })
+        }
+        fn run_input(&mut self, program: &str, args: &[String], input: &[u8]) -> std::io::Result<Output> {
+            self.stdin.push(String::from_utf8_lossy(input).into_owned());
+            let out = self.run(program, args, &[])?;
+            if program == "mokutil" && args.first().map(String::as_str) == Some("--import") {
+                // Two identical lines, as mokutil's get_password asks; else its "Abort".
+                let lines: Vec<&str> = std::str::from_utf8(input).unwrap_or("").lines().collect();
+                if lines.len() < 2 || lines[0] != lines[1] || lines[0].is_empty() {
+                    return Ok(Output { code: Some(255), stdout: vec![], stderr: "Abort\n".into() });
+                }
+                if self.mok == FakeMok::Absent {
+                    self.mok = FakeMok::Queued;
+                }
+            }
+            Ok(out)
         }
         fn fetch(&mut self, url: &str, to: &Path) -> Result<(), String> {
             self.fetched += 1;
@@ -1138,6 +1327,75 @@ mod tests {
         m.signer = "Canonical Ltd. Kernel Module Signing".into();
         let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
         assert!(r.rebooted, "{:#?}", r.progress);
+    }
+
+    /// A fresh Debian 12 guest (branch 550, which the fake machine's packages report) with
+    /// Secure Boot on.
+    fn fresh_debian_sb(dir: &Path) -> (Plan, FakeMachine) {
+        let (key, fpr) = test_key();
+        let (mut f, s) = fresh_ubuntu_hgx(dir.to_str().unwrap(), &fpr);
+        f.os =
+            Ok(OsRelease { id: "debian".into(), id_like: vec![], version_id: "12".into(), pretty_name: String::new() });
+        f.kernel = Some("6.1.0-27-cloud-amd64".into());
+        f.secure_boot = Some(SecureBoot::Enabled);
+        let p = plan::plan(&f, &s).unwrap();
+        // Debian 12's dkms signs with a key whose certificate says "DKMS module signing key".
+        (p, FakeMachine { key, signer: "DKMS module signing key".into(), ..Default::default() })
+    }
+
+    /// Debian under Secure Boot: DKMS builds and signs the driver, and the install queues DKMS's
+    /// key for enrolment — its one-time password on mokutil's stdin, never an argument, kept
+    /// root-only for the person at the console. The gate does not reboot unattended into the MOK
+    /// manager (nobody would answer it) but says what to do; a rerun before the console visit
+    /// queues nothing twice; once the key is enrolled the rerun reboots.
+    #[test]
+    fn secure_boot_with_dkms_queues_the_key_and_waits_for_the_console() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (p, mut m) = fresh_debian_sb(dir.path());
+        let ids: Vec<&str> = p.steps.iter().map(|s| s.id).collect();
+        let (driver, mok) = (ids.iter().position(|i| *i == "driver"), ids.iter().position(|i| *i == "mok"));
+        assert!(driver.is_some() && mok > driver, "{ids:?}");
+        assert!(!p.findings.iter().any(|f| f.severity == Severity::Fail), "{:#?}", p.findings);
+
+        let first = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(!first.rebooted, "{:#?}", first.progress);
+        assert_eq!(first.state.status, Status::RebootRequired);
+        let f = first.state.findings.iter().find(|f| f.id == "install.mok-enrolment").expect("the console finding");
+        assert!(f.remedy.as_deref().unwrap().contains("Enroll MOK"), "{f:?}");
+        let file = dir.path().join("root").join(DOWNLOAD_DIR.trim_start_matches('/')).join(MOK_PASSWORD_FILE);
+        assert!(f.detail.contains(&format!("{DOWNLOAD_DIR}/{MOK_PASSWORD_FILE}")), "{}", f.detail);
+        let password = std::fs::read_to_string(&file).unwrap().trim().to_string();
+        assert_eq!(password.len(), 12);
+        assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(m.stdin, vec![format!("{password}\n{password}\n")]);
+        assert!(m.ran.iter().any(|l| l == "mokutil --import /var/lib/dkms/mok.pub"), "{:#?}", m.ran);
+        assert!(!m.ran.iter().any(|l| l.contains(&password)), "the password is never an argument");
+        assert!(!first.progress.iter().any(|l| l.contains(&password)), "nor printed");
+
+        // Rerun before anyone came to the console: nothing queued twice, still no reboot.
+        let second = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(!second.rebooted);
+        assert_eq!(m.ran.iter().filter(|l| l.starts_with("mokutil --import")).count(), 1);
+
+        // Confirmed at the console: the gate lets the reboot happen.
+        m.mok = FakeMok::Enrolled;
+        let third = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(third.rebooted, "{:#?}", third.progress);
+    }
+
+    /// DKMS made no key (a framework.conf pointing elsewhere): the step fails saying so, and
+    /// nothing is imported.
+    #[test]
+    fn secure_boot_without_a_dkms_key_says_where_it_looked() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, mut m) = fresh_debian_sb(dir.path());
+        m.mok = FakeMok::NoKey;
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert_eq!(r.state.status, Status::Failed);
+        let e = r.state.error.unwrap();
+        assert!(e.starts_with("step mok: /var/lib/dkms/mok.pub is not there: DKMS made no signing key"), "{e}");
+        assert!(!m.ran.iter().any(|l| l.starts_with("mokutil --import")));
     }
 
     #[test]

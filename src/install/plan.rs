@@ -200,7 +200,24 @@ pub enum Action {
     Reboot,
     /// Run the doctor's checks and keep what is wrong.
     Verify,
+    /// Secure Boot with a DKMS-built driver: DKMS signs the module with its own machine-owner
+    /// key (`key`, the certificate); queue that key for enrolment (`mokutil --import`, with a
+    /// one-time password kept root-only under `DOWNLOAD_DIR`) unless the firmware already
+    /// trusts it or the request is already queued. The person at the VM console confirms it
+    /// in shim's MOK manager on the next boot; the boot-safety gate says how.
+    EnrollMok {
+        key: String,
+    },
 }
+
+/// Where DKMS keeps the certificate of the key it signs modules with: the dkms project's README
+/// ("Module signing") says the key and certificate are generated the first time DKMS signs a
+/// module and placed in /var/lib/dkms (`mok.key`, `mok.pub`), unless `mok_signing_key` /
+/// `mok_certificate` in /etc/dkms/framework.conf name others (Ubuntu's shim-signed MOK, for one).
+/// Debian 12's dkms (3.0.10) makes it at the first build; `dkms generate_mok` exists from 3.1.
+pub const DKMS_MOK: &str = "/var/lib/dkms/mok.pub";
+/// The one-time password of a queued MOK enrolment, for the person at the console (root-only).
+pub const MOK_PASSWORD_FILE: &str = "mok-enrolment-password";
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Step {
@@ -520,11 +537,14 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     // 1b. NVIDIA's branch lock (`nvidia-driver-pinning-<branch>`, Debian and Ubuntu from the 580
     // era on), installed before anything is resolved, as its guide advises: until it is in
     // place apt resolves the driver to the newest branch (the real-apt test found the pre-flight
-    // failing on exactly that when the pin came in the same transaction). Not under Secure Boot:
-    // Ubuntu's signed path takes branch-named packages from Ubuntu's archive, and elsewhere no
-    // driver is installed then.
-    let pinning =
-        (distro.is_deb() && b >= 580 && !sb_on && keep.is_none()).then(|| format!("nvidia-driver-pinning-{b}"));
+    // failing on exactly that when the pin came in the same transaction). Not on Ubuntu's signed
+    // path under Secure Boot: it takes branch-named packages from Ubuntu's archive.
+    let ubuntu = matches!(distro, Distro::Ubuntu2204 | Distro::Ubuntu2404);
+    // Ubuntu under Secure Boot takes Canonical's signed modules; everywhere else DKMS builds the
+    // module (signed with DKMS's own key under Secure Boot, which is then enrolled).
+    let signed_by_distro = ubuntu && sb_on;
+    let pinning = (distro.is_deb() && b >= 580 && !signed_by_distro && keep.is_none())
+        .then(|| format!("nvidia-driver-pinning-{b}"));
     if let Some(p) = &pinning {
         steps.push(Step {
             id: "pin",
@@ -553,8 +573,11 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     // driver is built for it, so unattended-upgrades cannot install another kernel mid-install
     // (its dpkg runs wait on the same lock, DPkg::Lock::Timeout). EL locks the kernel with the
     // other packages at the end (dnf versionlock needs its plugin installed first).
-    let kernel_pkgs =
-        if distro.is_deb() && !sb_on { kernel_hold(&distro, &kernel, packages, !f.headers_present) } else { vec![] };
+    let kernel_pkgs = if distro.is_deb() && !signed_by_distro {
+        kernel_hold(&distro, &kernel, packages, !f.headers_present)
+    } else {
+        vec![]
+    };
     if !kernel_pkgs.is_empty() {
         let held = kernel_pkgs.iter().all(|k| packages.iter().any(|p| &p.name == k && p.held));
         steps.push(Step {
@@ -587,8 +610,6 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     });
 
     // 4–6. Driver, persistence daemon, fabric manager.
-    let may_build_unsigned = !sb_on;
-    let ubuntu = matches!(distro, Distro::Ubuntu2204 | Distro::Ubuntu2404);
     let (driver_pkgs, driver_package): (Vec<String>, String) = match &distro {
         _ if keep.is_some() => (Vec::new(), keep.map(|d| d.package.clone()).unwrap_or_default()),
         // Canonical-signed precompiled modules, as NVIDIA's precompiled driver container
@@ -626,21 +647,33 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         }
         None => (driver_pkgs, driver_package),
     };
-    let driver_allowed = keep.is_some() || may_build_unsigned || ubuntu;
-    if !driver_allowed {
+    // Secure Boot without a distribution-signed build (Debian, EL): DKMS signs the module with
+    // its own key, which the firmware trusts once a person confirms its enrolment at the console
+    // (the dkms README, "Secure Boot": `mokutil --import`, reboot, "Enroll MOK" in shim's MOK
+    // manager). The install queues the enrolment; the boot-safety gate stops short of the
+    // reboot until it is confirmed, and says how.
+    let dkms_under_sb = sb_on && !signed_by_distro && keep.is_none();
+    if dkms_under_sb {
         findings.push(
-            Finding::fail("install.secure-boot", "Secure Boot is on: the driver's DKMS modules would be unsigned, so the driver is not installed")
-                .detail(format!(
-                    "{} has no signed precompiled NVIDIA modules; a module built by DKMS loads only once its signing key (MOK) is enrolled.",
-                    distro.name()
-                ))
-                .remedy(
-                    "Either turn Secure Boot off for this VM (KubeVirt: spec.domain.firmware.bootloader.efi.secureBoot: false) \
-                     and rerun phq-agent install; or enrol a MOK: install dkms, run `mokutil --import /var/lib/dkms/mok.pub`, \
-                     reboot, confirm the key in the MOK manager on the VM console, then rerun phq-agent install.",
-                ),
+            Finding::warn(
+                "install.secure-boot",
+                "Secure Boot is on: DKMS signs the driver's module with its own key, which the firmware trusts only once it is enrolled",
+            )
+            .detail(format!(
+                "{} has no NVIDIA modules signed by a key its shim already trusts. The install queues DKMS's key ({DKMS_MOK}) \
+                 for enrolment with a one-time password; a person confirms it once, at the VM console, in the MOK manager \
+                 that starts on the next boot.",
+                distro.name()
+            ))
+            .remedy(format!(
+                "When the install stops at the reboot: read the password (sudo cat {DOWNLOAD_DIR}/{MOK_PASSWORD_FILE}), open \
+                 the VM's console (virtctl vnc), reboot, choose Enroll MOK → Continue → Yes, type the password, reboot; the \
+                 install resumes. Or turn Secure Boot off for this VM (KubeVirt: \
+                 spec.domain.firmware.bootloader.efi.secureBoot: false)."
+            )),
         );
-    } else if keep.is_none() {
+    }
+    if keep.is_none() {
         let replacing = present.as_ref().filter(|d| d.branch != Some(b) || !d.open);
         let mut actions = Vec::new();
         if let Some(old) = replacing {
@@ -703,20 +736,34 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         };
         steps.push(Step { id: "driver", title, actions, done, needs_reboot: true });
     }
-
-    if driver_allowed {
+    if dkms_under_sb {
+        let mokutil =
+            if distro.is_deb() { apt("install", lits(&["mokutil".into()])) } else { dnf(&["install", "mokutil"]) };
         steps.push(Step {
-            id: "persistenced",
-            title: "enable nvidia-persistenced".into(),
-            actions: vec![Action::Run(cmd("systemctl", &["enable", "nvidia-persistenced.service"]))],
-            done: f.unit_enabled("nvidia-persistenced.service").then(|| "nvidia-persistenced is enabled".into()),
+            id: "mok",
+            title: format!("queue DKMS's signing key ({DKMS_MOK}) for enrolment, so Secure Boot trusts the module"),
+            actions: vec![Action::Run(mokutil), Action::EnrollMok { key: DKMS_MOK.into() }],
+            // Under Secure Boot the kernel loads only modules whose signer the firmware or the
+            // MOK list trusts (kernel lockdown), so a loaded nvidia module proves the key is in.
+            done: f
+                .nvidia_loaded
+                .as_ref()
+                .map(|v| format!("nvidia {v} is loaded under Secure Boot, so its signing key is trusted")),
             needs_reboot: false,
         });
     }
 
+    steps.push(Step {
+        id: "persistenced",
+        title: "enable nvidia-persistenced".into(),
+        actions: vec![Action::Run(cmd("systemctl", &["enable", "nvidia-persistenced.service"]))],
+        done: f.unit_enabled("nvidia-persistenced.service").then(|| "nvidia-persistenced is enabled".into()),
+        needs_reboot: false,
+    });
+
     let (fm, nscq) = fabric_manager_names(&distro, branch_of_fm);
     let fm_installed = f.package(&fm);
-    if f.nvswitches > 0 && driver_allowed {
+    if f.nvswitches > 0 {
         let driver_version = keep.map(|d| d.version.clone()).or_else(|| present.as_ref().map(|d| d.version.clone()));
         let fm_matches = fm_installed.is_some_and(|p| {
             p.state == "installed"
@@ -768,30 +815,28 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
 
     // 8. Holds, so an unattended upgrade cannot split driver, fabric manager and toolkit.
     let mut hold: Vec<String> = Vec::new();
-    if driver_allowed {
-        if distro.is_deb() {
-            // Not the per-kernel module packages: a new kernel brings its own through the meta.
-            hold.extend(
-                driver_pkgs
-                    .iter()
-                    .filter(|p| !p.starts_with("linux-modules-") && !p.starts_with("linux-signatures-"))
-                    .cloned(),
-            );
-            if let Some(d) = keep {
-                hold.push(d.package.clone());
-            }
-        } else {
-            hold.extend(["kmod-nvidia-open-dkms".to_string(), "nvidia-driver".to_string()]);
+    if distro.is_deb() {
+        // Not the per-kernel module packages: a new kernel brings its own through the meta.
+        hold.extend(
+            driver_pkgs
+                .iter()
+                .filter(|p| !p.starts_with("linux-modules-") && !p.starts_with("linux-signatures-"))
+                .cloned(),
+        );
+        if let Some(d) = keep {
+            hold.push(d.package.clone());
         }
-        if f.nvswitches > 0 {
-            hold.extend([fm.clone(), nscq.clone()]);
-        }
-        // A DKMS module is built for the kernels present when it is installed (Debian and Ubuntu
-        // hold the kernel in their own step, before the driver); Ubuntu's signed path instead
-        // brings each new kernel's module through the flavour's meta package.
-        if !distro.is_deb() {
-            hold.extend(kernel_hold(&distro, &kernel, packages, !f.headers_present));
-        }
+    } else {
+        hold.extend(["kmod-nvidia-open-dkms".to_string(), "nvidia-driver".to_string()]);
+    }
+    if f.nvswitches > 0 {
+        hold.extend([fm.clone(), nscq.clone()]);
+    }
+    // A DKMS module is built for the kernels present when it is installed (Debian and Ubuntu
+    // hold the kernel in their own step, before the driver); Ubuntu's signed path instead
+    // brings each new kernel's module through the flavour's meta package.
+    if !distro.is_deb() {
+        hold.extend(kernel_hold(&distro, &kernel, packages, !f.headers_present));
     }
     if steps.iter().any(|s| s.id == "toolkit") {
         hold.push(toolkit.clone());
@@ -818,7 +863,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
 
     // 9–10. Reboot when needed, then verify with the doctor's checks.
     let reboot_reason = match (&present, &f.nvidia_loaded) {
-        _ if f.gpus == 0 || !driver_allowed => None,
+        _ if f.gpus == 0 => None,
         (Some(d), Some(loaded)) if keep.is_some() || d.branch == Some(b) => {
             (crate::collect::packages::upstream_version(loaded) != d.version)
                 .then(|| format!("driver {} is installed but {loaded} is loaded", d.version))
@@ -907,7 +952,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         steps,
         findings,
         reboot_reason,
-        boot_check: (f.gpus > 0 && driver_allowed).then_some(BootCheck { secure_boot: sb_on }),
+        boot_check: (f.gpus > 0).then_some(BootCheck { secure_boot: sb_on }),
     })
 }
 
@@ -1078,6 +1123,10 @@ pub fn render_action(a: &Action, is_deb: bool) -> Vec<String> {
         Action::Resolve(pkgs) => vec![format!("$ dnf -q install --assumeno {} (resolve only; stop with what cannot be installed)", pkgs.join(" "))],
         Action::Reboot => vec!["reboot through logind (systemctl reboot if logind is not there) when a finished step needs it; with --reboot never, report that one is needed".into()],
         Action::Verify => vec!["collect a snapshot and run the doctor's driver, GPU, NVML and CUDA checks".into()],
+        Action::EnrollMok { key } => vec![
+            format!("$ mokutil --test-key {key} (nothing more if it is enrolled or already queued)"),
+            format!("$ mokutil --import {key} (a one-time password on stdin, kept in {DOWNLOAD_DIR}/{MOK_PASSWORD_FILE}, root-only)"),
+        ],
     }
 }
 
