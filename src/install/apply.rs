@@ -1398,6 +1398,18 @@ mod tests {
         assert!(!m.ran.iter().any(|l| l.starts_with("mokutil --import")));
     }
 
+    /// The real runner hands the input to the program's stdin, and a program that never reads
+    /// it (a pipe closed under a large write) neither hangs nor fails the call.
+    #[test]
+    fn the_system_runner_writes_stdin_and_survives_a_program_that_ignores_it() {
+        let mut r = SystemRunner { log: None };
+        let out = r.run_input("cat", &[], b"one\ntwo\n").unwrap();
+        assert!(out.ok());
+        assert_eq!(out.stdout, b"one\ntwo\n");
+        let out = r.run_input("true", &[], &vec![b'x'; 4 << 20]).unwrap();
+        assert!(out.ok());
+    }
+
     #[test]
     fn a_failed_step_is_journaled_and_the_rerun_starts_there() {
         let (dir, p, mut m) = fresh_install(None);
