@@ -446,6 +446,13 @@ pub const NVIDIA_REPO_KEY_FINGERPRINT: &str = "EB693B3035CD5710E231E123A4B469963
 /// verify it before `rpm --import`. docs/reference.md lists it.
 pub const NVIDIA_RHEL_REPO_KEY_FINGERPRINT: &str = "610C7B14E068A878070DA4E99CD0A493D42D0685";
 
+/// EPEL 9's signing key, "Fedora (epel9) <epel@fedoraproject.org>", pinned by its whole
+/// fingerprint before `epel-release` is installed from a URL on RHEL (where no repository vouches
+/// for it). Source: Fedora's published keys (getfedora.org's security page serves it as
+/// `keys/FF8AD1344597106ECE813B918A3872BF3228467C.txt`); the official MariaDB container images
+/// verify `RPM-GPG-KEY-EPEL-9` against the same 40 digits before `rpm -K` of the release package.
+pub const EPEL9_KEY_FINGERPRINT: &str = "FF8AD1344597106ECE813B918A3872BF3228467C";
+
 #[cfg(test)]
 mod tests {
     use super::*;

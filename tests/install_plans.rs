@@ -337,6 +337,26 @@ fn plan_rules() {
                         "{text}"
                     );
                 }
+                // EL's extra repositories: on RHEL, EPEL's release package only after its key is
+                // verified by its whole fingerprint and dnf told to check a local package, and
+                // CRB found by what the machine subscribes to; the rebuilds' own signed repos.
+                if g.id == "rhel" {
+                    let key = text
+                        .find("is key FF8A D134 4597 106E CE81 3B91 8A38 72BF 3228 467C and no other")
+                        .expect("EPEL's key");
+                    let rpm = text.find("install --setopt=localpkg_gpgcheck=1 /var/cache/phq-agent-install/epel-release-latest-9.noarch.rpm").expect("checked");
+                    assert!(key < rpm, "{text}");
+                    assert!(
+                        text.contains("$ dnf -q repolist --all")
+                            && !text.contains("codeready-builder-for-rhel-9-x86_64-rpms"),
+                        "{text}"
+                    );
+                } else if g.id == "rocky" || g.id == "almalinux" {
+                    assert!(
+                        text.contains("install epel-release") && text.contains("config-manager --set-enabled crb"),
+                        "{text}"
+                    );
+                }
                 // Always open kernel modules, always a hold, always verification last.
                 assert!(
                     !text.contains("nvidia-driver-580 ")

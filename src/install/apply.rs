@@ -465,6 +465,82 @@ fn enroll_mok(key: &str, runner: &mut dyn Runner, o: &mut Options) -> Result<(),
     Ok(())
 }
 
+/// `dnf repolist --all`: each repository's id and whether it is enabled. dnf prints a header
+/// ("repo id  repo name  status") and one line per repository, the id first and the status last.
+pub fn parse_repolist(text: &str) -> Vec<(String, bool)> {
+    text.lines()
+        .filter(|l| !l.starts_with("repo id"))
+        .filter_map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            let enabled = match *words.last()? {
+                "enabled" => true,
+                "disabled" => false,
+                _ => return None,
+            };
+            Some((words[0].to_string(), enabled))
+        })
+        .collect()
+}
+
+/// The CodeReady Builder repository for this machine: among the `codeready-builder` ids (not
+/// debug or source), the one of the same kind as the enabled BaseOS — the same markers among
+/// `eus`, `e4s`, `aus` and `rhui` (`rhel-9-for-x86_64-baseos-eus-rpms` goes with
+/// `codeready-builder-for-rhel-9-x86_64-eus-rpms`, `rhel-9-baseos-rhui-rpms` with
+/// `codeready-builder-for-rhel-9-rhui-rpms`). Its id and whether it is enabled already.
+pub fn crb_repo(repos: &[(String, bool)]) -> Result<(String, bool), String> {
+    let markers = |id: &str| -> Vec<&'static str> {
+        let words: Vec<&str> = id.split('-').collect();
+        ["eus", "e4s", "aus", "rhui"].into_iter().filter(|m| words.contains(m)).collect()
+    };
+    let crb: Vec<&(String, bool)> = repos
+        .iter()
+        .filter(|(id, _)| id.contains("codeready-builder"))
+        .filter(|(id, _)| !["debug", "source", "srpms"].iter().any(|x| id.contains(x)))
+        .collect();
+    let baseos = repos.iter().find(|(id, on)| *on && id.contains("baseos")).map(|(id, _)| id.as_str());
+    let Some(baseos) = baseos else {
+        return Err("no BaseOS repository is enabled (dnf repolist --all), so there is no telling which CodeReady Builder repository goes with it".into());
+    };
+    let want = markers(baseos);
+    let matching: Vec<&&(String, bool)> = crb.iter().filter(|(id, _)| markers(id) == want).collect();
+    match matching.as_slice() {
+        [one] => Ok((one.0.clone(), one.1)),
+        [] => Err(format!(
+            "no CodeReady Builder repository goes with the enabled {baseos} (dnf knows {}); register the machine (subscription-manager register) or ask the cloud's RHUI for it",
+            if crb.is_empty() { "none".to_string() } else { crb.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>().join(", ") }
+        )),
+        many => Err(format!(
+            "several CodeReady Builder repositories go with {baseos}: {}; enable one (dnf config-manager --set-enabled <id>) and rerun",
+            many.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>().join(", ")
+        )),
+    }
+}
+
+/// Enable the CodeReady Builder repository `crb_repo` picks. subscription-manager owns the
+/// repositories in /etc/yum.repos.d/redhat.repo and rewrites that file, so those are enabled
+/// through it (`subscription-manager repos --enable`, as Red Hat documents for CRB); the others
+/// (RHUI's files) through `dnf config-manager --set-enabled`.
+fn enable_crb(runner: &mut dyn Runner, o: &mut Options) -> Result<(), StepError> {
+    let args: Vec<String> = ["-q", "repolist", "--all"].map(String::from).to_vec();
+    let out = runner.run("dnf", &args, &[]).map_err(|e| err(format!("dnf repolist: {e}")))?;
+    if !out.ok() {
+        return Err(err(format!("dnf repolist --all failed ({}): {}", code(&out), out.stderr.trim())));
+    }
+    let (id, enabled) = crb_repo(&parse_repolist(&out.stdout_text())).map_err(err)?;
+    if enabled {
+        (o.progress)(&format!("      {id} is enabled already"));
+        return Ok(());
+    }
+    let redhat_repo = std::fs::read_to_string(under(&o.root, "/etc/yum.repos.d/redhat.repo")).unwrap_or_default();
+    let c = if redhat_repo.lines().any(|l| l.trim() == format!("[{id}]")) {
+        Cmd { retry: Retry::Network, ..super::plan::cmd("subscription-manager", &["repos", "--enable", &id]) }
+    } else {
+        super::plan::cmd("dnf", &["config-manager", "--set-enabled", &id])
+    };
+    let args = lit_args(&c);
+    run_cmd(&c, &args, runner, o)
+}
+
 /// The reboot that confirms a queued enrolment needs a person at the console: shim's MOK
 /// manager waits for a key press a few seconds, then boots on without enrolling, and the module
 /// would not load. So no automatic reboot: what to do, and where the password is.
@@ -633,6 +709,7 @@ fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options)
             run_cmd(fix, &lit_args(fix), runner, o)
         }
         Action::EnrollMok { key } => enroll_mok(key, runner, o),
+        Action::EnableCrb => enable_crb(runner, o),
         Action::Reboot | Action::Verify => Ok(()),
     }
 }
@@ -1032,6 +1109,8 @@ mod tests {
         mok: FakeMok,
         /// What was written to a program's stdin.
         stdin: Vec<String>,
+        /// What `dnf repolist --all` prints.
+        repolist: String,
     }
 
     #[derive(Default, Clone, Copy, PartialEq, Debug)]
@@ -1084,6 +1163,7 @@ mod tests {
                 return Ok(Output { code: Some(code), stdout: stdout.into_bytes(), stderr });
             }
             Ok(match program {
+                "dnf" if args.iter().any(|a| a == "repolist") => ok(self.repolist.as_bytes()),
                 "modinfo" if args.iter().any(|a| a == "version") => match self.module.as_deref().unwrap_or("550.90.07") {
                     "" => Output {
                         code: Some(1),
@@ -1408,6 +1488,135 @@ mod tests {
         assert_eq!(out.stdout, b"one\ntwo\n");
         let out = r.run_input("true", &[], &vec![b'x'; 4 << 20]).unwrap();
         assert!(out.ok());
+    }
+
+    /// `dnf repolist --all` as RHEL 9 prints it (header, id, name, status), with the repository
+    /// ids each way of getting RHEL's packages uses: Red Hat's CDN through subscription-manager
+    /// (which lists the EUS twins too), AWS's RHUI (the CRB id Percona's install docs enable with
+    /// `dnf config-manager`), Azure's RHUI (ids prefixed `rhui-`), and Azure's EUS.
+    fn repolist(lines: &[(&str, bool)]) -> String {
+        let mut out = String::from(
+            "repo id                                         repo name                                  status\n",
+        );
+        for (id, on) in lines {
+            out.push_str(&format!(
+                "{id:<47} Red Hat Enterprise Linux 9 repository      {}\n",
+                if *on { "enabled" } else { "disabled" }
+            ));
+        }
+        out
+    }
+
+    #[test]
+    fn the_codeready_builder_that_goes_with_the_enabled_baseos() {
+        let cases: &[(&[(&str, bool)], &str)] = &[
+            (
+                &[
+                    ("codeready-builder-for-rhel-9-x86_64-eus-rpms", false),
+                    ("codeready-builder-for-rhel-9-x86_64-rpms", false),
+                    ("codeready-builder-for-rhel-9-x86_64-source-rpms", false),
+                    ("rhel-9-for-x86_64-appstream-rpms", true),
+                    ("rhel-9-for-x86_64-baseos-eus-rpms", false),
+                    ("rhel-9-for-x86_64-baseos-rpms", true),
+                ],
+                "codeready-builder-for-rhel-9-x86_64-rpms",
+            ),
+            (
+                &[
+                    ("codeready-builder-for-rhel-9-x86_64-eus-rpms", false),
+                    ("codeready-builder-for-rhel-9-x86_64-rpms", false),
+                    ("rhel-9-for-x86_64-baseos-eus-rpms", true),
+                    ("rhel-9-for-x86_64-baseos-rpms", false),
+                ],
+                "codeready-builder-for-rhel-9-x86_64-eus-rpms",
+            ),
+            (
+                &[
+                    ("codeready-builder-for-rhel-9-rhui-debug-rpms", false),
+                    ("codeready-builder-for-rhel-9-rhui-rpms", false),
+                    ("rhel-9-appstream-rhui-rpms", true),
+                    ("rhel-9-baseos-rhui-rpms", true),
+                    ("rhui-client-config-server-9", true),
+                ],
+                "codeready-builder-for-rhel-9-rhui-rpms",
+            ),
+            (
+                &[
+                    ("rhui-codeready-builder-for-rhel-9-x86_64-eus-rhui-rpms", false),
+                    ("rhui-codeready-builder-for-rhel-9-x86_64-rhui-rpms", false),
+                    ("rhui-rhel-9-for-x86_64-baseos-rhui-rpms", true),
+                ],
+                "rhui-codeready-builder-for-rhel-9-x86_64-rhui-rpms",
+            ),
+            (
+                &[
+                    ("rhui-codeready-builder-for-rhel-9-x86_64-eus-rhui-rpms", false),
+                    ("rhui-codeready-builder-for-rhel-9-x86_64-rhui-rpms", false),
+                    ("rhui-rhel-9-for-x86_64-baseos-eus-rhui-rpms", true),
+                ],
+                "rhui-codeready-builder-for-rhel-9-x86_64-eus-rhui-rpms",
+            ),
+        ];
+        for (repos, want) in cases {
+            let parsed = parse_repolist(&repolist(repos));
+            assert_eq!(parsed.len(), repos.len(), "every line read");
+            assert_eq!(crb_repo(&parsed), Ok((want.to_string(), false)), "{repos:?}");
+        }
+        // Already on; none known; no BaseOS at all.
+        let on = parse_repolist(&repolist(&[
+            ("codeready-builder-for-rhel-9-x86_64-rpms", true),
+            ("rhel-9-for-x86_64-baseos-rpms", true),
+        ]));
+        assert_eq!(crb_repo(&on), Ok(("codeready-builder-for-rhel-9-x86_64-rpms".into(), true)));
+        let none = parse_repolist(&repolist(&[("rhel-9-for-x86_64-baseos-rpms", true)]));
+        assert!(crb_repo(&none).unwrap_err().contains(
+            "no CodeReady Builder repository goes with the enabled rhel-9-for-x86_64-baseos-rpms (dnf knows none)"
+        ));
+        assert!(crb_repo(&[]).unwrap_err().contains("no BaseOS repository is enabled"));
+    }
+
+    /// subscription-manager owns redhat.repo's repositories, so those are enabled through it;
+    /// a RHUI repository through dnf config-manager.
+    #[test]
+    fn crb_is_enabled_through_whoever_owns_its_repository() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, p, mut m) = fresh_install(None);
+        let run = |m: &mut FakeMachine| {
+            let mut lines = Vec::new();
+            let mut progress = |l: &str| lines.push(l.to_string());
+            let mut verify = Vec::new;
+            let mut reboot_now = || Ok(());
+            let mut o = Options {
+                state_dir: dir.path().to_path_buf(),
+                root: dir.path().join("root"),
+                reboot: RebootPolicy::Never,
+                boot_id: None,
+                network_tries: 1,
+                lock_wait: Duration::from_secs(1),
+                progress: &mut progress,
+                verify: &mut verify,
+                reboot_now: &mut reboot_now,
+            };
+            run_action(&Action::EnableCrb, &p, m, &mut o).map_err(|e| e.message)
+        };
+        m.repolist = repolist(&[("codeready-builder-for-rhel-9-rhui-rpms", false), ("rhel-9-baseos-rhui-rpms", true)]);
+        run(&mut m).unwrap();
+        assert_eq!(m.ran.last().unwrap(), "dnf config-manager --set-enabled codeready-builder-for-rhel-9-rhui-rpms");
+
+        m.repolist =
+            repolist(&[("codeready-builder-for-rhel-9-x86_64-rpms", false), ("rhel-9-for-x86_64-baseos-rpms", true)]);
+        let repos = dir.path().join("root/etc/yum.repos.d");
+        std::fs::create_dir_all(&repos).unwrap();
+        std::fs::write(repos.join("redhat.repo"), "[codeready-builder-for-rhel-9-x86_64-rpms]\nenabled = 0\n").unwrap();
+        run(&mut m).unwrap();
+        assert_eq!(
+            m.ran.last().unwrap(),
+            "subscription-manager repos --enable codeready-builder-for-rhel-9-x86_64-rpms"
+        );
+
+        m.repolist = repolist(&[("rhel-9-for-x86_64-baseos-rpms", true)]);
+        let e = run(&mut m).unwrap_err();
+        assert!(e.contains("register the machine"), "{e}");
     }
 
     #[test]

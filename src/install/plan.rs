@@ -21,6 +21,11 @@ pub const CUDA_KEYRING_MEMBER: &str = "usr/share/keyrings/cuda-archive-keyring.g
 pub const RHEL_KEY_FILE: &str = "D42D0685.pub";
 pub const RHEL_KEY_PATH: &str = "/etc/pki/rpm-gpg/RPM-GPG-KEY-NVIDIA-CUDA";
 pub const RHEL_REPO_PATH: &str = "/etc/yum.repos.d/cuda-rhel9.repo";
+/// EPEL's release package and key for RHEL (Rocky and Alma carry `epel-release` in their own
+/// signed extras repository). The EPEL project's own instructions install the first by URL.
+pub const EPEL_RELEASE_URL: &str = "https://dl.fedoraproject.org/pub/epel/epel-release-latest-9.noarch.rpm";
+pub const EPEL_KEY_URL: &str = "https://dl.fedoraproject.org/pub/epel/RPM-GPG-KEY-EPEL-9";
+pub const EPEL_KEY_PATH: &str = "/etc/pki/rpm-gpg/RPM-GPG-KEY-EPEL-9";
 /// Where the installer downloads what it verifies and installs (the keyring package, the RHEL
 /// key). Root's alone (0700), and outside the service's state directory: the service's user
 /// owns that directory and could swap a verified file for another between the check and
@@ -208,6 +213,12 @@ pub enum Action {
     EnrollMok {
         key: String,
     },
+    /// RHEL: enable the CodeReady Linux Builder repository that belongs to how this machine
+    /// gets its packages. Its id differs: Red Hat's CDN through subscription-manager
+    /// (`codeready-builder-for-rhel-9-x86_64-rpms`), Extended Update Support (`…-eus-rpms`), a
+    /// cloud's RHUI (`codeready-builder-for-rhel-9-rhui-rpms`, `rhui-codeready-builder-…`), so
+    /// it is read from `dnf repolist --all` when the step runs, matched to the enabled BaseOS.
+    EnableCrb,
 }
 
 /// Where DKMS keeps the certificate of the key it signs modules with: the dkms project's README
@@ -256,7 +267,7 @@ pub struct BootCheck {
 
 pub const DEB_ENV: &[(&str, &str)] = &[("DEBIAN_FRONTEND", "noninteractive")];
 
-fn cmd(program: &str, args: &[&str]) -> Cmd {
+pub(crate) fn cmd(program: &str, args: &[&str]) -> Cmd {
     Cmd {
         program: program.into(),
         args: args.iter().map(|a| Arg::Lit(a.to_string())).collect(),
@@ -994,14 +1005,34 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
     } else {
         let key = format!("{install_dir}/{RHEL_KEY_FILE}");
         let Distro::El9(id) = distro else { unreachable!("is_deb() is false only for El9") };
-        let (epel, crb) = if id == "rhel" {
-            (
-                dnf(&["install", "https://dl.fedoraproject.org/pub/epel/epel-release-latest-9.noarch.rpm"]),
-                cmd("subscription-manager", &["repos", "--enable", "codeready-builder-for-rhel-9-x86_64-rpms"]),
-            )
+        // EPEL (DKMS) and CRB (what EPEL's packages build against). Rocky and Alma: both from
+        // their own signed repositories (`epel-release` in extras, the `crb` repository id).
+        // RHEL: the release package comes by URL, which dnf installs unchecked unless told
+        // (dnf.conf(5): `localpkg_gpgcheck`, default off), so EPEL's key is pinned by its whole
+        // fingerprint, imported, and the package checked against it.
+        let mut epel_crb = Vec::new();
+        if id == "rhel" {
+            let epel_key = format!("{install_dir}/RPM-GPG-KEY-EPEL-9");
+            let epel_rpm = format!("{install_dir}/epel-release-latest-9.noarch.rpm");
+            epel_crb.extend([
+                Action::Fetch { url: EPEL_KEY_URL.into(), to: epel_key.clone() },
+                Action::VerifyKey {
+                    file: epel_key.clone(),
+                    deb_member: None,
+                    fingerprint: facts::EPEL9_KEY_FINGERPRINT.into(),
+                },
+                Action::Run(cmd("install", &["-m", "0644", &epel_key, EPEL_KEY_PATH])),
+                Action::Run(cmd("rpm", &["--import", EPEL_KEY_PATH])),
+                Action::Fetch { url: EPEL_RELEASE_URL.into(), to: epel_rpm.clone() },
+                Action::Run(dnf(&["install", "--setopt=localpkg_gpgcheck=1", &epel_rpm])),
+                Action::EnableCrb,
+            ]);
         } else {
-            (dnf(&["install", "epel-release"]), cmd("dnf", &["config-manager", "--set-enabled", "crb"]))
-        };
+            epel_crb.extend([
+                Action::Run(dnf(&["install", "epel-release"])),
+                Action::Run(cmd("dnf", &["config-manager", "--set-enabled", "crb"])),
+            ]);
+        }
         let fpr =
             if s.key_fingerprint.is_empty() { facts::NVIDIA_RHEL_REPO_KEY_FINGERPRINT } else { &s.key_fingerprint };
         let repo = rhel_repo(base);
@@ -1013,17 +1044,19 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
                 "NVIDIA repository {base} (with EPEL and CRB for DKMS), key {}",
                 crate::install::pgp::spaced(fpr)
             ),
-            actions: vec![
-                Action::Run(dnf(&["install", "dnf-plugins-core"])),
-                Action::Run(epel),
-                Action::Run(crb),
-                Action::Fetch { url: format!("{base}{RHEL_KEY_FILE}"), to: key.clone() },
-                Action::VerifyKey { file: key.clone(), deb_member: None, fingerprint: fpr.into() },
-                Action::Run(cmd("install", &["-m", "0644", &key, RHEL_KEY_PATH])),
-                Action::Run(cmd("rpm", &["--import", RHEL_KEY_PATH])),
-                Action::Write { path: RHEL_REPO_PATH.into(), contents: repo.clone() },
-                Action::Run(makecache),
-            ],
+            actions: [
+                vec![Action::Run(dnf(&["install", "dnf-plugins-core"]))],
+                epel_crb,
+                vec![
+                    Action::Fetch { url: format!("{base}{RHEL_KEY_FILE}"), to: key.clone() },
+                    Action::VerifyKey { file: key.clone(), deb_member: None, fingerprint: fpr.into() },
+                    Action::Run(cmd("install", &["-m", "0644", &key, RHEL_KEY_PATH])),
+                    Action::Run(cmd("rpm", &["--import", RHEL_KEY_PATH])),
+                    Action::Write { path: RHEL_REPO_PATH.into(), contents: repo.clone() },
+                    Action::Run(makecache),
+                ],
+            ]
+            .concat(),
             done: f.file_is(RHEL_REPO_PATH, &repo).then(|| format!("{RHEL_REPO_PATH} is in place")),
             needs_reboot: false,
         }
@@ -1123,6 +1156,10 @@ pub fn render_action(a: &Action, is_deb: bool) -> Vec<String> {
         Action::Resolve(pkgs) => vec![format!("$ dnf -q install --assumeno {} (resolve only; stop with what cannot be installed)", pkgs.join(" "))],
         Action::Reboot => vec!["reboot through logind (systemctl reboot if logind is not there) when a finished step needs it; with --reboot never, report that one is needed".into()],
         Action::Verify => vec!["collect a snapshot and run the doctor's driver, GPU, NVML and CUDA checks".into()],
+        Action::EnableCrb => vec![
+            "$ dnf -q repolist --all (find the CodeReady Builder repository that matches the enabled BaseOS: Red Hat CDN, EUS or a cloud's RHUI)".into(),
+            "$ subscription-manager repos --enable <that id> if subscription-manager defines it (redhat.repo), else dnf config-manager --set-enabled <that id>".into(),
+        ],
         Action::EnrollMok { key } => vec![
             format!("$ mokutil --test-key {key} (nothing more if it is enrolled or already queued)"),
             format!("$ mokutil --import {key} (a one-time password on stdin, kept in {DOWNLOAD_DIR}/{MOK_PASSWORD_FILE}, root-only)"),
