@@ -377,7 +377,7 @@ fn install_dry_run_prints_the_plan_for_fixture_guests() {
             &[
                 "Ubuntu 22.04",
                 "4 NVSwitches",
-                "install nvidia-driver-580-open",
+                "install libnvidia-compute-580 nvidia-dkms-580-open nvidia-utils-580 nvidia-compute-utils-580",
                 "nvidia-fabricmanager=<driver version>",
                 "(needs a reboot",
             ][..],
@@ -387,7 +387,7 @@ fn install_dry_run_prints_the_plan_for_fixture_guests() {
             &[
                 "Rocky Linux 9",
                 "dnf -y -q module enable nvidia-driver:580-open",
-                "dnf -y -q install nvidia-open",
+                "dnf -y -q install nvidia-driver-cuda kmod-nvidia-open-dkms",
                 "dracut --force",
                 "config-manager --set-enabled crb",
             ][..],
@@ -397,7 +397,7 @@ fn install_dry_run_prints_the_plan_for_fixture_guests() {
             &[
                 "Debian 12",
                 "install nvidia-driver-pinning-580",
-                "install nvidia-kernel-open-dkms cuda-drivers-580 nvidia-persistenced",
+                "install nvidia-driver-cuda nvidia-kernel-open-dkms nvidia-persistenced",
                 "apt-mark hold",
             ][..],
         ),

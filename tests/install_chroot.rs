@@ -284,7 +284,7 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     assert!(first.stderr.contains("a reboot is required"), "{}", first.stderr);
     let installed = nvidia_state(&clean);
     let want = [
-        "hi  cuda-drivers-580 580.82.07-1".to_string(),
+        "hi  nvidia-driver-cuda 580.82.07-1".to_string(),
         "hi  cuda-toolkit-12-9 12.9.1-1".into(),
         "hi  libnvidia-nscq 580.82.07-1".into(),
         "hi  nvidia-fabricmanager 580.82.07-1".into(),

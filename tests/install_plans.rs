@@ -101,7 +101,11 @@ fn done_packages(g: &Guest, sb: bool, switches: bool) -> Vec<Package> {
         v.push(pkg("nvidia-driver-pinning-580", "580-1", "installed", false));
     }
     match (g.id, sb) {
-        ("ubuntu", false) => v.push(pkg("nvidia-driver-580-open", &format!("{DRIVER}-0ubuntu1"), "installed", true)),
+        ("ubuntu", false) => {
+            for p in ["libnvidia-compute-580", "nvidia-dkms-580-open", "nvidia-utils-580", "nvidia-compute-utils-580"] {
+                v.push(pkg(p, &format!("{DRIVER}-0ubuntu1"), "installed", true));
+            }
+        }
         ("ubuntu", true) => {
             let ubuntu = format!("{DRIVER}-0ubuntu0.22.04.1");
             v.push(pkg("nvidia-headless-no-dkms-580-server", &ubuntu, "installed", true));
@@ -117,12 +121,12 @@ fn done_packages(g: &Guest, sb: bool, switches: bool) -> Vec<Package> {
         }
         ("debian", _) => {
             v.push(pkg("nvidia-kernel-open-dkms", &format!("{DRIVER}-1"), "installed", true));
-            v.push(pkg("cuda-drivers-580", &format!("{DRIVER}-1"), "installed", true));
+            v.push(pkg("nvidia-driver-cuda", &format!("{DRIVER}-1"), "installed", true));
             v.push(pkg("nvidia-persistenced", &format!("{DRIVER}-1"), "installed", true));
         }
         _ => {
             v.push(pkg("kmod-nvidia-open-dkms", &format!("{DRIVER}-1.el9"), "installed", true));
-            v.push(pkg("nvidia-driver", &format!("{DRIVER}-1.el9"), "installed", true));
+            v.push(pkg("nvidia-driver-cuda", &format!("{DRIVER}-1.el9"), "installed", true));
         }
     }
     if switches {
@@ -168,7 +172,7 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
             let mut p = kernel_packages(g, false);
             if deb {
                 p.push(pkg("cuda-keyring", "1.1-1", "installed", false));
-                let driver = if g.id == "debian" { "nvidia-kernel-open-dkms" } else { "nvidia-driver-580-open" };
+                let driver = if g.id == "debian" { "nvidia-kernel-open-dkms" } else { "nvidia-dkms-580-open" };
                 p.push(pkg(driver, &format!("{DRIVER}-1"), "half-configured", false));
             } else {
                 p.push(pkg("kmod-nvidia-open-dkms", &format!("{DRIVER}-1.el9"), "installed", false));
@@ -293,8 +297,8 @@ fn plan_rules() {
                 if (g.id == "ubuntu" || g.id == "debian") && !signed_by_ubuntu {
                     let pin = text.find("install nvidia-driver-pinning-580").expect("the pinning package");
                     let driver = text
-                        .find("install nvidia-driver-580-open")
-                        .or_else(|| text.find("install nvidia-kernel-open-dkms"))
+                        .find("install libnvidia-compute-580 nvidia-dkms-580-open")
+                        .or_else(|| text.find("install nvidia-driver-cuda nvidia-kernel-open-dkms"))
                         .expect("the driver");
                     assert!(pin < driver, "{text}");
                 }
@@ -357,12 +361,27 @@ fn plan_rules() {
                         "{text}"
                     );
                 }
-                // Always open kernel modules, always a hold, always verification last.
-                assert!(
-                    !text.contains("nvidia-driver-580 ")
-                        && !text.contains("cuda-drivers ")
-                        && !text.contains("kmod-nvidia-latest")
-                );
+                // Always open kernel modules, and compute-only: no desktop meta package (NVIDIA's
+                // compute-only sets), always a hold, always verification last.
+                for desktop in [
+                    "nvidia-driver-580 ",
+                    "nvidia-driver-580-open",
+                    "cuda-drivers",
+                    "nvidia-open",
+                    "kmod-nvidia-latest",
+                ] {
+                    let words = text.split(|c: char| c.is_whitespace() || c == ',');
+                    assert!(!words.clone().any(|w| w == desktop.trim()), "{desktop}: {text}");
+                }
+                let compute = match g.id {
+                    "ubuntu" if sb => "nvidia-headless-no-dkms-580-server",
+                    "ubuntu" => {
+                        "install libnvidia-compute-580 nvidia-dkms-580-open nvidia-utils-580 nvidia-compute-utils-580"
+                    }
+                    "debian" => "install nvidia-driver-cuda nvidia-kernel-open-dkms nvidia-persistenced",
+                    _ => "install nvidia-driver-cuda kmod-nvidia-open-dkms",
+                };
+                assert!(text.contains(compute), "{compute}: {text}");
                 assert_eq!(fresh.steps.last().map(|s| s.id), Some("verify"));
                 assert!(fresh.steps.iter().any(|s| s.id == "hold"));
                 // Done: nothing left to run but the reboot check and verification.
@@ -425,7 +444,7 @@ fn another_branch_is_kept_unless_asked() {
     let replaced = plan::plan(&f, &Settings { replace_driver: true, ..settings() }).unwrap();
     let text = plan::render(&replaced);
     assert!(text.contains("purge nvidia-driver-535 nvidia-fabricmanager-535"), "{text}");
-    assert!(text.contains("install nvidia-driver-580-open"), "{text}");
+    assert!(text.contains("install libnvidia-compute-580 nvidia-dkms-580-open"), "{text}");
 }
 
 /// EL9: another branch's driver is replaced by switching the module stream (its version locks
@@ -442,7 +461,7 @@ fn el9_changes_branch_by_switching_the_module_stream() {
     let text = plan::render(&plan::plan(&f, &Settings { replace_driver: true, ..settings() }).unwrap());
     let unlock = text.find("dnf versionlock delete kmod-nvidia-open-dkms").expect("the old locks go");
     let switch = text.find("module switch-to nvidia-driver:580-open --allowerasing").expect("the stream switch");
-    let install = text.find("dnf -y -q install nvidia-open").expect("the driver");
+    let install = text.find("dnf -y -q install nvidia-driver-cuda kmod-nvidia-open-dkms").expect("the driver");
     assert!(unlock < switch && switch < install, "{text}");
     assert!(!text.contains("module enable"), "{text}");
 }

@@ -109,7 +109,7 @@ fn open_kernel_module(s: &Snapshot) -> Finding {
         Some(v) if v.open => Finding::pass(ID, format!("open kernel module {}", v.version)).evidence("nvrm", &v.first_line),
         Some(v) => Finding::warn(ID, format!("proprietary kernel module {}", v.version))
             .detail("NVIDIA recommends the open kernel modules for Hopper; they are the default from the 560 branch on, and features such as confidential computing and HMM need them.")
-            .remedy(format!("Switch to the open flavour of the same branch: `nvidia-driver-{b}-server-open` on Ubuntu, `nvidia-open` / `nvidia-kernel-open-dkms` on Debian, `dnf module install nvidia-driver:{b}-open` on RHEL; then reboot. `phq-agent install --driver-branch {b}` does this.", b = facts::driver_branch(&v.version).unwrap_or(550)))
+            .remedy(format!("Switch to the open flavour of the same branch: `nvidia-dkms-{b}-open` from NVIDIA's repository (or Ubuntu's `nvidia-driver-{b}-server-open`) on Ubuntu, `nvidia-kernel-open-dkms` on Debian, `dnf module switch-to nvidia-driver:{b}-open --allowerasing` on RHEL and its rebuilds; then reboot. `phq-agent install --driver-branch {b} --replace-driver` does this.", b = facts::driver_branch(&v.version).unwrap_or(facts::DEFAULT_DRIVER_BRANCH)))
             .evidence("nvrm", &v.first_line),
         None => without_module(s, ID),
     }

@@ -1311,7 +1311,7 @@ mod tests {
             "{:#?}",
             m.ran
         );
-        assert!(m.ran.iter().any(|l| l.starts_with("apt-mark hold nvidia-driver-550-open")));
+        assert!(m.ran.iter().any(|l| l.starts_with("apt-mark hold libnvidia-compute-550 nvidia-dkms-550-open")), "{:#?}", m.ran);
         // The nouveau file landed, atomically, under the root.
         assert_eq!(
             std::fs::read_to_string(dir.path().join("root/etc/modprobe.d/blacklist-nouveau.conf")).unwrap(),
@@ -1721,7 +1721,7 @@ mod tests {
         );
         let simulated = m.ran.iter().position(|l| l.starts_with("apt-get -s -q install")).expect("the pre-flight ran");
         assert!(
-            m.ran[simulated].contains("cuda-toolkit-12-4") && m.ran[simulated].contains("nvidia-driver-550-open"),
+            m.ran[simulated].contains("cuda-toolkit-12-4") && m.ran[simulated].contains("nvidia-dkms-550-open"),
             "{}",
             m.ran[simulated]
         );

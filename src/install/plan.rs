@@ -351,6 +351,8 @@ pub fn installed_driver(packages: &[Package]) -> Option<InstalledDriver> {
             || n == "nvidia-kernel-open-dkms"
             || n == "nvidia-kernel-dkms"
             || n == "kmod-nvidia-open-dkms"
+            || n == "nvidia-dkms-open"
+            || (n.starts_with("nvidia-dkms-") && n.chars().nth(12).is_some_and(|c| c.is_ascii_digit()))
             || n == "kmod-nvidia-latest-dkms"
             || headless_branch(n).is_some()
     };
@@ -363,6 +365,44 @@ pub fn installed_driver(packages: &[Package]) -> Option<InstalledDriver> {
         None => p.name.ends_with("-open") || p.name.contains("-open-"),
     };
     Some(InstalledDriver { package: p.name.clone(), branch: facts::driver_branch(&version), open, version })
+}
+
+/// The compute-only driver of a branch: the open kernel module built by DKMS and the CUDA user
+/// space, without the desktop stack (X driver, GL/Vulkan, nvidia-settings) a compute guest never
+/// uses. NVIDIA's Driver Installation Guide (R580 and later, "compute-only" installation):
+/// Debian `nvidia-driver-cuda nvidia-kernel-open-dkms`, RHEL and rebuilds `nvidia-driver-cuda
+/// kmod-nvidia-open-dkms` (in the branch's module stream), Ubuntu `libnvidia-compute-<branch>
+/// nvidia-dkms-<branch>-open`. The desktop metas would bring the rest: Debian's
+/// `cuda-drivers-580` depends on `nvidia-driver`, `nvidia-settings` and `nvidia-xconfig` (as an
+/// NVIDIA developer forum thread, "Debian cuda-drivers-580 … pulls in v590 components", quotes
+/// its Depends line). Beside those: `nvidia-persistenced` on Debian (the unit the plan enables);
+/// on Ubuntu `nvidia-utils-<branch>` (nvidia-smi) and `nvidia-compute-utils-<branch>`
+/// (nvidia-persistenced), as public HPC cluster guides add them to the same two. From 590 on,
+/// Ubuntu's names lose the branch (the guide's "Ubuntu 590 and later packages": the branch
+/// designation is removed, `libnvidia-compute-580` → `libnvidia-compute`, `nvidia-dkms-580-open`
+/// → `nvidia-dkms-open`), and the pinning package keeps the branch. Returns the packages and
+/// the one whose version is the driver's.
+fn compute_only(distro: &Distro, b: u32) -> (Vec<String>, String) {
+    match distro {
+        Distro::Ubuntu2204 | Distro::Ubuntu2404 => {
+            let s = if b >= 590 { String::new() } else { format!("-{b}") };
+            let module = format!("nvidia-dkms{s}-open");
+            let v = vec![
+                format!("libnvidia-compute{s}"),
+                module.clone(),
+                format!("nvidia-utils{s}"),
+                format!("nvidia-compute-utils{s}"),
+            ];
+            (v, module)
+        }
+        Distro::Debian12 => (
+            ["nvidia-driver-cuda", "nvidia-kernel-open-dkms", "nvidia-persistenced"].map(String::from).to_vec(),
+            "nvidia-kernel-open-dkms".into(),
+        ),
+        Distro::El9(_) => {
+            (["nvidia-driver-cuda", "kmod-nvidia-open-dkms"].map(String::from).to_vec(), "kmod-nvidia-open-dkms".into())
+        }
+    }
 }
 
 /// `nvidia-headless-no-dkms-580-server` → 580.
@@ -639,21 +679,14 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             }
             (v, format!("nvidia-headless-no-dkms-{b}-server"))
         }
-        Distro::Ubuntu2204 | Distro::Ubuntu2404 => {
-            (vec![format!("nvidia-driver-{b}-open")], format!("nvidia-driver-{b}-open"))
-        }
-        Distro::Debian12 => (
-            vec!["nvidia-kernel-open-dkms".into(), format!("cuda-drivers-{b}"), "nvidia-persistenced".into()],
-            "nvidia-kernel-open-dkms".into(),
-        ),
-        Distro::El9(_) => (Vec::new(), "kmod-nvidia-open-dkms".into()),
+        _ => compute_only(&distro, b),
     };
     // A driver already at the branch, open flavour, is the one to hold and to match.
     let matching = present.as_ref().filter(|d| d.branch == Some(b) && d.open);
     let (driver_pkgs, driver_package) = match matching {
         Some(d) => {
             let mut v: Vec<String> = vec![d.package.clone()];
-            v.extend(driver_pkgs.into_iter().filter(|p| !p.starts_with("nvidia-driver-") && *p != d.package));
+            v.extend(driver_pkgs.into_iter().filter(|p| *p != d.package));
             (v, d.package.clone())
         }
         None => (driver_pkgs, driver_package),
@@ -723,12 +756,12 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             }
             // NVIDIA's Driver Installation Guide (R620 edition, "Open GPU Kernel Modules
             // Installation", a specific branch on RHEL 9 and its rebuilds): enable the branch's
-            // open stream, then install nvidia-open.
+            // open stream, then install its packages — the compute-only set, not `nvidia-open`.
             Distro::El9(_) => {
                 if replacing.is_none() {
                     actions.push(Action::Run(dnf(&["module", "enable", &format!("nvidia-driver:{b}-open")])));
                 }
-                actions.push(Action::Run(dnf(&["install", "nvidia-open"])));
+                actions.push(Action::Run(on(dnf(&["install"]), &driver_pkgs)));
             }
             _ => actions.push(Action::Run(apt("install", lits(&driver_pkgs)))),
         }
@@ -838,7 +871,10 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             hold.push(d.package.clone());
         }
     } else {
-        hold.extend(["kmod-nvidia-open-dkms".to_string(), "nvidia-driver".to_string()]);
+        hold.extend(driver_pkgs.iter().cloned());
+        if let Some(d) = keep {
+            hold.push(d.package.clone());
+        }
     }
     if f.nvswitches > 0 {
         hold.extend([fm.clone(), nscq.clone()]);

@@ -6,7 +6,7 @@
 //! The stand-ins carry NVIDIA's R580 names and versions and nothing else: the keyring, the branch
 //! pinning package (`nvidia-driver-pinning-580`, whose stand-in pins the driver packages to 580.*
 //! in an apt preferences file), the open DKMS driver (whose postinst takes two seconds, like a
-//! build, with a marker file while it runs), `cuda-drivers-580`, the persistence daemon and the
+//! build, with a marker file while it runs), `nvidia-driver-cuda`, the persistence daemon and the
 //! fabric manager with their units, NSCQ (unversioned names from 580 on), the CUDA 12.9 toolkit,
 //! the headers. A newer branch (590) and a newer 580 fabric manager are in the repository too, to
 //! prove the branch pin and the exact fabric-manager match.
@@ -214,13 +214,10 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
             files: vec![("lib/systemd/system/nvidia-persistenced.service".into(), unit("NVIDIA Persistence Daemon"))],
             postinst: "",
         },
-        Deb {
-            name: "cuda-drivers-580",
-            version: &d580,
-            depends: "nvidia-kernel-open-dkms (>= 580), nvidia-kernel-open-dkms (<< 581), nvidia-persistenced",
-            files: vec![],
-            postinst: "",
-        },
+        // The compute-only user space (NVIDIA's compute-only install: `nvidia-driver-cuda` beside
+        // the open DKMS module); its 590 twin proves the pinning package holds it on 580 too.
+        Deb { name: "nvidia-driver-cuda", version: &d580, depends: "nvidia-persistenced (>= 580)", files: vec![], postinst: "" },
+        Deb { name: "nvidia-driver-cuda", version: "590.44.01-1", depends: "", files: vec![], postinst: "" },
         Deb {
             name: "nvidia-fabricmanager",
             version: &d580,
