@@ -515,3 +515,62 @@ fn non_ubuntu_fixtures_carry_no_ubuntu_names() {
         }
     }
 }
+
+/// An EL9 guest's packages come from its RPM database, read by the real `rpm` (SQLite, as
+/// RHEL 9 keeps it at /var/lib/rpm): with the driver and its user space recorded there, the
+/// install plan counts the driver as installed. Without reading the database the plan could
+/// only say the installed packages are unknown and run every step. The stand-in packages are
+/// built with rpmbuild under NVIDIA's names and recorded with `rpm --justdb`.
+#[test]
+fn an_rpm_guests_packages_are_read_from_its_rpm_database() {
+    if !common::needs(&[("rpm", "rpm"), ("rpmbuild", "rpm")]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let copy =
+        Command::new("cp").arg("-a").arg(fixture("sysroots/rocky9-h100-pcie-fresh")).arg(&root).status().unwrap();
+    assert!(copy.success());
+    let top = dir.path().join("rpmbuild");
+    let rpm_at = |args: &[&str]| {
+        let out = Command::new("rpm")
+            .args(["--root", root.to_str().unwrap(), "--dbpath", "/var/lib/rpm"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "rpm {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    rpm_at(&["--initdb"]);
+    for name in ["kmod-nvidia-open-dkms", "nvidia-driver-cuda"] {
+        let spec = dir.path().join(format!("{name}.spec"));
+        std::fs::write(
+            &spec,
+            format!("Name: {name}\nVersion: 580.82.07\nRelease: 1.el9\nEpoch: 3\nSummary: stand-in\nLicense: none\nBuildArch: noarch\n%description\nstand-in\n%files\n"),
+        )
+        .unwrap();
+        let built = Command::new("rpmbuild")
+            .args(["-bb", "--quiet", "--define"])
+            .arg(format!("_topdir {}", top.display()))
+            .arg(&spec)
+            .output()
+            .unwrap();
+        assert!(built.status.success(), "rpmbuild: {}", String::from_utf8_lossy(&built.stderr));
+        let rpm = top.join(format!("RPMS/noarch/{name}-580.82.07-1.el9.noarch.rpm"));
+        rpm_at(&["-i", "--justdb", "--nodeps", "--noscripts", rpm.to_str().unwrap()]);
+    }
+    let cfg = config("empty");
+    let out = phq(&["install", "--dry-run", "--sysroot", root.to_str().unwrap(), "--config", cfg.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("✓ already done: kmod-nvidia-open-dkms 580.82.07 is installed"), "{text}");
+    assert!(!text.contains("installed packages unknown"), "{text}");
+
+    // No database where RHEL keeps it (rpm finds nothing to open): said, not taken as "nothing
+    // installed".
+    std::fs::remove_dir_all(root.join("var/lib/rpm")).unwrap();
+    std::fs::create_dir(root.join("var/lib/rpm")).unwrap();
+    std::fs::write(root.join("var/lib/rpm/rpmdb.sqlite"), b"not a database").unwrap();
+    let out = phq(&["install", "--dry-run", "--sysroot", root.to_str().unwrap(), "--config", cfg.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("installed packages unknown (rpm -qa could not read /var/lib/rpm"), "{text}");
+}

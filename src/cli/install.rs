@@ -4,7 +4,7 @@
 //! (`--reboot never`); 2 a step or the verification failed; 3 could not start (unsupported
 //! guest, another install running, not root); 64 usage.
 
-use crate::install::apply::{self, Options, RebootPolicy, Runner, Status, SystemRunner};
+use crate::install::apply::{self, Options, RebootPolicy, Status, SystemRunner};
 use crate::install::{self, plan};
 use crate::sysroot::Sysroot;
 use clap::Args;
@@ -106,7 +106,7 @@ impl Install {
             }
         }
         let mut runner = SystemRunner::new(&state_dir);
-        let (the_plan, boot_id) = match make_plan(&root, &settings, &mut runner) {
+        let (the_plan, boot_id) = match make_plan(&root, &settings) {
             Ok(p) => p,
             Err(e) => {
                 eprintln!("phq-agent install: {e}");
@@ -149,24 +149,10 @@ impl Install {
     }
 }
 
-fn make_plan(
-    root: &Sysroot,
-    settings: &plan::Settings,
-    runner: &mut dyn Runner,
-) -> Result<(plan::Plan, Option<String>), String> {
+fn make_plan(root: &Sysroot, settings: &plan::Settings) -> Result<(plan::Plan, Option<String>), String> {
     let nvml = crate::collect::NvmlSource::Skip("not needed to plan".into());
     let snapshot = crate::collect::snapshot(root, &nvml);
-    let rpm_guest =
-        snapshot.host.os.value().is_some_and(|o| !plan::Distro::from_os(o).map(|d| d.is_deb()).unwrap_or(true));
-    let packages = (rpm_guest && root.is_live()).then(|| {
-        let args = ["-qa".to_string(), "--qf".into(), "%{NAME}\t%{VERSION}-%{RELEASE}\n".into()];
-        match runner.run("rpm", &args, &[]) {
-            Ok(o) if o.ok() => Ok(install::parse_rpm_qa(&o.stdout_text())),
-            Ok(o) => Err(format!("rpm -qa failed: {}", o.stderr.trim())),
-            Err(e) => Err(format!("rpm: {e}")),
-        }
-    });
-    let facts = install::gather(root, &snapshot, packages);
+    let facts = install::gather(root, &snapshot);
     Ok((plan::plan(&facts, settings)?, snapshot.host.boot_id.clone()))
 }
 

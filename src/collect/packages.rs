@@ -1,5 +1,7 @@
-//! Installed NVIDIA and CUDA packages, from the dpkg database (`/var/lib/dpkg/status`). The RPM
-//! database is not a text file; on RHEL-family guests this reports that it was not read.
+//! Installed NVIDIA and CUDA packages: the dpkg database (`/var/lib/dpkg/status`, text) on
+//! Debian and Ubuntu; on RHEL-family guests the RPM database, which is binary (SQLite on EL9), so
+//! `rpm` itself reads it. Where neither can be read the answer is an error, never "nothing
+//! installed".
 
 use crate::snapshot::{Fact, Package};
 use crate::sysroot::Sysroot;
@@ -12,9 +14,7 @@ fn relevant(name: &str) -> bool {
 pub fn read(root: &Sysroot) -> Fact<Vec<Package>> {
     match root.read_string("var/lib/dpkg/status") {
         Ok(text) => Fact::Value(parse_dpkg_status(&text)),
-        Err(e) if e.is_not_found() && root.exists("var/lib/rpm") => {
-            Fact::Error("RPM-based guest: the RPM database is not read (compare `rpm -qa 'nvidia*'` by hand)".into())
-        }
+        Err(e) if e.is_not_found() && root.exists("var/lib/rpm") => read_rpm(root),
         // No database at all (a minimal image, a runfile install): nothing can be said to be
         // absent, so this is "cannot read", never "nothing installed".
         Err(e) if e.is_not_found() => Fact::Error(
@@ -22,6 +22,45 @@ pub fn read(root: &Sysroot) -> Fact<Vec<Package>> {
         ),
         Err(e) => Fact::Error(e.to_string()),
     }
+}
+
+/// The RPM database through `rpm -qa`: on the running system with rpm's own settings; under a
+/// sysroot with `--root` and `--dbpath /var/lib/rpm`, where RHEL 9 keeps it (an rpm built for
+/// another distribution has another default: Debian's is `~/.rpmdb`). No `rpm` program, or one
+/// that fails, is an error that says so.
+fn read_rpm(root: &Sysroot) -> Fact<Vec<Package>> {
+    let mut args: Vec<std::ffi::OsString> = Vec::new();
+    if !root.is_live() {
+        args.extend(["--root".into(), root.root().as_os_str().to_owned(), "--dbpath".into(), "/var/lib/rpm".into()]);
+    }
+    args.extend(["-qa".into(), "--qf".into(), "%{NAME}\t%{VERSION}-%{RELEASE}\n".into()]);
+    match std::process::Command::new("rpm").args(&args).stdin(std::process::Stdio::null()).output() {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Fact::Error("RPM-based guest, and no `rpm` program to read its database (/var/lib/rpm) with".into())
+        }
+        Err(e) => Fact::Error(format!("rpm: {e}")),
+        Ok(o) if !o.status.success() => Fact::Error(format!(
+            "rpm -qa could not read /var/lib/rpm (exit {}): {}",
+            o.status.code().map_or("by signal".to_string(), |c| c.to_string()),
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Ok(o) => Fact::Value(parse_rpm_qa(&String::from_utf8_lossy(&o.stdout))),
+    }
+}
+
+/// `rpm -qa --qf '%{NAME}\t%{VERSION}-%{RELEASE}\n'` → the NVIDIA and CUDA packages (everything
+/// rpm lists is installed; a version lock shows as held once the installer reads its list).
+pub fn parse_rpm_qa(text: &str) -> Vec<Package> {
+    text.lines()
+        .filter_map(|l| l.split_once('\t'))
+        .filter(|(n, _)| relevant(n) || n.starts_with("kmod-nvidia"))
+        .map(|(n, v)| Package {
+            name: n.trim().into(),
+            version: v.trim().into(),
+            state: "installed".into(),
+            held: false,
+        })
+        .collect()
 }
 
 /// dpkg's status file: stanzas of `Field: value` separated by blank lines. Only installed
@@ -66,6 +105,16 @@ pub fn upstream_version(v: &str) -> &str {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn rpm_listing() {
+        let p = parse_rpm_qa(
+            "bash\t5.1.8-9.el9\nkmod-nvidia-open-dkms\t550.90.07-1.el9\ncuda-toolkit-12-4\t12.4.1-1\nbroken line\n",
+        );
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].name, "kmod-nvidia-open-dkms");
+        assert_eq!(upstream_version(&p[0].version), "550.90.07");
+    }
 
     #[test]
     fn dpkg_status() {

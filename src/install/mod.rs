@@ -11,9 +11,9 @@ use plan::{Distro, Facts};
 use std::collections::BTreeMap;
 
 /// The installer's view of a guest: the snapshot, plus the files the plan writes and the units
-/// enabled on disk (a chroot or an early boot has no systemd to ask). `packages` replaces the
-/// snapshot's when given (RPM guests, listed through `rpm -qa`).
-pub fn gather(root: &Sysroot, s: &Snapshot, packages: Option<Result<Vec<Package>, String>>) -> Facts {
+/// enabled on disk (a chroot or an early boot has no systemd to ask). Packages are the
+/// snapshot's (dpkg's status file, or `rpm -qa` on RPM guests), with dnf's version locks read.
+pub fn gather(root: &Sysroot, s: &Snapshot) -> Facts {
     let os = s.host.os.value().cloned().ok_or_else(|| s.host.os.error().unwrap_or("unreadable").to_string());
     let distro = os.as_ref().ok().and_then(|o| Distro::from_os(o).ok());
     let mut paths = vec![plan::NOUVEAU_CONF.to_string(), plan::DEBIAN_PIN_PATH.into(), plan::RHEL_REPO_PATH.into()];
@@ -23,10 +23,10 @@ pub fn gather(root: &Sysroot, s: &Snapshot, packages: Option<Result<Vec<Package>
     let files: BTreeMap<String, String> =
         paths.into_iter().filter_map(|p| root.read_string(p.trim_start_matches('/')).ok().map(|c| (p, c))).collect();
     let enabled_units = root.list_dir(plan::WANTS_DIR.trim_start_matches('/')).unwrap_or_default();
-    let mut packages = packages.unwrap_or_else(|| match &s.packages {
+    let mut packages: Result<Vec<Package>, String> = match &s.packages {
         crate::snapshot::Fact::Value(v) => Ok(v.clone()),
         crate::snapshot::Fact::Error(e) => Err(e.clone()),
-    });
+    };
     if let (Ok(ps), Ok(list)) = (&mut packages, root.read_string(plan::VERSIONLOCK_LIST.trim_start_matches('/'))) {
         for p in ps.iter_mut() {
             p.held |= versionlocked(&list, &p.name);
@@ -64,20 +64,6 @@ fn versionlocked(list: &str, name: &str) -> bool {
     })
 }
 
-/// `rpm -qa --qf '%{NAME}\t%{VERSION}-%{RELEASE}\n'` → the NVIDIA and CUDA packages.
-pub fn parse_rpm_qa(text: &str) -> Vec<Package> {
-    text.lines()
-        .filter_map(|l| l.split_once('\t'))
-        .filter(|(n, _)| ["nvidia", "libnvidia", "cuda", "kmod-nvidia"].iter().any(|p| n.starts_with(p)))
-        .map(|(n, v)| Package {
-            name: n.trim().into(),
-            version: v.trim().into(),
-            state: "installed".into(),
-            held: false,
-        })
-        .collect()
-}
-
 /// The install journal as the report's `install` member; `None` when no install has run.
 pub fn report_value(state_dir: &std::path::Path) -> Option<serde_json::Value> {
     match apply::load_state(state_dir) {
@@ -98,14 +84,5 @@ mod tests {
         assert!(versionlocked(list, "nvidia-driver"));
         assert!(!versionlocked(list, "nvidia"));
         assert!(!versionlocked(list, "cuda-toolkit-12-4"));
-    }
-
-    #[test]
-    fn rpm_listing() {
-        let p = parse_rpm_qa(
-            "bash\t5.1.8-9.el9\nkmod-nvidia-open-dkms\t550.90.07-1.el9\ncuda-toolkit-12-4\t12.4.1-1\nbroken line\n",
-        );
-        assert_eq!(p.len(), 2);
-        assert_eq!(p[0].name, "kmod-nvidia-open-dkms");
     }
 }
