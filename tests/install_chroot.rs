@@ -26,12 +26,14 @@ fn base_root() -> PathBuf {
 }
 
 /// A fresh copy of the base root with the HGX guest's /proc, /sys and kmsg, and the agent in it.
-fn guest_root(work: &Path, repo_url: &str, fingerprint: &str) -> PathBuf {
+fn guest_root(work: &Path, repo_dir: &Path, repo_url: &str, fingerprint: &str) -> PathBuf {
     let root = work.join("root");
     let started = Instant::now();
     sh("cp", &["-a", base_root().to_str().unwrap(), root.to_str().unwrap()]);
-    // Only the stand-in repository: apt in the root must not reach Debian's mirrors.
-    std::fs::write(root.join("etc/apt/sources.list"), "").unwrap();
+    // Only the stand-ins: apt in the root must not reach Debian's mirrors. Its Debian source is
+    // the stand-in archive with `main` alone; the installer adds contrib, where the driver's
+    // `nvidia-support` is.
+    debian_archive_source(&root, repo_dir, repo_url);
     let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sysroots/debian12-hgx-fresh");
     for sub in ["proc", "sys"] {
         sh("cp", &["-a", &format!("{}/{sub}/.", fixture.display()), root.join(sub).to_str().unwrap()]);
@@ -243,7 +245,7 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     // --- A clean install. ---
     std::fs::create_dir_all(work.path().join("clean")).unwrap();
     std::fs::create_dir_all(work.path().join("killed")).unwrap();
-    let clean = guest_root(&work.path().join("clean"), &url, &fpr);
+    let clean = guest_root(&work.path().join("clean"), &repo_dir, &url, &fpr);
 
     // First with the repository unreachable: bounded retries, then the URL in a finding.
     let t = Instant::now();
@@ -292,6 +294,8 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
         "hi  nvidia-persistenced 580.82.07-1".into(),
         // NVIDIA's branch lock, installed before the driver.
         "ii  nvidia-driver-pinning-580 580-1".into(),
+        // From the Debian archive's contrib, which the installer enabled.
+        "ii  nvidia-support 20240109+1".into(),
         "ii  cuda-keyring 1.1-1".into(),
         // Held with the driver: DKMS built the module for this kernel only.
         format!("hi  linux-headers-{KERNEL} 6.1.112-1"),
@@ -299,6 +303,10 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     for w in &want {
         assert!(installed.contains(w), "missing {w:?} in {installed:#?}\n{}", first.stderr);
     }
+    // contrib and non-free-firmware were added beside the archive's own main-only source.
+    let components =
+        std::fs::read_to_string(clean.join("etc/apt/sources.list.d/phq-debian-components.sources")).unwrap();
+    assert!(components.contains(&format!("URIs: {url}/debian\nSuites: bookworm\nComponents: contrib non-free-firmware\nSigned-By: /{ARCHIVE_KEYRING}\n")), "{components}");
     // The pinning package beat the 590 driver; fabric manager is the driver's version, not the newest.
     assert!(!installed.iter().any(|l| l.contains("590.") || l.contains("580.95")), "{installed:#?}");
     for unit in ["nvidia-persistenced.service", "nvidia-fabricmanager.service"] {
@@ -356,7 +364,7 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     assert_eq!(report["install"]["status"], "done");
 
     // --- kill -9 at every step, then a rerun converges to the same packages. ---
-    let killed = guest_root(&work.path().join("killed"), &url, &fpr);
+    let killed = guest_root(&work.path().join("killed"), &repo_dir, &url, &fpr);
     let steps = ["repo", "headers", "nouveau", "driver", "persistenced", "fabricmanager", "toolkit", "hold"];
     let t = Instant::now();
     let mut kills = 0;

@@ -215,6 +215,17 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
             let base = format!("{}/{}/x86_64/", plan::NVIDIA_REPO_ROOT, distro.repo_dir());
             vec![format!("{}Packages.lz4", plan::apt_list_prefix(&base)), "lock".into()]
         },
+        // Debian: a deb822 source of the archive, main only until the installer adds contrib and
+        // non-free-firmware (there from an earlier run when done).
+        apt_sources: if g.id == "debian" {
+            let components = if stage == Stage::Done { "main contrib non-free-firmware" } else { "main" };
+            vec![(
+                "/etc/apt/sources.list.d/debian.sources".into(),
+                format!("Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\nComponents: {components}\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"),
+            )]
+        } else {
+            vec![]
+        },
         enabled_units: units,
         files,
     }
@@ -340,6 +351,21 @@ fn plan_rules() {
                         !text.contains("hold linux-image") && !text.contains(&format!("linux-image-{}", g.kernel)),
                         "{text}"
                     );
+                }
+                // Debian: contrib and non-free-firmware added to the archive's own source, before
+                // anything is resolved.
+                if g.id == "debian" {
+                    let ids: Vec<&str> = fresh.steps.iter().map(|s| s.id).collect();
+                    let c = ids.iter().position(|i| *i == "components").expect("the components step");
+                    assert!(c < ids.iter().position(|i| *i == "preflight").unwrap(), "{ids:?}");
+                    assert!(
+                        text.contains("| URIs: http://deb.debian.org/debian\n")
+                            || text.contains("    | URIs: http://deb.debian.org/debian"),
+                        "{text}"
+                    );
+                    assert!(text.contains("| Components: contrib non-free-firmware"), "{text}");
+                } else {
+                    assert!(fresh.steps.iter().all(|s| s.id != "components"), "{text}");
                 }
                 // EL's extra repositories: on RHEL, EPEL's release package only after its key is
                 // verified by its whole fingerprint and dnf told to check a local package, and

@@ -131,8 +131,9 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     std::fs::write(root.join("etc/cloud/cloud.cfg.d/99-phq-test.cfg"), "datasource_list: [NoCloud, None]\n").unwrap();
     // A persistent journal, read from the disk image afterwards.
     std::fs::create_dir_all(root.join("var/log/journal")).unwrap();
-    // The guest has no way to Debian's mirrors: only the stand-in repository is its apt source.
-    std::fs::write(root.join("etc/apt/sources.list"), "").unwrap();
+    // The guest has no way to Debian's mirrors: its apt sources are the stand-ins, Debian's
+    // archive with `main` alone (the installer adds contrib for the driver's `nvidia-support`).
+    debian_archive_source(&root, &www.join("repo"), &format!("{host}/repo"));
     // An initramfs of the modules this machine uses, as cloud images build it: the full set
     // takes minutes to compress under TCG.
     std::fs::write(root.join("etc/initramfs-tools/conf.d/phq-vm-test.conf"), "MODULES=dep\n").unwrap();

@@ -766,7 +766,11 @@ fn resolve(pkgs: &[String], plan: &Plan, runner: &mut dyn Runner, o: &mut Option
         (o.progress)(&format!("      all {} packages resolve", pkgs.len()));
         return Ok(());
     }
-    let names = if missing.is_empty() { "see the package manager's words".to_string() } else { missing.join(", ") };
+    let names = if missing.is_empty() {
+        "the whole set (in the package manager's words:)".to_string()
+    } else {
+        missing.join(", ")
+    };
     // The running kernel's own headers gone from the mirror is the usual case on a guest that
     // has not been upgraded for a while: DKMS cannot build for this kernel any more.
     let headers = [format!("linux-headers-{}", plan.kernel), format!("kernel-devel-{}", plan.kernel)];
@@ -799,7 +803,9 @@ fn dnf_refused(text: &str, missing: &[String]) -> bool {
         || text.lines().any(|l| l.trim_start().starts_with("Error:") && !l.contains("Operation aborted"))
 }
 
-/// Package names a resolver's output says it cannot install.
+/// Package names a resolver's output says it cannot install: asked for and unknown (apt's
+/// "Unable to locate package", dnf's "No match for argument"), or a dependency no repository
+/// has (apt's "X : Depends: Y but it is not installable", dnf's "nothing provides Y needed by X").
 fn unresolvable(text: &str) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for line in text.lines() {
@@ -811,6 +817,14 @@ fn unresolvable(text: &str) -> Vec<String> {
             .or_else(|| {
                 let rest = l.strip_prefix("E: Package '")?;
                 rest.split_once('\'').map(|(n, _)| n.to_string())
+            })
+            .or_else(|| {
+                let dep = l.strip_suffix(" but it is not installable")?.rsplit_once("Depends: ")?.1;
+                dep.split_whitespace().next().map(str::to_string)
+            })
+            .or_else(|| {
+                let rest = l.split_once("nothing provides ")?.1;
+                rest.split_whitespace().next().map(str::to_string)
             });
         if let Some(n) = name.filter(|n| !n.is_empty() && !out.contains(n)) {
             out.push(n);
@@ -1244,6 +1258,7 @@ mod tests {
             nvidia_loaded: None,
             dpkg_interrupted: false,
             apt_lists: vec![],
+            apt_sources: vec![],
             enabled_units: vec![],
             files: Default::default(),
         };
@@ -1311,7 +1326,11 @@ mod tests {
             "{:#?}",
             m.ran
         );
-        assert!(m.ran.iter().any(|l| l.starts_with("apt-mark hold libnvidia-compute-550 nvidia-dkms-550-open")), "{:#?}", m.ran);
+        assert!(
+            m.ran.iter().any(|l| l.starts_with("apt-mark hold libnvidia-compute-550 nvidia-dkms-550-open")),
+            "{:#?}",
+            m.ran
+        );
         // The nouveau file landed, atomically, under the root.
         assert_eq!(
             std::fs::read_to_string(dir.path().join("root/etc/modprobe.d/blacklist-nouveau.conf")).unwrap(),
@@ -1418,6 +1437,8 @@ mod tests {
             Ok(OsRelease { id: "debian".into(), id_like: vec![], version_id: "12".into(), pretty_name: String::new() });
         f.kernel = Some("6.1.0-27-cloud-amd64".into());
         f.secure_boot = Some(SecureBoot::Enabled);
+        f.apt_sources =
+            vec![("/etc/apt/sources.list".into(), "deb http://deb.debian.org/debian bookworm main\n".into())];
         let p = plan::plan(&f, &s).unwrap();
         // Debian 12's dkms signs with a key whose certificate says "DKMS module signing key".
         (p, FakeMachine { key, signer: "DKMS module signing key".into(), ..Default::default() })
@@ -1700,6 +1721,12 @@ mod tests {
         assert!(dnf_refused(conflict, &unresolvable(conflict)));
         let apt = "Reading package lists...\nE: Unable to locate package nvidia-open-580\nE: Package 'cuda-toolkit-12-9' has no installation candidate\n";
         assert_eq!(unresolvable(apt), ["nvidia-open-580", "cuda-toolkit-12-9"]);
+        // A dependency no repository has: apt's words when Debian's contrib is off (as the
+        // real-apt test saw them), and dnf's.
+        let dep = "The following packages have unmet dependencies:\n nvidia-driver-cuda : Depends: nvidia-support but it is not installable\nE: Unable to correct problems, you have held broken packages.\n";
+        assert_eq!(unresolvable(dep), ["nvidia-support"]);
+        let dnf = "Error: \n Problem: cannot install the best candidate for the job\n  - nothing provides dkms needed by kmod-nvidia-open-dkms-3:580.82.07-1.el9.noarch\n";
+        assert_eq!(unresolvable(dnf), ["dkms"]);
     }
 
     /// A package the repositories lack stops the install in the pre-flight, with its name,

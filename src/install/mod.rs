@@ -4,6 +4,7 @@
 pub mod apply;
 pub mod pgp;
 pub mod plan;
+pub mod sources;
 
 use crate::snapshot::{Package, Snapshot};
 use crate::sysroot::Sysroot;
@@ -33,6 +34,18 @@ pub fn gather(root: &Sysroot, s: &Snapshot) -> Facts {
         }
     }
     let modules = s.driver.modules.value().cloned().unwrap_or_default();
+    // apt's sources, for which components of the distribution's archive are enabled.
+    let mut apt_sources: Vec<(String, String)> = Vec::new();
+    if let Ok(t) = root.read_string("etc/apt/sources.list") {
+        apt_sources.push(("/etc/apt/sources.list".into(), t));
+    }
+    let mut names = root.list_dir("etc/apt/sources.list.d").unwrap_or_default();
+    names.sort();
+    for n in names.into_iter().filter(|n| n.ends_with(".list") || n.ends_with(".sources")) {
+        if let Ok(t) = root.read_string(&format!("etc/apt/sources.list.d/{n}")) {
+            apt_sources.push((format!("/etc/apt/sources.list.d/{n}"), t));
+        }
+    }
     Facts {
         os,
         kernel: s.host.kernel_release.value().cloned(),
@@ -50,6 +63,7 @@ pub fn gather(root: &Sysroot, s: &Snapshot) -> Facts {
             .flatten(),
         dpkg_interrupted: root.list_dir("var/lib/dpkg/updates").is_ok_and(|v| !v.is_empty()),
         apt_lists: root.list_dir("var/lib/apt/lists").unwrap_or_default(),
+        apt_sources,
         enabled_units,
         files,
     }

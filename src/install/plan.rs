@@ -34,6 +34,11 @@ pub const DOWNLOAD_DIR: &str = "/var/cache/phq-agent-install";
 pub const NOUVEAU_CONF: &str = "/etc/modprobe.d/blacklist-nouveau.conf";
 pub const NOUVEAU_CONF_TEXT: &str = "blacklist nouveau\noptions nouveau modeset=0\n";
 pub const DEBIAN_PIN_PATH: &str = "/etc/apt/preferences.d/phq-nvidia-driver-branch";
+/// Where the installer adds the Debian archive components NVIDIA's packages need.
+pub const DEBIAN_COMPONENTS_PATH: &str = "/etc/apt/sources.list.d/phq-debian-components.sources";
+/// The components: `contrib` for the helpers Debian's NVIDIA packaging depends on,
+/// `non-free-firmware` for the GSP firmware (install/sources.rs says which and where from).
+pub const DEBIAN_COMPONENTS: &[&str] = &["contrib", "non-free-firmware"];
 pub const VERSIONLOCK_LIST: &str = "/etc/dnf/plugins/versionlock.list";
 /// systemd's wants directory: a unit linked here is enabled.
 pub const WANTS_DIR: &str = "/etc/systemd/system/multi-user.target.wants";
@@ -123,6 +128,9 @@ pub struct Facts {
     pub dpkg_interrupted: bool,
     /// File names in /var/lib/apt/lists: whether a repository's index was ever fetched.
     pub apt_lists: Vec<String>,
+    /// apt's source files, `(path, contents)`: /etc/apt/sources.list and sources.list.d's
+    /// `.list` and `.sources` (which components of the Debian archive are enabled).
+    pub apt_sources: Vec<(String, String)>,
     /// Units linked in multi-user.target.wants.
     pub enabled_units: Vec<String>,
     /// The present contents of the files the plan writes (absent: not there).
@@ -584,6 +592,35 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
 
     // 1. NVIDIA's repository, trusted only once its key is the pinned one.
     steps.push(repo_step(&distro, f, s, &repo_base, install_dir));
+
+    // 1a. Debian: the archive's contrib and non-free-firmware components, without which apt
+    // cannot resolve NVIDIA's Debian packages (install/sources.rs).
+    if distro == Distro::Debian12 {
+        match crate::install::sources::missing_components(
+            &crate::install::sources::parse_all(&f.apt_sources),
+            "bookworm",
+            DEBIAN_COMPONENTS,
+        ) {
+            Ok(add) => {
+                let update = apt("update", lits(&["--error-on=any".into()]));
+                steps.push(Step {
+                    id: "components",
+                    title: format!("enable Debian's {} components", DEBIAN_COMPONENTS.join(" and ")),
+                    actions: vec![
+                        Action::Write { path: DEBIAN_COMPONENTS_PATH.into(), contents: add.clone().unwrap_or_default() },
+                        Action::Run(update),
+                    ],
+                    done: add.is_none().then(|| format!("{} are enabled", DEBIAN_COMPONENTS.join(" and "))),
+                    needs_reboot: false,
+                });
+            }
+            Err(e) => findings.push(
+                Finding::warn("install.debian-components", format!("cannot add Debian's contrib and non-free-firmware components: {e}"))
+                    .detail("NVIDIA's Debian packages depend on helpers in contrib (nvidia-support, glx-alternative-nvidia, nvidia-kernel-common) and the open modules' GSP firmware is in non-free-firmware; without them the pre-flight names what apt cannot install.")
+                    .remedy("Add `contrib non-free-firmware` to the Components of the Debian archive's apt sources, then rerun phq-agent install"),
+            ),
+        }
+    }
 
     // 1b. NVIDIA's branch lock (`nvidia-driver-pinning-<branch>`, Debian and Ubuntu from the 580
     // era on), installed before anything is resolved, as its guide advises: until it is in

@@ -9,7 +9,8 @@
 //! build, with a marker file while it runs), `nvidia-driver-cuda`, the persistence daemon and the
 //! fabric manager with their units, NSCQ (unversioned names from 580 on), the CUDA 12.9 toolkit,
 //! the headers. A newer branch (590) and a newer 580 fabric manager are in the repository too, to
-//! prove the branch pin and the exact fabric-manager match.
+//! prove the branch pin and the exact fabric-manager match. Beside it, a stand-in of Debian's own
+//! archive with `nvidia-support` in contrib, which the driver needs.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -167,7 +168,7 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
             version: "1.1-1",
             depends: "",
             files: vec![
-                ("usr/share/keyrings/cuda-archive-keyring.gpg".into(), key),
+                ("usr/share/keyrings/cuda-archive-keyring.gpg".into(), key.clone()),
                 (
                     "etc/apt/sources.list.d/cuda-debian12-x86_64.list".into(),
                     b"deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/ /\n".to_vec(),
@@ -216,7 +217,16 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
         },
         // The compute-only user space (NVIDIA's compute-only install: `nvidia-driver-cuda` beside
         // the open DKMS module); its 590 twin proves the pinning package holds it on 580 too.
-        Deb { name: "nvidia-driver-cuda", version: &d580, depends: "nvidia-persistenced (>= 580)", files: vec![], postinst: "" },
+        // Its dependency on `nvidia-support` is Debian's packaging (`libcuda1` depends on it), and
+        // `nvidia-support` lives in the Debian archive's contrib (below): without that component
+        // apt cannot install the driver.
+        Deb {
+            name: "nvidia-driver-cuda",
+            version: &d580,
+            depends: "nvidia-persistenced (>= 580), nvidia-support",
+            files: vec![],
+            postinst: "",
+        },
         Deb { name: "nvidia-driver-cuda", version: "590.44.01-1", depends: "", files: vec![], postinst: "" },
         Deb {
             name: "nvidia-fabricmanager",
@@ -263,7 +273,100 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
             repo.join("Release").to_str().unwrap(),
         ],
     );
+    build_archive(root, g, &key);
     fpr
+}
+
+/// Where a guest keeps the stand-in Debian archive's key, and the source line that names it.
+pub const ARCHIVE_KEYRING: &str = "etc/apt/keyrings/phq-test-debian-archive.gpg";
+
+/// A stand-in of Debian's own archive at `<root>/debian` (`dists/bookworm/{main,contrib,
+/// non-free-firmware}`), signed with the same test key (kept as `<root>/archive-key.gpg`):
+/// `contrib` holds `nvidia-support`, which the stand-in driver depends on as Debian's packaging
+/// does, and `non-free-firmware` the GSP firmware package; `main` is empty. A guest whose source
+/// lists `main` alone cannot install the driver until the installer adds the other two.
+fn build_archive(root: &Path, gnupg: &str, key: &[u8]) {
+    let archive = root.join("debian");
+    let parts: [(&str, Vec<Deb>); 3] = [
+        ("main", vec![]),
+        (
+            "contrib",
+            vec![Deb { name: "nvidia-support", version: "20240109+1", depends: "", files: vec![], postinst: "" }],
+        ),
+        (
+            "non-free-firmware",
+            vec![Deb {
+                name: "firmware-nvidia-gsp",
+                version: "535.261.03-1",
+                depends: "",
+                files: vec![],
+                postinst: "",
+            }],
+        ),
+    ];
+    for (component, debs) in &parts {
+        let pool = archive.join("pool").join(component);
+        std::fs::create_dir_all(&pool).unwrap();
+        for d in debs {
+            build_deb(&pool, d);
+        }
+        let index = archive.join("dists/bookworm").join(component).join("binary-amd64");
+        std::fs::create_dir_all(&index).unwrap();
+        let packages = Command::new("apt-ftparchive")
+            .args(["packages", &format!("pool/{component}")])
+            .current_dir(&archive)
+            .output()
+            .unwrap();
+        assert!(packages.status.success());
+        std::fs::write(index.join("Packages"), &packages.stdout).unwrap();
+    }
+    let release = Command::new("apt-ftparchive")
+        .args([
+            "-o",
+            "APT::FTPArchive::Release::Suite=bookworm",
+            "-o",
+            "APT::FTPArchive::Release::Codename=bookworm",
+            "-o",
+            "APT::FTPArchive::Release::Components=main contrib non-free-firmware",
+            "-o",
+            "APT::FTPArchive::Release::Architectures=amd64",
+            "release",
+            "dists/bookworm",
+        ])
+        .current_dir(&archive)
+        .output()
+        .unwrap();
+    assert!(release.status.success());
+    let dists = archive.join("dists/bookworm");
+    std::fs::write(dists.join("Release"), &release.stdout).unwrap();
+    sh(
+        "gpg",
+        &[
+            "--homedir",
+            gnupg,
+            "--batch",
+            "--yes",
+            "--clearsign",
+            "-o",
+            dists.join("InRelease").to_str().unwrap(),
+            dists.join("Release").to_str().unwrap(),
+        ],
+    );
+    std::fs::write(root.join("archive-key.gpg"), key).unwrap();
+}
+
+/// Make the stand-in Debian archive the guest's only Debian source, with `main` alone, as a
+/// guest's sources often are: `repo_root` is what `build_repo` built, `url` where the guest
+/// reaches it.
+pub fn debian_archive_source(guest: &Path, repo_root: &Path, url: &str) {
+    let keyring = guest.join(ARCHIVE_KEYRING);
+    std::fs::create_dir_all(keyring.parent().unwrap()).unwrap();
+    std::fs::copy(repo_root.join("archive-key.gpg"), &keyring).unwrap();
+    std::fs::write(
+        guest.join("etc/apt/sources.list"),
+        format!("deb [signed-by=/{ARCHIVE_KEYRING}] {url}/debian bookworm main\n"),
+    )
+    .unwrap();
 }
 
 /// A stand-in `nvidia.ko`: an ELF object whose only content is the `.modinfo` section a real
@@ -347,7 +450,9 @@ fn handle(mut conn: std::net::TcpStream, dir: &Path, kept: &Mutex<Vec<Post>>) {
         }
         return;
     }
-    let rel = path.trim_start_matches('/');
+    // apt percent-encodes what is not plain in a file name (`+` in a version: `%2b`).
+    let decoded = percent_decode(&path);
+    let rel = decoded.trim_start_matches('/');
     let file = dir.join(rel);
     let head = first.starts_with("HEAD");
     let resp = match (rel.contains(".."), std::fs::read(&file)) {
@@ -362,4 +467,25 @@ fn handle(mut conn: std::net::TcpStream, dir: &Path, kept: &Mutex<Vec<Post>>) {
         _ => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec(),
     };
     let _ = conn.write_all(&resp);
+}
+
+/// `%XX` escapes in a request path, decoded to bytes (an invalid escape is kept as it is).
+fn percent_decode(path: &str) -> String {
+    let b = path.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
