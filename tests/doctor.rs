@@ -567,10 +567,16 @@ fn an_rpm_guests_packages_are_read_from_its_rpm_database() {
     assert!(text.contains("✓ already done: kmod-nvidia-open-dkms 580.82.07 is installed"), "{text}");
     assert!(!text.contains("installed packages unknown"), "{text}");
 
-    // No database where RHEL keeps it (rpm finds nothing to open): said, not taken as "nothing
-    // installed".
+    // No database where RHEL keeps it: said, not taken as "nothing installed", and rpm is not
+    // let loose on the directory (it would create an empty database there).
     std::fs::remove_dir_all(root.join("var/lib/rpm")).unwrap();
     std::fs::create_dir(root.join("var/lib/rpm")).unwrap();
+    let out = phq(&["install", "--dry-run", "--sysroot", root.to_str().unwrap(), "--config", cfg.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("installed packages unknown (RPM-based guest with no RPM database in /var/lib/rpm"), "{text}");
+    assert_eq!(std::fs::read_dir(root.join("var/lib/rpm")).unwrap().count(), 0, "nothing written into the sysroot");
+
+    // A database rpm cannot open: rpm's words.
     std::fs::write(root.join("var/lib/rpm/rpmdb.sqlite"), b"not a database").unwrap();
     let out = phq(&["install", "--dry-run", "--sysroot", root.to_str().unwrap(), "--config", cfg.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout);

@@ -29,9 +29,16 @@ pub fn read(root: &Sysroot) -> Fact<Vec<Package>> {
 /// another distribution has another default: Debian's is `~/.rpmdb`). No `rpm` program, or one
 /// that fails, is an error that says so.
 fn read_rpm(root: &Sysroot) -> Fact<Vec<Package>> {
+    // rpm creates an empty database where it finds none: ask only when one is there (SQLite on
+    // EL9, Berkeley DB `Packages` before), so reading never writes into a sysroot.
+    if !["rpmdb.sqlite", "Packages", "Packages.db"].iter().any(|f| root.exists(&format!("var/lib/rpm/{f}"))) {
+        return Fact::Error("RPM-based guest with no RPM database in /var/lib/rpm (rpmdb.sqlite): what is installed cannot be read".into());
+    }
     let mut args: Vec<std::ffi::OsString> = Vec::new();
     if !root.is_live() {
-        args.extend(["--root".into(), root.root().as_os_str().to_owned(), "--dbpath".into(), "/var/lib/rpm".into()]);
+        // rpm takes only an absolute --root.
+        let abs = std::fs::canonicalize(root.root()).unwrap_or_else(|_| root.root().to_path_buf());
+        args.extend(["--root".into(), abs.into_os_string(), "--dbpath".into(), "/var/lib/rpm".into()]);
     }
     args.extend(["-qa".into(), "--qf".into(), "%{NAME}\t%{VERSION}-%{RELEASE}\n".into()]);
     match std::process::Command::new("rpm").args(&args).stdin(std::process::Stdio::null()).output() {
