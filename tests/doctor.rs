@@ -573,7 +573,10 @@ fn an_rpm_guests_packages_are_read_from_its_rpm_database() {
     std::fs::create_dir(root.join("var/lib/rpm")).unwrap();
     let out = phq(&["install", "--dry-run", "--sysroot", root.to_str().unwrap(), "--config", cfg.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("installed packages unknown (RPM-based guest with no RPM database in /var/lib/rpm"), "{text}");
+    assert!(
+        text.contains("installed packages unknown (RPM-based guest with no RPM database in /var/lib/rpm"),
+        "{text}"
+    );
     assert_eq!(std::fs::read_dir(root.join("var/lib/rpm")).unwrap().count(), 0, "nothing written into the sysroot");
 
     // A database rpm cannot open: rpm's words.

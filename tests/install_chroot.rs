@@ -34,6 +34,9 @@ fn guest_root(work: &Path, repo_dir: &Path, repo_url: &str, fingerprint: &str) -
     // the stand-in archive with `main` alone; the installer adds contrib, where the driver's
     // `nvidia-support` is.
     debian_archive_source(&root, repo_dir, repo_url);
+    // The running kernel's image is installed, as on any VM (debootstrap's minbase has none).
+    let image = repo_dir.join(format!("debian/pool/main/linux-image-{KERNEL}_0~phq-1_all.deb"));
+    sh("dpkg", &["--root", root.to_str().unwrap(), "-i", image.to_str().unwrap()]);
     let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sysroots/debian12-hgx-fresh");
     for sub in ["proc", "sys"] {
         sh("cp", &["-a", &format!("{}/{sub}/.", fixture.display()), root.join(sub).to_str().unwrap()]);
@@ -298,7 +301,9 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
         "ii  nvidia-support 20240109+1".into(),
         "ii  cuda-keyring 1.1-1".into(),
         // Held with the driver: DKMS built the module for this kernel only.
-        format!("hi  linux-headers-{KERNEL} 6.1.112-1"),
+        format!("ii  linux-headers-{KERNEL} 6.1.112-1"),
+        // The flavour's metas: Debian's way to the headers (one ABI per flavour in its archive).
+        "hi  linux-headers-cloud-amd64 6.1.112-1".into(),
     ];
     for w in &want {
         assert!(installed.contains(w), "missing {w:?} in {installed:#?}\n{}", first.stderr);

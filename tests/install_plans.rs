@@ -141,6 +141,11 @@ fn done_packages(g: &Guest, sb: bool, switches: bool) -> Vec<Package> {
     v.extend(kernel_packages(g, held));
     if deb {
         v.push(pkg(&format!("linux-headers-{}", g.kernel), "1", "installed", held));
+        if g.id == "debian" {
+            // The flavour's metas, which the installer put in on Debian.
+            v.push(pkg("linux-headers-cloud-amd64", "6.1.112-1", "installed", held));
+            v.push(pkg("linux-image-cloud-amd64", "6.1.112-1", "installed", held));
+        }
     } else {
         v.push(pkg("kernel-devel", g.kernel.trim_end_matches(".x86_64"), "installed", held));
     }
@@ -331,8 +336,16 @@ fn plan_rules() {
                 // The running kernel is held with a DKMS-built driver (Google's installer does the
                 // same), never on Ubuntu's signed path, where the meta brings each kernel's module.
                 if !signed_by_ubuntu {
-                    let kernel: Vec<String> = if g.id == "ubuntu" || g.id == "debian" {
+                    let kernel: Vec<String> = if g.id == "ubuntu" {
                         vec![format!("linux-image-{}", g.kernel), format!("linux-headers-{}", g.kernel)]
+                    } else if g.id == "debian" {
+                        // The flavour's metas the headers step installs (Debian keeps only the
+                        // newest ABI's headers), and the running kernel.
+                        vec![
+                            format!("linux-image-{}", g.kernel),
+                            "linux-image-cloud-amd64".into(),
+                            "linux-headers-cloud-amd64".into(),
+                        ]
                     } else {
                         ["kernel", "kernel-core", "kernel-modules", "kernel-devel"].map(String::from).to_vec()
                     };
@@ -366,6 +379,16 @@ fn plan_rules() {
                     assert!(text.contains("| Components: contrib non-free-firmware"), "{text}");
                 } else {
                     assert!(fresh.steps.iter().all(|s| s.id != "components"), "{text}");
+                }
+                // Debian: headers through the flavour's metas, never the running ABI's own package,
+                // which leaves Debian's mirror at the next point release.
+                if g.id == "debian" {
+                    assert!(text.contains("install linux-headers-cloud-amd64 linux-image-cloud-amd64"), "{text}");
+                    let fixed = format!("linux-headers-{}", g.kernel);
+                    assert!(
+                        !text.lines().any(|l| l.contains(" install ") && l.split(' ').any(|w| w == fixed)),
+                        "{text}"
+                    );
                 }
                 // EL's extra repositories: on RHEL, EPEL's release package only after its key is
                 // verified by its whole fingerprint and dnf told to check a local package, and

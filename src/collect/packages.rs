@@ -6,9 +6,24 @@
 use crate::snapshot::{Fact, Package};
 use crate::sysroot::Sysroot;
 
-/// Packages worth keeping: the driver, fabric manager, NSCQ, CUDA.
+/// Packages worth keeping: the driver, fabric manager, NSCQ, CUDA, and the kernel's (images,
+/// headers, Ubuntu's per-kernel NVIDIA modules and signatures, their flavour metas; EL's kernel
+/// packages), which the installer holds and checks for.
 fn relevant(name: &str) -> bool {
-    ["nvidia", "libnvidia", "cuda", "libcuda"].iter().any(|p| name.starts_with(p))
+    [
+        "nvidia",
+        "libnvidia",
+        "cuda",
+        "libcuda",
+        "kmod-nvidia",
+        "linux-image-",
+        "linux-headers-",
+        "linux-modules-",
+        "linux-signatures-",
+    ]
+    .iter()
+    .any(|p| name.starts_with(p))
+        || ["kernel", "kernel-core", "kernel-modules", "kernel-devel", "kernel-headers"].contains(&name)
 }
 
 pub fn read(root: &Sysroot) -> Fact<Vec<Package>> {
@@ -32,7 +47,10 @@ fn read_rpm(root: &Sysroot) -> Fact<Vec<Package>> {
     // rpm creates an empty database where it finds none: ask only when one is there (SQLite on
     // EL9, Berkeley DB `Packages` before), so reading never writes into a sysroot.
     if !["rpmdb.sqlite", "Packages", "Packages.db"].iter().any(|f| root.exists(&format!("var/lib/rpm/{f}"))) {
-        return Fact::Error("RPM-based guest with no RPM database in /var/lib/rpm (rpmdb.sqlite): what is installed cannot be read".into());
+        return Fact::Error(
+            "RPM-based guest with no RPM database in /var/lib/rpm (rpmdb.sqlite): what is installed cannot be read"
+                .into(),
+        );
     }
     let mut args: Vec<std::ffi::OsString> = Vec::new();
     if !root.is_live() {
@@ -60,7 +78,7 @@ fn read_rpm(root: &Sysroot) -> Fact<Vec<Package>> {
 pub fn parse_rpm_qa(text: &str) -> Vec<Package> {
     text.lines()
         .filter_map(|l| l.split_once('\t'))
-        .filter(|(n, _)| relevant(n) || n.starts_with("kmod-nvidia"))
+        .filter(|(n, _)| relevant(n))
         .map(|(n, v)| Package {
             name: n.trim().into(),
             version: v.trim().into(),
@@ -121,6 +139,11 @@ mod tests {
         assert_eq!(p.len(), 2);
         assert_eq!(p[0].name, "kmod-nvidia-open-dkms");
         assert_eq!(upstream_version(&p[0].version), "550.90.07");
+        // The kernel's packages too: the installer holds them.
+        let k = parse_rpm_qa(
+            "kernel\t5.14.0-427.13.1.el9_4\nkernel-core\t5.14.0-427.13.1.el9_4\nkernel-tools\t5.14.0-427.13.1.el9_4\n",
+        );
+        assert_eq!(k.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["kernel", "kernel-core"]);
     }
 
     #[test]

@@ -428,27 +428,34 @@ fn kernel_flavour(kernel: &str) -> Option<&str> {
 
 /// The kernel packages to hold while a DKMS-built driver is installed, so an unattended upgrade
 /// cannot boot the VM into a kernel the module was never built for: the running kernel's image
-/// and headers and, where installed, its flavour's meta packages (as Google's GPU installer
-/// locks `linux-image-<release>`, `linux-headers-<release>` and the `cloud-amd64` metas on
-/// Debian). EL: `dnf versionlock` of the kernel packages at their installed versions.
-/// Only packages that are there are held (apt-mark refuses a name it does not know), plus the
-/// headers when the plan itself installs them (`headers_planned`).
-fn kernel_hold(distro: &Distro, kernel: &str, packages: &[Package], headers_planned: bool) -> Vec<String> {
-    let present = |n: &str| packages.iter().any(|p| p.name == n);
-    let (installed, headers): (Vec<String>, String) = if distro.is_deb() {
+/// and headers and its flavour's meta packages (as Google's GPU installer locks
+/// `linux-image-<release>`, `linux-headers-<release>` and the `cloud-amd64` metas on Debian).
+/// EL: `dnf versionlock` of the kernel packages at their installed versions. Only packages that
+/// are there or that the plan installs (`planned`) are held: apt-mark refuses a name it does not
+/// know.
+fn kernel_hold(distro: &Distro, kernel: &str, packages: &[Package], planned: &[String]) -> Vec<String> {
+    let there = |n: &str| packages.iter().any(|p| p.name == n) || planned.iter().any(|p| p == n);
+    if distro.is_deb() {
+        // Where the headers come through the flavour's metas (Debian), the held header meta keeps
+        // the running ABI's headers, whichever it brings; naming them here would change the list
+        // between a run that installs them and the next.
+        let metas = *distro == Distro::Debian12 && kernel_flavour(kernel).is_some();
         let mut v = vec![format!("linux-image-{kernel}")];
+        if !metas {
+            v.push(format!("linux-headers-{kernel}"));
+        }
         if let Some(flavour) = kernel_flavour(kernel) {
             v.extend([format!("linux-image-{flavour}"), format!("linux-headers-{flavour}")]);
         }
-        (v, format!("linux-headers-{kernel}"))
+        v.into_iter().filter(|n| there(n)).collect()
     } else {
-        (["kernel", "kernel-core", "kernel-modules"].map(String::from).to_vec(), "kernel-devel".into())
-    };
-    let mut v: Vec<String> = installed.into_iter().filter(|n| present(n)).collect();
-    if headers_planned || present(&headers) {
-        v.insert(v.len().min(1), headers);
+        let devel = planned.iter().any(|p| p.starts_with("kernel-devel"));
+        ["kernel", "kernel-devel", "kernel-core", "kernel-modules"]
+            .into_iter()
+            .filter(|n| there(n) || (*n == "kernel-devel" && devel))
+            .map(String::from)
+            .collect()
     }
-    v
 }
 
 /// The plan, or why there can be none (an unsupported guest, a CUDA the branch cannot run).
@@ -643,26 +650,63 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         });
     }
 
-    // 2. Kernel headers: DKMS builds the modules against them.
-    let headers = if distro.is_deb() {
-        Action::Run(apt("install", lits(&[format!("linux-headers-{kernel}")])))
-    } else {
-        Action::Run(dnf(&["install", &format!("kernel-devel-{kernel}"), "kernel-headers"]))
+    // 2. Kernel headers: DKMS builds the modules against them. Debian's archive carries one ABI
+    // of each kernel flavour, the newest: the headers of an older running kernel leave the
+    // mirror at the next point release. So on Debian the flavour's meta packages are installed
+    // — the newest kernel of the flavour and its headers, which DKMS builds the module for and
+    // the next boot starts (Google's GPU installer installs the newest cloud-amd64 kernel and
+    // its headers and reboots, for the same reason). Ubuntu's archive keeps each ABI's headers;
+    // EL installs the running kernel's own devel package.
+    let flavour_metas = match (&distro, kernel_flavour(&kernel)) {
+        (Distro::Debian12, Some(fl)) => {
+            Some((fl.to_string(), vec![format!("linux-headers-{fl}"), format!("linux-image-{fl}")]))
+        }
+        _ => None,
     };
-    steps.push(Step {
-        id: "headers",
-        title: format!("kernel headers for {kernel}"),
-        actions: vec![headers],
-        done: f.headers_present.then(|| format!("/lib/modules/{kernel}/build is there")),
-        needs_reboot: false,
-    });
+    let (headers_pkgs, headers_step) = match &flavour_metas {
+        Some((fl, metas)) => {
+            let done = metas.iter().all(|m| f.installed(m)).then(|| format!("{} are installed", metas.join(" and ")));
+            let step = Step {
+                id: "headers",
+                title: format!(
+                    "kernel headers of the {fl} flavour: its newest kernel and headers ({})",
+                    metas.join(", ")
+                ),
+                actions: vec![Action::Run(apt("install", lits(metas)))],
+                done,
+                needs_reboot: false,
+            };
+            (metas.clone(), step)
+        }
+        None => {
+            let (pkgs, action) = if distro.is_deb() {
+                let p = vec![format!("linux-headers-{kernel}")];
+                (p.clone(), Action::Run(apt("install", lits(&p))))
+            } else {
+                (
+                    vec![format!("kernel-devel-{kernel}"), "kernel-headers".into()],
+                    Action::Run(dnf(&["install", &format!("kernel-devel-{kernel}"), "kernel-headers"])),
+                )
+            };
+            let step = Step {
+                id: "headers",
+                title: format!("kernel headers for {kernel}"),
+                actions: vec![action],
+                done: f.headers_present.then(|| format!("/lib/modules/{kernel}/build is there")),
+                needs_reboot: false,
+            };
+            (pkgs, step)
+        }
+    };
+    let headers_planned: Vec<String> = if headers_step.done.is_none() { headers_pkgs } else { Vec::new() };
+    steps.push(headers_step);
 
     // 2b. Debian and Ubuntu with a DKMS-built driver: the running kernel is held before the
     // driver is built for it, so unattended-upgrades cannot install another kernel mid-install
     // (its dpkg runs wait on the same lock, DPkg::Lock::Timeout). EL locks the kernel with the
     // other packages at the end (dnf versionlock needs its plugin installed first).
     let kernel_pkgs = if distro.is_deb() && !signed_by_distro {
-        kernel_hold(&distro, &kernel, packages, !f.headers_present)
+        kernel_hold(&distro, &kernel, packages, &headers_planned)
     } else {
         vec![]
     };
@@ -920,7 +964,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     // hold the kernel in their own step, before the driver); Ubuntu's signed path instead
     // brings each new kernel's module through the flavour's meta package.
     if !distro.is_deb() {
-        hold.extend(kernel_hold(&distro, &kernel, packages, !f.headers_present));
+        hold.extend(kernel_hold(&distro, &kernel, packages, &headers_planned));
     }
     if steps.iter().any(|s| s.id == "toolkit") {
         hold.push(toolkit.clone());

@@ -177,13 +177,6 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
             postinst: "",
         },
         Deb {
-            name: &headers,
-            version: "6.1.112-1",
-            depends: "",
-            files: vec![(format!("usr/src/linux-headers-{kernel}/Makefile"), b"# stand-in\n".to_vec())],
-            postinst: &headers_postinst,
-        },
-        Deb {
             name: "nvidia-driver-pinning-580",
             version: "580-1",
             depends: "",
@@ -273,7 +266,26 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
             repo.join("Release").to_str().unwrap(),
         ],
     );
-    build_archive(root, g, &key);
+    // Debian's own packages, in the archive's main: the running kernel's headers and image, and
+    // its flavour's metas, which depend on them (Debian's archive carries one ABI per flavour).
+    let flavour = kernel.splitn(3, '-').nth(2).unwrap_or("amd64");
+    let (hmeta, imeta, image) =
+        (format!("linux-headers-{flavour}"), format!("linux-image-{flavour}"), format!("linux-image-{kernel}"));
+    let main = vec![
+        Deb {
+            name: &headers,
+            version: "6.1.112-1",
+            depends: "",
+            files: vec![(format!("usr/src/linux-headers-{kernel}/Makefile"), b"# stand-in\n".to_vec())],
+            postinst: &headers_postinst,
+        },
+        // The lowest version there is: where a real kernel image is installed (the VM test), it
+        // stays.
+        Deb { name: &image, version: "0~phq-1", depends: "", files: vec![], postinst: "" },
+        Deb { name: &hmeta, version: "6.1.112-1", depends: &headers, files: vec![], postinst: "" },
+        Deb { name: &imeta, version: "6.1.112-1", depends: &image, files: vec![], postinst: "" },
+    ];
+    build_archive(root, g, &key, main);
     fpr
 }
 
@@ -283,12 +295,12 @@ pub const ARCHIVE_KEYRING: &str = "etc/apt/keyrings/phq-test-debian-archive.gpg"
 /// A stand-in of Debian's own archive at `<root>/debian` (`dists/bookworm/{main,contrib,
 /// non-free-firmware}`), signed with the same test key (kept as `<root>/archive-key.gpg`):
 /// `contrib` holds `nvidia-support`, which the stand-in driver depends on as Debian's packaging
-/// does, and `non-free-firmware` the GSP firmware package; `main` is empty. A guest whose source
+/// does, and `non-free-firmware` the GSP firmware package; `main` the kernel's packages. A guest whose source
 /// lists `main` alone cannot install the driver until the installer adds the other two.
-fn build_archive(root: &Path, gnupg: &str, key: &[u8]) {
+fn build_archive(root: &Path, gnupg: &str, key: &[u8], main: Vec<Deb>) {
     let archive = root.join("debian");
     let parts: [(&str, Vec<Deb>); 3] = [
-        ("main", vec![]),
+        ("main", main),
         (
             "contrib",
             vec![Deb { name: "nvidia-support", version: "20240109+1", depends: "", files: vec![], postinst: "" }],
