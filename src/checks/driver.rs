@@ -237,8 +237,10 @@ fn kernel_taint(s: &Snapshot) -> Finding {
     f.evidence("tainted", t).evidence("flags", letters)
 }
 
-/// The kernel that boots next (the newest in /boot, GRUB's default) must have the driver's module,
-/// or the next reboot — an unattended kernel upgrade's, say — brings the VM up without its GPUs.
+/// The kernel that boots next (the newest in /boot, GRUB's default: its `10_linux` script lists
+/// kernels newest first with `version_sort -r` and `GRUB_DEFAULT=0` picks the first) must have
+/// the driver's module, or the next reboot — an unattended kernel upgrade's, say — brings the VM
+/// up without its GPUs.
 fn next_kernel(s: &Snapshot) -> Finding {
     const ID: &str = "driver.next-kernel";
     if s.gpus().is_empty() {

@@ -569,8 +569,11 @@ fn unsafe_boot(kernel: &str, why: String) -> Finding {
 }
 
 /// The kernel the next boot starts: on EL what grubby names as the default; on Debian and
-/// Ubuntu (GRUB's default entry is the newest kernel) the newest `/boot/vmlinuz-*`; the running
-/// one when neither tells.
+/// Ubuntu the newest `/boot/vmlinuz-*`, because GRUB's `util/grub.d/10_linux.in` lists the
+/// kernels it finds in /boot newest first (`version_sort -r`, the `.old` ones last) and the
+/// default entry is the first (`GRUB_DEFAULT=0`, the GRUB manual's default and what Debian and
+/// Ubuntu ship in /etc/default/grub; a machine set to `saved` or another entry is not covered);
+/// the running one when neither tells.
 fn next_boot_kernel(plan: &Plan, runner: &mut dyn Runner, root: &Path) -> String {
     if !plan.distro.is_deb() {
         if let Ok(out) = runner.run("grubby", &["--default-kernel".into()], &[]) {
