@@ -1354,6 +1354,37 @@ mod tests {
         assert!(second.progress.iter().any(|l| l.contains("done in an earlier run")));
     }
 
+    /// More than one reboot when a step needs it: Ubuntu's signed modules are per kernel, so when
+    /// the VM comes back on another kernel (an upgrade that landed with the first reboot) the
+    /// plan installs that kernel's module package, and that step reboots again. The journal
+    /// counts both reboots; the third boot finds nothing to do and verifies.
+    #[test]
+    fn a_step_that_needs_a_reboot_after_the_first_gets_a_second() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, fpr) = test_key();
+        let (mut f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
+        f.secure_boot = Some(SecureBoot::Enabled);
+        let mut m = FakeMachine { key, signer: "Canonical Ltd. Kernel Module Signing".into(), ..Default::default() };
+        let first = apply_once(&plan::plan(&f, &s).unwrap(), &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(first.rebooted, "{:#?}", first.progress);
+
+        f.kernel = Some("5.15.0-126-generic".into());
+        let p2 = plan::plan(&f, &s).unwrap();
+        let second = apply_once(&p2, &mut m, dir.path(), RebootPolicy::Auto, "boot-2");
+        assert!(
+            m.ran.iter().any(|l| l.contains("linux-modules-nvidia-550-server-open-5.15.0-126-generic")),
+            "{:#?}",
+            m.ran
+        );
+        assert!(second.rebooted, "a second reboot: {:#?}", second.progress);
+        assert_eq!(second.state.reboots, 1);
+
+        let third = apply_once(&p2, &mut m, dir.path(), RebootPolicy::Auto, "boot-3");
+        assert!(!third.rebooted);
+        assert_eq!(third.state.status, Status::Done);
+        assert_eq!(third.state.reboots, 2);
+    }
+
     /// The running kernel's headers have left the mirror: the pre-flight stops and says to move
     /// to the kernel the mirror carries, instead of a bare "cannot install".
     #[test]
