@@ -776,7 +776,10 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     // its own key, which the firmware trusts once a person confirms its enrolment at the console
     // (the dkms README, "Secure Boot": `mokutil --import`, reboot, "Enroll MOK" in shim's MOK
     // manager). The install queues the enrolment; the boot-safety gate stops short of the
-    // reboot until it is confirmed, and says how.
+    // reboot until it is confirmed, and says how. On EL9 NVIDIA's precompiled module streams
+    // (`latest`, `<branch>`: `kmod-nvidia-<driver>-<kernel>`) are the proprietary flavour; the
+    // open modules come only as DKMS streams (`<branch>-open`: `kmod-nvidia-open-dkms`), as
+    // NVIDIA's yum-packaging-dkms-nvidia README lists them, so this is the path there too.
     let dkms_under_sb = sb_on && !signed_by_distro && keep.is_none();
     if dkms_under_sb {
         findings.push(
