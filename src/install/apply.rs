@@ -271,7 +271,22 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
         }
         if step.actions.iter().any(|a| matches!(a, Action::Verify)) {
             (o.progress)(&format!("{head}: {}", step.title));
-            let wrong: Vec<Finding> = (o.verify)().into_iter().filter(|f| f.severity >= Severity::Warn).collect();
+            let mut wrong: Vec<Finding> = (o.verify)().into_iter().filter(|f| f.severity >= Severity::Warn).collect();
+            // After the install's own reboot the VM should run the kernel it meant to boot, the
+            // newest installed (the gate checked that one has the module).
+            if st.reboots > 0 {
+                let next = next_boot_kernel(plan, runner, &o.root);
+                if next != plan.kernel {
+                    wrong.push(
+                        Finding::warn(
+                            "install.running-kernel",
+                            format!("the VM came back on kernel {}, not the newest installed, {next}", plan.kernel),
+                        )
+                        .detail("The install rebooted expecting the newest kernel, the one GRUB's default entry starts and the boot-safety gate checked; the boot loader chose another (GRUB_DEFAULT set to a saved or named entry, or a choice at the console).")
+                        .remedy(format!("Check GRUB_DEFAULT in /etc/default/grub (0 boots the newest), or boot {next} once with `grub-reboot`; `phq-agent doctor` shows whether each kernel has the module.")),
+                    );
+                }
+            }
             for f in &wrong {
                 (o.progress)(&format!("      {} {}: {}", f.severity.label(), f.id, f.summary));
             }
@@ -1385,6 +1400,26 @@ mod tests {
         assert_eq!(third.state.reboots, 2);
     }
 
+    /// After its reboot the install checks the VM runs the newest installed kernel, the one it
+    /// meant to boot; another one (a saved GRUB default) is a warning that says so.
+    #[test]
+    fn after_its_reboot_the_install_checks_the_newest_kernel_runs() {
+        let (dir, p, mut m) = fresh_install(None);
+        assert!(apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1").rebooted);
+        let boot = dir.path().join("root/boot");
+        std::fs::create_dir_all(&boot).unwrap();
+        for k in ["5.15.0-113-generic", "5.15.0-126-generic"] {
+            std::fs::write(boot.join(format!("vmlinuz-{k}")), b"").unwrap();
+        }
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-2");
+        let f = r.state.findings.iter().find(|f| f.id == "install.running-kernel").expect("the finding");
+        assert!(
+            f.summary.contains("came back on kernel 5.15.0-113-generic, not the newest installed, 5.15.0-126-generic"),
+            "{}",
+            f.summary
+        );
+    }
+
     /// The running kernel's headers have left the mirror: the pre-flight stops and says to move
     /// to the kernel the mirror carries, instead of a bare "cannot install".
     #[test]
@@ -1548,7 +1583,9 @@ mod tests {
     /// `dnf repolist --all` as RHEL 9 prints it (header, id, name, status), with the repository
     /// ids each way of getting RHEL's packages uses: Red Hat's CDN through subscription-manager
     /// (which lists the EUS twins too), AWS's RHUI (the CRB id Percona's install docs enable with
-    /// `dnf config-manager`), Azure's RHUI (ids prefixed `rhui-`), and Azure's EUS.
+    /// `dnf config-manager`), a RHUI with `rhui-` ids (PerfKitBenchmarker enables
+    /// `rhui-codeready-builder-for-rhel-9-x86_64-rhui-rpms` on its RHEL 9 VMs), and an EUS
+    /// variant of the last made up by the same naming, for the markers.
     fn repolist(lines: &[(&str, bool)]) -> String {
         let mut out = String::from(
             "repo id                                         repo name                                  status\n",
