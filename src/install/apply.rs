@@ -431,11 +431,18 @@ fn mok_state(key: &str, runner: &mut dyn Runner) -> MokState {
 /// type into the MOK manager's prompt (mokutil takes 1 to 256), without look-alikes (0/o, 1/l).
 fn mok_password() -> Result<String, String> {
     const ALPHABET: &[u8] = b"abcdefghjkmnpqrstuvwxyz23456789";
-    let mut bytes = [0u8; 12];
-    File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
-        .map_err(|e| format!("/dev/urandom: {e}"))?;
-    Ok(bytes.iter().map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char).collect())
+    // Bytes at or above the largest multiple of the alphabet's size are skipped, so every
+    // character is equally likely.
+    let limit = (256 / ALPHABET.len() * ALPHABET.len()) as u8;
+    let mut urandom = File::open("/dev/urandom").map_err(|e| format!("/dev/urandom: {e}"))?;
+    let mut out = String::new();
+    while out.len() < 12 {
+        let mut bytes = [0u8; 32];
+        std::io::Read::read_exact(&mut urandom, &mut bytes).map_err(|e| format!("/dev/urandom: {e}"))?;
+        out.extend(bytes.iter().filter(|b| **b < limit).map(|b| ALPHABET[*b as usize % ALPHABET.len()] as char));
+    }
+    out.truncate(12);
+    Ok(out)
 }
 
 /// Queue `key` for enrolment unless the firmware trusts it or it is queued already.
@@ -466,7 +473,8 @@ fn enroll_mok(key: &str, runner: &mut dyn Runner, o: &mut Options) -> Result<(),
     crate::durable::write(&file, format!("{password}\n").as_bytes(), 0o600)
         .map_err(|e| err(format!("{}: {e}", file.display())))?;
     // mokutil reads the password twice from stdin (`get_password`: "input password:", "input
-    // password again:").
+    // password again:"; `read_hidden_line` takes each line with getline, turning echo off only
+    // when stdin is a terminal, so a pipe works).
     let input = format!("{password}\n{password}\n");
     let out = runner
         .run_input("mokutil", &["--import".into(), key.into()], input.as_bytes())
@@ -1537,6 +1545,7 @@ mod tests {
         assert!(f.detail.contains(&format!("{DOWNLOAD_DIR}/{MOK_PASSWORD_FILE}")), "{}", f.detail);
         let password = std::fs::read_to_string(&file).unwrap().trim().to_string();
         assert_eq!(password.len(), 12);
+        assert!(password.bytes().all(|c| b"abcdefghjkmnpqrstuvwxyz23456789".contains(&c)), "{password}");
         assert_eq!(std::fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
         assert_eq!(m.stdin, vec![format!("{password}\n{password}\n")]);
         assert!(m.ran.iter().any(|l| l == "mokutil --import /var/lib/dkms/mok.pub"), "{:#?}", m.ran);
