@@ -49,6 +49,8 @@ version=$(target/release/phq-agent --version | cut -d ' ' -f 2)
 cargo cyclonedx --quiet --format json --spec-version 1.5 --target x86_64-unknown-linux-gnu --no-build-deps \
   --override-filename "phq-agent-$version.cdx"
 mv "phq-agent-$version.cdx.json" "$out/"
+# cargo-cyclonedx writes one beside every workspace member; only the agent's ships.
+rm -f crates/*/"phq-agent-$version.cdx.json"
 (cd "$out" && sha256sum -- *.deb *.rpm *.cdx.json >SHA256SUMS)
 if [ -n "${PHQ_SIGNING_KEY:-}" ]; then
   scripts/publish-repos "$out" "$out/repos"
