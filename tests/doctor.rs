@@ -398,7 +398,7 @@ fn install_dry_run_prints_the_plan_for_fixture_guests() {
                 "Debian 12",
                 "install nvidia-driver-pinning-580",
                 "write /etc/apt/sources.list.d/phq-debian-components.sources",
-                "| URIs: http://deb.debian.org/debian-security",
+                "| URIs: http://debian.mirror.example/debian-security",
                 "install nvidia-driver-cuda nvidia-kernel-open-dkms nvidia-persistenced",
                 "apt-mark hold",
             ][..],

@@ -226,7 +226,7 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
             let components = if stage == Stage::Done { "main contrib non-free-firmware" } else { "main" };
             vec![(
                 "/etc/apt/sources.list.d/debian.sources".into(),
-                format!("Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\nComponents: {components}\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"),
+                format!("Types: deb\nURIs: http://debian.mirror.example/debian\nSuites: bookworm bookworm-updates\nComponents: {components}\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"),
             )]
         } else {
             vec![]
@@ -372,8 +372,8 @@ fn plan_rules() {
                     let c = ids.iter().position(|i| *i == "components").expect("the components step");
                     assert!(c < ids.iter().position(|i| *i == "preflight").unwrap(), "{ids:?}");
                     assert!(
-                        text.contains("| URIs: http://deb.debian.org/debian\n")
-                            || text.contains("    | URIs: http://deb.debian.org/debian"),
+                        text.contains("| URIs: http://debian.mirror.example/debian\n")
+                            || text.contains("    | URIs: http://debian.mirror.example/debian"),
                         "{text}"
                     );
                     assert!(text.contains("| Components: contrib non-free-firmware"), "{text}");

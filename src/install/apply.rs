@@ -1515,7 +1515,7 @@ mod tests {
         f.kernel = Some("6.1.0-27-cloud-amd64".into());
         f.secure_boot = Some(SecureBoot::Enabled);
         f.apt_sources =
-            vec![("/etc/apt/sources.list".into(), "deb http://deb.debian.org/debian bookworm main\n".into())];
+            vec![("/etc/apt/sources.list".into(), "deb http://debian.mirror.example/debian bookworm main\n".into())];
         let p = plan::plan(&f, &s).unwrap();
         // Debian 12's dkms signs with a key whose certificate says "DKMS module signing key".
         (p, FakeMachine { key, signer: "DKMS module signing key".into(), ..Default::default() })

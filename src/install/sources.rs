@@ -166,20 +166,20 @@ mod tests {
 
     #[test]
     fn one_line_sources_with_options_and_what_is_already_there() {
-        let list = "# comment\ndeb [arch=amd64 signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm main contrib\ndeb-src http://deb.debian.org/debian bookworm main\ndeb http://deb.debian.org/debian bookworm-updates main contrib non-free-firmware\n# deb http://x/ bookworm main\ndeb [signed-by=/k.gpg] https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/ /\n";
+        let list = "# comment\ndeb [arch=amd64 signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://debian.mirror.example/debian bookworm main contrib\ndeb-src http://debian.mirror.example/debian bookworm main\ndeb http://debian.mirror.example/debian bookworm-updates main contrib non-free-firmware\n# deb http://x/ bookworm main\ndeb [signed-by=/k.gpg] https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/ /\n";
         let s = parse_one_line(list);
         assert_eq!(s.len(), 3);
         assert_eq!(s[0].signed_by.as_deref(), Some("/usr/share/keyrings/debian-archive-keyring.gpg"));
         let text = missing_components(&s, "bookworm", &["contrib", "non-free-firmware"]).unwrap().unwrap();
         assert_eq!(
             text.lines().skip(1).collect::<Vec<_>>().join("\n"),
-            "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm\nComponents: non-free-firmware\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg"
+            "Types: deb\nURIs: http://debian.mirror.example/debian\nSuites: bookworm\nComponents: non-free-firmware\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg"
         );
     }
 
     #[test]
     fn disabled_stanzas_and_no_archive_at_all() {
-        let off = "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm\nComponents: main\nEnabled: no\n";
+        let off = "Types: deb\nURIs: http://debian.mirror.example/debian\nSuites: bookworm\nComponents: main\nEnabled: no\n";
         assert!(parse_deb822(off).is_empty());
         let e = missing_components(&parse_deb822(off), "bookworm", &["contrib"]).unwrap_err();
         assert!(e.contains("no apt source of Debian's bookworm archive"), "{e}");
