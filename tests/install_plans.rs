@@ -528,3 +528,32 @@ fn a_mirror_replaces_the_source_and_keeps_the_pin() {
     assert!(text.contains("| deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] http://mirror.example/cuda/repos/debian12/x86_64/ /"));
     assert!(text.contains("EB69 3B30 35CD 5710 E231 E123 A4B4 6996 3BF8 63CC"));
 }
+
+/// Debian's components file holds everything the guest's own sources lack, computed without it:
+/// once written it counts as done; a source added later makes it rewritten whole, never with
+/// the earlier stanza dropped.
+#[test]
+fn debian_components_file_is_whole_and_stable() {
+    let g = GUESTS.iter().find(|g| g.id == "debian").expect("the Debian guest");
+    let mut f = facts(g, false, false, Stage::Fresh);
+    let first = plan::plan(&f, &settings()).unwrap();
+    let step = first.steps.iter().find(|s| s.id == "components").expect("the step");
+    let Some(plan::Action::Write { contents, .. }) = step.actions.first() else { panic!("a write first") };
+    assert!(step.done.is_none());
+    f.apt_sources.push((plan::DEBIAN_COMPONENTS_PATH.into(), contents.clone()));
+    let again = plan::plan(&f, &settings()).unwrap();
+    assert!(again.steps.iter().find(|s| s.id == "components").unwrap().done.is_some(), "written: done");
+
+    f.apt_sources.push((
+        "/etc/apt/sources.list.d/backports.list".into(),
+        "deb http://debian.mirror.example/debian bookworm-backports main\n".into(),
+    ));
+    let later = plan::plan(&f, &settings()).unwrap();
+    let step = later.steps.iter().find(|s| s.id == "components").unwrap();
+    assert!(step.done.is_none());
+    let Some(plan::Action::Write { contents: whole, .. }) = step.actions.first() else { panic!() };
+    assert!(
+        whole.contains("Suites: bookworm bookworm-updates\n") && whole.contains("Suites: bookworm-backports\n"),
+        "{whole}"
+    );
+}

@@ -603,12 +603,17 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     // 1a. Debian: the archive's contrib and non-free-firmware components, without which apt
     // cannot resolve NVIDIA's Debian packages (install/sources.rs).
     if distro == Distro::Debian12 {
+        // Computed from the guest's own sources, without the file this step writes, so the file
+        // always holds everything they lack (a source added later cannot make it drop another's).
+        let own: Vec<(String, String)> =
+            f.apt_sources.iter().filter(|(path, _)| path != DEBIAN_COMPONENTS_PATH).cloned().collect();
         match crate::install::sources::missing_components(
-            &crate::install::sources::parse_all(&f.apt_sources),
+            &crate::install::sources::parse_all(&own),
             "bookworm",
             DEBIAN_COMPONENTS,
         ) {
             Ok(add) => {
+                let written = f.apt_sources.iter().any(|(path, text)| path == DEBIAN_COMPONENTS_PATH && Some(text) == add.as_ref());
                 let update = apt("update", lits(&["--error-on=any".into()]));
                 steps.push(Step {
                     id: "components",
@@ -617,7 +622,8 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
                         Action::Write { path: DEBIAN_COMPONENTS_PATH.into(), contents: add.clone().unwrap_or_default() },
                         Action::Run(update),
                     ],
-                    done: add.is_none().then(|| format!("{} are enabled", DEBIAN_COMPONENTS.join(" and "))),
+                    done: (add.is_none() || written)
+                        .then(|| format!("{} are enabled", DEBIAN_COMPONENTS.join(" and "))),
                     needs_reboot: false,
                 });
             }

@@ -179,7 +179,8 @@ mod tests {
 
     #[test]
     fn disabled_stanzas_and_no_archive_at_all() {
-        let off = "Types: deb\nURIs: http://debian.mirror.example/debian\nSuites: bookworm\nComponents: main\nEnabled: no\n";
+        let off =
+            "Types: deb\nURIs: http://debian.mirror.example/debian\nSuites: bookworm\nComponents: main\nEnabled: no\n";
         assert!(parse_deb822(off).is_empty());
         let e = missing_components(&parse_deb822(off), "bookworm", &["contrib"]).unwrap_err();
         assert!(e.contains("no apt source of Debian's bookworm archive"), "{e}");
