@@ -125,6 +125,8 @@ pub struct InstallConfig {
     pub driver_branch: String,
     pub repo_url: String,
     pub repo_key_fingerprint: String,
+    /// A mirror of EPEL's root (`…/pub/epel`), for RHEL guests; empty for Fedora's own.
+    pub epel_url: String,
     /// Replace an installed driver of another branch (or the proprietary flavour).
     pub replace_driver: bool,
 }
@@ -136,6 +138,7 @@ impl Default for InstallConfig {
             driver_branch: crate::facts::DEFAULT_DRIVER_BRANCH.to_string(),
             repo_url: String::new(),
             repo_key_fingerprint: String::new(),
+            epel_url: String::new(),
             replace_driver: false,
         }
     }
@@ -340,6 +343,9 @@ fn validate(c: &Config) -> Result<(), (&'static str, String)> {
     if !scheme_ok(&c.install.repo_url, &["https://", "http://", "file://"]) {
         return Err(("install.repo_url", "expected an http(s):// or file:// URL".into()));
     }
+    if !scheme_ok(&c.install.epel_url, &["https://", "http://", "file://"]) {
+        return Err(("install.epel_url", "expected an http(s):// or file:// URL".into()));
+    }
     if !scheme_ok(&c.platform.url, &["https://", "http://"]) {
         return Err(("platform.url", "expected an http(s):// URL, or empty for no push".into()));
     }
@@ -460,6 +466,18 @@ mod tests {
         assert!(one("[http]\ntls_cert = \"/c.pem\"\n").unwrap_err().to_string().contains("http.tls_key"));
         let e = one("[http]\nlisten = \"everywhere\"\n").unwrap_err().to_string();
         assert!(e.contains("http.listen"), "{e}");
+    }
+
+    #[test]
+    fn install_urls_must_be_urls() {
+        for key in ["repo_url", "epel_url"] {
+            let e = one(&format!("[install]\n{key} = \"mirror.internal/epel\"\n")).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("install.{key}")) && e.contains("expected an http(s):// or file:// URL"),
+                "{e}"
+            );
+            assert!(one(&format!("[install]\n{key} = \"https://mirror.internal.example/x\"\n")).is_ok());
+        }
     }
 
     #[test]

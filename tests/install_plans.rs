@@ -85,6 +85,7 @@ fn settings() -> Settings {
         driver_branch: 580,
         repo_url: String::new(),
         key_fingerprint: String::new(),
+        epel_url: String::new(),
         replace_driver: false,
         state_dir: "/var/lib/phq-agent".into(),
     }
@@ -556,4 +557,17 @@ fn debian_components_file_is_whole_and_stable() {
         whole.contains("Suites: bookworm bookworm-updates\n") && whole.contains("Suites: bookworm-backports\n"),
         "{whole}"
     );
+}
+
+/// RHEL with an EPEL mirror (`install.epel_url`): key and release package come from it, and the
+/// key is still checked against EPEL's own fingerprint.
+#[test]
+fn an_epel_mirror_replaces_fedoras_host_but_not_the_key() {
+    let g = GUESTS.iter().find(|g| g.id == "rhel").expect("the RHEL guest");
+    let s = Settings { epel_url: "https://mirror.internal.example/epel/".into(), ..settings() };
+    let text = plan::render(&plan::plan(&facts(g, false, false, Stage::Fresh), &s).unwrap());
+    assert!(text.contains("fetch https://mirror.internal.example/epel/RPM-GPG-KEY-EPEL-9 →"), "{text}");
+    assert!(text.contains("fetch https://mirror.internal.example/epel/epel-release-latest-9.noarch.rpm →"), "{text}");
+    assert!(text.contains("is key FF8A D134 4597 106E CE81 3B91 8A38 72BF 3228 467C and no other"), "{text}");
+    assert!(!text.contains(plan::EPEL_ROOT), "{text}");
 }

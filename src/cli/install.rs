@@ -55,6 +55,7 @@ impl Install {
             driver_branch,
             repo_url: self.repo_url.clone().unwrap_or_else(|| c.repo_url.clone()),
             key_fingerprint: c.repo_key_fingerprint.clone(),
+            epel_url: c.epel_url.clone(),
             replace_driver: self.replace_driver || c.replace_driver,
             state_dir: config.agent.state_dir.display().to_string(),
         };

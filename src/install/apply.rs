@@ -1293,6 +1293,7 @@ mod tests {
             driver_branch: 550,
             repo_url: String::new(),
             key_fingerprint: fpr.into(),
+            epel_url: String::new(),
             replace_driver: false,
             state_dir: state_dir.into(),
         };

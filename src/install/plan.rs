@@ -21,10 +21,12 @@ pub const CUDA_KEYRING_MEMBER: &str = "usr/share/keyrings/cuda-archive-keyring.g
 pub const RHEL_KEY_FILE: &str = "D42D0685.pub";
 pub const RHEL_KEY_PATH: &str = "/etc/pki/rpm-gpg/RPM-GPG-KEY-NVIDIA-CUDA";
 pub const RHEL_REPO_PATH: &str = "/etc/yum.repos.d/cuda-rhel9.repo";
-/// EPEL's release package and key for RHEL (Rocky and Alma carry `epel-release` in their own
-/// signed extras repository). The EPEL project's own instructions install the first by URL.
-pub const EPEL_RELEASE_URL: &str = "https://dl.fedoraproject.org/pub/epel/epel-release-latest-9.noarch.rpm";
-pub const EPEL_KEY_URL: &str = "https://dl.fedoraproject.org/pub/epel/RPM-GPG-KEY-EPEL-9";
+/// EPEL's root, where its release package and key for RHEL lie (Rocky and Alma carry
+/// `epel-release` in their own signed extras repository). The EPEL project's own instructions
+/// install the release package by URL from here; `install.epel_url` names a mirror instead.
+pub const EPEL_ROOT: &str = "https://dl.fedoraproject.org/pub/epel";
+pub const EPEL_RELEASE_FILE: &str = "epel-release-latest-9.noarch.rpm";
+pub const EPEL_KEY_FILE: &str = "RPM-GPG-KEY-EPEL-9";
 pub const EPEL_KEY_PATH: &str = "/etc/pki/rpm-gpg/RPM-GPG-KEY-EPEL-9";
 /// Where the installer downloads what it verifies and installs (the keyring package, the RHEL
 /// key). Root's alone (0700), and outside the service's state directory: the service's user
@@ -146,6 +148,8 @@ pub struct Settings {
     pub repo_url: String,
     /// The pinned key fingerprint; empty for NVIDIA's (facts.rs).
     pub key_fingerprint: String,
+    /// A mirror of EPEL's root (`…/pub/epel`), for RHEL; empty for Fedora's own.
+    pub epel_url: String,
     /// Replace a driver of another branch (or the proprietary flavour) that is installed.
     pub replace_driver: bool,
     pub state_dir: String,
@@ -1138,10 +1142,11 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
         // fingerprint, imported, and the package checked against it.
         let mut epel_crb = Vec::new();
         if id == "rhel" {
-            let epel_key = format!("{install_dir}/RPM-GPG-KEY-EPEL-9");
-            let epel_rpm = format!("{install_dir}/epel-release-latest-9.noarch.rpm");
+            let root = if s.epel_url.is_empty() { EPEL_ROOT } else { s.epel_url.trim_end_matches('/') };
+            let epel_key = format!("{install_dir}/{EPEL_KEY_FILE}");
+            let epel_rpm = format!("{install_dir}/{EPEL_RELEASE_FILE}");
             epel_crb.extend([
-                Action::Fetch { url: EPEL_KEY_URL.into(), to: epel_key.clone() },
+                Action::Fetch { url: format!("{root}/{EPEL_KEY_FILE}"), to: epel_key.clone() },
                 Action::VerifyKey {
                     file: epel_key.clone(),
                     deb_member: None,
@@ -1149,7 +1154,7 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
                 },
                 Action::Run(cmd("install", &["-m", "0644", &epel_key, EPEL_KEY_PATH])),
                 Action::Run(cmd("rpm", &["--import", EPEL_KEY_PATH])),
-                Action::Fetch { url: EPEL_RELEASE_URL.into(), to: epel_rpm.clone() },
+                Action::Fetch { url: format!("{root}/{EPEL_RELEASE_FILE}"), to: epel_rpm.clone() },
                 Action::Run(dnf(&["install", "--setopt=localpkg_gpgcheck=1", &epel_rpm])),
                 Action::EnableCrb,
             ]);
