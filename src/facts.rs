@@ -92,6 +92,12 @@ pub const CUDA_MIN_DRIVER: &[(&str, &str)] = &[
     ("13.0", "580.65.06"),
 ];
 
+/// The first CUDA 12 toolkit with packages for Ubuntu 24.04: NVIDIA's `ubuntu2404` repository
+/// starts at CUDA 12.5, the release that added Ubuntu 24.04 to the supported distributions
+/// (CUDA 12.5 release notes); 12.4 has none there (a public CI action's report: "cuda 12.4.1 gives
+/// 404 error on ubuntu 24.04", Jimver/cuda-toolkit#365).
+pub const UBUNTU2404_FIRST_CUDA: &str = "12.5";
+
 /// The minimum driver for a toolkit `major.minor`, if the table knows it.
 pub fn cuda_min_driver(cuda: &str) -> Option<&'static str> {
     let key = major_minor(cuda)?;

@@ -468,6 +468,14 @@ fn unsupported_guests_and_impossible_settings_say_what_is_supported() {
     assert!(e.contains("predates CUDA 12"), "{e}");
     let e = plan::plan(&f, &Settings { cuda: "11.8".into(), ..settings() }).unwrap_err();
     assert!(e.contains("CUDA 12"), "{e}");
+    // Ubuntu 24.04 has CUDA packages from 12.5 on: 12.4 is refused before anything is planned,
+    // 12.5 is fine; 12.4 on 22.04 too.
+    let noble = GUESTS.iter().find(|g| g.key == "ubuntu2404").unwrap();
+    let f24 = facts(noble, false, false, Stage::Fresh);
+    let e = plan::plan(&f24, &Settings { cuda: "12.4".into(), ..settings() }).unwrap_err();
+    assert!(e.contains("no CUDA 12.4 packages for Ubuntu 24.04") && e.contains("starts at CUDA 12.5"), "{e}");
+    assert!(plan::plan(&f24, &Settings { cuda: "12.5".into(), ..settings() }).is_ok());
+    assert!(plan::plan(&f, &Settings { cuda: "12.4".into(), ..settings() }).is_ok());
 }
 
 #[test]

@@ -528,6 +528,14 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     })?;
     let cuda_min = facts::cuda_min_driver(&cuda)
         .ok_or_else(|| format!("CUDA {cuda} is not in the driver table (12.0–12.6, 12.8, 12.9)"))?;
+    if distro == Distro::Ubuntu2404 && facts::version_cmp(&cuda, facts::UBUNTU2404_FIRST_CUDA).is_lt() {
+        return Err(format!(
+            "install.cuda = {cuda:?}: NVIDIA has no CUDA {cuda} packages for Ubuntu 24.04 (its ubuntu2404 repository starts at CUDA {}); choose {} or later (the default is {})",
+            facts::UBUNTU2404_FIRST_CUDA,
+            facts::UBUNTU2404_FIRST_CUDA,
+            facts::DEFAULT_CUDA
+        ));
+    }
     let b = s.driver_branch;
     let min_branch = facts::driver_branch(cuda_min).unwrap_or(0);
     // Only what cannot work is refused: below 525 no CUDA 12 runs at all. Between 525 and the
