@@ -321,6 +321,11 @@ pub struct Driver {
     /// module is installed for it under /lib/modules/<release>; an error when /boot is unreadable.
     #[serde(default = "no_kernels")]
     pub installed_kernels: Fact<Vec<InstalledKernel>>,
+    /// The fabric manager's program is there (`/usr/bin/nv-fabricmanager`, where NVIDIA's
+    /// package and its runfile put it): evidence a fabric manager is installed, whatever the
+    /// package database says.
+    #[serde(default)]
+    pub fabric_manager_binary: bool,
 }
 
 fn no_kernels() -> Fact<Vec<InstalledKernel>> {

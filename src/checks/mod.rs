@@ -325,6 +325,7 @@ pub(crate) mod testutil {
                     release: "5.15.0-113-generic".into(),
                     nvidia_module: true,
                 }]),
+                fabric_manager_binary: true,
             },
             cuda_toolkits: Fact::Value(vec![CudaToolkit {
                 path: "/usr/local/cuda-12.4".into(),

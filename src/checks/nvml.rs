@@ -249,6 +249,11 @@ fn manager_version(s: &Snapshot) -> Finding {
     let f = match fm.as_slice() {
         [] if completed => Finding::pass(ID, "fabric completed on every GPU, though no fabric-manager package is installed")
             .detail("A fabric manager runs (the fabric completes only through one, and it does not start against another driver version); it was installed some other way, such as NVIDIA's runfile, so package upgrades will not keep it matched."),
+        // The program is there though no package owns it (a runfile install, a copied binary):
+        // installed, at a version nothing here can read without running it.
+        [] if s.driver.fabric_manager_binary => Finding::unknown(ID, "/usr/bin/nv-fabricmanager is there, but no package says which version it is")
+            .detail("A fabric manager was installed some other way than a package (NVIDIA's runfile, say); it must be exactly the driver's version, and the fabric is not completed, so nothing shows it is.")
+            .remedy(format!("`nv-fabricmanager --version` must say {driver}; otherwise install `{name}={driver}-1` and hold it with the driver (`phq-agent install` does this).")),
         [] => Finding::fail(ID, "nvidia-fabricmanager is not installed")
             .detail("This VM sees NVSwitches, so it must run the fabric manager at exactly the driver's version.")
             .remedy(format!("Install `{name}={driver}-1` and hold it with the driver; `phq-agent install` does this.")),
@@ -789,8 +794,9 @@ mod tests {
             held: false,
         }]);
         assert_eq!(find(&findings(&s), "fabric.manager-version")[0].severity, Severity::Fail);
-        // No package and no completed fabric: nothing runs it.
+        // No package, no program and no completed fabric: nothing runs it.
         s.packages = Fact::Value(vec![]);
+        s.driver.fabric_manager_binary = false;
         for i in 0..8 {
             if let Nv::Value(f) = &mut gpu_mut(&mut s, i).fabric {
                 f.state = FabricState::NotStarted;
@@ -824,6 +830,16 @@ mod tests {
         let f = findings(&s);
         let v = find(&f, "fabric.manager-version")[0];
         assert_eq!(v.severity, Severity::Unknown, "no database and no completed fabric: {v:?}");
+        // A readable database without the package, the fabric not completed: "not installed"
+        // only when the program is not there either.
+        s.packages = Fact::Value(vec![]);
+        s.driver.fabric_manager_binary = false;
+        assert_eq!(find(&findings(&s), "fabric.manager-version")[0].severity, Severity::Fail);
+        s.driver.fabric_manager_binary = true;
+        let f = findings(&s);
+        let v = find(&f, "fabric.manager-version")[0];
+        assert_eq!(v.severity, Severity::Unknown, "the program is there: {v:?}");
+        assert!(v.summary.contains("/usr/bin/nv-fabricmanager is there"), "{v:?}");
     }
 
     #[test]

@@ -54,8 +54,14 @@ pub fn read(root: &Sysroot, kernel_release: Option<&str>, cmdline: Option<&str>)
         user_libraries: read_user_libraries(root),
         tainted: root.read_attr("proc/sys/kernel/tainted").ok().and_then(|t| t.trim().parse().ok()),
         installed_kernels: installed_kernels(root),
+        fabric_manager_binary: root.exists(FABRIC_MANAGER_BINARY),
     }
 }
+
+/// Where the fabric manager's program lives: the packaged unit starts
+/// `/usr/bin/nv-fabricmanager -c /usr/share/nvidia/nvswitch/fabricmanager.cfg` (as
+/// `systemctl status nvidia-fabricmanager` shows on HGX hosts).
+pub const FABRIC_MANAGER_BINARY: &str = "usr/bin/nv-fabricmanager";
 
 /// Every `vmlinuz-<release>` in /boot, each with whether an `nvidia.ko` (plain or compressed) is
 /// somewhere under /lib/modules/<release> (DKMS puts it in updates/dkms, distributions' builds
