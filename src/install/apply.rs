@@ -1316,7 +1316,17 @@ mod tests {
         rebooted: bool,
     }
 
-    fn apply_once(p: &Plan, m: &mut FakeMachine, dir: &Path, policy: RebootPolicy, boot: &str) -> Run {
+    /// Runs `f` with the installer's options over `dir` (its root under `dir/root`): progress
+    /// lines kept, a verification that finds one warning, a reboot that is only noted. Returns
+    /// what `f` returned, the progress lines and whether a reboot was asked for.
+    fn with_options<R>(
+        dir: &Path,
+        policy: RebootPolicy,
+        boot: Option<&str>,
+        network_tries: u32,
+        lock_wait: Duration,
+        f: impl FnOnce(&mut Options) -> R,
+    ) -> (R, Vec<String>, bool) {
         let mut lines = Vec::new();
         let mut rebooted = false;
         let mut progress = |l: &str| lines.push(l.to_string());
@@ -1329,15 +1339,21 @@ mod tests {
             state_dir: dir.to_path_buf(),
             root: dir.join("root"),
             reboot: policy,
-            boot_id: Some(boot.into()),
-            network_tries: 4,
-            lock_wait: Duration::from_secs(1),
+            boot_id: boot.map(str::to_string),
+            network_tries,
+            lock_wait,
             progress: &mut progress,
             verify: &mut verify,
             reboot_now: &mut reboot_now,
         };
-        let state = apply(p, m, &mut o).unwrap();
-        Run { state, progress: lines, rebooted }
+        let r = f(&mut o);
+        (r, lines, rebooted)
+    }
+
+    fn apply_once(p: &Plan, m: &mut FakeMachine, dir: &Path, policy: RebootPolicy, boot: &str) -> Run {
+        let (state, progress, rebooted) =
+            with_options(dir, policy, Some(boot), 4, Duration::from_secs(1), |o| apply(p, m, o).unwrap());
+        Run { state, progress, rebooted }
     }
 
     #[test]
@@ -1684,22 +1700,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (_, p, mut m) = fresh_install(None);
         let run = |m: &mut FakeMachine| {
-            let mut lines = Vec::new();
-            let mut progress = |l: &str| lines.push(l.to_string());
-            let mut verify = Vec::new;
-            let mut reboot_now = || Ok(());
-            let mut o = Options {
-                state_dir: dir.path().to_path_buf(),
-                root: dir.path().join("root"),
-                reboot: RebootPolicy::Never,
-                boot_id: None,
-                network_tries: 1,
-                lock_wait: Duration::from_secs(1),
-                progress: &mut progress,
-                verify: &mut verify,
-                reboot_now: &mut reboot_now,
-            };
-            run_action(&Action::EnableCrb, &p, m, &mut o).map_err(|e| e.message)
+            with_options(dir.path(), RebootPolicy::Never, None, 1, Duration::from_secs(1), |o| {
+                run_action(&Action::EnableCrb, &p, m, o).map_err(|e| e.message)
+            })
+            .0
         };
         m.repolist = repolist(&[("codeready-builder-for-rhel-9-rhui-rpms", false), ("rhel-9-baseos-rhui-rpms", true)]);
         run(&mut m).unwrap();
@@ -1915,22 +1919,8 @@ mod tests {
         // Held past lock_wait: a clear failure that names the holder.
         let dir = tempfile::tempdir().unwrap();
         let mut m = FakeMachine { key: m.key.clone(), lock_busy: u32::MAX, ..Default::default() };
-        let mut lines = Vec::new();
-        let mut progress = |l: &str| lines.push(l.to_string());
-        let mut verify = Vec::new;
-        let mut reboot_now = || Ok(());
-        let mut o = Options {
-            state_dir: dir.path().to_path_buf(),
-            root: dir.path().join("root"),
-            reboot: RebootPolicy::Never,
-            boot_id: None,
-            network_tries: 1,
-            lock_wait: Duration::ZERO,
-            progress: &mut progress,
-            verify: &mut verify,
-            reboot_now: &mut reboot_now,
-        };
-        let st = apply(&p, &mut m, &mut o).unwrap();
+        let (st, _, _) =
+            with_options(dir.path(), RebootPolicy::Never, None, 1, Duration::ZERO, |o| apply(&p, &mut m, o).unwrap());
         assert_eq!(st.status, Status::Failed);
         assert!(st.error.as_deref().unwrap().contains("locked by another process with pid 4242"), "{:?}", st.error);
     }

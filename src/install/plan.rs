@@ -436,16 +436,21 @@ fn kernel_flavour(kernel: &str) -> Option<&str> {
 /// `linux-image-<release>`, `linux-headers-<release>` and the `cloud-amd64` metas on Debian).
 /// EL: `dnf versionlock` of the kernel packages at their installed versions. Only packages that
 /// are there or that the plan installs (`planned`) are held: apt-mark refuses a name it does not
-/// know.
-fn kernel_hold(distro: &Distro, kernel: &str, packages: &[Package], planned: &[String]) -> Vec<String> {
+/// know. `via_metas`: the headers come through the flavour's meta packages (Debian).
+fn kernel_hold(
+    distro: &Distro,
+    kernel: &str,
+    packages: &[Package],
+    planned: &[String],
+    via_metas: bool,
+) -> Vec<String> {
     let there = |n: &str| packages.iter().any(|p| p.name == n) || planned.iter().any(|p| p == n);
     if distro.is_deb() {
-        // Where the headers come through the flavour's metas (Debian), the held header meta keeps
-        // the running ABI's headers, whichever it brings; naming them here would change the list
+        // Where the headers come through the flavour's metas, the held header meta keeps the
+        // running ABI's headers, whichever it brings; naming them here would change the list
         // between a run that installs them and the next.
-        let metas = *distro == Distro::Debian12 && kernel_flavour(kernel).is_some();
         let mut v = vec![format!("linux-image-{kernel}")];
-        if !metas {
+        if !via_metas {
             v.push(format!("linux-headers-{kernel}"));
         }
         if let Some(flavour) = kernel_flavour(kernel) {
@@ -724,7 +729,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     // (its dpkg runs wait on the same lock, DPkg::Lock::Timeout). EL locks the kernel with the
     // other packages at the end (dnf versionlock needs its plugin installed first).
     let kernel_pkgs = if distro.is_deb() && !signed_by_distro {
-        kernel_hold(&distro, &kernel, packages, &headers_planned)
+        kernel_hold(&distro, &kernel, packages, &headers_planned, flavour_metas.is_some())
     } else {
         vec![]
     };
@@ -985,7 +990,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     // hold the kernel in their own step, before the driver); Ubuntu's signed path instead
     // brings each new kernel's module through the flavour's meta package.
     if !distro.is_deb() {
-        hold.extend(kernel_hold(&distro, &kernel, packages, &headers_planned));
+        hold.extend(kernel_hold(&distro, &kernel, packages, &headers_planned, flavour_metas.is_some()));
     }
     if steps.iter().any(|s| s.id == "toolkit") {
         hold.push(toolkit.clone());

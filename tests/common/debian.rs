@@ -253,19 +253,7 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
     std::fs::write(repo.join("Packages"), &packages.stdout).unwrap();
     let release = Command::new("apt-ftparchive").arg("release").arg(".").current_dir(&repo).output().unwrap();
     std::fs::write(repo.join("Release"), &release.stdout).unwrap();
-    sh(
-        "gpg",
-        &[
-            "--homedir",
-            g,
-            "--batch",
-            "--yes",
-            "--clearsign",
-            "-o",
-            repo.join("InRelease").to_str().unwrap(),
-            repo.join("Release").to_str().unwrap(),
-        ],
-    );
+    clearsign(g, &repo);
     // Debian's own packages, in the archive's main: the running kernel's headers and image, and
     // its flavour's metas, which depend on them (Debian's archive carries one ABI per flavour).
     let flavour = kernel.splitn(3, '-').nth(2).unwrap_or("amd64");
@@ -289,14 +277,32 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
     fpr
 }
 
+/// `dir/InRelease`: `dir/Release` clear-signed with the test key, as apt reads a signed index.
+fn clearsign(gnupg: &str, dir: &Path) {
+    sh(
+        "gpg",
+        &[
+            "--homedir",
+            gnupg,
+            "--batch",
+            "--yes",
+            "--clearsign",
+            "-o",
+            dir.join("InRelease").to_str().unwrap(),
+            dir.join("Release").to_str().unwrap(),
+        ],
+    );
+}
+
 /// Where a guest keeps the stand-in Debian archive's key, and the source line that names it.
 pub const ARCHIVE_KEYRING: &str = "etc/apt/keyrings/phq-test-debian-archive.gpg";
 
 /// A stand-in of Debian's own archive at `<root>/debian` (`dists/bookworm/{main,contrib,
 /// non-free-firmware}`), signed with the same test key (kept as `<root>/archive-key.gpg`):
 /// `contrib` holds `nvidia-support`, which the stand-in driver depends on as Debian's packaging
-/// does, and `non-free-firmware` the GSP firmware package; `main` the kernel's packages. A guest whose source
-/// lists `main` alone cannot install the driver until the installer adds the other two.
+/// does, and `non-free-firmware` the GSP firmware package; `main` the kernel's packages. A
+/// guest whose source lists `main` alone cannot install the driver until the installer adds the
+/// other two.
 fn build_archive(root: &Path, gnupg: &str, key: &[u8], main: Vec<Deb>) {
     let archive = root.join("debian");
     let parts: [(&str, Vec<Deb>); 3] = [
@@ -351,19 +357,7 @@ fn build_archive(root: &Path, gnupg: &str, key: &[u8], main: Vec<Deb>) {
     assert!(release.status.success());
     let dists = archive.join("dists/bookworm");
     std::fs::write(dists.join("Release"), &release.stdout).unwrap();
-    sh(
-        "gpg",
-        &[
-            "--homedir",
-            gnupg,
-            "--batch",
-            "--yes",
-            "--clearsign",
-            "-o",
-            dists.join("InRelease").to_str().unwrap(),
-            dists.join("Release").to_str().unwrap(),
-        ],
-    );
+    clearsign(gnupg, &dists);
     std::fs::write(root.join("archive-key.gpg"), key).unwrap();
 }
 
