@@ -298,7 +298,7 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
         // NVIDIA's branch lock, installed before the driver.
         "ii  nvidia-driver-pinning-580 580-1".into(),
         // From the Debian archive's contrib, which the installer enabled.
-        "ii  nvidia-support 20240109+1".into(),
+        "ii  nvidia-support 20220217+3~deb12u1".into(),
         "ii  cuda-keyring 1.1-1".into(),
         // Held with the driver: DKMS built the module for this kernel only.
         format!("ii  linux-headers-{KERNEL} 6.1.112-1"),

@@ -299,7 +299,8 @@ pub const ARCHIVE_KEYRING: &str = "etc/apt/keyrings/phq-test-debian-archive.gpg"
 
 /// A stand-in of Debian's own archive at `<root>/debian` (`dists/bookworm/{main,contrib,
 /// non-free-firmware}`), signed with the same test key (kept as `<root>/archive-key.gpg`):
-/// `contrib` holds `nvidia-support`, which the stand-in driver depends on as Debian's packaging
+/// (The contrib and firmware versions are bookworm's own.) `contrib` holds `nvidia-support`, which the
+/// stand-in driver depends on as Debian's packaging
 /// does, and `non-free-firmware` the GSP firmware package; `main` the kernel's packages. A
 /// guest whose source lists `main` alone cannot install the driver until the installer adds the
 /// other two.
@@ -309,7 +310,13 @@ fn build_archive(root: &Path, gnupg: &str, key: &[u8], main: Vec<Deb>) {
         ("main", main),
         (
             "contrib",
-            vec![Deb { name: "nvidia-support", version: "20240109+1", depends: "", files: vec![], postinst: "" }],
+            vec![Deb {
+                name: "nvidia-support",
+                version: "20220217+3~deb12u1",
+                depends: "",
+                files: vec![],
+                postinst: "",
+            }],
         ),
         (
             "non-free-firmware",
