@@ -299,11 +299,10 @@ pub const ARCHIVE_KEYRING: &str = "etc/apt/keyrings/phq-test-debian-archive.gpg"
 
 /// A stand-in of Debian's own archive at `<root>/debian` (`dists/bookworm/{main,contrib,
 /// non-free-firmware}`), signed with the same test key (kept as `<root>/archive-key.gpg`):
-/// (The contrib and firmware versions are bookworm's own.) `contrib` holds `nvidia-support`, which the
-/// stand-in driver depends on as Debian's packaging
-/// does, and `non-free-firmware` the GSP firmware package; `main` the kernel's packages. A
-/// guest whose source lists `main` alone cannot install the driver until the installer adds the
-/// other two.
+/// `contrib` holds `nvidia-support`, which the stand-in driver depends on as Debian's packaging
+/// does, and `non-free-firmware` the GSP firmware package, both at bookworm's own versions;
+/// `main` the kernel's packages. A guest whose source lists `main` alone cannot install the
+/// driver until the installer adds the other two.
 fn build_archive(root: &Path, gnupg: &str, key: &[u8], main: Vec<Deb>) {
     let archive = root.join("debian");
     let parts: [(&str, Vec<Deb>); 3] = [
