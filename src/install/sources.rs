@@ -16,7 +16,11 @@ pub struct Source {
     pub uris: Vec<String>,
     pub suites: Vec<String>,
     pub components: Vec<String>,
-    pub signed_by: Option<String>,
+    /// `Signed-By` as written: a keyring's path, fingerprints, or (deb822 only) a whole inline
+    /// key, one line per element. It is copied to every stanza written for the same URI and
+    /// suite: apt refuses two sources of one URI and suite whose Signed-By differ ("Conflicting
+    /// values set for option Signed-By"), so a key dropped or rewritten here stops apt.
+    pub signed_by: Option<Vec<String>>,
 }
 
 /// One-line sources: `deb [opt=value …] uri suite [component …]`; `deb-src` and comments skipped.
@@ -31,7 +35,9 @@ pub fn parse_one_line(text: &str) -> Vec<Source> {
             let Some((opts, after)) = r.split_once(']') else { continue };
             for o in opts.split_whitespace() {
                 if let Some(v) = o.strip_prefix("signed-by=") {
-                    signed_by = Some(v.to_string());
+                    // One-line sources take a path or comma-separated fingerprints
+                    // (sources.list(5)); deb822 writes fingerprints space-separated.
+                    signed_by = Some(vec![v.replace(',', " ")]);
                 }
             }
             rest = after.trim_start();
@@ -56,8 +62,8 @@ pub fn parse_deb822(text: &str) -> Vec<Source> {
     for stanza in lines.split(|l| l.trim().is_empty()) {
         let mut fields: Vec<(String, String)> = Vec::new();
         for l in stanza {
-            // A continuation line (leading space) belongs to the field before it (Signed-By may
-            // hold an inline key, which is not a path we copy).
+            // A continuation line (leading space) belongs to the field before it: Signed-By may
+            // hold an inline key, one armor line each, an empty one written " ." (deb822(5)).
             if l.starts_with(' ') || l.starts_with('\t') {
                 if let Some(last) = fields.last_mut() {
                     last.1.push('\n');
@@ -75,7 +81,7 @@ pub fn parse_deb822(text: &str) -> Vec<Source> {
         if !types.iter().any(|t| t == "deb") || get("enabled").is_some_and(|e| e.eq_ignore_ascii_case("no")) {
             continue;
         }
-        let signed_by = get("signed-by").filter(|v| !v.contains('\n') && v.starts_with('/')).map(str::to_string);
+        let signed_by = get("signed-by").map(|v| v.split('\n').map(str::to_string).collect());
         out.push(Source { uris: words("uris"), suites: words("suites"), components: words("components"), signed_by });
     }
     out
@@ -90,10 +96,13 @@ pub fn parse_all(files: &[(String, String)]) -> Vec<Source> {
         .collect()
 }
 
-/// The suites of a release's Debian archive: `bookworm`, `bookworm-updates`,
-/// `bookworm-security`, `bookworm-backports`.
+/// The suites of a release's Debian archive, as Debian names them (the archive's `dists/` and
+/// Debian's wiki "SourcesList"): `bookworm`, `-updates`, `-security`, `-backports`,
+/// `-backports-sloppy`, `-proposed-updates`. Another suite that starts with the codename is a
+/// third party's (`bookworm-pgdg`, PostgreSQL's): its archive has no `contrib` to add.
 fn of_release(suite: &str, codename: &str) -> bool {
-    suite == codename || suite.strip_prefix(codename).is_some_and(|r| r.starts_with('-'))
+    const DEBIAN: &[&str] = &["", "-updates", "-security", "-backports", "-backports-sloppy", "-proposed-updates"];
+    suite.strip_prefix(codename).is_some_and(|rest| DEBIAN.contains(&rest))
 }
 
 /// What to add so every Debian archive source of `codename` has `needed` components: a deb822
@@ -126,8 +135,16 @@ pub fn missing_components(sources: &[Source], codename: &str, needed: &[&str]) -
                 suites.iter().map(|x| x.as_str()).collect::<Vec<_>>().join(" "),
                 lacking.join(" ")
             );
-            if let Some(k) = &s.signed_by {
-                st.push_str(&format!("Signed-By: {k}\n"));
+            if let Some((first, rest)) = s.signed_by.as_deref().and_then(<[String]>::split_first) {
+                // The first element on the field's line, the rest (an inline key's lines) as
+                // continuation lines, an empty one as " ." (deb822(5)).
+                match first.as_str() {
+                    "" => st.push_str("Signed-By:\n"),
+                    first => st.push_str(&format!("Signed-By: {first}\n")),
+                }
+                for line in rest {
+                    st.push_str(&format!(" {}\n", if line.is_empty() { "." } else { line }));
+                }
             }
             if !stanzas.contains(&st) {
                 stanzas.push(st);
@@ -169,12 +186,49 @@ mod tests {
         let list = "# comment\ndeb [arch=amd64 signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://debian.mirror.example/debian bookworm main contrib\ndeb-src http://debian.mirror.example/debian bookworm main\ndeb http://debian.mirror.example/debian bookworm-updates main contrib non-free-firmware\n# deb http://x/ bookworm main\ndeb [signed-by=/k.gpg] https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/ /\n";
         let s = parse_one_line(list);
         assert_eq!(s.len(), 3);
-        assert_eq!(s[0].signed_by.as_deref(), Some("/usr/share/keyrings/debian-archive-keyring.gpg"));
+        assert_eq!(s[0].signed_by, Some(vec!["/usr/share/keyrings/debian-archive-keyring.gpg".to_string()]));
         let text = missing_components(&s, "bookworm", &["contrib", "non-free-firmware"]).unwrap().unwrap();
         assert_eq!(
             text.lines().skip(1).collect::<Vec<_>>().join("\n"),
             "Types: deb\nURIs: http://debian.mirror.example/debian\nSuites: bookworm\nComponents: non-free-firmware\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg"
         );
+    }
+
+    /// The archive's source may carry its key inline (deb822) or as fingerprints: the added
+    /// stanza carries the same Signed-By, or apt stops with "Conflicting values set for option
+    /// Signed-By". Before, an inline key or a fingerprint was dropped.
+    #[test]
+    fn signed_by_is_kept_as_written_inline_keys_and_fingerprints_too() {
+        let inline = "Types: deb\nURIs: http://debian.mirror.example/debian\nSuites: bookworm\nComponents: main\nSigned-By:\n -----BEGIN PGP PUBLIC KEY BLOCK-----\n .\n mDMEZabc\n =AbCd\n -----END PGP PUBLIC KEY BLOCK-----\n";
+        let text = missing_components(&parse_deb822(inline), "bookworm", &["contrib"]).unwrap().unwrap();
+        assert!(text.ends_with("Components: contrib\nSigned-By:\n -----BEGIN PGP PUBLIC KEY BLOCK-----\n .\n mDMEZabc\n =AbCd\n -----END PGP PUBLIC KEY BLOCK-----\n"), "{text}");
+        // Read back, the written stanza has the very same key as the archive's own.
+        let both = parse_all(&[("/a.sources".into(), inline.into()), ("/b.sources".into(), text.clone())]);
+        assert_eq!(both[0].signed_by, both[1].signed_by);
+
+        let fpr = "Types: deb\nURIs: http://debian.mirror.example/debian\nSuites: bookworm\nComponents: main\nSigned-By: 4CB50190207B4758A3F73A796ED0E7B82643E131\n";
+        let text = missing_components(&parse_deb822(fpr), "bookworm", &["contrib"]).unwrap().unwrap();
+        assert!(text.ends_with("Signed-By: 4CB50190207B4758A3F73A796ED0E7B82643E131\n"), "{text}");
+        let one = "deb [signed-by=4CB50190207B4758A3F73A796ED0E7B82643E131,B8E5F13176D2A7A75220028078DBA3BC47EF2265] http://debian.mirror.example/debian bookworm main\n";
+        let text = missing_components(&parse_one_line(one), "bookworm", &["contrib"]).unwrap().unwrap();
+        assert!(
+            text.ends_with(
+                "Signed-By: 4CB50190207B4758A3F73A796ED0E7B82643E131 B8E5F13176D2A7A75220028078DBA3BC47EF2265\n"
+            ),
+            "{text}"
+        );
+    }
+
+    /// Only Debian's own suites are extended: PostgreSQL's `bookworm-pgdg` starts with the
+    /// codename too, but its repository has no contrib (apt would fail to fetch it).
+    #[test]
+    fn a_third_partys_suite_named_after_the_release_is_left_alone() {
+        let list = "deb http://debian.mirror.example/debian bookworm main\ndeb [signed-by=/usr/share/keyrings/pgdg.gpg] http://apt.postgresql.example/pub/repos/apt bookworm-pgdg main\ndeb http://debian.mirror.example/debian-security bookworm-security main\n";
+        let text = missing_components(&parse_one_line(list), "bookworm", &["contrib"]).unwrap().unwrap();
+        assert!(!text.contains("pgdg") && !text.contains("postgresql"), "{text}");
+        assert!(text.contains("Suites: bookworm\n") && text.contains("Suites: bookworm-security\n"), "{text}");
+        assert!(!of_release("bookworm-pgdg", "bookworm") && !of_release("bookwormy", "bookworm"));
+        assert!(of_release("bookworm-backports-sloppy", "bookworm"));
     }
 
     #[test]
