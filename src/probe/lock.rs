@@ -30,16 +30,30 @@ pub fn path(state_dir: &Path) -> PathBuf {
 /// read-only open of an existing lock file; with no lock file to open at all the run goes ahead
 /// unlocked, with a warning.
 pub fn acquire(state_dir: &Path, who: &str) -> Result<RunLock, Held> {
+    use std::os::unix::fs::OpenOptionsExt;
     let path = path(state_dir);
     let _ = std::fs::create_dir_all(state_dir);
+    // The state directory is the service user's, and a person runs `probe` as root: a link
+    // planted at the lock's name is never followed (O_NOFOLLOW: ELOOP), so root never
+    // truncates or writes another file; only a regular file is taken as the lock.
+    let flags = libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
     let opened = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
+        .mode(0o644)
+        .custom_flags(flags)
         .open(&path)
         .map(|f| (f, true))
-        .or_else(|_| File::open(&path).map(|f| (f, false)));
+        .or_else(|_| std::fs::OpenOptions::new().read(true).custom_flags(flags).open(&path).map(|f| (f, false)))
+        .and_then(|(f, w)| {
+            if f.metadata()?.file_type().is_file() {
+                Ok((f, w))
+            } else {
+                Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"))
+            }
+        });
     let (mut file, writable) = match opened {
         Ok(f) => f,
         Err(e) => {
@@ -57,7 +71,9 @@ pub fn acquire(state_dir: &Path, who: &str) -> Result<RunLock, Held> {
             Ok(RunLock { _file: Some(file) })
         }
         Err(std::fs::TryLockError::WouldBlock) => {
-            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let text = crate::sysroot::read_regular(&path, true, 4096)
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .unwrap_or_default();
             let holder = match text.trim() {
                 "" => "holder unknown".to_string(),
                 t => t.to_string(),
@@ -86,5 +102,20 @@ mod tests {
         drop(first);
         acquire(&dir, "D-Bus RunProbes").unwrap();
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_link_planted_at_the_lock_is_never_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "precious\n").unwrap();
+        let state = dir.path().join("state");
+        std::fs::create_dir(&state).unwrap();
+        std::os::unix::fs::symlink(&victim, path(&state)).unwrap();
+        // The run goes ahead unlocked (and says so), and the link's target is untouched.
+        let lock = acquire(&state, "phq-agent probe").unwrap();
+        assert!(lock._file.is_none());
+        drop(lock);
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
     }
 }
