@@ -129,6 +129,8 @@ pub struct InstallConfig {
     pub epel_url: String,
     /// Replace an installed driver of another branch (or the proprietary flavour).
     pub replace_driver: bool,
+    /// Allow `http://` mirrors (`repo_url`, `epel_url`). Off: only `https://` and `file://`.
+    pub allow_plain_http: bool,
 }
 
 impl Default for InstallConfig {
@@ -140,6 +142,7 @@ impl Default for InstallConfig {
             repo_key_fingerprint: String::new(),
             epel_url: String::new(),
             replace_driver: false,
+            allow_plain_http: false,
         }
     }
 }
@@ -305,6 +308,75 @@ fn describe(text: &str, e: &toml::de::Error) -> String {
     }
 }
 
+/// A mirror of a package repository (`install.repo_url`, `install.epel_url`, `--repo-url`), or
+/// empty. It becomes part of an apt source line or a dnf repository file that root writes, so
+/// it must be one URL and nothing else: `check_url`'s rules, and `http://` only when
+/// `install.allow_plain_http` says so (then only signed metadata and packages are trusted from
+/// it, as from any mirror). The message names `setting`.
+pub fn check_mirror_url(setting: &str, url: &str, allow_plain_http: bool) -> Result<(), String> {
+    mirror_url(url, allow_plain_http).map_err(|e| format!("{setting}: {e}"))
+}
+
+fn mirror_url(url: &str, allow_plain_http: bool) -> Result<(), String> {
+    if url.is_empty() {
+        return Ok(());
+    }
+    let parsed = check_url(url, &["https", "http", "file"])?;
+    if parsed.scheme() == "http" && !allow_plain_http {
+        return Err(format!(
+            "{url:?} is plain http: anyone on the path can withhold or replay what it serves; use https://, or set install.allow_plain_http = true to accept it (signatures are still checked)"
+        ));
+    }
+    Ok(())
+}
+
+/// One URL of the given schemes and nothing else. The text is checked before it is parsed, since
+/// a URL parser forgives what an apt source or an INI file does not: the WHATWG parser that
+/// `url` follows drops tabs and newlines and percent-encodes spaces. Refused: white space and
+/// control characters (a newline starts a new line of the file it lands in), `[` and `]` (an
+/// apt source's options: `[trusted=yes]`; an INI section header), `#` (a comment, or a fragment
+/// a repository never has), quotes, backslashes and the like, and credentials in the URL.
+pub fn check_url(text: &str, schemes: &[&str]) -> Result<url::Url, String> {
+    no_space(text)?;
+    if let Some(c) = text.chars().find(|c| matches!(c, '[' | ']')) {
+        return Err(format!("{text:?} holds {c:?}, which has no place in a repository URL"));
+    }
+    check_any_url(text, schemes)
+}
+
+/// `check_url` without its refusal of `[` and `]`, for a URL that is only ever requested, never
+/// written into a file (`platform.url`, whose host may be an IPv6 literal).
+fn check_any_url(text: &str, schemes: &[&str]) -> Result<url::Url, String> {
+    no_space(text)?;
+    if let Some(c) =
+        text.chars().find(|c| matches!(c, '#' | '"' | '\'' | '\\' | '`' | '<' | '>' | '{' | '}' | '|' | '^'))
+    {
+        return Err(format!("{text:?} holds {c:?}, which has no place in a URL here"));
+    }
+    let u = url::Url::parse(text).map_err(|e| format!("{text:?} is not a URL: {e}"))?;
+    if !schemes.contains(&u.scheme()) {
+        let list: Vec<String> = schemes.iter().map(|s| format!("{s}://")).collect();
+        return Err(format!("{text:?}: expected a {} URL", list.join(" or ")));
+    }
+    if !u.username().is_empty() || u.password().is_some() {
+        return Err(format!("{text:?} carries credentials; give a URL without them"));
+    }
+    if u.scheme() != "file" && u.host_str().is_none_or(str::is_empty) {
+        return Err(format!("{text:?} names no host"));
+    }
+    if u.query().is_some() {
+        return Err(format!("{text:?} has a query (?…); a repository root has none"));
+    }
+    Ok(u)
+}
+
+fn no_space(text: &str) -> Result<(), String> {
+    match text.chars().find(|c| c.is_whitespace() || c.is_control()) {
+        Some(c) => Err(format!("{text:?} holds {c:?}: a URL has no white space or control characters")),
+        None => Ok(()),
+    }
+}
+
 /// Checks values that parse but make no sense. Returns the dotted key and what was expected.
 fn validate(c: &Config) -> Result<(), (&'static str, String)> {
     if crate::facts::cuda_min_driver(&c.install.cuda).is_none() || !c.install.cuda.starts_with("12.") {
@@ -339,15 +411,12 @@ fn validate(c: &Config) -> Result<(), (&'static str, String)> {
             "expected a 40-hex-digit OpenPGP fingerprint (spaces allowed)".into(),
         ));
     }
-    let scheme_ok = |url: &str, schemes: &[&str]| url.is_empty() || schemes.iter().any(|s| url.starts_with(s));
-    if !scheme_ok(&c.install.repo_url, &["https://", "http://", "file://"]) {
-        return Err(("install.repo_url", "expected an http(s):// or file:// URL".into()));
-    }
-    if !scheme_ok(&c.install.epel_url, &["https://", "http://", "file://"]) {
-        return Err(("install.epel_url", "expected an http(s):// or file:// URL".into()));
-    }
-    if !scheme_ok(&c.platform.url, &["https://", "http://"]) {
-        return Err(("platform.url", "expected an http(s):// URL, or empty for no push".into()));
+    let plain = c.install.allow_plain_http;
+    mirror_url(&c.install.repo_url, plain).map_err(|e| ("install.repo_url", e))?;
+    mirror_url(&c.install.epel_url, plain).map_err(|e| ("install.epel_url", e))?;
+    if !c.platform.url.is_empty() {
+        check_any_url(&c.platform.url, &["https", "http"])
+            .map_err(|e| ("platform.url", format!("{e}, or empty for no push")))?;
     }
     if c.http.tls_cert.is_empty() != c.http.tls_key.is_empty() {
         return Err(("http.tls_key", "tls_cert and tls_key go together: set both or neither".into()));
@@ -472,12 +541,45 @@ mod tests {
     fn install_urls_must_be_urls() {
         for key in ["repo_url", "epel_url"] {
             let e = one(&format!("[install]\n{key} = \"mirror.internal/epel\"\n")).unwrap_err().to_string();
-            assert!(
-                e.contains(&format!("install.{key}")) && e.contains("expected an http(s):// or file:// URL"),
-                "{e}"
-            );
+            assert!(e.contains(&format!("install.{key}")) && e.contains("is not a URL"), "{e}");
             assert!(one(&format!("[install]\n{key} = \"https://mirror.internal.example/x\"\n")).is_ok());
         }
+    }
+
+    /// A mirror URL is written into an apt source or a dnf repository file by root: one TOML
+    /// escape (`\n`) would add a repository of its own. Refused from the main file and from a
+    /// drop-in alike, naming the file and the setting; plain http only when allowed explicitly.
+    #[test]
+    fn a_mirror_url_that_would_add_a_line_is_refused_from_every_file() {
+        for (value, why) in [
+            ("https://mirror.example/cuda\\ndeb [trusted=yes] http://evil.example/ ./", "'\\n'"),
+            ("https://mirror.example/cuda\\r[evil]", "'\\r'"),
+            ("https://mirror.example/cuda [trusted=yes]", "' '"),
+            ("https://mirror.example/[evil]", "'['"),
+            ("https://mirror.example/cuda#frag", "'#'"),
+            ("https://mirror.example/cuda?x=1", "query"),
+            ("http://mirror.example/cuda", "plain http"),
+        ] {
+            for key in ["repo_url", "epel_url"] {
+                let text = format!("[install]\n{key} = \"{value}\"\n");
+                let e = one(&text).unwrap_err().to_string();
+                assert!(e.contains(&format!("install.{key}")) && e.contains(why), "{value:?}: {e}");
+                let e = from_files(&[
+                    (PathBuf::from("/etc/phq-agent/config.toml"), String::new()),
+                    (PathBuf::from("/etc/phq-agent/config.d/50-cloud-init.toml"), text),
+                ])
+                .unwrap_err()
+                .to_string();
+                assert!(e.starts_with("/etc/phq-agent/config.d/50-cloud-init.toml: install."), "{e}");
+            }
+        }
+        assert!(one("[install]\nrepo_url = \"http://mirror.example/cuda\"\nallow_plain_http = true\n").is_ok());
+        // The platform's URL is only ever requested: an IPv6 literal is fine, a newline is not.
+        assert!(one("[platform]\nurl = \"https://[fd00::1]:8443/\"\n").is_ok());
+        assert!(one("[platform]\nurl = \"https://p.example/\\nX\"\n")
+            .unwrap_err()
+            .to_string()
+            .contains("platform.url"));
     }
 
     #[test]

@@ -56,8 +56,8 @@ fn every_user_data_installs_configures_and_survives_the_reboot() {
         // The reboot's condition greps the installer's real journal, as the installer writes
         // it when a reboot is required (and not when it is done).
         let (pattern, path) = reboot_condition(&text).unwrap_or_else(|| panic!("{file}: no grep condition"));
-        let default_state = phq_agent::config::Config::default().agent.state_dir;
-        assert_eq!(Path::new(&path), state_path(&default_state), "{file} greps another file than the journal");
+        let journal_dir = Path::new(phq_agent::install::apply::JOURNAL_DIR);
+        assert_eq!(Path::new(&path), state_path(journal_dir), "{file} greps another file than the journal");
         let written = |status| String::from_utf8(journal_bytes(&journal(status)).unwrap()).unwrap();
         assert!(written(Status::RebootRequired).contains(&pattern), "{file}: {pattern:?} is not in the journal");
         assert!(!written(Status::Done).contains(&pattern), "{file}: {pattern:?} would reboot a finished install");

@@ -46,7 +46,9 @@ fn guest_root(work: &Path, repo_dir: &Path, repo_url: &str, fingerprint: &str) -
     std::fs::create_dir_all(root.join("etc/phq-agent")).unwrap();
     std::fs::write(
         root.join("etc/phq-agent/config.toml"),
-        format!("[install]\ncuda = \"12.9\"\ndriver_branch = \"580\"\nrepo_url = \"{repo_url}\"\nrepo_key_fingerprint = \"{fingerprint}\"\n"),
+        // The stand-in repository is served on loopback over plain http: allowed explicitly, as
+        // an operator would for such a mirror (apt still checks its signed index).
+        format!("[install]\ncuda = \"12.9\"\ndriver_branch = \"580\"\nrepo_url = \"{repo_url}\"\nrepo_key_fingerprint = \"{fingerprint}\"\nallow_plain_http = true\n"),
     )
     .unwrap();
     eprintln!("timing: root copied in {:.1} s", started.elapsed().as_secs_f64());
@@ -227,7 +229,7 @@ fn nvidia_state(root: &Path) -> Vec<String> {
 }
 
 fn journal(root: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(root.join("var/lib/phq-agent/install/state.json")).unwrap()).unwrap()
+    serde_json::from_slice(&std::fs::read(root.join("var/lib/phq-agent-install/state.json")).unwrap()).unwrap()
 }
 
 #[test]
@@ -273,12 +275,10 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
         "{}",
         lacking.stderr
     );
-    // The repository's keyring and the branch lock come before the pre-flight (it resolves with
+    // The repository's key and the branch lock come before the pre-flight (it resolves with
     // the pin in place); nothing else may be installed.
-    let after: Vec<String> = nvidia_state(&clean)
-        .into_iter()
-        .filter(|l| !l.contains("cuda-keyring") && !l.contains("nvidia-driver-pinning-580"))
-        .collect();
+    let after: Vec<String> =
+        nvidia_state(&clean).into_iter().filter(|l| !l.contains("nvidia-driver-pinning-580")).collect();
     assert!(after.is_empty(), "installed before the pre-flight refused: {after:?}");
     eprintln!("timing: pre-flight refusal after {:.1} s", t.elapsed().as_secs_f64());
 
@@ -299,7 +299,6 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
         "ii  nvidia-driver-pinning-580 580-1".into(),
         // From the Debian archive's contrib, which the installer enabled.
         "ii  nvidia-support 20220217+3~deb12u1".into(),
-        "ii  cuda-keyring 1.1-1".into(),
         // Held with the driver: DKMS built the module for this kernel only.
         format!("ii  linux-headers-{KERNEL} 6.1.112-1"),
         // The flavour's metas: Debian's way to the headers (one ABI per flavour in its archive).
@@ -308,6 +307,19 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     for w in &want {
         assert!(installed.contains(w), "missing {w:?} in {installed:#?}\n{}", first.stderr);
     }
+    // The keyring package gave its key and nothing else: never installed, its postinst never
+    // run, its extra `[trusted=yes]` source never written; apt trusts the verified key alone,
+    // written by the installer where the source it wrote names it.
+    assert!(!installed.iter().any(|l| l.contains("cuda-keyring")), "{installed:#?}");
+    assert!(!clean.join(KEYRING_POSTINST_MARKER).exists(), "the keyring package's postinst ran");
+    assert!(!clean.join(KEYRING_EXTRA_SOURCE).exists(), "the keyring package's extra source landed");
+    let key = std::fs::read(clean.join("etc/apt/keyrings/phq-nvidia-cuda.gpg")).unwrap();
+    assert!(phq_agent::install::pgp::verified(&key, &fpr).is_ok());
+    let source = std::fs::read_to_string(clean.join("etc/apt/sources.list.d/cuda-debian12-x86_64.list")).unwrap();
+    assert!(
+        source.contains(&format!("deb [signed-by=/etc/apt/keyrings/phq-nvidia-cuda.gpg] {url}/debian12/x86_64/ /")),
+        "{source}"
+    );
     // contrib and non-free-firmware were added beside the archive's own main-only source.
     let components =
         std::fs::read_to_string(clean.join("etc/apt/sources.list.d/phq-debian-components.sources")).unwrap();

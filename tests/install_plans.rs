@@ -79,15 +79,28 @@ fn os(g: &Guest) -> OsRelease {
     OsRelease { id: g.id.into(), id_like: vec![], version_id: g.version.into(), pretty_name: g.pretty.into() }
 }
 
+/// A version-4 Ed25519 public key packet standing for the repository's key (the plans pin its
+/// fingerprint, since a machine that is done holds the pinned key, and NVIDIA's own key is not
+/// in the repository), and that fingerprint.
+fn repo_key() -> (Vec<u8>, String) {
+    let mut body =
+        vec![4, 0x5f, 0, 0, 0, 22, 9, 0x2b, 0x06, 0x01, 0x04, 0x01, 0xda, 0x47, 0x0f, 0x01, 0x01, 0x07, 0x40];
+    body.extend([7u8; 32]);
+    let mut p = vec![0xc6, body.len() as u8];
+    p.extend(&body);
+    let fpr = phq_agent::install::pgp::keys(&p).unwrap()[0].fingerprint.clone();
+    (p, fpr)
+}
+
 fn settings() -> Settings {
     Settings {
         cuda: "12.9".into(),
         driver_branch: 580,
         repo_url: String::new(),
-        key_fingerprint: String::new(),
+        key_fingerprint: repo_key().1,
         epel_url: String::new(),
         replace_driver: false,
-        state_dir: "/var/lib/phq-agent".into(),
+        allow_plain_http: false,
     }
 }
 
@@ -169,6 +182,7 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
     let deb = g.id == "ubuntu" || g.id == "debian";
     let distro = Distro::from_os(&os(g)).expect("supported");
     let mut files = BTreeMap::new();
+    let mut keys = BTreeMap::new();
     let mut units = Vec::new();
     let (packages, headers, nouveau_off, nouveau_loaded, loaded) = match stage {
         Stage::Fresh => (kernel_packages(g, false), false, false, g.id != "debian", None),
@@ -188,7 +202,12 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
         }
         Stage::Done => {
             files.insert(plan::NOUVEAU_CONF.to_string(), plan::NOUVEAU_CONF_TEXT.to_string());
-            if !deb {
+            if deb {
+                let base = format!("{}/{}/x86_64/", plan::NVIDIA_REPO_ROOT, distro.repo_dir());
+                files.insert(distro.apt_source_path(), plan::apt_source(&base));
+                keys.insert(plan::NVIDIA_APT_KEYRING.to_string(), repo_key().0);
+            } else {
+                keys.insert(plan::RHEL_KEY_PATH.to_string(), repo_key().0);
                 let base = format!("{}/{}/x86_64/", plan::NVIDIA_REPO_ROOT, distro.repo_dir());
                 files.insert(
                     plan::RHEL_REPO_PATH.to_string(),
@@ -234,6 +253,7 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
         },
         enabled_units: units,
         files,
+        keys,
     }
 }
 
@@ -396,7 +416,7 @@ fn plan_rules() {
                 // CRB found by what the machine subscribes to; the rebuilds' own signed repos.
                 if g.id == "rhel" {
                     let key = text
-                        .find("is key FF8A D134 4597 106E CE81 3B91 8A38 72BF 3228 467C and no other")
+                        .find("is key FF8A D134 4597 106E CE81 3B91 8A38 72BF 3228 467C and nothing else")
                         .expect("EPEL's key");
                     let rpm = text.find("install --setopt=localpkg_gpgcheck=1 /var/cache/phq-agent-install/epel-release-latest-9.noarch.rpm").expect("checked");
                     assert!(key < rpm, "{text}");
@@ -527,15 +547,83 @@ fn el9_changes_branch_by_switching_the_module_stream() {
 #[test]
 fn a_mirror_replaces_the_source_and_keeps_the_pin() {
     let f = facts(&GUESTS[2], false, false, Stage::Fresh);
-    let s = Settings { repo_url: "http://mirror.example/cuda/repos/".into(), ..settings() };
+    let s = Settings {
+        repo_url: "https://mirror.example/cuda/repos/".into(),
+        key_fingerprint: String::new(),
+        ..settings()
+    };
     let text = plan::render(&plan::plan(&f, &s).unwrap());
     assert!(
-        text.contains("fetch http://mirror.example/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb"),
+        text.contains("fetch https://mirror.example/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb"),
         "{text}"
     );
     assert!(text.contains("write /etc/apt/sources.list.d/cuda-debian12-x86_64.list"), "{text}");
-    assert!(text.contains("| deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] http://mirror.example/cuda/repos/debian12/x86_64/ /"));
+    assert!(text.contains(
+        "| deb [signed-by=/etc/apt/keyrings/phq-nvidia-cuda.gpg] https://mirror.example/cuda/repos/debian12/x86_64/ /"
+    ));
     assert!(text.contains("EB69 3B30 35CD 5710 E231 E123 A4B4 6996 3BF8 63CC"));
+}
+
+/// The keyring package is a carrier for NVIDIA's key and nothing more: the plan takes the key
+/// out of it, and no step hands the package to dpkg (its maintainer scripts would run as root
+/// on the word of a check that covered only the key). The same on every Debian and Ubuntu guest.
+#[test]
+fn the_keyring_package_is_never_installed_only_its_verified_key() {
+    for g in GUESTS.iter().filter(|g| g.id == "ubuntu" || g.id == "debian") {
+        let p = plan::plan(&facts(g, true, false, Stage::Fresh), &settings()).unwrap();
+        let text = plan::render(&p);
+        assert!(!text.contains("dpkg -i"), "{}: {text}", g.key);
+        let repo = p.steps.iter().find(|s| s.id == "repo").unwrap();
+        let Some(plan::Action::InstallKey { deb_member, to, armored, .. }) =
+            repo.actions.iter().find(|a| matches!(a, plan::Action::InstallKey { .. }))
+        else {
+            panic!("{}: no key step: {text}", g.key)
+        };
+        assert_eq!(deb_member.as_deref(), Some(plan::CUDA_KEYRING_MEMBER));
+        assert_eq!((to.as_str(), *armored), (plan::NVIDIA_APT_KEYRING, false));
+        // The source line is written by the installer, for NVIDIA's repository too.
+        assert!(repo.actions.iter().any(|a| matches!(a, plan::Action::Write { path, .. } if *path == Distro::from_os(&os(g)).unwrap().apt_source_path())), "{text}");
+    }
+    // EL: the key files are written from the verified packets, never copied with `install`.
+    for g in GUESTS.iter().filter(|g| g.id == "rhel") {
+        let text = plan::render(&plan::plan(&facts(g, false, false, Stage::Fresh), &settings()).unwrap());
+        assert!(!text.contains("$ install -m"), "{text}");
+        assert!(
+            text.contains("then write the verified key, armored, to /etc/pki/rpm-gpg/RPM-GPG-KEY-EPEL-9"),
+            "{text}"
+        );
+        assert!(
+            text.contains("then write the verified key, armored, to /etc/pki/rpm-gpg/RPM-GPG-KEY-NVIDIA-CUDA"),
+            "{text}"
+        );
+    }
+}
+
+/// A mirror URL becomes a line of a file root writes: it must be one URL and nothing else, and
+/// plain http only when the config says so, whichever way it reached the plan.
+#[test]
+fn a_mirror_url_that_would_add_a_line_or_an_option_is_refused() {
+    let f = facts(&GUESTS[0], false, false, Stage::Fresh);
+    for (url, why) in [
+        ("https://mirror.example/cuda/repos\ndeb [trusted=yes] http://evil.example/ ./", "'\\n'"),
+        ("https://mirror.example/cuda/repos [trusted=yes]", "' '"),
+        ("[trusted=yes]https://mirror.example/", "'['"),
+        ("https://mirror.example/repos#x", "'#'"),
+        ("https://mirror.example/r\u{0}", "'\\0'"),
+        ("http://mirror.example/cuda/repos", "plain http"),
+        ("ftp://mirror.example/cuda/repos", "expected a https:// or http:// or file:// URL"),
+        ("https://user:pw@mirror.example/", "credentials"),
+    ] {
+        for s in [Settings { repo_url: url.into(), ..settings() }, Settings { epel_url: url.into(), ..settings() }] {
+            let e = plan::plan(&f, &s).unwrap_err();
+            let setting = if s.repo_url.is_empty() { "install.epel_url" } else { "install.repo_url" };
+            assert!(e.contains(setting) && e.contains(why), "{url:?}: {e}");
+        }
+    }
+    // Allowed: http when asked for explicitly; https; a file:// mirror on a disk.
+    let http = Settings { repo_url: "http://mirror.example/cuda/repos".into(), allow_plain_http: true, ..settings() };
+    assert!(plan::plan(&f, &http).is_ok());
+    assert!(plan::plan(&f, &Settings { repo_url: "file:///srv/cuda/repos".into(), ..settings() }).is_ok());
 }
 
 /// Debian's components file holds everything the guest's own sources lack, computed without it:
@@ -576,6 +664,6 @@ fn an_epel_mirror_replaces_fedoras_host_but_not_the_key() {
     let text = plan::render(&plan::plan(&facts(g, false, false, Stage::Fresh), &s).unwrap());
     assert!(text.contains("fetch https://mirror.internal.example/epel/RPM-GPG-KEY-EPEL-9 →"), "{text}");
     assert!(text.contains("fetch https://mirror.internal.example/epel/epel-release-latest-9.noarch.rpm →"), "{text}");
-    assert!(text.contains("is key FF8A D134 4597 106E CE81 3B91 8A38 72BF 3228 467C and no other"), "{text}");
+    assert!(text.contains("is key FF8A D134 4597 106E CE81 3B91 8A38 72BF 3228 467C and nothing else"), "{text}");
     assert!(!text.contains(plan::EPEL_ROOT), "{text}");
 }

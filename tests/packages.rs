@@ -470,9 +470,12 @@ fn an_upgrade_keeps_config_tokens_journal_and_spool_and_delivers_every_event() {
     let token = chroot(&root, &["phq-agent", "token", "--owner", "phq-agent"]);
     assert!(token.status.success(), "{token:?}");
     let state = root.join("var/lib/phq-agent");
-    std::fs::create_dir_all(state.join("install")).unwrap();
-    std::fs::write(state.join("install/state.json"), "{\"status\": \"done\", \"kept\": \"across upgrades\"}\n")
-        .unwrap();
+    std::fs::create_dir_all(root.join("var/lib/phq-agent-install")).unwrap();
+    std::fs::write(
+        root.join("var/lib/phq-agent-install/state.json"),
+        "{\"status\": \"done\", \"kept\": \"across upgrades\"}\n",
+    )
+    .unwrap();
     let dropin = |platform_port: u16| {
         std::fs::create_dir_all(etc.join("config.d")).unwrap();
         // The service is run from outside the root (no systemd in it), so its paths are the root's.
@@ -545,7 +548,7 @@ fn an_upgrade_keeps_config_tokens_journal_and_spool_and_delivers_every_event() {
         "etc/phq-agent/config.d/90-test.toml",
         "etc/phq-agent/token",
         "etc/phq-agent/platform-token",
-        "var/lib/phq-agent/install/state.json",
+        "var/lib/phq-agent-install/state.json",
         "var/lib/phq-agent/seq",
     ];
     let before: Vec<(Vec<u8>, u32, u32)> = keep

@@ -44,7 +44,7 @@ fn install_unit_resumes_once_and_is_measured() {
     for needed in [
         "Type=oneshot",
         "ExecStart=/usr/bin/phq-agent install --resume",
-        "ConditionPathExists=/var/lib/phq-agent/install/state.json",
+        "ConditionPathExists=/var/lib/phq-agent-install/state.json",
         "SuccessExitStatus=1",
         "WantedBy=multi-user.target",
     ] {

@@ -129,6 +129,10 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     std::fs::write(root.join("etc/fstab"), "/dev/vda / ext4 defaults,errors=remount-ro 0 1\n").unwrap();
     std::fs::write(root.join("etc/hostname"), "gpu-vm\n").unwrap();
     std::fs::write(root.join("etc/cloud/cloud.cfg.d/99-phq-test.cfg"), "datasource_list: [NoCloud, None]\n").unwrap();
+    // The stand-in mirror is plain http on the host's side of the VM's network: allowed
+    // explicitly, as an image with a preset config would (apt still checks the signed index).
+    std::fs::create_dir_all(root.join("etc/phq-agent/config.d")).unwrap();
+    std::fs::write(root.join("etc/phq-agent/config.d/10-image.toml"), "[install]\nallow_plain_http = true\n").unwrap();
     // A persistent journal, read from the disk image afterwards.
     std::fs::create_dir_all(root.join("var/log/journal")).unwrap();
     // The guest has no way to Debian's mirrors: its apt sources are the stand-ins, Debian's

@@ -72,7 +72,7 @@ impl Doctor {
         let mut report = report::build(&snapshot, findings, agent_id, started_at, 0);
         report.probes = probes.map(|p| serde_json::to_value(p).unwrap_or_default());
         if root.is_live() && self.from.is_none() {
-            report.install = crate::install::report_value(&config.agent.state_dir);
+            report.install = crate::install::report_value();
         }
         let code = report::exit_code(&report.findings);
 

@@ -57,8 +57,14 @@ impl Install {
             key_fingerprint: c.repo_key_fingerprint.clone(),
             epel_url: c.epel_url.clone(),
             replace_driver: self.replace_driver || c.replace_driver,
-            state_dir: config.agent.state_dir.display().to_string(),
+            allow_plain_http: c.allow_plain_http,
         };
+        if let Some(url) = &self.repo_url {
+            if let Err(e) = crate::config::check_mirror_url("--repo-url", url, c.allow_plain_http) {
+                eprintln!("phq-agent install: {e}");
+                return Ok(super::EXIT_USAGE);
+            }
+        }
         let root = Sysroot::new(&self.machine.sysroot);
         if !self.dry_run {
             if !root.is_live() {
@@ -71,13 +77,14 @@ impl Install {
                 return Ok(super::EXIT_UNKNOWN);
             }
         }
-        let state_dir = config.agent.state_dir.clone();
+        // Root's own directory, never the service's state directory (apply.rs says why).
+        let journal_dir = PathBuf::from(apply::JOURNAL_DIR);
         // Hold the lock from the first look at the machine to the last step: what is planned
         // must be what is applied.
         let _lock = if self.dry_run {
             None
         } else {
-            let locked = if self.resume { apply::lock_wait(&state_dir) } else { apply::lock(&state_dir) };
+            let locked = if self.resume { apply::lock_wait(&journal_dir) } else { apply::lock(&journal_dir) };
             match locked {
                 Ok(l) => Some(l),
                 Err(e) => {
@@ -88,7 +95,7 @@ impl Install {
         };
         // Decided under the lock: an install that was running when we asked has finished by now.
         if self.resume {
-            match apply::load_state(&state_dir) {
+            match apply::load_state(&journal_dir) {
                 Ok(None) => {
                     eprintln!("phq-agent install --resume: no install has run here; nothing to resume");
                     return Ok(0);
@@ -106,7 +113,6 @@ impl Install {
                 Err(e) => eprintln!("phq-agent install --resume: {e}; resuming from a fresh plan"),
             }
         }
-        let mut runner = SystemRunner::new(&state_dir);
         let (the_plan, boot_id) = match make_plan(&root, &settings) {
             Ok(p) => p,
             Err(e) => {
@@ -118,6 +124,7 @@ impl Install {
             super::print_out(&plan::render(&the_plan), false)?;
             return Ok(0);
         }
+        let mut runner = SystemRunner::new(&journal_dir);
         eprintln!("phq-agent install: {}", the_plan.summary);
         for f in &the_plan.findings {
             eprintln!("  {} {}: {}", f.severity.label(), f.id, f.summary);
@@ -129,7 +136,7 @@ impl Install {
         let mut verify = move || verify_now(&sysroot, nvml_lib.clone(), &checks_settings);
         let mut reboot_now = reboot_through_logind;
         let mut opts = Options {
-            state_dir: state_dir.clone(),
+            journal_dir: journal_dir.clone(),
             root: PathBuf::from("/"),
             reboot: if self.reboot == "never" { RebootPolicy::Never } else { RebootPolicy::Auto },
             boot_id,

@@ -1,6 +1,11 @@
 //! Apply a plan: every command through a `Runner` (program + arguments, never a shell), every
-//! finished step journaled in `state_dir/install/state.json` (written whole to a temporary
-//! file, fsynced, renamed), one installer at a time under a `flock`.
+//! finished step journaled in `JOURNAL_DIR/state.json` (written whole to a temporary file,
+//! fsynced, renamed), one installer at a time under a `flock`.
+//!
+//! The journal, its lock and the log live in a directory that root owns and nobody else can
+//! write (`journal_dir`), never in the service's state directory: the service's user owns that
+//! one, and whatever it can write it could turn into a link that root follows, or into a
+//! journal that starts a root install at the next boot.
 //!
 //! Resuming is planning again: a step the machine already has is skipped by the plan, and one
 //! whose effect the plan cannot see (a hold, an enabled unit in a chroot) is skipped when the
@@ -109,22 +114,82 @@ impl State {
     }
 }
 
-pub fn install_dir(state_dir: &Path) -> PathBuf {
-    state_dir.join("install")
+/// Where the installer keeps its journal (`state.json`, readable by all: the service reports it,
+/// cloud-init and phq-agent-install.service look at it), its lock and its log (root's alone).
+/// Root's, 0755; made by the package's tmpfiles entry and by the installer itself.
+pub const JOURNAL_DIR: &str = "/var/lib/phq-agent-install";
+
+pub fn state_path(journal_dir: &Path) -> PathBuf {
+    journal_dir.join("state.json")
 }
 
-pub fn state_path(state_dir: &Path) -> PathBuf {
-    install_dir(state_dir).join("state.json")
-}
+/// The journal is a few kilobytes; a larger file is not one the installer wrote.
+const MAX_JOURNAL_BYTES: u64 = 4 << 20;
 
-/// The journal as it is on disk; `Ok(None)` when no install has run.
-pub fn load_state(state_dir: &Path) -> Result<Option<State>, String> {
-    let path = state_path(state_dir);
-    match std::fs::read(&path) {
+/// The journal as it is on disk; `Ok(None)` when no install has run. Read without following a
+/// link, and only from a regular file (a FIFO would hang the reader).
+pub fn load_state(journal_dir: &Path) -> Result<Option<State>, String> {
+    let path = state_path(journal_dir);
+    match crate::sysroot::read_regular(&path, true, MAX_JOURNAL_BYTES) {
         Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| format!("{}: {e}", path.display())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(format!("{}: {e}", path.display())),
     }
+}
+
+/// Makes `dir` the installer's own directory, or says why it cannot be: it must be a real
+/// directory (not a link) owned by this process's user and writable by nobody else. Created
+/// 0755 when missing; a directory that others can write is refused, not repaired, since
+/// someone may already have planted something in it.
+pub fn journal_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    }
+    match std::fs::DirBuilder::new().mode(0o755).create(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(format!("{}: {e}", dir.display())),
+        _ => {}
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if !meta.file_type().is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{}: not a directory of uid {me} that only it can write (a link, another user's, or open to others: mode {:o}); the installer keeps its journal where nobody else can plant a file — remove it and rerun",
+            dir.display(),
+            meta.mode() & 0o7777
+        ));
+    }
+    Ok(())
+}
+
+/// Opens `name` in the installer's directory for writing without following a link (open(2):
+/// `O_NOFOLLOW` fails with ELOOP on a symbolic link), created with `mode`; only a regular file
+/// is accepted.
+fn open_private(dir: &Path, name: &str, append: bool, mode: u32) -> Result<File, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    journal_dir(dir)?;
+    let path = dir.join(name);
+    let file = std::fs::OpenOptions::new()
+        .read(!append)
+        .write(!append)
+        .append(append)
+        .create(true)
+        .truncate(false)
+        .mode(mode)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(&path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => {
+                format!("{}: is a symbolic link; the installer does not follow links here", path.display())
+            }
+            _ => format!("{}: {e}", path.display()),
+        })?;
+    let meta = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?;
+    if !meta.file_type().is_file() {
+        return Err(format!("{}: not a regular file", path.display()));
+    }
+    Ok(file)
 }
 
 /// The journal's bytes as written to `state.json`. cloud-init's user-data greps them for
@@ -133,9 +198,10 @@ pub fn journal_bytes(st: &State) -> Result<Vec<u8>, String> {
     serde_json::to_vec_pretty(st).map_err(|e| format!("cannot encode the journal: {e}"))
 }
 
-fn save(state_dir: &Path, st: &mut State) -> Result<(), String> {
+fn save(journal_dir: &Path, st: &mut State) -> Result<(), String> {
     st.updated_at = crate::snapshot::Timestamp::now().to_string();
-    let path = state_path(state_dir);
+    self::journal_dir(journal_dir)?;
+    let path = state_path(journal_dir);
     let json = journal_bytes(st)?;
     crate::durable::write(&path, &json, 0o644).map_err(|e| format!("{}: cannot write the journal: {e}", path.display()))
 }
@@ -145,18 +211,9 @@ pub struct Lock {
     _file: File,
 }
 
-fn lock_file(state_dir: &Path) -> Result<(File, PathBuf), String> {
-    let dir = install_dir(state_dir);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let path = dir.join("lock");
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok((file, path))
+fn lock_file(journal_dir: &Path) -> Result<(File, PathBuf), String> {
+    let file = open_private(journal_dir, "lock", false, 0o600)?;
+    Ok((file, journal_dir.join("lock")))
 }
 
 /// Writes our pid into the lock file we hold, for the message another installer prints.
@@ -168,19 +225,21 @@ fn claim(mut file: File) -> Lock {
 
 /// Waits for the lock instead of refusing: `--resume` at boot, when cloud-init's own install
 /// may still be running.
-pub fn lock_wait(state_dir: &Path) -> Result<Lock, String> {
-    let (file, path) = lock_file(state_dir)?;
+pub fn lock_wait(journal_dir: &Path) -> Result<Lock, String> {
+    let (file, path) = lock_file(journal_dir)?;
     file.lock().map_err(|e| format!("{}: cannot lock: {e}", path.display()))?;
     Ok(claim(file))
 }
 
 /// The lock, or why not: another installer holds it (with its pid).
-pub fn lock(state_dir: &Path) -> Result<Lock, String> {
-    let (file, path) = lock_file(state_dir)?;
+pub fn lock(journal_dir: &Path) -> Result<Lock, String> {
+    let (file, path) = lock_file(journal_dir)?;
     match file.try_lock() {
         Ok(()) => Ok(claim(file)),
         Err(std::fs::TryLockError::WouldBlock) => {
-            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            let holder = crate::sysroot::read_regular(&path, true, 64)
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .unwrap_or_default();
             let holder = holder.trim();
             Err(format!(
                 "another phq-agent install is running{} (it holds {}); wait for it, or see `journalctl -u phq-agent-install`",
@@ -194,7 +253,8 @@ pub fn lock(state_dir: &Path) -> Result<Lock, String> {
 
 /// What apply needs from outside the plan.
 pub struct Options<'a> {
-    pub state_dir: PathBuf,
+    /// The journal's directory (`JOURNAL_DIR` outside tests).
+    pub journal_dir: PathBuf,
     /// Files the plan writes land under this root (`/` outside tests).
     pub root: PathBuf,
     pub reboot: RebootPolicy,
@@ -209,7 +269,7 @@ pub struct Options<'a> {
 
 /// Runs the plan to its end, a failure, or a reboot; returns the journal as it was left.
 pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<State, String> {
-    let mut st = match load_state(&o.state_dir) {
+    let mut st = match load_state(&o.journal_dir) {
         Ok(Some(st)) => st,
         Ok(None) => State::new(plan),
         Err(e) => {
@@ -217,6 +277,7 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
             State::new(plan)
         }
     };
+    forget_mok_password_once_enrolled(runner, o);
     st.plan = plan.summary.clone();
     st.status = Status::Running;
     st.error = None;
@@ -229,7 +290,7 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
             st.reboots += 1;
         }
     }
-    save(&o.state_dir, &mut st)?;
+    save(&o.journal_dir, &mut st)?;
 
     let is_deb = plan.distro.is_deb();
     let n = plan.steps.len();
@@ -253,7 +314,7 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
                 st.status = Status::RebootRequired;
                 st.error = Some(unsafe_boot.summary.clone());
                 st.findings.push(unsafe_boot);
-                save(&o.state_dir, &mut st)?;
+                save(&o.journal_dir, &mut st)?;
                 return Ok(st);
             }
             return Ok(reboot(&mut st, o, &head, &reason));
@@ -292,7 +353,7 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
             }
             st.findings.extend(wrong);
             st.status = Status::Done;
-            save(&o.state_dir, &mut st)?;
+            save(&o.journal_dir, &mut st)?;
             return Ok(st);
         }
         (o.progress)(&format!("{head}: {}", step.title));
@@ -302,7 +363,7 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
                 st.status = Status::Failed;
                 st.error = Some(format!("step {}: {}", step.id, e.message));
                 st.findings.push(e.finding(step.id));
-                save(&o.state_dir, &mut st)?;
+                save(&o.journal_dir, &mut st)?;
                 return Ok(st);
             }
         }
@@ -316,10 +377,10 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
             st.reboot_pending_since = Some(o.boot_id.clone().unwrap_or_else(|| "unknown".into()));
             st.reboot_reason = Some(format!("step {} changed the kernel modules or the initramfs", step.id));
         }
-        save(&o.state_dir, &mut st)?;
+        save(&o.journal_dir, &mut st)?;
     }
     st.status = Status::Done;
-    save(&o.state_dir, &mut st)?;
+    save(&o.journal_dir, &mut st)?;
     Ok(st)
 }
 
@@ -363,7 +424,7 @@ fn boot_gate(plan: &Plan, runner: &mut dyn Runner, o: &mut Options, head: &str) 
         // distribution's signed build is trusted through shim.
         if signer.contains("DKMS") {
             match mok_state(DKMS_MOK, runner) {
-                MokState::Trusted => {}
+                MokState::Trusted => forget_mok_password(o),
                 MokState::Queued => return Some(mok_confirm(&kernel, &o.root)),
                 other => {
                     return Some(
@@ -450,6 +511,7 @@ fn enroll_mok(key: &str, runner: &mut dyn Runner, o: &mut Options) -> Result<(),
     match mok_state(key, runner) {
         MokState::Trusted => {
             (o.progress)(&format!("      {key} is enrolled already"));
+            forget_mok_password(o);
             return Ok(());
         }
         MokState::Queued => {
@@ -486,6 +548,29 @@ fn enroll_mok(key: &str, runner: &mut dyn Runner, o: &mut Options) -> Result<(),
         "      {key} is queued for enrolment; its one-time password is in {DOWNLOAD_DIR}/{MOK_PASSWORD_FILE} (root-only)"
     ));
     Ok(())
+}
+
+/// The one-time password of a MOK enrolment is needed only until the key is enrolled: then it
+/// goes, so no root-only secret lingers on the disk (or in a backup of it).
+fn forget_mok_password(o: &mut Options) {
+    let file = under(&o.root, &format!("{DOWNLOAD_DIR}/{MOK_PASSWORD_FILE}"));
+    match std::fs::remove_file(&file) {
+        Ok(()) => (o.progress)(&format!(
+            "      DKMS's key is enrolled: its one-time password is deleted ({})",
+            file.display()
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => (o.progress)(&format!("      cannot delete {}: {e}", file.display())),
+    }
+}
+
+/// At every run: a password kept from an earlier enrolment is deleted once the firmware trusts
+/// the key (the run after the console's reboot asks nothing else of mokutil).
+fn forget_mok_password_once_enrolled(runner: &mut dyn Runner, o: &mut Options) {
+    let file = under(&o.root, &format!("{DOWNLOAD_DIR}/{MOK_PASSWORD_FILE}"));
+    if std::fs::symlink_metadata(&file).is_ok() && mok_state(DKMS_MOK, runner) == MokState::Trusted {
+        forget_mok_password(o);
+    }
 }
 
 /// `dnf repolist --all`: each repository's id and whether it is enabled. dnf prints a header
@@ -627,7 +712,7 @@ fn reboot(st: &mut State, o: &mut Options, head: &str, reason: &str) -> State {
         RebootPolicy::Auto => {
             (o.progress)(&format!("{head}: rebooting ({reason}); phq-agent-install.service resumes after it"));
             st.status = Status::Rebooting;
-            let _ = save(&o.state_dir, st);
+            let _ = save(&o.journal_dir, st);
             if let Err(e) = (o.reboot_now)() {
                 st.status = Status::RebootRequired;
                 st.error = Some(format!("could not reboot: {e}"));
@@ -641,7 +726,7 @@ fn reboot(st: &mut State, o: &mut Options, head: &str, reason: &str) -> State {
             }
         }
     }
-    let _ = save(&o.state_dir, st);
+    let _ = save(&o.journal_dir, st);
     st.clone()
 }
 
@@ -658,7 +743,7 @@ impl StepError {
                 .remedy("Check the VM's DNS and egress to that host (or set install.repo_url to a reachable mirror), then rerun phq-agent install")
                 .evidence("url", url),
             None => Finding::fail("install.step-failed", format!("step {step} failed: {}", self.message))
-                .remedy("Fix what the message says and rerun phq-agent install; finished steps are not repeated (log: state_dir/install/log)"),
+                .remedy("Fix what the message says and rerun phq-agent install; finished steps are not repeated (log: /var/lib/phq-agent-install/log)"),
         }
     }
 }
@@ -700,19 +785,23 @@ fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options)
                 url: Some(url.clone()),
             })
         }
-        Action::VerifyKey { file, deb_member, fingerprint } => {
+        Action::InstallKey { file, deb_member, fingerprint, to, armored } => {
             let path = under(&o.root, file);
             if let Some(dir) = path.parent() {
-                private_dir(dir).map_err(err)?; // still root's alone, so what is checked is what installs
+                private_dir(dir).map_err(err)?; // still root's alone
             }
-            let key = match deb_member {
+            let bytes = match deb_member {
                 Some(member) => deb_member_bytes(&path, member, runner)?,
                 None => crate::sysroot::read_regular(&path, true, 1 << 20)
                     .map_err(|e| err(format!("{}: {e}", path.display())))?,
             };
-            super::pgp::verify(&key, fingerprint)
-                .map_err(|e| err(format!("{file} is not NVIDIA's repository key: {e}; nothing from it was trusted")))?;
-            (o.progress)(&format!("      key {} verified", super::pgp::spaced(fingerprint)));
+            let key = super::pgp::verified(&bytes, fingerprint)
+                .map_err(|e| err(format!("{file} is not the pinned key: {e}; nothing from it was trusted")))?;
+            // What was checked is what is written: the packets read above, by us, not the file.
+            let target = under(&o.root, to);
+            let out = if *armored { key.armored().into_bytes() } else { key.binary().to_vec() };
+            crate::durable::write(&target, &out, 0o644).map_err(|e| err(format!("{}: {e}", target.display())))?;
+            (o.progress)(&format!("      key {} verified and written to {to}", super::pgp::spaced(fingerprint)));
             Ok(())
         }
         Action::Resolve(pkgs) => resolve(pkgs, plan, runner, o),
@@ -1024,9 +1113,16 @@ pub struct SystemRunner {
 }
 
 impl SystemRunner {
-    pub fn new(state_dir: &Path) -> SystemRunner {
-        let path = install_dir(state_dir).join("log");
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(path).ok();
+    /// Appends to `journal_dir/log` (root's alone, never through a link); without it, commands
+    /// still run and only the log is missing, which is said.
+    pub fn new(journal_dir: &Path) -> SystemRunner {
+        let log = match open_private(journal_dir, "log", true, 0o600) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                eprintln!("phq-agent install: no log: {e}");
+                None
+            }
+        };
         SystemRunner { log }
     }
 }
@@ -1078,28 +1174,69 @@ impl Runner for SystemRunner {
     }
 
     fn fetch(&mut self, url: &str, to: &Path) -> Result<(), String> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| format!("cannot start the HTTP client: {e}"))?;
-        let bytes = rt.block_on(async {
-            let client = reqwest::Client::builder()
-                .connect_timeout(Duration::from_secs(10))
-                .timeout(Duration::from_secs(120))
-                .build()
-                .map_err(|e| e.to_string())?;
-            let resp = client.get(url).send().await.map_err(|e| describe(&e.without_url()))?;
-            if !resp.status().is_success() {
-                return Err(format!("HTTP {}", resp.status()));
-            }
-            resp.bytes().await.map_err(|e| describe(&e.without_url()))
-        })?;
+        let bytes = download(url, MAX_DOWNLOAD_BYTES)?;
         crate::durable::write(to, &bytes, 0o644).map_err(|e| format!("{}: {e}", to.display()))
     }
 
     fn sleep(&mut self, d: Duration) {
         std::thread::sleep(d);
     }
+}
+
+/// What the installer downloads is small: a keyring package (about 4 KiB), a key, EPEL's release
+/// package (about 20 KiB). A body past this is not what was asked for, and is not read on.
+pub const MAX_DOWNLOAD_BYTES: u64 = 16 << 20;
+
+/// Whether a redirect may be followed: never from `https` down to plain `http` (what TLS
+/// protected would then come unprotected, from wherever the redirect points), at most ten in a
+/// row (curl's and reqwest's own default limit).
+pub fn redirect_allowed(from: &str, to: &str, hops: usize) -> Result<(), String> {
+    if hops >= 10 {
+        return Err(format!("more than 10 redirects (the last to {to})"));
+    }
+    let scheme = |u: &str| u.split_once("://").map(|(s, _)| s.to_ascii_lowercase()).unwrap_or_default();
+    if scheme(from) == "https" && scheme(to) != "https" {
+        return Err(format!("refused a redirect from {from} to {to}: from https down to {}", scheme(to)));
+    }
+    Ok(())
+}
+
+/// One GET of `url`: redirects only as `redirect_allowed` says, a body of at most `max` bytes.
+pub fn download(url: &str, max: u64) -> Result<Vec<u8>, String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the HTTP client: {e}"))?;
+    rt.block_on(async {
+        let policy = reqwest::redirect::Policy::custom(|attempt| {
+            let from = attempt.previous().last().map(|u| u.to_string()).unwrap_or_default();
+            match redirect_allowed(&from, attempt.url().as_str(), attempt.previous().len()) {
+                Ok(()) => attempt.follow(),
+                Err(e) => attempt.error(e),
+            }
+        });
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .timeout(Duration::from_secs(120))
+            .redirect(policy)
+            .build()
+            .map_err(|e| e.to_string())?;
+        let mut resp = client.get(url).send().await.map_err(|e| describe(&e.without_url()))?;
+        if !resp.status().is_success() {
+            return Err(format!("HTTP {}", resp.status()));
+        }
+        if let Some(n) = resp.content_length().filter(|n| *n > max) {
+            return Err(format!("the server announces {n} bytes; refused above {max}"));
+        }
+        let mut body = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(|e| describe(&e.without_url()))? {
+            if body.len() as u64 + chunk.len() as u64 > max {
+                return Err(format!("the body runs past {max} bytes; refused"));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(body)
+    })
 }
 
 fn describe(e: &reqwest::Error) -> String {
@@ -1151,6 +1288,10 @@ mod tests {
         stdin: Vec<String>,
         /// What `dnf repolist --all` prints.
         repolist: String,
+        /// Other members of the keyring package besides its key (a maintainer script, a source).
+        deb_extra: Vec<(String, Vec<u8>)>,
+        /// What a fetch serves (default: a stand-in package, "deb").
+        served: Option<Vec<u8>>,
     }
 
     #[derive(Default, Clone, Copy, PartialEq, Debug)]
@@ -1222,6 +1363,13 @@ mod tests {
                     h.set_mode(0o644);
                     h.set_cksum();
                     b.append_data(&mut h, "./usr/share/keyrings/cuda-archive-keyring.gpg", self.key.as_slice()).unwrap();
+                    for (name, data) in &self.deb_extra {
+                        let mut h = tar::Header::new_gnu();
+                        h.set_size(data.len() as u64);
+                        h.set_mode(0o755);
+                        h.set_cksum();
+                        b.append_data(&mut h, name, data.as_slice()).unwrap();
+                    }
                     ok(&b.into_inner().unwrap())
                 }
                 _ => ok(b""),
@@ -1247,7 +1395,7 @@ mod tests {
             if self.offline {
                 return Err(format!("error sending request for url ({url}): connection refused"));
             }
-            std::fs::write(to, b"deb").map_err(|e| e.to_string())
+            std::fs::write(to, self.served.as_deref().unwrap_or(b"deb")).map_err(|e| e.to_string())
         }
         fn sleep(&mut self, d: Duration) {
             self.slept += d;
@@ -1256,16 +1404,20 @@ mod tests {
 
     /// A v4 key packet and its fingerprint.
     fn test_key() -> (Vec<u8>, String) {
+        test_key_seeded(42)
+    }
+
+    fn test_key_seeded(seed: u8) -> (Vec<u8>, String) {
         let mut body =
             vec![4, 0x5f, 0, 0, 0, 22, 9, 0x2b, 0x06, 0x01, 0x04, 0x01, 0xda, 0x47, 0x0f, 0x01, 0x01, 0x07, 0x40];
-        body.extend([42u8; 32]);
+        body.extend([seed; 32]);
         let mut p = vec![0xc6, body.len() as u8];
         p.extend(&body);
         let fpr = crate::install::pgp::keys(&p).unwrap()[0].fingerprint.clone();
         (p, fpr)
     }
 
-    fn fresh_ubuntu_hgx(state_dir: &str, fpr: &str) -> (Facts, Settings) {
+    fn fresh_ubuntu_hgx(_dir: &str, fpr: &str) -> (Facts, Settings) {
         let f = Facts {
             os: Ok(OsRelease {
                 id: "ubuntu".into(),
@@ -1287,6 +1439,7 @@ mod tests {
             apt_sources: vec![],
             enabled_units: vec![],
             files: Default::default(),
+            keys: Default::default(),
         };
         let s = Settings {
             cuda: "12.4".into(),
@@ -1295,7 +1448,7 @@ mod tests {
             key_fingerprint: fpr.into(),
             epel_url: String::new(),
             replace_driver: false,
-            state_dir: state_dir.into(),
+            allow_plain_http: false,
         };
         (f, s)
     }
@@ -1307,6 +1460,17 @@ mod tests {
         let (key, fpr) = test_key();
         let (f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), pin.unwrap_or(&fpr));
         let p = plan::plan(&f, &s).unwrap();
+        (dir, p, FakeMachine { key, ..Default::default() })
+    }
+
+    /// `fresh_install` on a guest whose dpkg was interrupted: the plan starts with its repair.
+    fn fresh_install_interrupted() -> (tempfile::TempDir, Plan, FakeMachine) {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, fpr) = test_key();
+        let (mut f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
+        f.dpkg_interrupted = true;
+        let p = plan::plan(&f, &s).unwrap();
+        assert_eq!(p.steps[0].id, "repair");
         (dir, p, FakeMachine { key, ..Default::default() })
     }
 
@@ -1336,7 +1500,7 @@ mod tests {
             Ok(())
         };
         let mut o = Options {
-            state_dir: dir.to_path_buf(),
+            journal_dir: dir.join("journal"),
             root: dir.join("root"),
             reboot: policy,
             boot_id: boot.map(str::to_string),
@@ -1379,7 +1543,7 @@ mod tests {
             std::fs::read_to_string(dir.path().join("root/etc/modprobe.d/blacklist-nouveau.conf")).unwrap(),
             plan::NOUVEAU_CONF_TEXT
         );
-        let on_disk = load_state(dir.path()).unwrap().unwrap();
+        let on_disk = load_state(&dir.path().join("journal")).unwrap().unwrap();
         assert_eq!(on_disk.status, Status::Rebooting);
         assert_eq!(on_disk.reboot_pending_since.as_deref(), Some("boot-1"));
 
@@ -1578,6 +1742,27 @@ mod tests {
         m.mok = FakeMok::Enrolled;
         let third = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
         assert!(third.rebooted, "{:#?}", third.progress);
+        // Enrolled: the one-time password has served, and is gone from the disk.
+        assert!(!file.exists(), "the MOK password outlived the enrolment");
+        assert!(third.progress.iter().any(|l| l.contains("one-time password is deleted")), "{:#?}", third.progress);
+    }
+
+    /// The run after the console's reboot asks mokutil nothing in its steps (the enrolment step
+    /// is journaled, the reboot is behind it): the password is deleted all the same, once the
+    /// firmware trusts the key, and kept while it does not.
+    #[test]
+    fn the_mok_password_goes_once_the_key_is_enrolled() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, mut m) = fresh_debian_sb(dir.path());
+        apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        let file = dir.path().join("root").join(DOWNLOAD_DIR.trim_start_matches('/')).join(MOK_PASSWORD_FILE);
+        assert!(file.is_file());
+        // Still queued on the next boot (nobody came to the console): kept.
+        apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "boot-2");
+        assert!(file.is_file());
+        m.mok = FakeMok::Enrolled;
+        apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "boot-3");
+        assert!(!file.exists());
     }
 
     /// DKMS made no key (a framework.conf pointing elsewhere): the step fails saying so, and
@@ -1890,8 +2075,198 @@ mod tests {
         let (dir, p, mut m) = fresh_install(Some(crate::facts::NVIDIA_REPO_KEY_FINGERPRINT));
         let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
         assert_eq!(r.state.status, Status::Failed);
-        assert!(r.state.error.as_deref().unwrap().contains("is not NVIDIA's repository key"));
-        assert!(!m.ran.iter().any(|l| l.starts_with("dpkg -i")), "{:#?}", m.ran);
+        assert!(r.state.error.as_deref().unwrap().contains("is not the pinned key"), "{:?}", r.state.error);
+        assert!(!dir.path().join("root").join(plan::NVIDIA_APT_KEYRING.trim_start_matches('/')).exists());
+        assert!(!m.ran.iter().any(|l| l.starts_with("apt-get")), "{:#?}", m.ran);
+    }
+
+    /// A keyring package with NVIDIA's genuine key, a maintainer script and a source of its own
+    /// (`[trusted=yes]`): only the key is taken out of it, checked, and written by the installer;
+    /// the package is never given to dpkg, so its script never runs and its source never lands.
+    #[test]
+    fn a_keyring_package_gives_its_key_and_nothing_else() {
+        let (dir, p, mut m) = fresh_install(None);
+        m.deb_extra = vec![
+            ("./DEBIAN/postinst".into(), b"#!/bin/sh\ntouch /tmp/owned\n".to_vec()),
+            ("./etc/apt/sources.list.d/extra.list".into(), b"deb [trusted=yes] http://evil.example/ ./\n".to_vec()),
+        ];
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::RebootRequired, "{:?}", r.state.error);
+        assert!(!m.ran.iter().any(|l| l.starts_with("dpkg -i") || l.starts_with("dpkg --install")), "{:#?}", m.ran);
+        let root = dir.path().join("root");
+        assert_eq!(std::fs::read(root.join(plan::NVIDIA_APT_KEYRING.trim_start_matches('/'))).unwrap(), m.key);
+        assert!(!root.join("etc/apt/sources.list.d/extra.list").exists());
+        let source = std::fs::read_to_string(root.join("etc/apt/sources.list.d/cuda-ubuntu2204-x86_64.list")).unwrap();
+        assert!(
+            source.contains(&format!(
+                "deb [signed-by={}] https://developer.download.nvidia.com/",
+                plan::NVIDIA_APT_KEYRING
+            )),
+            "{source}"
+        );
+        // A keyring whose key file holds a second key is refused before anything is written.
+        let (dir, p, mut m) = fresh_install(None);
+        let (other, _) = test_key_seeded(9);
+        m.key = [m.key.clone(), other].concat();
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::Failed);
+        assert!(r.state.error.as_deref().unwrap().contains("2 primary keys"), "{:?}", r.state.error);
+        assert!(!dir.path().join("root").join(plan::NVIDIA_APT_KEYRING.trim_start_matches('/')).exists());
+    }
+
+    /// RHEL: EPEL's and NVIDIA's key files each hold exactly their pinned key, or nothing is
+    /// imported; what rpm imports is the agent's own armor of the verified packets.
+    #[test]
+    fn an_el_key_file_with_a_second_block_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (key, fpr) = test_key();
+        let (mut f, s) = fresh_ubuntu_hgx("", &fpr);
+        f.os =
+            Ok(OsRelease { id: "rhel".into(), id_like: vec![], version_id: "9.4".into(), pretty_name: String::new() });
+        f.kernel = Some("5.14.0-427.13.1.el9_4.x86_64".into());
+        let p = plan::plan(&f, &s).unwrap();
+        // EPEL's pinned key cannot be made here, so the plan's EPEL key step fails with its own
+        // fingerprint named; NVIDIA's (the test key) is what the fetches serve.
+        let armored = crate::install::pgp::armor(&key);
+        let evil = crate::install::pgp::armor(&test_key_seeded(5).0);
+        let mut m = FakeMachine {
+            key: key.clone(),
+            served: Some(format!("{armored}{evil}").into_bytes()),
+            ..Default::default()
+        };
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::Failed);
+        assert!(r.state.error.as_deref().unwrap().contains("second armored block"), "{:?}", r.state.error);
+        assert!(!m.ran.iter().any(|l| l.starts_with("rpm --import")), "{:#?}", m.ran);
+        assert!(!dir.path().join("root/etc/pki/rpm-gpg").exists());
+
+        // Rocky (no EPEL key to fetch): the NVIDIA key alone, re-armored by us, is imported.
+        let dir = tempfile::tempdir().unwrap();
+        f.os =
+            Ok(OsRelease { id: "rocky".into(), id_like: vec![], version_id: "9.4".into(), pretty_name: String::new() });
+        let p = plan::plan(&f, &s).unwrap();
+        let served = format!(
+            "-----BEGIN PGP PUBLIC KEY BLOCK-----\nComment: as served\n\n{}",
+            armored.split_once("\n\n").unwrap().1
+        );
+        let mut m = FakeMachine { key, served: Some(served.into_bytes()), ..Default::default() };
+        apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert!(m.ran.iter().any(|l| l == &format!("rpm --import {}", plan::RHEL_KEY_PATH)), "{:#?}", m.ran);
+        let written =
+            std::fs::read_to_string(dir.path().join("root").join(plan::RHEL_KEY_PATH.trim_start_matches('/'))).unwrap();
+        assert_eq!(written, armored, "our armor, not the file as served");
+    }
+
+    /// Root's files never follow a link the service's user (or anyone) planted: the journal's
+    /// directory must be root's and closed to others, and the lock and the log are opened with
+    /// O_NOFOLLOW; each planted link leaves its target untouched.
+    #[test]
+    fn planted_links_in_the_journal_directory_leave_their_targets_untouched() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "precious\n").unwrap();
+        let journal = dir.path().join("journal");
+        std::fs::create_dir(&journal).unwrap();
+        for name in ["lock", "log"] {
+            std::os::unix::fs::symlink(&victim, journal.join(name)).unwrap();
+        }
+        let e = lock(&journal).err().unwrap();
+        assert!(e.contains("is a symbolic link"), "{e}");
+        let e = lock_wait(&journal).err().unwrap();
+        assert!(e.contains("is a symbolic link"), "{e}");
+        let runner = SystemRunner::new(&journal);
+        assert!(runner.log.is_none());
+        // The journal itself: a link at its name is replaced, never written through.
+        std::os::unix::fs::symlink(&victim, state_path(&journal)).unwrap();
+        let (_, p, mut m) = fresh_install(None);
+        with_options(dir.path(), RebootPolicy::Never, Some("b"), 1, Duration::ZERO, |o| apply(&p, &mut m, o).unwrap());
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+        assert!(!std::fs::symlink_metadata(state_path(&journal)).unwrap().file_type().is_symlink());
+
+        // A journal directory that is a link, or that others can write, is refused.
+        let linked = dir.path().join("linked");
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), &linked).unwrap();
+        std::fs::create_dir(dir.path().join("elsewhere")).unwrap();
+        assert!(lock(&linked).err().unwrap().contains("not a directory of uid"));
+        std::fs::set_permissions(&journal, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(lock(&journal).err().unwrap().contains("open to others"));
+        assert_eq!(std::fs::read_dir(dir.path().join("elsewhere")).unwrap().count(), 0);
+        // The journal's default home is root's own, outside the service's state directory.
+        assert!(!JOURNAL_DIR.starts_with(&format!("{}/", crate::config::AgentConfig::default().state_dir.display())));
+    }
+
+    #[test]
+    fn redirects_never_go_down_from_https_and_stop_after_ten() {
+        assert!(redirect_allowed("https://a.example/k", "https://b.example/k", 0).is_ok());
+        assert!(redirect_allowed("http://a.example/k", "http://b.example/k", 0).is_ok());
+        assert!(redirect_allowed("http://a.example/k", "https://b.example/k", 0).is_ok());
+        let e = redirect_allowed("https://a.example/k", "http://b.example/k", 0).unwrap_err();
+        assert!(e.contains("from https down to http"), "{e}");
+        assert!(redirect_allowed("HTTPS://a.example/k", "ftp://b.example/k", 0).is_err());
+        assert!(redirect_allowed("https://a.example/k", "https://a.example/j", 10)
+            .unwrap_err()
+            .contains("more than 10"));
+    }
+
+    /// A real HTTP server on 127.0.0.1: a body past the cap is refused, whether announced by
+    /// Content-Length or only sent; a redirect chain longer than ten is refused.
+    #[test]
+    fn downloads_are_capped_and_redirects_bounded() {
+        use std::io::{BufRead, BufReader};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let mut conn = conn;
+                let mut line = String::new();
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                reader.read_line(&mut line).unwrap();
+                loop {
+                    let mut h = String::new();
+                    if reader.read_line(&mut h).unwrap() == 0 || h == "\r\n" {
+                        break;
+                    }
+                }
+                let path = line.split_whitespace().nth(1).unwrap_or("/").to_string();
+                let _ = match path.as_str() {
+                    "/small" => {
+                        conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello")
+                    }
+                    "/announced" => {
+                        conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 999999999\r\nConnection: close\r\n\r\n")
+                    }
+                    "/endless" => {
+                        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n");
+                        let chunk = vec![b'x'; 64 * 1024];
+                        // Bounded: 8 MiB, past the test's 1 MiB cap, then the server stops.
+                        for _ in 0..128 {
+                            if conn.write_all(&chunk).is_err() {
+                                break;
+                            }
+                        }
+                        Ok(())
+                    }
+                    p if p.starts_with("/loop") => conn.write_all(
+                        format!(
+                            "HTTP/1.1 302 Found\r\nLocation: /loop{}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                            p.len()
+                        )
+                        .as_bytes(),
+                    ),
+                    _ => conn.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"),
+                };
+            }
+        });
+        let url = |p: &str| format!("http://127.0.0.1:{port}{p}");
+        assert_eq!(download(&url("/small"), 1 << 20).unwrap(), b"hello");
+        let e = download(&url("/announced"), 1 << 20).unwrap_err();
+        assert!(e.contains("announces 999999999 bytes"), "{e}");
+        let e = download(&url("/endless"), 1 << 20).unwrap_err();
+        assert!(e.contains("runs past 1048576 bytes"), "{e}");
+        let e = download(&url("/loop"), 1 << 20).unwrap_err();
+        assert!(e.contains("more than 10 redirects"), "{e}");
+        assert_eq!(download(&url("/nothing"), 1 << 20).unwrap_err(), "HTTP 404 Not Found");
     }
 
     #[test]
@@ -1909,11 +2284,11 @@ mod tests {
 
     #[test]
     fn a_held_dpkg_lock_is_waited_for_then_given_up_on() {
-        let (dir, p, mut m) = fresh_install(None);
+        let (dir, p, mut m) = fresh_install_interrupted();
         m.lock_busy = 3;
         let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
         assert_eq!(r.state.status, Status::RebootRequired, "{:?}", r.state.error);
-        assert_eq!(m.ran.iter().filter(|l| l.starts_with("dpkg -i")).count(), 4);
+        assert_eq!(m.ran.iter().filter(|l| l.starts_with("dpkg --configure -a")).count(), 4);
         assert!(r.progress.iter().any(|l| l.contains("holds the dpkg lock; waiting")));
 
         // Held past lock_wait: a clear failure that names the holder.

@@ -23,6 +23,10 @@ pub fn gather(root: &Sysroot, s: &Snapshot) -> Facts {
     }
     let files: BTreeMap<String, String> =
         paths.into_iter().filter_map(|p| root.read_string(p.trim_start_matches('/')).ok().map(|c| (p, c))).collect();
+    let keys: BTreeMap<String, Vec<u8>> = [plan::NVIDIA_APT_KEYRING, plan::RHEL_KEY_PATH]
+        .into_iter()
+        .filter_map(|p| root.read_bytes(p.trim_start_matches('/')).ok().map(|c| (p.to_string(), c)))
+        .collect();
     let enabled_units = root.list_dir(plan::WANTS_DIR.trim_start_matches('/')).unwrap_or_default();
     let mut packages: Result<Vec<Package>, String> = match &s.packages {
         crate::snapshot::Fact::Value(v) => Ok(v.clone()),
@@ -66,6 +70,7 @@ pub fn gather(root: &Sysroot, s: &Snapshot) -> Facts {
         apt_sources,
         enabled_units,
         files,
+        keys,
     }
 }
 
@@ -78,9 +83,10 @@ fn versionlocked(list: &str, name: &str) -> bool {
     })
 }
 
-/// The install journal as the report's `install` member; `None` when no install has run.
-pub fn report_value(state_dir: &std::path::Path) -> Option<serde_json::Value> {
-    match apply::load_state(state_dir) {
+/// The install journal (`apply::JOURNAL_DIR`) as the report's `install` member; `None` when no
+/// install has run.
+pub fn report_value() -> Option<serde_json::Value> {
+    match apply::load_state(std::path::Path::new(apply::JOURNAL_DIR)) {
         Ok(Some(st)) => serde_json::to_value(st).ok(),
         Ok(None) => None,
         Err(e) => Some(serde_json::json!({ "schema": apply::STATE_SCHEMA, "status": "unreadable", "error": e })),

@@ -1,14 +1,28 @@
-//! Fingerprints of the OpenPGP keys in a keyring file, binary or ASCII-armored (RFC 4880).
+//! Fingerprints of the OpenPGP keys in a keyring file, binary or ASCII-armored (RFC 4880), and
+//! the one gate through which a downloaded key becomes trusted.
 //!
-//! The installer trusts NVIDIA's repository only after the key it is about to install carries
-//! the pinned fingerprint, and only that key: a keyring holding any other primary key is
-//! refused, since apt would trust every key in it. Version-4 keys are what NVIDIA publishes;
-//! other versions are reported, never guessed at.
+//! The installer trusts a repository only after the key it is about to install carries the
+//! pinned fingerprint, and only that key: a file holding any other primary key, a second armored
+//! block, or anything after the armor's end is refused, since apt trusts every key in a keyring
+//! and `rpm --import` imports every block in a file. What is then installed is not the
+//! downloaded file but the packets that were read and checked, written out again by the agent
+//! (`Verified::binary` for apt's `signed-by`, `Verified::armored` for rpm). Version-4 keys are
+//! what NVIDIA and EPEL publish; other versions are reported, never guessed at.
 
 use base64::Engine;
 
+const TAG_SIGNATURE: u8 = 2;
 const TAG_PUBLIC_KEY: u8 = 6;
+const TAG_TRUST: u8 = 12;
+const TAG_USER_ID: u8 = 13;
 const TAG_PUBLIC_SUBKEY: u8 = 14;
+const TAG_USER_ATTRIBUTE: u8 = 17;
+
+/// The packets a transferable public key is made of (RFC 4880 §11.1: a primary key, its
+/// revocations, user ids and attributes with their signatures, subkeys with their bindings;
+/// GnuPG may add trust packets to an export). Anything else has no place in a key file.
+const KEY_PACKETS: &[u8] =
+    &[TAG_SIGNATURE, TAG_PUBLIC_KEY, TAG_TRUST, TAG_USER_ID, TAG_PUBLIC_SUBKEY, TAG_USER_ATTRIBUTE];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Key {
@@ -18,9 +32,28 @@ pub struct Key {
     pub primary: bool,
 }
 
+/// A key file that held exactly the pinned key and nothing else: its packets, as read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    pub fingerprint: String,
+    packets: Vec<u8>,
+}
+
+impl Verified {
+    /// The key's packets, for a binary keyring (apt's `signed-by=`).
+    pub fn binary(&self) -> &[u8] {
+        &self.packets
+    }
+
+    /// The key's packets in ASCII armor (RFC 4880 §6.2, with its CRC-24), for `rpm --import`.
+    pub fn armored(&self) -> String {
+        armor(&self.packets)
+    }
+}
+
 /// The primary keys and subkeys of `data`, in file order.
 pub fn keys(data: &[u8]) -> Result<Vec<Key>, String> {
-    let binary = if data.starts_with(b"-----BEGIN PGP") { dearmor(data)? } else { data.to_vec() };
+    let binary = if is_armored(data) { dearmor(data)? } else { data.to_vec() };
     let mut out = Vec::new();
     let mut rest = binary.as_slice();
     while !rest.is_empty() {
@@ -36,20 +69,38 @@ pub fn keys(data: &[u8]) -> Result<Vec<Key>, String> {
     Ok(out)
 }
 
-/// Ok when `data` holds exactly one primary key and it has `pinned` as its whole fingerprint
-/// (spaces and case ignored). Only all 40 digits are accepted: a short key id (8 or 16 digits)
-/// is cheap to collide with a key of one's own making ("Evil 32", evil32.com), so a suffix
-/// match would trust an impostor.
-pub fn verify(data: &[u8], pinned: &str) -> Result<(), String> {
+/// The key in `data` when it is exactly one transferable public key whose primary key has
+/// `pinned` as its whole fingerprint (spaces and case ignored): one armored block and nothing
+/// around it but white space, or binary packets that are all parts of a key. Only all 40 digits
+/// are accepted: a short key id (8 or 16 digits) is cheap to collide with a key of one's own
+/// making ("Evil 32", evil32.com), so a suffix match would trust an impostor.
+pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, String> {
     let pinned: String = pinned.chars().filter(|c| !c.is_whitespace()).collect::<String>().to_ascii_uppercase();
     if pinned.len() != 40 || !pinned.chars().all(|c| c.is_ascii_hexdigit()) {
         return Err(format!("{pinned:?} is not a whole key fingerprint (40 hex digits)"));
     }
-    let primaries: Vec<String> = keys(data)?.into_iter().filter(|k| k.primary).map(|k| k.fingerprint).collect();
+    let packets = if is_armored(data) { dearmor(data)? } else { data.to_vec() };
+    let mut rest = packets.as_slice();
+    let mut primaries = Vec::new();
+    let mut first = true;
+    while !rest.is_empty() {
+        let (tag, body, next) = packet(rest)?;
+        if !KEY_PACKETS.contains(&tag) {
+            return Err(format!("it holds an OpenPGP packet of type {tag}, which is no part of a public key"));
+        }
+        if first && tag != TAG_PUBLIC_KEY {
+            return Err(format!("it starts with an OpenPGP packet of type {tag}, not a public key"));
+        }
+        if tag == TAG_PUBLIC_KEY {
+            primaries.push(v4_fingerprint(body)?);
+        }
+        first = false;
+        rest = next;
+    }
     match primaries.as_slice() {
-        [one] if *one == pinned => Ok(()),
+        [one] if *one == pinned => Ok(Verified { fingerprint: pinned, packets }),
         [one] => Err(format!("its key is {} — expected {}", spaced(one), spaced(&pinned))),
-        [] => Err("it holds subkeys but no primary key".into()),
+        [] => Err("no OpenPGP public key in it".into()),
         many => Err(format!(
             "it holds {} primary keys ({}); expected only {}",
             many.len(),
@@ -64,17 +115,81 @@ pub fn spaced(fpr: &str) -> String {
     fpr.as_bytes().chunks(4).map(|c| String::from_utf8_lossy(c).into_owned()).collect::<Vec<_>>().join(" ")
 }
 
+/// Text that holds an armor line is read as armor (and refused for whatever else it holds);
+/// binary keyrings are not text (a packet's first byte has its top bit set).
+fn is_armored(data: &[u8]) -> bool {
+    std::str::from_utf8(data).is_ok_and(|t| t.contains("-----BEGIN PGP"))
+}
+
+const ARMOR_BEGIN: &str = "-----BEGIN PGP PUBLIC KEY BLOCK-----";
+const ARMOR_END: &str = "-----END PGP PUBLIC KEY BLOCK-----";
+
+/// RFC 4880 §6.1: CRC-24 with generator 0x864CFB, initialised to 0xB704CE.
+fn crc24(data: &[u8]) -> u32 {
+    let mut crc: u32 = 0xB7_04CE;
+    for b in data {
+        crc ^= (*b as u32) << 16;
+        for _ in 0..8 {
+            crc <<= 1;
+            if crc & 0x100_0000 != 0 {
+                crc ^= 0x186_4CFB;
+            }
+        }
+    }
+    crc & 0xFF_FFFF
+}
+
+/// ASCII armor of a public key block (RFC 4880 §6.2): 64-character lines, then the checksum.
+pub fn armor(packets: &[u8]) -> String {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let body = b64.encode(packets);
+    let mut out = format!("{ARMOR_BEGIN}\n\n");
+    for chunk in body.as_bytes().chunks(64) {
+        out.push_str(&String::from_utf8_lossy(chunk));
+        out.push('\n');
+    }
+    let crc = crc24(packets).to_be_bytes();
+    out.push_str(&format!("={}\n{ARMOR_END}\n", b64.encode(&crc[1..])));
+    out
+}
+
+/// The packets of exactly one armored public key block. Refused: anything but white space
+/// before its BEGIN line or after its END line (a second block would be imported too), another
+/// kind of block, and a checksum line that does not match (RFC 4880 §6.1).
 fn dearmor(data: &[u8]) -> Result<Vec<u8>, String> {
     let text = std::str::from_utf8(data).map_err(|_| "armored key is not text".to_string())?;
     let mut lines = text.lines().map(str::trim);
-    lines.find(|l| l.starts_with("-----BEGIN PGP PUBLIC KEY BLOCK"));
+    match lines.find(|l| !l.is_empty()) {
+        Some(l) if l == ARMOR_BEGIN => {}
+        Some(l) => return Err(format!("armored key: it starts with {l:?}, not {ARMOR_BEGIN}")),
+        None => return Err("no OpenPGP public key in it".into()),
+    }
     let mut in_headers = true;
     let mut b64 = String::new();
-    for line in lines {
-        if line.starts_with("-----END PGP") {
-            return base64::engine::general_purpose::STANDARD
+    let mut crc: Option<String> = None;
+    for line in lines.by_ref() {
+        if line.starts_with("-----") {
+            if line != ARMOR_END {
+                return Err(format!("armored key: {line:?} where {ARMOR_END} was expected"));
+            }
+            let packets = base64::engine::general_purpose::STANDARD
                 .decode(b64.as_bytes())
-                .map_err(|e| format!("armored key: bad base64: {e}"));
+                .map_err(|e| format!("armored key: bad base64: {e}"))?;
+            if let Some(c) = crc {
+                let want = base64::engine::general_purpose::STANDARD.encode(&crc24(&packets).to_be_bytes()[1..]);
+                if c != want {
+                    return Err(format!("armored key: its checksum ={c} does not match its contents (={want})"));
+                }
+            }
+            return match lines.find(|l| !l.is_empty()) {
+                None => Ok(packets),
+                Some(l) if l.starts_with("-----BEGIN") => {
+                    Err("it holds a second armored block after the first; a key file must hold one key alone".into())
+                }
+                Some(_) => {
+                    Err("there is more after the armored block's END line; a key file must hold one key alone".into())
+                }
+            };
         }
         if in_headers {
             // Armor headers ("Version: …") end at the first empty line; some files have none.
@@ -85,8 +200,12 @@ fn dearmor(data: &[u8]) -> Result<Vec<u8>, String> {
                 continue;
             }
         }
-        if line.starts_with('=') {
-            continue; // the CRC-24 line
+        if let Some(c) = line.strip_prefix('=') {
+            crc = Some(c.to_string());
+            continue;
+        }
+        if crc.is_some() {
+            return Err("armored key: text after its checksum line".into());
         }
         b64.push_str(line);
     }
@@ -117,7 +236,7 @@ fn packet(data: &[u8]) -> Result<(u8, &[u8], &[u8]), String> {
             0 => (tag, *data.get(1).ok_or("truncated packet length")? as usize, 2),
             1 => (tag, be(data.get(1..3).ok_or("truncated packet length")?), 3),
             2 => (tag, be(data.get(1..5).ok_or("truncated packet length")?), 5),
-            _ => (tag, data.len() - 1, 1),
+            _ => return Err("indeterminate-length packets do not occur in keys".into()),
         }
     };
     let end = header_len.checked_add(len).filter(|e| *e <= data.len()).ok_or("truncated packet")?;
@@ -172,7 +291,7 @@ mod tests {
         let old = [&[0x99u8, 0, body.len() as u8][..], &body].concat(); // old format, tag 6, 2-byte length
         assert_eq!(keys(&new_format(6, &body)).unwrap()[0].fingerprint, want);
         assert_eq!(keys(&old).unwrap()[0].fingerprint, want);
-        assert!(verify(&old, &spaced(&want).to_lowercase()).is_ok());
+        assert!(verified(&old, &spaced(&want).to_lowercase()).is_ok());
     }
 
     #[test]
@@ -181,28 +300,81 @@ mod tests {
         let b = new_format(6, &key_body(2));
         let fa = keys(&a).unwrap()[0].fingerprint.clone();
         let both = [a.clone(), b.clone()].concat();
-        assert!(verify(&both, &fa).unwrap_err().contains("2 primary keys"));
-        assert!(verify(&b, &fa).unwrap_err().contains("expected"));
+        assert!(verified(&both, &fa).unwrap_err().contains("2 primary keys"));
+        assert!(verified(&b, &fa).unwrap_err().contains("expected"));
         // Its short ids are not enough, nor is any suffix.
-        assert!(verify(&a, &fa[32..]).unwrap_err().contains("40 hex digits"));
-        assert!(verify(&a, &fa[24..]).unwrap_err().contains("40 hex digits"));
-        // A subkey beside the pinned primary is fine.
-        let with_sub = [a, new_format(14, &key_body(3))].concat();
-        assert_eq!(keys(&with_sub).unwrap().len(), 2);
-        assert!(verify(&with_sub, &fa).is_ok());
+        assert!(verified(&a, &fa[32..]).unwrap_err().contains("40 hex digits"));
+        assert!(verified(&a, &fa[24..]).unwrap_err().contains("40 hex digits"));
+        // A subkey, a user id and signatures beside the pinned primary are parts of the key.
+        let with_parts = [
+            a.clone(),
+            new_format(13, b"phq <k@phq.invalid>"),
+            new_format(2, &[4, 0x13]),
+            new_format(14, &key_body(3)),
+        ]
+        .concat();
+        assert_eq!(keys(&with_parts).unwrap().len(), 2);
+        assert_eq!(verified(&with_parts, &fa).unwrap().binary(), with_parts.as_slice());
     }
 
     #[test]
-    fn reads_armor() {
-        let bin = new_format(6, &key_body(9));
-        let fpr = keys(&bin).unwrap()[0].fingerprint.clone();
-        let b64 = base64::engine::general_purpose::STANDARD.encode(&bin);
-        let armored = format!(
-            "-----BEGIN PGP PUBLIC KEY BLOCK-----\nComment: test\n\n{}\n{}\n=abcd\n-----END PGP PUBLIC KEY BLOCK-----\n",
+    fn refuses_what_is_no_part_of_a_key() {
+        let a = new_format(6, &key_body(1));
+        let fa = keys(&a).unwrap()[0].fingerprint.clone();
+        // A literal data packet (11) after the key; a signature before it; bytes that are no packet.
+        let e = verified(&[a.clone(), new_format(11, b"b\0\0\0\0\0x")].concat(), &fa).unwrap_err();
+        assert!(e.contains("type 11"), "{e}");
+        let e = verified(&[new_format(2, &[4]), a.clone()].concat(), &fa).unwrap_err();
+        assert!(e.contains("starts with"), "{e}");
+        let e = verified(&[a.clone(), b"\n".to_vec()].concat(), &fa).unwrap_err();
+        assert!(e.contains("not an OpenPGP packet"), "{e}");
+        // An old-format packet of indeterminate length would swallow whatever follows it.
+        let e = keys(&[&[0x9bu8][..], &key_body(1)].concat()).unwrap_err();
+        assert!(e.contains("indeterminate"), "{e}");
+    }
+
+    fn armored(bin: &[u8]) -> String {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(bin);
+        format!(
+            "-----BEGIN PGP PUBLIC KEY BLOCK-----\nComment: test\n\n{}\n{}\n-----END PGP PUBLIC KEY BLOCK-----\n",
             &b64[..40],
             &b64[40..]
-        );
-        assert!(verify(armored.as_bytes(), &fpr).is_ok());
+        )
+    }
+
+    #[test]
+    fn reads_armor_and_writes_it_back_with_its_checksum() {
+        let bin = new_format(6, &key_body(9));
+        let fpr = keys(&bin).unwrap()[0].fingerprint.clone();
+        let v = verified(armored(&bin).as_bytes(), &fpr).unwrap();
+        assert_eq!(v.binary(), bin.as_slice());
+        // Our own armor reads back to the same packets, checksum checked.
+        let ours = v.armored();
+        assert!(ours.starts_with(ARMOR_BEGIN) && ours.trim_end().ends_with(ARMOR_END), "{ours}");
+        assert_eq!(verified(ours.as_bytes(), &fpr).unwrap().binary(), bin.as_slice());
+        // RFC 4880 §6.1's CRC-24 of nothing is its initial value.
+        assert_eq!(crc24(b""), 0xB704CE);
+        // A checksum that does not match is refused.
+        let crc_at = ours.rfind("\n=").unwrap() + 2;
+        let mut bad = ours.clone();
+        bad.replace_range(crc_at..crc_at + 4, if &ours[crc_at..crc_at + 4] == "AAAA" { "BBBB" } else { "AAAA" });
+        assert!(verified(bad.as_bytes(), &fpr).unwrap_err().contains("checksum"), "{bad}");
+    }
+
+    #[test]
+    fn one_armored_block_and_nothing_after_it() {
+        let a = new_format(6, &key_body(1));
+        let fa = keys(&a).unwrap()[0].fingerprint.clone();
+        let evil = armored(&new_format(6, &key_body(2)));
+        // rpm --import would import both blocks; apt would trust both keys.
+        let two = format!("{}{evil}", armored(&a));
+        assert!(verified(two.as_bytes(), &fa).unwrap_err().contains("second armored block"));
+        let trailing = format!("{}garbage\n", armored(&a));
+        assert!(verified(trailing.as_bytes(), &fa).unwrap_err().contains("more after"));
+        let leading = format!("hello\n{}", armored(&a));
+        assert!(verified(leading.as_bytes(), &fa).unwrap_err().contains("starts with"));
+        // White space around the block is fine.
+        assert!(verified(format!("\n{}\n\n", armored(&a)).as_bytes(), &fa).is_ok());
     }
 
     #[test]
@@ -220,6 +392,7 @@ mod tests {
             let mut armored = b"-----BEGIN PGP PUBLIC KEY BLOCK-----\n".to_vec();
             armored.extend_from_slice(&data);
             let _ = keys(&armored);
+            let _ = verified(&data, "EB693B3035CD5710E231E123A4B469963BF863CC");
         }
     }
 }

@@ -14,8 +14,14 @@ use std::collections::BTreeMap;
 pub const NVIDIA_REPO_ROOT: &str = "https://developer.download.nvidia.com/compute/cuda/repos";
 /// The keyring package NVIDIA publishes in each Debian/Ubuntu repository directory.
 pub const CUDA_KEYRING_DEB: &str = "cuda-keyring_1.1-1_all.deb";
-/// Where `cuda-keyring` puts the repository key (it is what apt's `signed-by` names).
+/// Where `cuda-keyring` carries the repository key. The installer takes only this member out of
+/// the package, verified, and never installs the package itself: its maintainer scripts and its
+/// other files would run and land as root on the word of a key check that did not cover them.
 pub const CUDA_KEYRING_MEMBER: &str = "usr/share/keyrings/cuda-archive-keyring.gpg";
+/// Where the installer writes the verified key for apt's `signed-by`: a key the machine's
+/// administrator manages, not a package, belongs in /etc/apt/keyrings (Debian's wiki,
+/// "DebianRepository/UseThirdParty"; apt from 2.4 creates that directory).
+pub const NVIDIA_APT_KEYRING: &str = "/etc/apt/keyrings/phq-nvidia-cuda.gpg";
 /// The RHEL repository key's file name: NVIDIA names it by the key's short id (the key is
 /// still checked against its whole fingerprint).
 pub const RHEL_KEY_FILE: &str = "D42D0685.pub";
@@ -137,6 +143,8 @@ pub struct Facts {
     pub enabled_units: Vec<String>,
     /// The present contents of the files the plan writes (absent: not there).
     pub files: BTreeMap<String, String>,
+    /// The present bytes of the key files the plan writes (absent: not there).
+    pub keys: BTreeMap<String, Vec<u8>>,
 }
 
 /// What the operator asked for: the `[install]` config with the command line on top.
@@ -152,7 +160,9 @@ pub struct Settings {
     pub epel_url: String,
     /// Replace a driver of another branch (or the proprietary flavour) that is installed.
     pub replace_driver: bool,
-    pub state_dir: String,
+    /// Mirrors may be plain `http://` (`install.allow_plain_http`): only signed metadata and
+    /// signed packages are trusted from them, as from any mirror.
+    pub allow_plain_http: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -195,11 +205,15 @@ pub enum Action {
         url: String,
         to: String,
     },
-    /// Trust gate: the key file (or the keyring inside a .deb) must be the pinned key.
-    VerifyKey {
+    /// Trust gate: the key file (or the keyring inside a .deb) must be the pinned key and
+    /// nothing else (`pgp::verified`); then the packets that were checked, not the downloaded
+    /// file, are written to `to` (0644): armored for rpm, binary for apt.
+    InstallKey {
         file: String,
         deb_member: Option<String>,
         fingerprint: String,
+        to: String,
+        armored: bool,
     },
     /// Pre-flight: resolve every package the later steps install, without installing any
     /// (`apt-get -s install`, `dnf install --assumeno`), and stop with the names that cannot be
@@ -339,6 +353,11 @@ impl Facts {
 
     fn unit_enabled(&self, unit: &str) -> bool {
         self.enabled_units.iter().any(|u| u == unit)
+    }
+
+    /// The key file at `path` holds the pinned key and nothing else.
+    fn key_is(&self, path: &str, fingerprint: &str) -> bool {
+        self.keys.get(path).is_some_and(|k| crate::install::pgp::verified(k, fingerprint).is_ok())
     }
 
     fn file_is(&self, path: &str, contents: &str) -> bool {
@@ -548,6 +567,10 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
     if b < facts::MIN_DRIVER_BRANCH {
         return Err(format!("driver branch {b} predates CUDA 12 (needs {} or later)", facts::MIN_DRIVER_BRANCH));
     }
+    // Every mirror URL, whichever source of settings it came from, is checked again here: it
+    // becomes a line of an apt source or a dnf repository file, written as root.
+    crate::config::check_mirror_url("install.repo_url", &s.repo_url, s.allow_plain_http)?;
+    crate::config::check_mirror_url("install.epel_url", &s.epel_url, s.allow_plain_http)?;
     let repo_root = if s.repo_url.is_empty() { NVIDIA_REPO_ROOT } else { s.repo_url.trim_end_matches('/') };
     let repo_base = format!("{repo_root}/{}/x86_64/", distro.repo_dir());
     let sb_on = f.secure_boot == Some(SecureBoot::Enabled);
@@ -1114,30 +1137,30 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
     if distro.is_deb() {
         let fpr = if s.key_fingerprint.is_empty() { facts::NVIDIA_REPO_KEY_FINGERPRINT } else { &s.key_fingerprint };
         let deb = format!("{install_dir}/{CUDA_KEYRING_DEB}");
-        let mut actions = vec![
-            Action::Fetch { url: format!("{base}{CUDA_KEYRING_DEB}"), to: deb.clone() },
-            Action::VerifyKey {
-                file: deb.clone(),
-                deb_member: Some(CUDA_KEYRING_MEMBER.into()),
-                fingerprint: fpr.into(),
-            },
-            Action::Run(Cmd { retry: Retry::DpkgLock, ..cmd("dpkg", &["-i", &deb]) }),
-        ];
         let source = apt_source(base);
-        let mirror = !s.repo_url.is_empty();
-        if mirror {
-            actions.push(Action::Write { path: distro.apt_source_path(), contents: source.clone() });
-        }
         let mut update = apt("update", lits(&["--error-on=any".into()]));
         update.url = Some(base.into());
-        actions.push(Action::Run(update));
-        // The index must be there too: a run killed during `apt-get update` left the keyring
-        // and the source in place but nothing to install from.
+        // NVIDIA publishes its Debian/Ubuntu key inside `cuda-keyring`; the key alone is taken
+        // from it, checked, and written by us, with the source line, as Debian's guidance for
+        // third-party repositories has it. The package is never handed to dpkg.
+        let actions = vec![
+            Action::Fetch { url: format!("{base}{CUDA_KEYRING_DEB}"), to: deb.clone() },
+            Action::InstallKey {
+                file: deb,
+                deb_member: Some(CUDA_KEYRING_MEMBER.into()),
+                fingerprint: fpr.into(),
+                to: NVIDIA_APT_KEYRING.into(),
+                armored: false,
+            },
+            Action::Write { path: distro.apt_source_path(), contents: source.clone() },
+            Action::Run(update),
+        ];
+        // The index must be there too: a run killed during `apt-get update` left the key and
+        // the source in place but nothing to install from.
         let index = apt_list_prefix(base);
         let fetched = f.apt_lists.iter().any(|n| n.starts_with(&index) && n.contains("Packages"));
-        let done =
-            (f.installed("cuda-keyring") && fetched && (!mirror || f.file_is(&distro.apt_source_path(), &source)))
-                .then(|| "cuda-keyring is installed, its source in place and its index fetched".into());
+        let done = (f.key_is(NVIDIA_APT_KEYRING, fpr) && fetched && f.file_is(&distro.apt_source_path(), &source))
+            .then(|| "the pinned key, its source and the fetched index are in place".into());
         Step {
             id: "repo",
             title: format!("NVIDIA repository {base}, key {}", crate::install::pgp::spaced(fpr)),
@@ -1160,12 +1183,13 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
             let epel_rpm = format!("{install_dir}/{EPEL_RELEASE_FILE}");
             epel_crb.extend([
                 Action::Fetch { url: format!("{root}/{EPEL_KEY_FILE}"), to: epel_key.clone() },
-                Action::VerifyKey {
-                    file: epel_key.clone(),
+                Action::InstallKey {
+                    file: epel_key,
                     deb_member: None,
                     fingerprint: facts::EPEL9_KEY_FINGERPRINT.into(),
+                    to: EPEL_KEY_PATH.into(),
+                    armored: true,
                 },
-                Action::Run(cmd("install", &["-m", "0644", &epel_key, EPEL_KEY_PATH])),
                 Action::Run(cmd("rpm", &["--import", EPEL_KEY_PATH])),
                 Action::Fetch { url: format!("{root}/{EPEL_RELEASE_FILE}"), to: epel_rpm.clone() },
                 Action::Run(dnf(&["install", "--setopt=localpkg_gpgcheck=1", &epel_rpm])),
@@ -1193,15 +1217,21 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
                 epel_crb,
                 vec![
                     Action::Fetch { url: format!("{base}{RHEL_KEY_FILE}"), to: key.clone() },
-                    Action::VerifyKey { file: key.clone(), deb_member: None, fingerprint: fpr.into() },
-                    Action::Run(cmd("install", &["-m", "0644", &key, RHEL_KEY_PATH])),
+                    Action::InstallKey {
+                        file: key,
+                        deb_member: None,
+                        fingerprint: fpr.into(),
+                        to: RHEL_KEY_PATH.into(),
+                        armored: true,
+                    },
                     Action::Run(cmd("rpm", &["--import", RHEL_KEY_PATH])),
                     Action::Write { path: RHEL_REPO_PATH.into(), contents: repo.clone() },
                     Action::Run(makecache),
                 ],
             ]
             .concat(),
-            done: f.file_is(RHEL_REPO_PATH, &repo).then(|| format!("{RHEL_REPO_PATH} is in place")),
+            done: (f.file_is(RHEL_REPO_PATH, &repo) && f.key_is(RHEL_KEY_PATH, fpr))
+                .then(|| format!("{RHEL_REPO_PATH} and the pinned key are in place")),
             needs_reboot: false,
         }
     }
@@ -1224,7 +1254,7 @@ pub fn apt_list_prefix(base: &str) -> String {
 }
 
 pub fn apt_source(base: &str) -> String {
-    format!("deb [signed-by=/{CUDA_KEYRING_MEMBER}] {base} /\n")
+    format!("# Written by phq-agent install.\ndeb [signed-by={NVIDIA_APT_KEYRING}] {base} /\n")
 }
 
 fn rhel_repo(base: &str) -> String {
@@ -1290,11 +1320,16 @@ pub fn render_action(a: &Action, is_deb: bool) -> Vec<String> {
             v
         }
         Action::Fetch { url, to } => vec![format!("fetch {url} → {to}")],
-        Action::VerifyKey { file, deb_member: Some(m), fingerprint } => {
-            vec![format!("verify that {m} inside {file} is key {} and no other", crate::install::pgp::spaced(fingerprint))]
-        }
-        Action::VerifyKey { file, deb_member: None, fingerprint } => {
-            vec![format!("verify that {file} is key {} and no other", crate::install::pgp::spaced(fingerprint))]
+        Action::InstallKey { file, deb_member, fingerprint, to, armored } => {
+            let from = match deb_member {
+                Some(m) => format!("{m} inside {file} (only that file; the package is not installed)"),
+                None => file.clone(),
+            };
+            vec![format!(
+                "verify that {from} is key {} and nothing else, then write the verified key{} to {to}",
+                crate::install::pgp::spaced(fingerprint),
+                if *armored { ", armored," } else { "" }
+            )]
         }
         Action::Resolve(pkgs) if is_deb => vec![format!("$ apt-get -s -q install {} (resolve only; stop with what cannot be installed)", pkgs.join(" "))],
         Action::Resolve(pkgs) => vec![format!("$ dnf -q install --assumeno {} (resolve only; stop with what cannot be installed)", pkgs.join(" "))],

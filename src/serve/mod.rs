@@ -380,7 +380,7 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         spooled: inputs.spool.as_ref().map_or(0, |s| s.len() as u64),
         spool_bytes: inputs.spool.as_ref().map_or(0, |s| s.bytes()),
     });
-    report.install = crate::install::report_value(&inputs.config.agent.state_dir);
+    report.install = crate::install::report_value();
     let m = metrics::render(&snapshot, &report, inputs.config.metrics.dcgm_compat);
     let count = |sev| report.findings.iter().filter(|f| f.severity == sev).count();
     let summary = format!(

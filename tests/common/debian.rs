@@ -126,6 +126,11 @@ pub fn unit(desc: &str) -> Vec<u8> {
 /// key's fingerprint.
 /// NVIDIA's flat repository layout `<root>/debian12/x86_64/` holding the stand-ins, signed
 /// with a fresh test key; `kernel` names the headers package. Returns the key's fingerprint.
+/// What the stand-in keyring package's postinst would leave, and the extra source it carries:
+/// the installer must leave neither (it takes the key out of the package and never installs it).
+pub const KEYRING_POSTINST_MARKER: &str = "var/tmp/phq-keyring-postinst-ran";
+pub const KEYRING_EXTRA_SOURCE: &str = "etc/apt/sources.list.d/phq-keyring-extra.list";
+
 pub fn build_repo(root: &Path, kernel: &str) -> String {
     let repo = root.join("debian12/x86_64");
     std::fs::create_dir_all(&repo).unwrap();
@@ -158,6 +163,7 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
     let fm_new = v("580.95.05");
     let headers = format!("linux-headers-{kernel}");
     let module = standin_module(root, STANDIN_DRIVER);
+    let keyring_postinst = format!("touch /{KEYRING_POSTINST_MARKER}");
     let dkms_postinst = format!("touch /tmp/phq-dkms-building; sleep 2; depmod {kernel}; rm -f /tmp/phq-dkms-building");
     let headers_postinst = format!(
         "mkdir -p /lib/modules/{kernel} && ln -sfn /usr/src/linux-headers-{kernel} /lib/modules/{kernel}/build"
@@ -173,8 +179,11 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
                     "etc/apt/sources.list.d/cuda-debian12-x86_64.list".into(),
                     b"deb [signed-by=/usr/share/keyrings/cuda-archive-keyring.gpg] https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/ /\n".to_vec(),
                 ),
+                // What a hostile mirror could add beside the genuine key: a source of its own.
+                (KEYRING_EXTRA_SOURCE.into(), b"deb [trusted=yes] http://127.0.0.1:9/evil ./\n".to_vec()),
             ],
-            postinst: "",
+            // ... and a maintainer script, which would run as root under `dpkg -i`.
+            postinst: &keyring_postinst,
         },
         Deb {
             name: "nvidia-driver-pinning-580",
