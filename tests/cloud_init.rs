@@ -208,7 +208,8 @@ fn journal(status: Status) -> State {
 /// The repository user-data's own script, run with stand-ins for the package manager, rpm,
 /// systemctl and the agent, against keys made for the test: the repository's key is trusted
 /// only when its fingerprint is the pinned one — not another key, not the right key with another
-/// beside it, not a short or malformed pin — and then the source is written with that key alone.
+/// beside it (in one armour or in two), not with bytes after it, not a short or malformed pin —
+/// and then the source is written with that key alone, as the script checked it.
 #[test]
 fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
     use std::os::unix::fs::PermissionsExt;
@@ -241,8 +242,8 @@ fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
             .as_array()
             .unwrap()
             .iter()
-            .find(|f| f["path"] == "/run/phq-agent/key-fingerprints.py")
-            .expect("the fingerprint helper")["content"]
+            .find(|f| f["path"] == "/run/phq-agent/check-key.py")
+            .expect("the key checker")["content"]
             .as_str()
             .unwrap()
             .to_string();
@@ -255,10 +256,29 @@ fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
             args.extend(who);
             gpg(&args)
         };
+        let binary = gpg(&["--export", &ours]);
+        let armoured = |who: &str| gpg(&["--armor", "--export", who]);
+        // A packet from a signed message, no part of any key: literal data, "b", no name, no date.
+        let literal = [0xcb, 0x06, b'b', 0, 0, 0, 0, 0];
         for (case, key, pin, accepted) in [
             ("the pinned key", export(&[&ours]), ours.clone(), true),
+            ("the pinned key, armoured", armoured(&ours), ours.clone(), true),
             ("another key", export(&[&theirs]), ours.clone(), false),
             ("the pinned key with another beside it", export(&[&ours, &theirs]), ours.clone(), false),
+            (
+                "two armoured blocks, the pinned key first",
+                [armoured(&ours), armoured(&theirs)].concat(),
+                ours.clone(),
+                false,
+            ),
+            ("bytes after the armour's end", [armoured(&ours), b"more\n".to_vec()].concat(), ours.clone(), false),
+            (
+                "a truncated packet after the key",
+                [&binary[..], &[0xcd, 0x10, b'a', b'b']].concat(),
+                ours.clone(),
+                false,
+            ),
+            ("a packet that is no part of a key after it", [&binary[..], &literal].concat(), ours.clone(), false),
             ("a short pin", export(&[&ours]), ours[24..].to_string(), false),
             ("a lower-case pin", export(&[&ours]), ours.to_lowercase(), false),
         ] {
@@ -270,7 +290,7 @@ fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
             for d in ["run/phq-agent", "bin", "etc/apt/sources.list.d", "etc/yum.repos.d"] {
                 std::fs::create_dir_all(tmp.path().join(d)).unwrap();
             }
-            std::fs::write(tmp.path().join("run/phq-agent/key-fingerprints.py"), &helper).unwrap();
+            std::fs::write(tmp.path().join("run/phq-agent/check-key.py"), &helper).unwrap();
             let log = tmp.path().join("calls");
             for tool in [*manager, "rpm", "systemctl", "phq-agent"] {
                 let stub = tmp.path().join("bin").join(tool);
@@ -324,6 +344,25 @@ fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
                     );
                 }
                 assert!(calls.contains("phq-agent install --reboot never"), "{calls}");
+                // What is installed is the key the script checked, written by the helper — binary
+                // for apt's signed-by, armoured for rpm — never the downloaded file.
+                let installed = if *manager == "apt-get" {
+                    std::fs::read(format!("{t}/etc/apt/keyrings/phq-agent.gpg")).unwrap()
+                } else {
+                    let armoured = format!("{t}/etc/pki/rpm-gpg/RPM-GPG-KEY-phq-agent");
+                    if common::have("rpmkeys") || common::in_ci() {
+                        let db = tmp.path().join("rpmdb");
+                        std::fs::create_dir(&db).unwrap();
+                        let out =
+                            Command::new("rpmkeys").arg("--dbpath").arg(&db).args(["--import", &armoured]).output();
+                        assert!(
+                            out.as_ref().is_ok_and(|o| o.status.success()),
+                            "{file}, {case}: rpmkeys --import: {out:?}"
+                        );
+                    }
+                    gpg(&["--dearmor", "--output", "-", &armoured])
+                };
+                assert!(installed == binary, "{file}, {case}: the installed key is not exactly the pinned one");
             } else {
                 assert_eq!(out.status.code(), Some(1), "{file}, {case}: accepted ({calls})");
                 assert!(err.contains("nothing installed"), "{file}, {case}: {err}");
