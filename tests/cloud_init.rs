@@ -24,15 +24,26 @@ fn dir() -> PathBuf {
 
 #[test]
 fn every_user_data_passes_cloud_init_schema() {
-    if !common::needs(&[("cloud-init", "cloud-init")]) {
+    if !common::needs(&[("cloud-init", "cloud-init"), ("envsubst", "gettext-base")]) {
         return;
     }
     let version = Command::new("cloud-init").arg("--version").output().unwrap();
     eprintln!("{}", String::from_utf8_lossy(&version.stdout).trim());
+    let tmp = tempfile::tempdir().unwrap();
     for (file, _) in FILES.iter().chain(REPO_FILES) {
-        let out = Command::new("cloud-init").args(["schema", "-c"]).arg(dir().join(file)).output().unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && text.contains("Valid cloud-config"), "{file}: {text}");
+        // The file as shipped, and as render fills it in with each set of good values.
+        let mut paths = vec![dir().join(file)];
+        for (i, vars) in good_values().iter().enumerate() {
+            let (code, filled, err) = render(file, vars);
+            assert_eq!(code, Some(0), "{file}: {err}");
+            paths.push(tmp.path().join(format!("{i}-{file}")));
+            std::fs::write(paths.last().unwrap(), filled).unwrap();
+        }
+        for path in paths {
+            let out = Command::new("cloud-init").args(["schema", "-c"]).arg(&path).output().unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(out.status.success() && text.contains("Valid cloud-config"), "{}: {text}", path.display());
+        }
     }
 }
 
@@ -78,20 +89,7 @@ fn first_runcmd(file: &str) -> Option<Vec<String>> {
 
 /// The user-data as JSON; None (a skip) without python3's yaml module.
 fn user_data(file: &str) -> Option<serde_json::Value> {
-    let python = Path::new("/usr/bin/python3");
-    let has_yaml =
-        python.is_file() && Command::new(python).args(["-c", "import yaml"]).output().is_ok_and(|o| o.status.success());
-    if !has_yaml {
-        common::skip("needs /usr/bin/python3 with its yaml module (apt-get install python3-yaml)");
-        return None;
-    }
-    let out = Command::new(python)
-        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"])
-        .arg(dir().join(file))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{file}: {}", String::from_utf8_lossy(&out.stderr));
-    Some(serde_json::from_slice(&out.stdout).unwrap())
+    yaml(&std::fs::read_to_string(dir().join(file)).unwrap())
 }
 
 /// The user-data's own first-boot script, run with stand-ins for the package manager,
@@ -210,7 +208,8 @@ fn journal(status: Status) -> State {
 /// The repository user-data's own script, run with stand-ins for the package manager, rpm,
 /// systemctl and the agent, against keys made for the test: the repository's key is trusted
 /// only when its fingerprint is the pinned one — not another key, not the right key with another
-/// beside it, not a short or malformed pin — and then the source is written with that key alone.
+/// beside it (in one armour or in two), not with bytes after it, not a short or malformed pin —
+/// and then the source is written with that key alone, as the script checked it.
 #[test]
 fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
     use std::os::unix::fs::PermissionsExt;
@@ -243,8 +242,8 @@ fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
             .as_array()
             .unwrap()
             .iter()
-            .find(|f| f["path"] == "/run/phq-agent/key-fingerprints.py")
-            .expect("the fingerprint helper")["content"]
+            .find(|f| f["path"] == "/run/phq-agent/check-key.py")
+            .expect("the key checker")["content"]
             .as_str()
             .unwrap()
             .to_string();
@@ -257,10 +256,29 @@ fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
             args.extend(who);
             gpg(&args)
         };
+        let binary = gpg(&["--export", &ours]);
+        let armoured = |who: &str| gpg(&["--armor", "--export", who]);
+        // A packet from a signed message, no part of any key: literal data, "b", no name, no date.
+        let literal = [0xcb, 0x06, b'b', 0, 0, 0, 0, 0];
         for (case, key, pin, accepted) in [
             ("the pinned key", export(&[&ours]), ours.clone(), true),
+            ("the pinned key, armoured", armoured(&ours), ours.clone(), true),
             ("another key", export(&[&theirs]), ours.clone(), false),
             ("the pinned key with another beside it", export(&[&ours, &theirs]), ours.clone(), false),
+            (
+                "two armoured blocks, the pinned key first",
+                [armoured(&ours), armoured(&theirs)].concat(),
+                ours.clone(),
+                false,
+            ),
+            ("bytes after the armour's end", [armoured(&ours), b"more\n".to_vec()].concat(), ours.clone(), false),
+            (
+                "a truncated packet after the key",
+                [&binary[..], &[0xcd, 0x10, b'a', b'b']].concat(),
+                ours.clone(),
+                false,
+            ),
+            ("a packet that is no part of a key after it", [&binary[..], &literal].concat(), ours.clone(), false),
             ("a short pin", export(&[&ours]), ours[24..].to_string(), false),
             ("a lower-case pin", export(&[&ours]), ours.to_lowercase(), false),
         ] {
@@ -272,7 +290,7 @@ fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
             for d in ["run/phq-agent", "bin", "etc/apt/sources.list.d", "etc/yum.repos.d"] {
                 std::fs::create_dir_all(tmp.path().join(d)).unwrap();
             }
-            std::fs::write(tmp.path().join("run/phq-agent/key-fingerprints.py"), &helper).unwrap();
+            std::fs::write(tmp.path().join("run/phq-agent/check-key.py"), &helper).unwrap();
             let log = tmp.path().join("calls");
             for tool in [*manager, "rpm", "systemctl", "phq-agent"] {
                 let stub = tmp.path().join("bin").join(tool);
@@ -326,6 +344,25 @@ fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
                     );
                 }
                 assert!(calls.contains("phq-agent install --reboot never"), "{calls}");
+                // What is installed is the key the script checked, written by the helper — binary
+                // for apt's signed-by, armoured for rpm — never the downloaded file.
+                let installed = if *manager == "apt-get" {
+                    std::fs::read(format!("{t}/etc/apt/keyrings/phq-agent.gpg")).unwrap()
+                } else {
+                    let armoured = format!("{t}/etc/pki/rpm-gpg/RPM-GPG-KEY-phq-agent");
+                    if common::have("rpmkeys") || common::in_ci() {
+                        let db = tmp.path().join("rpmdb");
+                        std::fs::create_dir(&db).unwrap();
+                        let out =
+                            Command::new("rpmkeys").arg("--dbpath").arg(&db).args(["--import", &armoured]).output();
+                        assert!(
+                            out.as_ref().is_ok_and(|o| o.status.success()),
+                            "{file}, {case}: rpmkeys --import: {out:?}"
+                        );
+                    }
+                    gpg(&["--dearmor", "--output", "-", &armoured])
+                };
+                assert!(installed == binary, "{file}, {case}: the installed key is not exactly the pinned one");
             } else {
                 assert_eq!(out.status.code(), Some(1), "{file}, {case}: accepted ({calls})");
                 assert!(err.contains("nothing installed"), "{file}, {case}: {err}");
@@ -340,33 +377,232 @@ fn the_repository_key_is_trusted_only_with_its_pinned_fingerprint() {
     }
 }
 
-/// The operator guide fills the files in with `envsubst`, which replaces every `$name` it sees:
-/// the files' scripts use only positional parameters, so envsubst (the real one, with only the
-/// PHQ_ variables set) changes nothing in them.
+/// Values an operator would set, every one well formed: one set with NVIDIA's repository and a
+/// platform, one with a mirror (its key pinned), a package from a disk and no platform.
+fn good_values() -> Vec<Vec<(&'static str, String)>> {
+    let common = |url: &str, token: &str| {
+        vec![
+            ("PHQ_PACKAGE_SHA256", "5e1a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8".to_string()),
+            ("PHQ_HTTP_TOKEN", "3b9f2c0e4a7d1f6b8c5e2a9d0f3b7c1e".to_string()),
+            ("PHQ_PLATFORM_URL", url.to_string()),
+            ("PHQ_PLATFORM_TOKEN", token.to_string()),
+            ("PHQ_CUDA", "12.9".to_string()),
+            ("PHQ_DRIVER_BRANCH", "580".to_string()),
+            ("PHQ_AGENT_REPO_KEY_FINGERPRINT", "0123456789ABCDEF0123456789ABCDEF01234567".to_string()),
+        ]
+    };
+    let mut nvidia = common("https://gpu-platform.example", "platform-token_0123-4567.89~ab+cd/ef=");
+    nvidia.extend([
+        ("PHQ_PACKAGE_URL", "https://artifacts.example/phq-agent_0.1.0-1_amd64.deb".to_string()),
+        ("PHQ_REPO_URL", String::new()),
+        ("PHQ_REPO_KEY_FINGERPRINT", String::new()),
+        ("PHQ_AGENT_REPO_URL", "https://repo.example/phq-agent".to_string()),
+    ]);
+    let mut mirror = common("", "");
+    mirror.extend([
+        ("PHQ_PACKAGE_URL", "file:///mnt/phq/phq-agent-0.1.0-1.x86_64.rpm".to_string()),
+        ("PHQ_REPO_URL", "http://mirror.example:8080/nvidia/compute/cuda/repos?a=b&c=%2F".to_string()),
+        ("PHQ_REPO_KEY_FINGERPRINT", "FEDCBA9876543210FEDCBA9876543210FEDCBA98".to_string()),
+        ("PHQ_AGENT_REPO_URL", "file:///mnt/phq-repo".to_string()),
+    ]);
+    vec![nvidia, mirror]
+}
+
+/// `cloud-init/render FILE` with only `vars` (and PATH) in its environment: (exit code, stdout, stderr).
+fn render(file: &str, vars: &[(&str, String)]) -> (Option<i32>, String, String) {
+    let out = Command::new(dir().join("render"))
+        .arg(dir().join(file))
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .unwrap_or_else(|e| panic!("run cloud-init/render: {e}"));
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The `PHQ_` variables a file uses, in order of use.
+fn variables(text: &str) -> Vec<String> {
+    text.split("${PHQ_").skip(1).map(|s| format!("PHQ_{}", s.split('}').next().unwrap())).collect()
+}
+
+/// The operator guide fills the files in with `cloud-init/render`, which checks every value and
+/// then runs envsubst (the real one) on the `PHQ_` variables alone: the result is the file with
+/// exactly those filled in, nothing else touched, and what cloud-init and the agent read from it
+/// is each value as it was given — the script's arguments, the config drop-in (read by the
+/// agent's own config loader), the tokens.
 #[test]
-fn envsubst_fills_in_the_variables_and_leaves_the_scripts_alone() {
+fn render_fills_in_the_variables_and_leaves_everything_else_alone() {
     if !common::needs(&[("envsubst", "gettext-base")]) {
         return;
     }
     for (file, _) in FILES.iter().chain(REPO_FILES) {
         let text = std::fs::read_to_string(dir().join(file)).unwrap();
-        let mut c = Command::new("envsubst");
-        c.env_clear()
-            .env("PATH", "/usr/bin:/bin")
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped());
-        let vars: Vec<String> =
-            text.split("${PHQ_").skip(1).map(|s| format!("PHQ_{}", s.split('}').next().unwrap())).collect();
-        for v in &vars {
-            c.env(v, format!("<{v}>"));
+        for vars in good_values() {
+            let (code, filled, err) = render(file, &vars);
+            assert_eq!(code, Some(0), "{file}: {err}");
+            assert!(err.is_empty(), "{file}: {err}");
+            let value = |name: &str| vars.iter().find(|(k, _)| *k == name).unwrap().1.clone();
+            let expected =
+                variables(&text).iter().fold(text.clone(), |t, v| t.replace(&format!("${{{v}}}"), &value(v)));
+            assert_eq!(filled, expected, "{file}: render changed more than the PHQ_ variables");
+            assert!(!filled.contains("${PHQ_"), "{file}");
+
+            let (Some(doc), Some(raw)) = (yaml(&filled), yaml(&text)) else { return };
+            let cmd: Vec<String> = serde_json::from_value(doc["runcmd"][0].clone()).unwrap();
+            let raw: Vec<String> = serde_json::from_value(raw["runcmd"][0].clone()).unwrap();
+            let args: Vec<String> = raw[4..].iter().map(|a| value(&variables(a)[0])).collect();
+            assert_eq!(cmd[..4], raw[..4], "{file}: the script itself");
+            assert_eq!(cmd[4..], args[..], "{file}: the script's arguments, each the value given");
+            let written = |path: &str| {
+                doc["write_files"].as_array().unwrap().iter().find(|f| f["path"] == path).unwrap()["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            };
+            assert_eq!(written("/etc/phq-agent/token"), value("PHQ_HTTP_TOKEN"), "{file}");
+            assert_eq!(written("/etc/phq-agent/platform-token"), value("PHQ_PLATFORM_TOKEN"), "{file}");
+            let dropin = written("/etc/phq-agent/config.d/50-cloud-init.toml");
+            let config = phq_agent::config::from_files(&[("50-cloud-init.toml".into(), dropin.clone())])
+                .unwrap_or_else(|e| panic!("{file}: the agent refuses the rendered drop-in ({e}):\n{dropin}"));
+            assert_eq!(config.platform.url, value("PHQ_PLATFORM_URL"), "{file}");
+            assert_eq!(config.install.cuda, value("PHQ_CUDA"), "{file}");
+            assert_eq!(config.install.driver_branch, value("PHQ_DRIVER_BRANCH"), "{file}");
+            assert_eq!(config.install.repo_url, value("PHQ_REPO_URL"), "{file}");
+            assert_eq!(config.install.repo_key_fingerprint, value("PHQ_REPO_KEY_FINGERPRINT"), "{file}");
         }
-        let mut child = c.spawn().unwrap();
-        std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
-        drop(child.stdin.take());
-        let out = child.wait_with_output().unwrap();
-        let filled = String::from_utf8(out.stdout).unwrap();
-        let expected = vars.iter().fold(text.clone(), |t, v| t.replace(&format!("${{{v}}}"), &format!("<{v}>")));
-        assert_eq!(filled, expected, "{file}: envsubst changed more than the PHQ_ variables");
-        assert!(!filled.contains("${PHQ_"));
     }
+}
+
+/// Hostile or mistaken values never reach the user-data: render checks every `PHQ_` variable the
+/// file uses before it substitutes anything, and on a bad one exits non-zero with nothing on
+/// stdout and a message that names the variable and the expected form — and never shows a
+/// token. (Plain envsubst, which the guide used before, lets the first case below add an
+/// argument to the script and put the attacker's checksum in the place of the real one.)
+#[test]
+fn render_refuses_a_value_that_could_break_out_and_prints_nothing() {
+    if !common::needs(&[("envsubst", "gettext-base")]) {
+        return;
+    }
+    let attacker = "d".repeat(64);
+    let sha = "5e1a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f8";
+    let hostile_url = format!("https://artifacts.example/phq-agent.deb\"\n    - \"{attacker}");
+    // (file, variable, value — None: unset)
+    let cases: Vec<(&str, &str, Option<String>)> = vec![
+        ("ubuntu-22.04.yaml", "PHQ_PACKAGE_URL", Some(hostile_url.clone())),
+        ("ubuntu-22.04.yaml", "PHQ_PACKAGE_URL", Some("https://artifacts.example/a b.deb".into())),
+        ("rhel-9.yaml", "PHQ_PACKAGE_URL", Some("ftp://artifacts.example/phq-agent.rpm".into())),
+        ("rhel-9.yaml", "PHQ_PACKAGE_URL", Some("https://artifacts.example/$(reboot).rpm".into())),
+        ("debian-12.yaml", "PHQ_PACKAGE_URL", Some(String::new())),
+        (
+            "ubuntu-24.04.yaml",
+            "PHQ_REPO_URL",
+            Some("https://mirror.example/repos\"\nrepo_key_fingerprint = \"\"\n# \"".into()),
+        ),
+        ("ubuntu-24.04.yaml", "PHQ_REPO_URL", Some("https://mirror.example/repos\\nx".into())),
+        ("ubuntu-24.04.yaml", "PHQ_REPO_URL", Some("https://mirror.example/repos\n".into())),
+        ("debian-12.yaml", "PHQ_REPO_URL", Some("[trusted=yes] http://evil.example/ ./".into())),
+        ("debian-12.yaml", "PHQ_REPO_URL", Some("https://evil.example/[trusted=yes]".into())),
+        ("apt-repository.yaml", "PHQ_AGENT_REPO_URL", Some("https://repo.example/#x".into())),
+        ("apt-repository.yaml", "PHQ_AGENT_REPO_URL", Some("https://repo.example/ [trusted=yes]".into())),
+        ("dnf-repository.yaml", "PHQ_AGENT_REPO_URL", Some("https://repo.example/\ngpgcheck=0".into())),
+        ("dnf-repository.yaml", "PHQ_AGENT_REPO_URL", Some(String::new())),
+        ("rhel-9.yaml", "PHQ_PLATFORM_URL", Some("file:///etc/shadow".into())),
+        ("rhel-9.yaml", "PHQ_PLATFORM_URL", Some("https://gpu-platform.example'".into())),
+        ("ubuntu-22.04.yaml", "PHQ_HTTP_TOKEN", Some("secret-0123456789\"\nx".into())),
+        ("ubuntu-22.04.yaml", "PHQ_HTTP_TOKEN", Some("secret-01234".into())),
+        ("ubuntu-22.04.yaml", "PHQ_HTTP_TOKEN", Some("secret-0123456789 abcdef".into())),
+        ("apt-repository.yaml", "PHQ_PLATFORM_TOKEN", Some("secret-0123456789\\".into())),
+        ("apt-repository.yaml", "PHQ_PLATFORM_TOKEN", Some("secret-0123456789`id`".into())),
+        ("ubuntu-22.04.yaml", "PHQ_PACKAGE_SHA256", Some(sha.to_uppercase())),
+        ("ubuntu-22.04.yaml", "PHQ_PACKAGE_SHA256", Some(sha[1..].to_string())),
+        ("ubuntu-22.04.yaml", "PHQ_PACKAGE_SHA256", Some(format!("{sha}\n"))),
+        ("rhel-9.yaml", "PHQ_PACKAGE_SHA256", None),
+        (
+            "apt-repository.yaml",
+            "PHQ_AGENT_REPO_KEY_FINGERPRINT",
+            Some("0123456789abcdef0123456789abcdef01234567".into()),
+        ),
+        (
+            "apt-repository.yaml",
+            "PHQ_AGENT_REPO_KEY_FINGERPRINT",
+            Some("0123 4567 89AB CDEF 0123  4567 89AB CDEF 0123 4567".into()),
+        ),
+        ("dnf-repository.yaml", "PHQ_AGENT_REPO_KEY_FINGERPRINT", Some(String::new())),
+        ("debian-12.yaml", "PHQ_REPO_KEY_FINGERPRINT", Some("89ABCDEF01234567".into())),
+        ("debian-12.yaml", "PHQ_REPO_URL", None),
+        ("debian-12.yaml", "PHQ_REPO_KEY_FINGERPRINT", None),
+        ("rhel-9.yaml", "PHQ_PLATFORM_TOKEN", None),
+        ("rhel-9.yaml", "PHQ_PLATFORM_TOKEN", Some(String::new())),
+        ("ubuntu-24.04.yaml", "PHQ_CUDA", Some("12.9\"".into())),
+        ("ubuntu-24.04.yaml", "PHQ_CUDA", Some("11.8".into())),
+        ("ubuntu-24.04.yaml", "PHQ_DRIVER_BRANCH", Some("580\n".into())),
+        ("ubuntu-24.04.yaml", "PHQ_DRIVER_BRANCH", Some("latest".into())),
+    ];
+    let secret = |var: &str| var.ends_with("_TOKEN");
+    for (file, var, value) in &cases {
+        let mut vars = good_values().remove(0);
+        vars.retain(|(k, _)| k != var);
+        if let Some(v) = value {
+            vars.push((var, v.clone()));
+        }
+        let (code, out, err) = render(file, &vars);
+        let case = format!("{file}, {var}={value:?}");
+        assert!(code.is_some_and(|c| c != 0), "{case}: exit {code:?}, rendered:\n{out}");
+        assert!(out.is_empty(), "{case}: wrote to stdout:\n{out}");
+        assert!(err.contains(var) && err.contains("expected"), "{case}: {err}");
+        if let (true, Some(v)) = (secret(var), value.as_deref().filter(|v| !v.is_empty())) {
+            assert!(!err.contains(&v[..12.min(v.len())]), "{case}: the error shows the token: {err}");
+        }
+        eprintln!("{case}: {}", err.trim());
+    }
+    // Also when the bad value is only one of several: nothing comes out, and every bad one is named.
+    let mut vars = good_values().remove(0);
+    vars.retain(|(k, _)| !["PHQ_PACKAGE_URL", "PHQ_CUDA"].contains(k));
+    vars.extend([("PHQ_PACKAGE_URL", hostile_url.clone()), ("PHQ_CUDA", "13".to_string())]);
+    let (code, out, err) = render("ubuntu-22.04.yaml", &vars);
+    assert!(code.is_some_and(|c| c != 0) && out.is_empty(), "{err}");
+    assert!(err.contains("PHQ_PACKAGE_URL") && err.contains("PHQ_CUDA"), "{err}");
+
+    // Why: the same value through plain envsubst adds an argument, and the script's $2 — the
+    // checksum it compares — becomes the attacker's.
+    let text = std::fs::read_to_string(dir().join("ubuntu-22.04.yaml")).unwrap();
+    let mut c = Command::new("envsubst");
+    c.env_clear().env("PATH", "/usr/bin:/bin").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+    vars.retain(|(k, _)| k != &"PHQ_CUDA");
+    vars.push(("PHQ_CUDA", "12.9".into()));
+    c.envs(vars.iter().map(|(k, v)| (*k, v.as_str())));
+    let mut child = c.spawn().unwrap();
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
+    drop(child.stdin.take());
+    let filled = String::from_utf8(child.wait_with_output().unwrap().stdout).unwrap();
+    let Some(doc) = yaml(&filled) else { return };
+    let cmd: Vec<String> = serde_json::from_value(doc["runcmd"][0].clone()).unwrap();
+    assert_eq!(cmd[5], attacker, "plain envsubst: {cmd:?}");
+}
+
+/// A YAML text as JSON; None (a skip) without python3's yaml module.
+fn yaml(text: &str) -> Option<serde_json::Value> {
+    let python = Path::new("/usr/bin/python3");
+    let has_yaml =
+        python.is_file() && Command::new(python).args(["-c", "import yaml"]).output().is_ok_and(|o| o.status.success());
+    if !has_yaml {
+        common::skip("needs /usr/bin/python3 with its yaml module (apt-get install python3-yaml)");
+        return None;
+    }
+    let mut child = Command::new(python)
+        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
+    drop(child.stdin.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    Some(serde_json::from_slice(&out.stdout).unwrap())
 }

@@ -188,14 +188,26 @@ fn signed_repositories_install_with_the_pinned_key_and_refuse_tampering() {
         .find_map(|l| l.strip_prefix("fpr:").map(|r| r.trim_matches(':').to_string()))
         .unwrap();
     let repos = w.join("repos");
+    // Published now, as a republication would be: the packages' own time (their commit's) may
+    // be older than the Release's window (tests/publish_repos.rs checks that window).
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
     let out = Command::new(common::repo().join("scripts/publish-repos"))
         .arg(target_dir().join("packages"))
         .arg(&repos)
         .env("GNUPGHOME", &gnupg)
         .env("PHQ_SIGNING_KEY", &fpr)
+        .env("SOURCE_DATE_EPOCH", now.to_string())
+        .env_remove("PHQ_REPO_VALID_DAYS")
         .output()
         .unwrap();
     assert!(out.status.success(), "publish-repos: {}", String::from_utf8_lossy(&out.stderr));
+    // The Release expires 30 days after its date, so an old one cannot be replayed for ever.
+    let release = std::fs::read_to_string(repos.join("apt/dists/stable/Release")).unwrap();
+    let date = |name: &str| {
+        let value = release.lines().find_map(|l| l.strip_prefix(&format!("{name}: "))).expect(name);
+        sh("date", &["-u", "-d", value, "+%s"]).trim().parse::<u64>().unwrap()
+    };
+    assert_eq!((date("Date"), date("Valid-Until")), (now, now + 30 * 86_400), "{release}");
 
     let base = debootstrap_cached("bookworm-minbase", "systemd,initramfs-tools");
     let root = w.join("root");
