@@ -401,7 +401,7 @@ fn good_values() -> Vec<Vec<(&'static str, String)>> {
     let mut mirror = common("", "");
     mirror.extend([
         ("PHQ_PACKAGE_URL", "file:///mnt/phq/phq-agent-0.1.0-1.x86_64.rpm".to_string()),
-        ("PHQ_REPO_URL", "http://mirror.example:8080/nvidia/compute/cuda/repos?a=b&c=%2F".to_string()),
+        ("PHQ_REPO_URL", "https://mirror.example:8443/nvidia/compute/cuda/repos;v=1/%2F".to_string()),
         ("PHQ_REPO_KEY_FINGERPRINT", "FEDCBA9876543210FEDCBA9876543210FEDCBA98".to_string()),
         ("PHQ_AGENT_REPO_URL", "file:///mnt/phq-repo".to_string()),
     ]);
@@ -506,6 +506,7 @@ fn render_refuses_a_value_that_could_break_out_and_prints_nothing() {
         ("ubuntu-24.04.yaml", "PHQ_REPO_URL", Some("https://mirror.example/repos\n".into())),
         ("debian-12.yaml", "PHQ_REPO_URL", Some("[trusted=yes] http://evil.example/ ./".into())),
         ("debian-12.yaml", "PHQ_REPO_URL", Some("https://evil.example/[trusted=yes]".into())),
+        ("debian-12.yaml", "PHQ_REPO_URL", Some("https://mirror.example/repos?x=1".into())),
         ("apt-repository.yaml", "PHQ_AGENT_REPO_URL", Some("https://repo.example/#x".into())),
         ("apt-repository.yaml", "PHQ_AGENT_REPO_URL", Some("https://repo.example/ [trusted=yes]".into())),
         ("dnf-repository.yaml", "PHQ_AGENT_REPO_URL", Some("https://repo.example/\ngpgcheck=0".into())),

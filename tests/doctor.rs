@@ -368,6 +368,30 @@ fn usage_errors_exit_64() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("only --dry-run can plan for it"));
 }
 
+/// A mirror URL with a line or an option of its own is refused from the command line as from
+/// the config (a unit test there): before anything is planned, naming the flag, exit 64.
+#[test]
+fn install_refuses_a_repo_url_that_would_add_a_line_or_an_option() {
+    let root = fixture("sysroots/hgx-8gpu-nouveau");
+    let cfg = config("empty");
+    let base = ["install", "--dry-run", "--sysroot", root.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
+    for (url, why) in [
+        ("https://mirror.example/cuda/repos\ndeb [trusted=yes] http://evil.example/ ./", "'\\n'"),
+        ("https://mirror.example/cuda/repos [trusted=yes]", "' '"),
+        ("https://mirror.example/[evil]", "'['"),
+        ("http://mirror.example/cuda/repos", "plain http"),
+    ] {
+        let out = phq(&[&base[..], &["--repo-url", url]].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{url:?}: {stderr}");
+        assert!(stderr.contains("--repo-url") && stderr.contains(why), "{url:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "nothing planned for {url:?}");
+    }
+    let out = phq(&[&base[..], &["--repo-url", "https://mirror.example/cuda/repos"]].concat());
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("https://mirror.example/cuda/repos/ubuntu2204/x86_64/"));
+}
+
 #[test]
 fn install_dry_run_prints_the_plan_for_fixture_guests() {
     let cfg = config("empty");

@@ -232,6 +232,55 @@ fn journal(root: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(root.join("var/lib/phq-agent-install/state.json")).unwrap()).unwrap()
 }
 
+/// The installer runs as root; the service's user owns `/var/lib/phq-agent`. Links planted at
+/// every path root once wrote there (the install journal, its lock and log) and in root's own
+/// journal directory leave their target untouched, and a journal the service's user writes
+/// there never starts an install: the real binary, as root, in a real root.
+#[test]
+fn install_as_root_follows_no_link_planted_where_another_user_writes() {
+    if !runnable("the planted-link install test", &["debootstrap", "chroot"]) {
+        return;
+    }
+    let work = tempfile::Builder::new().prefix("phq-links-").tempdir_in(target_dir()).unwrap();
+    let root = work.path().join("root");
+    sh("cp", &["-a", base_root().to_str().unwrap(), root.to_str().unwrap()]);
+    sh("cp", &[env!("CARGO_BIN_EXE_phq-agent"), root.join("usr/bin/phq-agent").to_str().unwrap()]);
+    std::fs::write(root.join("etc/victim"), "precious\n").unwrap();
+    let victim = || std::fs::read_to_string(root.join("etc/victim")).unwrap();
+    let service = root.join("var/lib/phq-agent");
+    std::fs::create_dir_all(service.join("install")).unwrap();
+    for planted in ["install/lock", "install/log", "probe.lock"] {
+        std::os::unix::fs::symlink("/etc/victim", service.join(planted)).unwrap();
+    }
+    // Where the old unit looked, a journal that asks for a resume, as the service's user could
+    // write it: not root's, so nothing is resumed.
+    std::fs::write(service.join("install/state.json"), "{\"schema\": \"phq.install/v1\", \"status\": \"rebooting\"}\n")
+        .unwrap();
+    let resume = install(&root, &["--resume"]);
+    assert_eq!(resume.code, Some(0), "{}", resume.stderr);
+    assert!(resume.stderr.contains("no install has run here; nothing to resume"), "{}", resume.stderr);
+    assert_eq!(victim(), "precious\n");
+
+    // Root's own directory, with links planted in it (as if it had been left open): refused,
+    // named, and the target untouched.
+    let journal = root.join("var/lib/phq-agent-install");
+    for name in ["lock", "log"] {
+        let _ = std::fs::remove_file(journal.join(name));
+        std::os::unix::fs::symlink("/etc/victim", journal.join(name)).unwrap();
+    }
+    let refused = install(&root, &["--resume"]);
+    assert_eq!(refused.code, Some(3), "{}", refused.stderr);
+    assert!(refused.stderr.contains("lock: is a symbolic link"), "{}", refused.stderr);
+    assert_eq!(victim(), "precious\n");
+    // A directory others can write is refused whole.
+    std::fs::remove_file(journal.join("lock")).unwrap();
+    sh("chmod", &["0777", journal.to_str().unwrap()]);
+    let open = install(&root, &["--resume"]);
+    assert_eq!(open.code, Some(3), "{}", open.stderr);
+    assert!(open.stderr.contains("open to others"), "{}", open.stderr);
+    assert_eq!(victim(), "precious\n");
+}
+
 #[test]
 fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     if !runnable("the chroot install test", &["debootstrap", "dpkg-deb", "apt-ftparchive", "gpg", "chroot", "objcopy"])

@@ -92,13 +92,13 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     let host = "http://10.0.2.100:8080".to_string();
 
     // The repository's own user-data, its variables filled in as the operator guide says.
-    let template =
-        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cloud-init/debian-12.yaml")).unwrap();
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let template = std::fs::read_to_string(repo.join("cloud-init/debian-12.yaml")).unwrap();
     // The package's SHA-256, as the operator takes it from SHA256SUMS: the guest refuses any other.
     let sum = Command::new("sha256sum").arg(&deb).output().unwrap();
     let sha256 = String::from_utf8_lossy(&sum.stdout).split(' ').next().unwrap_or_default().to_string();
     assert_eq!(sha256.len(), 64, "sha256sum {}", deb.display());
-    let user_data = [
+    let vars = [
         ("PHQ_PACKAGE_URL", format!("{host}/phq-agent.deb")),
         ("PHQ_PACKAGE_SHA256", sha256),
         ("PHQ_HTTP_TOKEN", HTTP_TOKEN.to_string()),
@@ -108,9 +108,18 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         ("PHQ_DRIVER_BRANCH", "580".to_string()),
         ("PHQ_REPO_URL", format!("{host}/repo")),
         ("PHQ_REPO_KEY_FINGERPRINT", fpr.clone()),
-    ]
-    .iter()
-    .fold(template, |t, (k, v)| t.replace(&format!("${{{k}}}"), v));
+    ];
+    // Through cloud-init/render, as the operator guide says: every value checked first.
+    let rendered = Command::new(repo.join("cloud-init/render"))
+        .arg(repo.join("cloud-init/debian-12.yaml"))
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .envs(vars.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .unwrap();
+    assert!(rendered.status.success(), "render: {}", String::from_utf8_lossy(&rendered.stderr));
+    let user_data = String::from_utf8(rendered.stdout).unwrap();
+    assert_eq!(user_data, vars.iter().fold(template, |t, (k, v)| t.replace(&format!("${{{k}}}"), v)));
     assert!(!user_data.contains("${PHQ_"), "{user_data}");
     std::fs::write(w.join("user-data"), &user_data).unwrap();
     std::fs::write(w.join("meta-data"), "instance-id: phq-vm-e2e\nlocal-hostname: gpu-vm\n").unwrap();

@@ -2145,6 +2145,23 @@ mod tests {
         f.os =
             Ok(OsRelease { id: "rocky".into(), id_like: vec![], version_id: "9.4".into(), pretty_name: String::new() });
         let p = plan::plan(&f, &s).unwrap();
+        let mut m = FakeMachine {
+            key: key.clone(),
+            served: Some(format!("{armored}{evil}").into_bytes()),
+            ..Default::default()
+        };
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert!(
+            r.state
+                .error
+                .as_deref()
+                .unwrap()
+                .contains("D42D0685.pub is not the pinned key: it holds a second armored block"),
+            "{:?}",
+            r.state.error
+        );
+        assert!(!m.ran.iter().any(|l| l.starts_with("rpm --import")), "{:#?}", m.ran);
+        let dir = tempfile::tempdir().unwrap();
         let served = format!(
             "-----BEGIN PGP PUBLIC KEY BLOCK-----\nComment: as served\n\n{}",
             armored.split_once("\n\n").unwrap().1
