@@ -289,14 +289,21 @@ def cuda_h100_pcie_stuck_bit():
 
 
 def cuda_h100_pcie_coupled_bit():
-    """The H100 PCIe with bit 6 of the word 16 GiB + 64 bytes into its memory shorted to bit 6 of
-    the word 16 GiB in: it reads what its neighbour holds (16 GiB: past the buffers the copy
-    probes allocate first, inside what the memory test covers). Solid patterns give both words the
-    same value and cannot see it; the address patterns give them different bit 6 (the two
-    addresses differ by 0x40) and see it; moving inversions see it only walking up (the
-    neighbour below is rewritten before the victim is checked)."""
+    """The H100 PCIe with two shorted cells (16 GiB in: past the buffers the copy probes allocate
+    first, inside what the memory test covers). Near: bit 6 of the word 16 GiB + 64 bytes in reads
+    bit 6 of its neighbour 64 bytes below. Far: bit 26 of the word 16 GiB + 64 MiB + 128 bytes in
+    (bit 2 of its byte 3) reads the same bit of the word 64 MiB below it. Solid patterns give
+    both cells of a pair the same value and cannot see either; the address patterns give them
+    different bits (the addresses differ by 0x40 and by 2^26) and see both. Moving inversions see
+    only the far one, and only walking up: the check kernel's threads take one word each per
+    round of their grid-stride loop, so a neighbour 64 bytes away is loaded in the same round as
+    the victim, before either is rewritten; a cell 64 MiB below was rewritten rounds before."""
     s = cuda_h100_pcie()
-    s["devices"][0]["coupled_bits"] = [{"offset": (16 << 30) + 64, "bit": 6, "aggressor": 16 << 30}]
+    far = (16 << 30) + (64 << 20) + 128
+    s["devices"][0]["coupled_bits"] = [
+        {"offset": (16 << 30) + 64, "bit": 6, "aggressor": 16 << 30},
+        {"offset": far + 3, "bit": 2, "aggressor": far - (64 << 20) + 3},
+    ]
     return s
 
 

@@ -220,14 +220,18 @@ pub(crate) fn memtest(
 }
 
 /// A check kernel's result buffer (`phq_mem_check`, `phq_gemm_check`): the count, then up to 8
-/// (address or element, read, expected) records.
+/// (address or element, read, expected) records, sorted by address. The kernel keeps the
+/// mismatches that took the first eight tickets of its atomic counter, which is the GPU's
+/// scheduling order, not the lowest addresses: so what is reported is "the lowest of the N
+/// kept", never "the first".
 pub(crate) fn read_result(b: &[u8]) -> (u64, Vec<super::Mismatch>) {
     let word = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
     let count = word(0);
-    let first = (0..count.min(8) as usize)
+    let mut kept: Vec<super::Mismatch> = (0..count.min(8) as usize)
         .map(|s| super::Mismatch { address: word(1 + 3 * s), read: word(2 + 3 * s), expected: word(3 + 3 * s) })
         .collect();
-    (count, first)
+    kept.sort_by_key(|m| m.address);
+    (count, kept)
 }
 
 fn read_pass(name: &str, b: &[u8]) -> MemtestPass {

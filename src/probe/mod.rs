@@ -1125,7 +1125,8 @@ fn memory_finding(o: &Outcome<MemtestResult>) -> Finding {
                     let bits: Vec<String> =
                         (0..64).filter(|b| (x.read ^ x.expected) >> b & 1 == 1).map(|b: u32| b.to_string()).collect();
                     format!(
-                        " (first in {}: device address {:#x} read {:#018x}, expected {:#018x}; bit(s) {} differ)",
+                        " (lowest of the {} kept in {}: device address {:#x} read {:#018x}, expected {:#018x}; bit(s) {} differ)",
+                        p.first.len(),
                         p.name,
                         x.address,
                         x.read,

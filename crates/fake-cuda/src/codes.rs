@@ -43,6 +43,7 @@ pub const TABLE: &[(CUresult, &str, &str)] = &[
     (500, "CUDA_ERROR_NOT_FOUND", "named symbol not found"),
     (600, "CUDA_ERROR_NOT_READY", "device not ready"),
     (700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"),
+    (702, "CUDA_ERROR_LAUNCH_TIMEOUT", "the launch timed out and was terminated"),
     (704, "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED", "peer access is already enabled"),
     (705, "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED", "peer access has not been enabled"),
     (716, "CUDA_ERROR_MISALIGNED_ADDRESS", "misaligned address"),
@@ -62,5 +63,5 @@ pub fn by_name(name: &str) -> Option<CUresult> {
 /// error met by running work poisons its context the same way (DCGM's diagnostics treat a
 /// context that saw 214 as unusable until the GPU is reset).
 pub fn is_sticky(code: CUresult) -> bool {
-    matches!(code, 214 | 220 | 700 | 714 | 715 | 716 | 717 | 718 | 719)
+    matches!(code, 214 | 220 | 700 | 702 | 714 | 715 | 716 | 717 | 718 | 719)
 }

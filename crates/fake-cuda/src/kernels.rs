@@ -29,47 +29,319 @@ pub(crate) const NAMES: &[&str] = &[
     "phq_gemm_check",
 ];
 
-/// Runs kernel `name` launched from context `ctx` on `stream`.
+/// How a launch runs: through the PTX interpreter (`interp`), which executes the text the
+/// module carries, or through the kernel's Rust model (the functions below), which is fast
+/// enough for the 80 GB buffers of the probe scenarios. A differential test holds every model
+/// to the PTX (`tests_ptx`): a model that differs is wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Path {
+    /// The interpreter for a launch of at most `INTERPRET_BUDGET` thread-instructions (by the
+    /// model's estimate) and for any kernel without a model; the model otherwise.
+    #[default]
+    Auto,
+    /// Every launch through the interpreter.
+    Interpret,
+    /// Every launch with a model through it.
+    Model,
+}
+
+/// Thread-instructions a launch may take to be interpreted on the `auto` path: about a second
+/// of the interpreter on one core (tens of millions of instructions a second).
+pub const INTERPRET_BUDGET: u64 = 20_000_000;
+
+/// What an interpreted launch may execute before it counts as hung (a loop that never ends).
+const HANG_BUDGET: u64 = 2_000_000_000;
+
+/// Runs kernel `name` of `module`, launched from context `ctx` on `stream` with a grid of
+/// `grid` blocks of `block` threads.
 ///
 /// # Safety
 /// `params` holds one pointer per parameter of the kernel, each to a value of its type.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn launch(
     w: &mut World,
+    module: &Arc<ptx::Module>,
     name: &str,
     ctx: usize,
     stream: usize,
     params: *mut *mut c_void,
+    grid: [u32; 3],
+    block: [u32; 3],
 ) -> CUresult {
-    if params.is_null() {
+    let Some(entry) = module.function(name) else { return NOT_FOUND };
+    let f = &module.functions[entry];
+    if params.is_null() && !f.params.is_empty() {
         return INVALID_VALUE;
     }
-    if !NAMES.contains(&name) {
-        eprintln!("fake-cuda: cuLaunchKernel: no reimplementation of kernel {name:?} in the fake");
-        return NOT_SUPPORTED;
+    // The parameter buffer as the kernel's `.param` declarations lay it out, each value copied
+    // from its pointer (DRV, cuLaunchKernel: "kernelParams … an array of pointers to the
+    // kernel's parameters").
+    let size = f.params.last().map(|p| p.offset as usize + p.ty.bytes()).unwrap_or(0);
+    let mut buf = vec![0u8; size];
+    for (k, p) in f.params.iter().enumerate() {
+        let src = *params.add(k) as *const u8;
+        if src.is_null() {
+            return INVALID_VALUE;
+        }
+        std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr().add(p.offset as usize), p.ty.bytes());
     }
-    let a = Args(params);
+    let a = Args { buf, offsets: f.params.iter().map(|p| p.offset as usize).collect() };
+    let modelled = NAMES.contains(&name);
+    let interpret = match w.scenario.kernels {
+        Path::Interpret => true,
+        Path::Model => !modelled,
+        Path::Auto => !modelled || estimate(name, &a, grid, block).is_some_and(|n| n <= INTERPRET_BUDGET),
+    };
+    if interpret {
+        return run_ptx(w, module, entry, ctx, stream, &a, grid, block);
+    }
+    model(w, name, ctx, stream, &a, grid, block)
+}
+
+/// Runs `name`'s Rust model.
+pub(crate) fn model(
+    w: &mut World,
+    name: &str,
+    ctx: usize,
+    stream: usize,
+    a: &Args,
+    grid: [u32; 3],
+    block: [u32; 3],
+) -> CUresult {
     match name {
-        "phq_fake_fill_u32" => fill_u32(w, ctx, stream, &a),
-        "phq_mem_write" => mem_write(w, ctx, stream, &a),
-        "phq_mem_check" => mem_check(w, ctx, stream, &a),
-        "phq_copy_sm" => copy_sm(w, ctx, stream, &a),
-        "phq_spin" => spin(w, ctx, &a),
-        "phq_chase" => chase(w, ctx, stream, &a),
-        "phq_sgemm" => sgemm(w, ctx, stream, &a),
-        "phq_gemm_check" => gemm_check(w, ctx, stream, &a),
-        _ => NOT_SUPPORTED,
+        "phq_fake_fill_u32" => fill_u32(w, ctx, stream, a),
+        "phq_mem_write" => mem_write(w, ctx, stream, a),
+        "phq_mem_check" => mem_check(w, ctx, stream, a, u64::from(grid[0]) * u64::from(block[0])),
+        "phq_copy_sm" => copy_sm(w, ctx, stream, a),
+        "phq_spin" => spin(w, ctx, a),
+        "phq_chase" => chase(w, ctx, stream, a),
+        "phq_sgemm" => sgemm(w, ctx, stream, a),
+        "phq_gemm_check" => gemm_check(w, ctx, stream, a),
+        _ => {
+            eprintln!("fake-cuda: cuLaunchKernel: no model of kernel {name:?}");
+            NOT_SUPPORTED
+        }
     }
 }
 
-/// The kernel's parameters, read by position.
-struct Args(*mut *mut c_void);
+/// About how many thread-instructions the PTX of a modelled kernel executes for these
+/// arguments (its loop bodies counted from `kernels.ptx`); `None`: never interpreted on the
+/// `auto` path (`phq_spin` waits for the host, which a synchronous interpreter cannot see).
+pub(crate) fn estimate(name: &str, a: &Args, grid: [u32; 3], block: [u32; 3]) -> Option<u64> {
+    let threads = u64::from(grid[0])
+        * u64::from(grid[1])
+        * u64::from(grid[2])
+        * u64::from(block[0])
+        * u64::from(block[1])
+        * u64::from(block[2]);
+    let per_thread = 30 * threads;
+    Some(
+        per_thread
+            + match name {
+                "phq_fake_fill_u32" => 10 * a.u64(2),
+                "phq_mem_write" => 30 * a.u64(1),
+                "phq_mem_check" => 70 * a.u64(1),
+                "phq_copy_sm" => 10 * a.u64(2),
+                "phq_chase" => 4 * a.u64(1),
+                "phq_sgemm" => {
+                    let n = u64::from(a.u32(3));
+                    9 * n.saturating_mul(n).saturating_mul(n)
+                }
+                "phq_gemm_check" => {
+                    let n = u64::from(a.u32(1));
+                    35 * n * n
+                }
+                _ => return None,
+            },
+    )
+}
+
+/// Global memory as an interpreted kernel reaches it: its GPU's, a peer's with access from the
+/// launching context, or page-locked host memory through its unified address — with the
+/// scenario's stuck and coupled bits as the GPU's cells hold them.
+struct DeviceMem<'a> {
+    w: &'a mut World,
+    ctx: usize,
+    dev: usize,
+    /// Seconds of dependent loads (`ld.cv`, volatile): each waits for its memory's latency.
+    latency: f64,
+    start_ns: u64,
+}
+
+impl DeviceMem<'_> {
+    /// The device owning `[addr, addr + len)`, or why the kernel may not touch it.
+    fn owner(&self, addr: u64, len: u64) -> Result<usize, String> {
+        match self.w.find_quiet(addr, len) {
+            Some(base) if self.w.reaches(self.ctx, base) => Ok(self.w.allocs[&base].device),
+            Some(base) => Err(format!(
+                "GPU {}'s memory, which this context has no peer access to",
+                self.w.ordinal_of(self.w.allocs[&base].device)
+            )),
+            None if self.w.freed_at(addr) => Err("memory freed earlier (use after free)".into()),
+            None => Err("no allocation holds it".into()),
+        }
+    }
+}
+
+impl interp::Memory for DeviceMem<'_> {
+    fn load(&mut self, addr: u64, out: &mut [u8], uncached: bool) -> Result<(), String> {
+        let len = out.len() as u64;
+        if self.w.host_mapped(addr, len) {
+            // SAFETY: host_mapped: [addr, addr + len) lies in a live page-locked allocation.
+            unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len()) };
+            if uncached {
+                self.latency += self.w.latency_s(self.dev, None);
+            }
+            return Ok(());
+        }
+        let owner = self.owner(addr, len)?;
+        self.w.read_into(addr, out).map_err(|e| format!("CUDA error {e}"))?;
+        // A coupled bit reads its aggressor's bit as that cell holds it now.
+        let dev_base = BASE + owner as u64 * SPAN;
+        let couplings: Vec<(u64, u8, u64)> =
+            self.w.scenario.devices[owner].coupled_bits.iter().map(|c| (c.offset, c.bit, c.aggressor)).collect();
+        for (offset, bit, aggressor) in couplings {
+            let c = scenario::CoupledBit { offset, bit, aggressor };
+            let victim = dev_base + c.offset;
+            if victim < addr || victim >= addr + len {
+                continue;
+            }
+            let mut aggr = [0u8; 1];
+            if self.w.read_into(dev_base + c.aggressor, &mut aggr).is_ok() {
+                let bit = (aggr[0] >> (c.bit & 7)) & 1;
+                let byte = &mut out[(victim - addr) as usize];
+                *byte = (*byte & !(1 << (c.bit & 7))) | (bit << (c.bit & 7));
+            }
+        }
+        if uncached {
+            self.latency += self.w.latency_s(self.dev, Some(owner));
+        }
+        Ok(())
+    }
+
+    fn store(&mut self, addr: u64, data: &[u8]) -> Result<(), String> {
+        let len = data.len() as u64;
+        if self.w.host_mapped(addr, len) {
+            // SAFETY: as in `load`.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+            return Ok(());
+        }
+        self.owner(addr, len)?;
+        self.w.write(addr, data).map_err(|e| format!("CUDA error {e}"))
+    }
+
+    fn timer_start(&self) -> u64 {
+        self.start_ns
+    }
+}
+
+/// Runs entry `entry` through the interpreter, then charges the time the kernel's model would
+/// (the same figures, so a probe's numbers do not depend on the path). A fault a real GPU
+/// raises, or compute-sanitizer reports, poisons the context, as a faulting kernel does: the
+/// launch succeeds and the next call returns the error (sticky).
+#[allow(clippy::too_many_arguments)]
+fn run_ptx(
+    w: &mut World,
+    module: &Arc<ptx::Module>,
+    entry: usize,
+    ctx: usize,
+    stream: usize,
+    a: &Args,
+    grid: [u32; 3],
+    block: [u32; 3],
+) -> CUresult {
+    let name = module.functions[entry].name.clone();
+    let dev = w.ctx_dev(ctx);
+    if name == "phq_sgemm" {
+        if let Err(code) = w.gemm_fault(dev) {
+            return code;
+        }
+    }
+    let start_ns = (w.stream_clock(stream) * 1e9) as u64;
+    let mut mem = DeviceMem { w, ctx, dev, latency: 0.0, start_ns };
+    let limits = interp::Limits { max_instructions: HANG_BUDGET };
+    let r = interp::run(module, entry, grid, block, &a.buf, &mut mem, &limits);
+    let latency = mem.latency;
+    match r {
+        Ok(stats) => {
+            if name == "phq_sgemm" {
+                plant_gemm_faults(w, ctx, a);
+            }
+            let secs = model_secs(w, &name, dev, a).unwrap_or(stats.instructions as f64 / 1e12) + latency;
+            w.run_on_sms(stream, secs);
+            SUCCESS
+        }
+        Err(f) => {
+            eprintln!("fake-cuda: {f}");
+            w.kernel_faults.push(f.clone());
+            if f.code == interp::NOT_SUPPORTED {
+                return NOT_SUPPORTED;
+            }
+            w.poison(dev, f.code);
+            SUCCESS
+        }
+    }
+}
+
+/// A faulty GPU's GEMM: the scenario's wrong entries of C come out 1.0 too large, whichever
+/// path computed the product.
+fn plant_gemm_faults(w: &mut World, ctx: usize, a: &Args) {
+    let (pc, n) = (a.u64(2), a.u32(3) as usize);
+    let dev = w.ctx_dev(ctx);
+    for (i, j) in w.gemm_wrong(dev) {
+        if i < n && j < n {
+            let at = pc + 4 * (i + j * n) as u64;
+            if let Ok(b) = w.read(at, 4) {
+                let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]) + 1.0;
+                let _ = w.write(at, &v.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// The seconds a modelled kernel's launch takes (what its model charges).
+fn model_secs(w: &World, name: &str, dev: usize, a: &Args) -> Option<f64> {
+    let hbm = w.hbm_gbps(dev) * 1e9;
+    Some(match name {
+        "phq_fake_fill_u32" => a.u64(2) as f64 * 4.0 / hbm,
+        "phq_mem_write" => a.u64(1) as f64 * 8.0 / hbm,
+        "phq_mem_check" => a.u64(1) as f64 * 8.0 * if a.u32(4) != u32::MAX { 2.0 } else { 1.0 } / hbm,
+        "phq_copy_sm" => 2.0 * a.u64(2) as f64 * 16.0 / (w.sm_copy_gbps(dev) * 1e9),
+        "phq_chase" | "phq_spin" => 0.0,
+        "phq_sgemm" => {
+            let n = f64::from(a.u32(3));
+            let spec = w.spec(dev);
+            2.0 * n * n * n / (spec.ptx_sgemm_tflops.unwrap_or(spec.sgemm_tflops / 4.0) * 1e12)
+        }
+        "phq_gemm_check" => {
+            let n = a.u32(1) as f64;
+            n * n * 4.0 / hbm
+        }
+        _ => return None,
+    })
+}
+
+/// The kernel's parameter buffer, as its `.param` declarations lay it out, and each
+/// parameter's offset in it: the models read their arguments by position.
+pub(crate) struct Args {
+    pub(crate) buf: Vec<u8>,
+    pub(crate) offsets: Vec<usize>,
+}
 
 impl Args {
-    unsafe fn u64(&self, i: usize) -> u64 {
-        *(*self.0.add(i) as *const u64)
+    fn bytes<const N: usize>(&self, i: usize) -> [u8; N] {
+        let mut out = [0u8; N];
+        if let Some(src) = self.offsets.get(i).and_then(|o| self.buf.get(*o..*o + N)) {
+            out.copy_from_slice(src);
+        }
+        out
     }
-    unsafe fn u32(&self, i: usize) -> u32 {
-        *(*self.0.add(i) as *const u32)
+    pub(crate) fn u64(&self, i: usize) -> u64 {
+        u64::from_le_bytes(self.bytes(i))
+    }
+    pub(crate) fn u32(&self, i: usize) -> u32 {
+        u32::from_le_bytes(self.bytes(i))
     }
 }
 
@@ -129,7 +401,7 @@ fn write_pattern(w: &mut World, base: u64, ptr: u64, len: usize, mode: u32, arg:
 }
 
 /// `phq_mem_write(u64 ptr, u64 words, u32 mode, u64 arg)`.
-unsafe fn mem_write(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+fn mem_write(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     let (ptr, words, mode, arg) = (a.u64(0), a.u64(1), a.u32(2), a.u64(3));
     let len = words * 8;
     let Some(base) = reach(w, ctx, "phq_mem_write", ptr, len) else { return SUCCESS };
@@ -150,7 +422,7 @@ fn stored(w: &mut World, addr: u64) -> Option<u64> {
 
 /// `phq_mem_check(u64 ptr, u64 words, u32 mode, u64 arg, u32 next_mode, u64 next_arg,
 /// u32 descending, u64 result)`.
-unsafe fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args, stride: u64) -> CUresult {
     let (ptr, words, mode, arg) = (a.u64(0), a.u64(1), a.u32(2), a.u64(3));
     let (next_mode, next_arg, descending, result) = (a.u32(4), a.u64(5), a.u32(6) != 0, a.u64(7));
     let len = words * 8;
@@ -164,14 +436,22 @@ unsafe fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUres
     let end = ptr + len;
     let rewrites = next_mode != u32::MAX;
     // The word a pass finds at `addr`: what memory holds, with a coupled bit reading its
-    // aggressor's bit as it is when the pass reaches `addr` — already rewritten with the next
-    // pattern if the pass visited the aggressor first.
+    // aggressor's bit as it is when the kernel loads `addr` — already rewritten with the next
+    // pattern if the kernel rewrote the aggressor first. Every thread of the grid takes one
+    // word per iteration of its grid-stride loop, and every thread's k-th load comes before
+    // any thread's k-th store (the loads of one iteration are one round of warp-wide loads):
+    // the aggressor is rewritten first only when it lies in an earlier iteration's words
+    // (`iteration`), not merely at a lower address (the interpreter's order, `interp`).
     let couplings = w.scenario.devices[dev].coupled_bits.clone();
+    let iteration = |addr: u64| {
+        let j = (addr - ptr) / 8;
+        (if descending { words - 1 - j } else { j }) / stride.max(1)
+    };
     let seen = |w: &mut World, addr: u64, held: u64| -> u64 {
         let mut v = held;
         for c in couplings.iter().filter(|c| dev_base + (c.offset & !7) == addr) {
             let aggr = dev_base + (c.aggressor & !7);
-            let first = if descending { aggr > addr } else { aggr < addr };
+            let first = aggr >= ptr && aggr < end && iteration(aggr) < iteration(addr);
             let av = if rewrites && aggr >= ptr && aggr < end && first {
                 Some(pattern(aggr, next_mode, next_arg))
             } else {
@@ -269,7 +549,7 @@ fn record(w: &mut World, result: u64, count: u64, bad: &[(u64, u64, u64)]) -> Re
 
 /// `phq_copy_sm(u64 dst, u64 src, u64 count)`: count 16-byte vectors; reads and writes every
 /// byte, at the GPU's SM copy rate.
-unsafe fn copy_sm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+fn copy_sm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     let (dst, src, count) = (a.u64(0), a.u64(1), a.u64(2));
     let len = count * 16;
     if dst % 16 != 0 || src % 16 != 0 {
@@ -307,7 +587,7 @@ pub(crate) struct Gate {
 /// queued behind it run as if the host released it at once — but a stream waited on while the
 /// flag is still clear would, on a GPU, have waited for the timeout, so the fake then writes
 /// the kernel's timed-out status (`settle_gates`).
-unsafe fn spin(w: &mut World, ctx: usize, a: &Args) -> CUresult {
+fn spin(w: &mut World, ctx: usize, a: &Args) -> CUresult {
     let (flag, timeout_ns, status) = (a.u64(0), a.u64(1), a.u64(2));
     if !w.host_mapped(flag, 4) || !w.host_mapped(status, 4) {
         eprintln!("fake-cuda: phq_spin: the flag {flag:#x} or status {status:#x} is not page-locked host memory");
@@ -315,7 +595,8 @@ unsafe fn spin(w: &mut World, ctx: usize, a: &Args) -> CUresult {
         w.poison(dev, ILLEGAL_ADDRESS);
         return SUCCESS;
     }
-    if std::ptr::read_volatile(flag as *const u32) == 0 {
+    // SAFETY: host_mapped: the flag lies in a live page-locked allocation.
+    if unsafe { std::ptr::read_volatile(flag as *const u32) } == 0 {
         w.gates.push(Gate { flag, status, timeout_ns });
     }
     SUCCESS
@@ -340,13 +621,14 @@ pub(crate) fn settle_gates(w: &mut World) {
 
 /// `phq_chase(u64 start, u64 steps, u64 out)`: follows 64-bit pointers through host, local or
 /// peer memory; each step costs that memory's latency (the scenario's).
-unsafe fn chase(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+fn chase(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     let (mut p, steps, out) = (a.u64(0), a.u64(1), a.u64(2));
     let dev = w.ctx_dev(ctx);
     let mut secs = 0.0;
     for _ in 0..steps {
         if w.host_mapped(p, 8) && p % 8 == 0 {
-            p = std::ptr::read_volatile(p as *const u64);
+            // SAFETY: host_mapped: [p, p + 8) lies in a live page-locked allocation.
+            p = unsafe { std::ptr::read_volatile(p as *const u64) };
             secs += w.latency_s(dev, None);
         } else {
             let Some(base) = reach(w, ctx, "phq_chase", p, 8) else { return SUCCESS };
@@ -357,7 +639,8 @@ unsafe fn chase(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult 
         }
     }
     if w.host_mapped(out, 8) {
-        std::ptr::write_volatile(out as *mut u64, p);
+        // SAFETY: host_mapped: [out, out + 8) lies in a live page-locked allocation.
+        unsafe { std::ptr::write_volatile(out as *mut u64, p) };
     } else if reach(w, ctx, "phq_chase (out)", out, 8).is_some() {
         if let Err(e) = w.write(out, &p.to_le_bytes()) {
             return e;
@@ -372,7 +655,7 @@ unsafe fn chase(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult 
 /// `phq_sgemm(u64 a, u64 b, u64 c, u32 n)`: C = A·B, n×n column-major, n a multiple of 16 (the
 /// kernel's tiles; another n would read past the matrices: an illegal address). The product is
 /// the same lazy one cuBLAS's SGEMM leaves, at the scenario's PTX GEMM rate.
-unsafe fn sgemm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+fn sgemm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     let (pa, pb, pc, n) = (a.u64(0), a.u64(1), a.u64(2), a.u32(3) as usize);
     let dev = w.ctx_dev(ctx);
     if n == 0 || n % 16 != 0 {
@@ -391,7 +674,7 @@ unsafe fn sgemm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult 
 /// `phq_gemm_check(u64 c, u32 n, u64 table, u64 result)`: every entry of C compared bit for bit
 /// with `table[(i mod 17)·17 + (j mod 17)]`; the count and first eight (element index, read,
 /// expected) in `result`, as `phq_mem_check` leaves them.
-unsafe fn gemm_check(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+fn gemm_check(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     let (pc, n, table, result) = (a.u64(0), a.u32(1) as u64, a.u64(2), a.u64(3));
     let len = n * n * 4;
     let Some(base) = reach(w, ctx, "phq_gemm_check", pc, len) else { return SUCCESS };
@@ -467,7 +750,7 @@ unsafe fn gemm_check(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUre
 
 /// `phq_fake_fill_u32(u64 dst, u32 value, u64 count)`: `count` 32-bit words at `dst` set to
 /// `value`, one write per byte of HBM traffic. The fake's reference kernel.
-unsafe fn fill_u32(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+fn fill_u32(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     let (dst, value, count) = (a.u64(0), a.u32(1), a.u64(2));
     let len = count * 4;
     if reach(w, ctx, "phq_fake_fill_u32", dst, len).is_none() {

@@ -21,7 +21,9 @@
 
 pub mod blas;
 pub mod codes;
+pub mod interp;
 pub mod kernels;
+pub mod ptx;
 pub mod scenario;
 
 use codes::*;
@@ -204,11 +206,14 @@ pub(crate) struct World {
     /// GEMM inputs already scanned for period 17 (`blas::periodic_table`): the snapshot, its
     /// offset, whether it is periodic.
     pub(crate) periodic: Vec<blas::Scanned>,
+    /// Every fault an interpreted kernel raised, in order (tests read them; each was also
+    /// printed on stderr).
+    pub kernel_faults: Vec<interp::Fault>,
 }
 
 struct Module {
     ctx: usize,
-    entries: Vec<String>,
+    ptx: Arc<ptx::Module>,
 }
 
 static WORLD: Mutex<Option<Result<World, CUresult>>> = Mutex::new(None);
@@ -257,51 +262,59 @@ fn load_world() -> Result<World, CUresult> {
             NOT_INITIALIZED
         }));
     }
-    if scenario.devices.is_empty() {
-        return Err(NO_DEVICE);
+    World::new(scenario)
+}
+
+impl World {
+    /// The driver's state for `scenario`, as `cuInit` leaves it.
+    pub(crate) fn new(scenario: Scenario) -> Result<World, CUresult> {
+        if scenario.devices.is_empty() {
+            return Err(NO_DEVICE);
+        }
+        // CUDA_DEVICE_ORDER is read when the driver initialises: FASTEST_FIRST (the default) puts
+        // the fastest device first by an unspecified heuristic, PCI_BUS_ID orders by PCI bus id as
+        // nvidia-smi does (PG, "CUDA Environment Variables"). Setting it after cuInit changes nothing.
+        let mut order: Vec<usize> = (0..scenario.devices.len()).collect();
+        let by_pci = std::env::var("CUDA_DEVICE_ORDER").as_deref() == Ok("PCI_BUS_ID");
+        order.sort_by(|&a, &b| {
+            let (da, db) = (&scenario.devices[a], &scenario.devices[b]);
+            let rank = |d: &scenario::Device| if by_pci { 0 } else { d.fastest_first_rank.unwrap_or(usize::MAX) };
+            rank(da).cmp(&rank(db)).then(da.pci_bus_id.cmp(&db.pci_bus_id))
+        });
+        let n = scenario.devices.len();
+        let mut w = World {
+            scenario,
+            order,
+            next_handle: 0x1000,
+            contexts: HashMap::new(),
+            primary: vec![None; n],
+            streams: HashMap::new(),
+            events: HashMap::new(),
+            pools: HashMap::new(),
+            default_pool: Vec::new(),
+            allocs: BTreeMap::new(),
+            freed: BTreeMap::new(),
+            next_addr: (0..n as u64).map(|d| BASE + d * SPAN).collect(),
+            used: vec![0; n],
+            poisoned: vec![None; n],
+            counts: vec![HashMap::new(); n],
+            busy: HashMap::new(),
+            now: 0.0,
+            pinned: BTreeMap::new(),
+            gates: Vec::new(),
+            periodic: Vec::new(),
+            kernel_faults: Vec::new(),
+            blas: HashMap::new(),
+            modules: HashMap::new(),
+            functions: HashMap::new(),
+        };
+        for d in 0..n {
+            let h = w.handle();
+            w.pools.insert(h, Pool { device: d, access: Vec::new() });
+            w.default_pool.push(h);
+        }
+        Ok(w)
     }
-    // CUDA_DEVICE_ORDER is read when the driver initialises: FASTEST_FIRST (the default) puts
-    // the fastest device first by an unspecified heuristic, PCI_BUS_ID orders by PCI bus id as
-    // nvidia-smi does (PG, "CUDA Environment Variables"). Setting it after cuInit changes nothing.
-    let mut order: Vec<usize> = (0..scenario.devices.len()).collect();
-    let by_pci = std::env::var("CUDA_DEVICE_ORDER").as_deref() == Ok("PCI_BUS_ID");
-    order.sort_by(|&a, &b| {
-        let (da, db) = (&scenario.devices[a], &scenario.devices[b]);
-        let rank = |d: &scenario::Device| if by_pci { 0 } else { d.fastest_first_rank.unwrap_or(usize::MAX) };
-        rank(da).cmp(&rank(db)).then(da.pci_bus_id.cmp(&db.pci_bus_id))
-    });
-    let n = scenario.devices.len();
-    let mut w = World {
-        scenario,
-        order,
-        next_handle: 0x1000,
-        contexts: HashMap::new(),
-        primary: vec![None; n],
-        streams: HashMap::new(),
-        events: HashMap::new(),
-        pools: HashMap::new(),
-        default_pool: Vec::new(),
-        allocs: BTreeMap::new(),
-        freed: BTreeMap::new(),
-        next_addr: (0..n as u64).map(|d| BASE + d * SPAN).collect(),
-        used: vec![0; n],
-        poisoned: vec![None; n],
-        counts: vec![HashMap::new(); n],
-        busy: HashMap::new(),
-        now: 0.0,
-        pinned: BTreeMap::new(),
-        gates: Vec::new(),
-        periodic: Vec::new(),
-        blas: HashMap::new(),
-        modules: HashMap::new(),
-        functions: HashMap::new(),
-    };
-    for d in 0..n {
-        let h = w.handle();
-        w.pools.insert(h, Pool { device: d, access: Vec::new() });
-        w.default_pool.push(h);
-    }
-    Ok(w)
 }
 
 impl World {
@@ -373,6 +386,22 @@ impl World {
             }
         }
         Err(INVALID_VALUE)
+    }
+
+    /// `find` for a kernel's access: the allocation's base, without a word on stderr.
+    pub(crate) fn find_quiet(&self, ptr: CUdeviceptr, len: u64) -> Option<u64> {
+        let (&base, a) = self.allocs.range(..=ptr).next_back()?;
+        (ptr.checked_add(len).is_some_and(|e| e <= base + a.len as u64)).then_some(base)
+    }
+
+    /// Whether `ptr` lies in memory freed earlier.
+    pub(crate) fn freed_at(&self, ptr: CUdeviceptr) -> bool {
+        self.freed.range(..=ptr).next_back().is_some_and(|(&base, &l)| ptr < base + l)
+    }
+
+    /// Virtual seconds at which the work queued on `stream` so far starts its next item.
+    pub(crate) fn stream_clock(&self, stream: usize) -> f64 {
+        self.streams.get(&stream).map(|s| s.clock.max(self.now)).unwrap_or(self.now)
     }
 
     /// Counts an operation of `kind` on `dev` and fires the scenario's fault for it, if any:
@@ -1751,16 +1780,7 @@ pub unsafe extern "C" fn cuModuleLoadData(m: *mut Handle, image: *const c_void) 
             Ok(c) => c,
             Err(e) => return e,
         };
-        let entries: Vec<String> = text
-            .lines()
-            .filter_map(|l| {
-                let after = l.split(".entry").nth(1)?;
-                let name: String =
-                    after.trim_start().chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
-                (!name.is_empty()).then_some(name)
-            })
-            .collect();
-        if !text.lines().any(|l| l.trim_start().starts_with(".version")) || entries.is_empty() {
+        if !text.lines().any(|l| l.trim_start().starts_with(".version")) || !text.contains(".entry") {
             eprintln!("fake-cuda: cuModuleLoadData: not a PTX module with an .entry");
             return INVALID_PTX;
         }
@@ -1787,8 +1807,17 @@ pub unsafe extern "C" fn cuModuleLoadData(m: *mut Handle, image: *const c_void) 
             }
             Some(_) => {}
         }
+        // The module is parsed now, as the driver JIT-compiles it now: text that is not PTX is
+        // CUDA_ERROR_INVALID_PTX here, not at launch.
+        let parsed = match ptx::parse(&text) {
+            Ok(m) => Arc::new(m),
+            Err(e) => {
+                eprintln!("fake-cuda: cuModuleLoadData: {e}");
+                return INVALID_PTX;
+            }
+        };
         let h = w.handle();
-        w.modules.insert(h, Module { ctx, entries });
+        w.modules.insert(h, Module { ctx, ptx: parsed });
         *m = h as Handle;
         SUCCESS
     })
@@ -1838,7 +1867,7 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut Handle, m: Handle, name: *c
     let name = CStr::from_ptr(name).to_string_lossy().into_owned();
     with(|w| {
         let Some(module) = w.modules.get(&(m as usize)) else { return INVALID_HANDLE };
-        if !module.entries.contains(&name) {
+        if !module.ptx.functions.iter().any(|f| f.entry && f.name == name) {
             return NOT_FOUND;
         }
         let h = w.handle();
@@ -1850,10 +1879,10 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut Handle, m: Handle, name: *c
 
 /// Launches a kernel on a stream of its module's context (DRV, cuLaunchKernel). A block of more
 /// than 1024 threads is CUDA_ERROR_INVALID_VALUE (Hopper's limit, PG, "Compute Capabilities");
-/// a stream of another context CUDA_ERROR_INVALID_HANDLE. The kernel runs through its Rust
-/// reimplementation; memory it may not touch (freed, or a peer's without access) faults like a
-/// real kernel: the launch succeeds and the context is poisoned with
-/// CUDA_ERROR_ILLEGAL_ADDRESS, seen by the next call.
+/// a stream of another context CUDA_ERROR_INVALID_HANDLE. The kernel's PTX runs through the
+/// interpreter, or a big launch through its Rust model (`kernels::Path`); memory it may not
+/// touch (freed, or a peer's without access) faults like a real kernel: the launch succeeds
+/// and the context is poisoned with CUDA_ERROR_ILLEGAL_ADDRESS, seen by the next call.
 ///
 /// # Safety
 /// `params` must hold the kernel's arguments as the real launch takes them.
@@ -1874,7 +1903,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
 ) -> CUresult {
     with(|w| {
         let Some((module, name)) = w.functions.get(&(f as usize)).cloned() else { return INVALID_HANDLE };
-        let Some(mctx) = w.modules.get(&module).map(|m| m.ctx) else { return INVALID_HANDLE };
+        let Some((mctx, code)) = w.modules.get(&module).map(|m| (m.ctx, m.ptx.clone())) else { return INVALID_HANDLE };
         let stream = match w.stream(s) {
             Ok(id) => id,
             Err(e) => return e,
@@ -1887,7 +1916,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if threads == 0 || threads > 1024 || gx == 0 || gy == 0 || gz == 0 {
             return INVALID_VALUE;
         }
-        kernels::launch(w, &name, mctx, stream, params)
+        kernels::launch(w, &code, &name, mctx, stream, params, [gx, gy, gz], [bx, by, bz])
     })
 }
 
@@ -2003,3 +2032,5 @@ impl World {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ptx;

@@ -17,6 +17,10 @@ pub struct Scenario {
     /// Peer access between every pair of GPUs unless `pairs` says otherwise.
     #[serde(default)]
     pub peers: Peers,
+    /// How kernels run: `auto` (the PTX interpreter for small launches, the models for big
+    /// ones), `interpret` (every launch through the PTX) or `model`.
+    #[serde(default)]
+    pub kernels: crate::kernels::Path,
 }
 
 fn default_driver_version() -> i32 {

@@ -27,6 +27,18 @@ const SCENARIO: &str = r#"{
     {"src": 1, "dst": 2, "access": false}, {"src": 2, "dst": 1, "access": false}]}
 }"#;
 
+/// The fake's reference kernel, a grid-stride fill, and a kernel with an instruction the
+/// interpreter does not execute (`popc`).
+const FILL_PTX: &str = ".version 7.8\n.target sm_90\n.address_size 64\n\
+.visible .entry phq_fake_fill_u32(.param .u64 dst, .param .u32 value, .param .u64 count)\n{\n\
+    .reg .pred %p<2>;\n    .reg .b32 %r<6>;\n    .reg .b64 %rd<8>;\n\
+    ld.param.u64 %rd1, [dst];\n    ld.param.u32 %r1, [value];\n    ld.param.u64 %rd2, [count];\n\
+    mov.u32 %r2, %ctaid.x;\n    mov.u32 %r3, %ntid.x;\n    mov.u32 %r4, %tid.x;\n    mov.u32 %r5, %nctaid.x;\n\
+    mul.wide.u32 %rd3, %r2, %r3;\n    cvt.u64.u32 %rd4, %r4;\n    add.u64 %rd3, %rd3, %rd4;\n    mul.wide.u32 %rd5, %r5, %r3;\n\
+LOOP:\n    setp.ge.u64 %p1, %rd3, %rd2;\n    @%p1 bra DONE;\n    shl.b64 %rd6, %rd3, 2;\n    add.u64 %rd7, %rd1, %rd6;\n\
+    st.global.u32 [%rd7], %r1;\n    add.u64 %rd3, %rd3, %rd5;\n    bra.uni LOOP;\nDONE:\n    ret;\n}\n\
+.visible .entry phq_unwritten()\n{\n    .reg .b32 %r<2>;\n    mov.u32 %r0, 3;\n    popc.b32 %r1, %r0;\n    ret;\n}\n\0";
+
 fn ok(r: CUresult) {
     assert_eq!(r, SUCCESS, "{}", name(r));
 }
@@ -199,9 +211,7 @@ fn the_drivers_rules() {
 
         // Kernels: a PTX module declares them by name, each runs through the fake's
         // reimplementation, at the GPU's HBM rate.
-        let ptx = b".version 7.8\n.target sm_90\n.address_size 64\n\
-            .visible .entry phq_fake_fill_u32(.param .u64 dst, .param .u32 value, .param .u64 count)\n{ ret; }\n\
-            .visible .entry phq_unwritten()\n{ ret; }\n\0";
+        let ptx = FILL_PTX.as_bytes();
         let (mut module, mut f, mut g) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
         assert_eq!(cuModuleLoadData(&mut module, c"not ptx".as_ptr() as *const c_void), INVALID_PTX);
         assert_eq!(name(INVALID_PTX), "CUDA_ERROR_INVALID_PTX");
@@ -231,7 +241,8 @@ fn the_drivers_rules() {
         let mut words = [0u32; 4];
         ok(cuMemcpyDtoHAsync_v2(words.as_mut_ptr() as *mut c_void, k0 + 4092 - 12, 16, s0));
         assert_eq!(words, [0xdead_beef; 4]);
-        // A kernel the fake cannot run is refused, never silently skipped.
+        // A kernel with an instruction the fake's interpreter does not execute is refused,
+        // never silently skipped.
         ok(cuModuleGetFunction(&mut g, module, c"phq_unwritten".as_ptr()));
         assert_eq!(cuLaunchKernel(g, 1, 1, 1, 1, 1, 1, 0, s0, params.as_mut_ptr(), null), NOT_SUPPORTED);
         // A kernel writing a peer's memory without access (GPU 1 → GPU 2): the launch is
