@@ -420,16 +420,21 @@ impl Gemmer<'_> {
         match self {
             Gemmer::Blas(h) => h.sgemm(n, a, b, c),
             Gemmer::Ptx(f) => {
-                let tiles = (n / 16) as u32;
+                let (grid, block) = kernels::sgemm_shape(n).map_err(|e| ctx_error(&e))?;
+                let bytes = n * n * 4;
+                if a.len() < bytes || b.len() < bytes || c.len() < bytes {
+                    return Err(ctx_error(&format!("phq_sgemm: the matrices hold fewer than {n}×{n} floats")));
+                }
                 let args = [
                     cuda::Arg::U64(a.ptr()),
                     cuda::Arg::U64(b.ptr()),
                     cuda::Arg::U64(c.ptr()),
                     cuda::Arg::U32(n as u32),
                 ];
-                // SAFETY: the three live buffers hold n×n floats and n is a multiple of 16
-                // (`gemm` checks), so every tile the kernel reads and writes lies inside them.
-                unsafe { stream.launch(f, tiles * tiles, 256, &args) }
+                // SAFETY: the three live buffers hold n×n floats (checked above) and the launch
+                // has the kernel's shape (`sgemm_shape`), so every tile it reads and writes lies
+                // inside them.
+                unsafe { stream.launch(f, grid, block, &args) }
             }
         }
     }

@@ -287,6 +287,20 @@ pub(crate) fn chain_words(base: u64, nodes: usize, stride: usize) -> Vec<u64> {
     words
 }
 
+/// `phq_sgemm`'s launch contract (kernels.ptx): n a positive multiple of 16, one 256-thread
+/// block per 16×16 tile of C, as a 1-D grid of (n/16)² blocks (at most 2^31 − 1, the grid's
+/// x limit: PG, "Compute Capabilities"). Any other shape computes a wrong product or reads past
+/// the matrices, and no error says so: the host refuses it before launching.
+pub(crate) fn sgemm_shape(n: usize) -> Result<(u32, u32), String> {
+    if n == 0 || !n.is_multiple_of(16) {
+        return Err(format!("phq_sgemm: n = {n} is not a positive multiple of 16"));
+    }
+    let tiles = (n / 16) as u64;
+    let grid = u32::try_from(tiles * tiles).ok().filter(|g| *g <= i32::MAX as u32);
+    let grid = grid.ok_or(format!("phq_sgemm: n = {n} needs more than 2^31 − 1 blocks"))?;
+    Ok((grid, 256))
+}
+
 pub(crate) const CHASE_NODES: usize = 256;
 pub(crate) const CHASE_STRIDE: usize = 4096;
 
@@ -324,6 +338,16 @@ pub(crate) fn chase_ns(
 mod tests {
     use super::*;
     use crate::config::ProbeLevel;
+
+    #[test]
+    fn the_sgemm_launch_contract() {
+        assert_eq!(sgemm_shape(16), Ok((1, 256)));
+        assert_eq!(sgemm_shape(48), Ok((9, 256)));
+        assert_eq!(sgemm_shape(16384), Ok((1 << 20, 256)));
+        assert!(sgemm_shape(40).unwrap_err().contains("multiple of 16"));
+        assert!(sgemm_shape(0).is_err());
+        assert!(sgemm_shape(16 << 20).unwrap_err().contains("2^31"));
+    }
 
     #[test]
     fn levels_add_patterns_and_every_check_follows_a_write_of_its_pattern() {
