@@ -1,9 +1,11 @@
-//! The kernels the fake can run, each a Rust reimplementation of a PTX kernel's contract,
-//! chosen by the name the module declares: the agent's own (`src/probe/kernels.ptx`, whose
-//! comments state each contract) and the fake's reference kernel, which its tests load.
+//! Launches: each runs its kernel's PTX through the interpreter (`interp`) or, when it is too
+//! big to interpret, through the kernel's Rust model here, chosen by the name the module
+//! declares: the agent's own (`src/probe/kernels.ptx`, whose comments state each contract) and
+//! the fake's reference kernel, which its tests load. `tests_ptx` holds every model equal to
+//! the PTX.
 //!
-//! Each reimplementation reads its arguments as `cuLaunchKernel` passes them (an array of
-//! pointers, one per parameter, in the order the `.entry` declares them), checks that every
+//! Each model reads its arguments from the parameter buffer the `.entry`'s declarations lay
+//! out (`cuLaunchKernel` passes one pointer per parameter, in order), checks that every
 //! byte it touches is memory the launching context may reach — its GPU's, a peer's with access
 //! enabled, or page-locked host memory through its unified address — and charges the time the
 //! work takes on the GPU's SMs and HBM. A kernel touching memory it may not reach faults as a

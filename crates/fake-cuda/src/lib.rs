@@ -13,11 +13,12 @@
 //! names where the real behaviour is written down. The abbreviations: *DRV* is NVIDIA's CUDA
 //! Driver API reference, *PG* the CUDA C++ Programming Guide.
 //!
-//! Kernels: a PTX module's `.entry` names are read and each kernel runs through a Rust
-//! reimplementation of its contract (`kernels`); one without a reimplementation is refused at
-//! launch. Not modelled: JIT compilation itself (PTX is not checked beyond its directives),
-//! pageable host memory (every host buffer copies at the pinned rate), NUMA placement of pinned
-//! memory, MIG.
+//! Kernels: a PTX module is parsed when it is loaded (`ptx`) and its entries executed by an
+//! interpreter that checks every access as compute-sanitizer would (`interp`); launches too big
+//! to interpret run through Rust models of the same kernels (`kernels`), which a differential
+//! test holds equal to the PTX (`tests_ptx`). Not modelled: code generation and its caches,
+//! real instruction timing, pageable host memory (every host buffer copies at the pinned rate),
+//! NUMA placement of pinned memory, MIG.
 
 pub mod blas;
 pub mod codes;
@@ -1759,9 +1760,8 @@ pub unsafe extern "C" fn cuMemsetD32_v2(ptr: CUdeviceptr, value: c_uint, n: usiz
 }
 
 // ---------------------------------------------------------------------------------------
-// Modules and kernels. The fake JIT-compiles nothing: it reads the kernel names a PTX module
-// declares and runs each, by name, through a Rust reimplementation with the same contract
-// (`kernels`). A kernel it has none for is refused at launch, loudly.
+// Modules and kernels. The fake compiles nothing: it parses the PTX (`ptx`), executes it with
+// the PTX interpreter (`interp`) or, for a big launch, the kernel's Rust model (`kernels`).
 
 /// Loads a PTX module (a NUL-terminated text) into the current context (DRV, cuModuleLoadData).
 /// Text that is not PTX — no `.version` directive, or no `.entry` — is CUDA_ERROR_INVALID_PTX, as
