@@ -21,6 +21,50 @@ fn ptxas() -> Option<PathBuf> {
 
 const KERNELS: &str = "src/probe/kernels.ptx";
 
+fn nvdisasm() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("PHQ_NVDISASM") {
+        return Some(PathBuf::from(p));
+    }
+    let fetched = common::repo().join("target/nvdisasm/nvidia/cu13/bin/nvdisasm");
+    if fetched.is_file() {
+        return Some(fetched);
+    }
+    common::have("nvdisasm").then(|| PathBuf::from("nvdisasm"))
+}
+
+/// The memory-test kernels read and write every word of 90% of the GPU's memory: a call per
+/// word (the pattern as a `.func`) cost a real CALL and return per word in the machine code and
+/// kept one load in flight. Read from the code ptxas makes for Hopper: no CALL in either entry.
+#[test]
+fn memory_test_kernels_call_no_function() {
+    let (Some(ptxas), Some(nvdisasm)) = (ptxas(), nvdisasm()) else {
+        common::skip(
+            "needs ptxas and nvdisasm (scripts/test fetches them from NVIDIA's wheels; or set PHQ_PTXAS, PHQ_NVDISASM)",
+        );
+        return;
+    };
+    let out = tempfile::tempdir().expect("tempdir");
+    let cubin = out.path().join("kernels.cubin");
+    let run = Command::new(&ptxas)
+        .args(["-arch=sm_90", "-o"])
+        .arg(&cubin)
+        .arg(common::repo().join(KERNELS))
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let dis = Command::new(&nvdisasm).arg(&cubin).output().unwrap_or_else(|e| panic!("{}: {e}", nvdisasm.display()));
+    assert!(dis.status.success(), "{}", String::from_utf8_lossy(&dis.stderr));
+    let text = String::from_utf8_lossy(&dis.stdout);
+    for entry in ["phq_mem_write", "phq_mem_check"] {
+        let head = format!(".text.{entry}:");
+        let body = text.split(&head).nth(1).unwrap_or_else(|| panic!("no {head} in the disassembly"));
+        let body = body.split("\n.text.").next().unwrap_or(body);
+        let calls: Vec<&str> = body.lines().filter(|l| l.contains("CALL")).collect();
+        assert!(calls.is_empty(), "{entry} calls a function in its machine code: {calls:#?}");
+        assert!(body.contains("LDG") || body.contains("STG"), "{entry}: no global access found; not its code?");
+    }
+}
+
 #[test]
 fn kernels_assemble_for_sm_90() {
     let Some(ptxas) = ptxas() else {

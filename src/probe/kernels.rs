@@ -31,7 +31,7 @@ impl Loaded {
     }
 }
 
-/// The patterns of `phq_pattern` (kernels.ptx).
+/// The memory test's patterns (kernels.ptx, computed inline by both memory-test kernels).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Pattern {
     pub mode: u32,

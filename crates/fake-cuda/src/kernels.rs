@@ -19,6 +19,9 @@
 
 use super::*;
 
+/// Words each thread of `phq_mem_check` takes per round of its grid-stride loop (kernels.ptx).
+const ROUND_WORDS: u64 = 4;
+
 /// The kernels reimplemented here, by the name their `.entry` declares.
 pub(crate) const NAMES: &[&str] = &[
     "phq_fake_fill_u32",
@@ -347,7 +350,8 @@ impl Args {
     }
 }
 
-/// The 64-bit word the memory-test patterns put at byte address `a` (kernels.ptx, `phq_pattern`):
+/// The 64-bit word the memory-test patterns put at byte address `a` (kernels.ptx, the pattern
+/// both memory-test kernels compute inline):
 /// mode 1 the address, 2 its inverse, 3 a xorshift64 step of the word index times the
 /// golden-ratio constant XOR the seed, anything else the constant `arg`.
 pub(crate) fn pattern(a: u64, mode: u32, arg: u64) -> u64 {
@@ -439,21 +443,21 @@ fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args, stride: u64) ->
     let rewrites = next_mode != u32::MAX;
     // The word a pass finds at `addr`: what memory holds, with a coupled bit reading its
     // aggressor's bit as it is when the kernel loads `addr` — already rewritten with the next
-    // pattern if the kernel rewrote the aggressor first. Every thread of the grid takes one
-    // word per iteration of its grid-stride loop, and every thread's k-th load comes before
-    // any thread's k-th store (the loads of one iteration are one round of warp-wide loads):
-    // the aggressor is rewritten first only when it lies in an earlier iteration's words
-    // (`iteration`), not merely at a lower address (the interpreter's order, `interp`).
+    // pattern if the kernel rewrote the aggressor first. Every thread of the grid takes four
+    // words per round of its grid-stride loop (kernels.ptx: i, i + S, i + 2S, i + 3S, so a
+    // round covers 4S consecutive words, S the grid's threads) and issues their loads before
+    // any store: the aggressor is rewritten first only when it lies in an earlier round's words
+    // (`round`), not merely at a lower address (the interpreter's order, `interp`).
     let couplings = w.scenario.devices[dev].coupled_bits.clone();
-    let iteration = |addr: u64| {
+    let round = |addr: u64| {
         let j = (addr - ptr) / 8;
-        (if descending { words - 1 - j } else { j }) / stride.max(1)
+        (if descending { words - 1 - j } else { j }) / (ROUND_WORDS * stride).max(1)
     };
     let seen = |w: &mut World, addr: u64, held: u64| -> u64 {
         let mut v = held;
         for c in couplings.iter().filter(|c| dev_base + (c.offset & !7) == addr) {
             let aggr = dev_base + (c.aggressor & !7);
-            let first = aggr >= ptr && aggr < end && iteration(aggr) < iteration(addr);
+            let first = aggr >= ptr && aggr < end && round(aggr) < round(addr);
             let av = if rewrites && aggr >= ptr && aggr < end && first {
                 Some(pattern(aggr, next_mode, next_arg))
             } else {
