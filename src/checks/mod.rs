@@ -10,6 +10,7 @@ pub mod gpu;
 pub mod host;
 pub mod nvml;
 pub mod pci;
+pub mod xid;
 
 use crate::snapshot::Snapshot;
 use serde::{Deserialize, Serialize};
