@@ -4,7 +4,7 @@
 pub mod bundle;
 pub mod table;
 
-use crate::checks::gpu::{summarize, XidSummary};
+use crate::checks::xid::{summarize, XidSummary};
 use crate::checks::{gpu_model, Finding, Severity};
 use crate::snapshot::{PciLink, SecureBoot, Snapshot, Timestamp};
 use serde::{Deserialize, Serialize};
@@ -213,7 +213,7 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
         .into_iter()
         .map(|g| {
             let prefix = g.address_without_function();
-            let (kmsg, nvml) = crate::checks::gpu::events_for(s, &g.address);
+            let (kmsg, nvml) = crate::checks::xid::events_for(s, &g.address);
             let xids = summarize(&kmsg, &nvml);
             let status = findings
                 .iter()
