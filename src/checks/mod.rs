@@ -145,6 +145,7 @@ pub const CATALOG: &[&str] = &[
     "fabric.manager-running",
     "fabric.manager-version",
     "fabric.state",
+    "fabric.sxid",
     "nvlink.links-active",
     "nvlink.errors",
     "gpu.xid",
@@ -425,6 +426,7 @@ pub(crate) mod testutil {
             decoder_utilization: Nv::Value(0),
             nvlink_throughput: Nv::Value(NvLinkThroughput { tx_kib: 1 << 20, rx_kib: 1 << 20 }),
             nvlink_p2p: Nv::Value((0x09..0x11u8).filter(|b| *b != bus).map(|b| format!("0000:{b:02x}:00.0")).collect()),
+            recovery_action: Nv::Value(0),
         }
     }
 

@@ -534,10 +534,12 @@ impl Dcgm {
         // gauge holds DCGM's last value; 0 with "No Error" before any.
         let last =
             g.xids.iter().max_by(|a, b| a.last_seen_s.partial_cmp(&b.last_seen_s).unwrap_or(std::cmp::Ordering::Equal));
+        // err_msg: the catalog's description (NVIDIA's own words for the code, as DCGM's).
         let (code, msg) = match last {
-            Some(x) => {
-                (x.code.clone(), x.code.parse().ok().and_then(crate::facts::xid).map_or("Unknown Error", |i| i.meaning))
-            }
+            Some(x) => (
+                x.code.clone(),
+                x.code.parse().ok().and_then(crate::checks::xid::xid).map_or("Unknown Error", |e| e.description),
+            ),
             None => ("0".to_string(), "No Error"),
         };
         let xid_labels = plus(&plus(&labels, "err_code", &code), "err_msg", msg);
@@ -759,7 +761,7 @@ mod tests {
         let r = crate::report::build(&s, crate::checks::run(&s, &Default::default()), "vm".into(), s.observed_at, 1);
         let m = render(&s, &r, true);
         let line = m.text.lines().find(|l| l.starts_with("DCGM_FI_DEV_XID_ERRORS{gpu=\"3\"")).unwrap_or_default();
-        assert!(line.contains(r#"err_code="13",err_msg="graphics engine exception"} 13"#), "{line}");
+        assert!(line.contains(r#"err_code="13",err_msg="Graphics Engine Exception"} 13"#), "{line}");
     }
 
     #[test]
