@@ -15,6 +15,111 @@ pub fn read(root: &Sysroot) -> Fact<KernelLog> {
     }
 }
 
+/// How often a follower looks for new records (and for being stopped).
+const FOLLOW_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Follows the kernel log from the moment it starts, on a thread of its own, and hands every
+/// SXid report to `deliver` as the driver writes it (NVML reports Xids as events, but nothing
+/// reports SXids except the kernel log). A live `/dev/kmsg` is read from its end: the kernel
+/// documents `SEEK_END` on it as "seek after the last record", from which reads return new
+/// records one per `read` (Documentation/ABI/testing/dev-kmsg); a regular file standing for it
+/// (a fixture, a test) is read as it grows. Dropping the follower stops the thread within one
+/// poll; so does `deliver` answering false.
+pub struct Follower {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Follower {
+    pub fn start(
+        root: &Sysroot,
+        mut deliver: impl FnMut(SxidEvent) -> bool + Send + 'static,
+    ) -> std::io::Result<Follower> {
+        use std::io::{Read, Seek, SeekFrom};
+        use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+        use std::sync::atomic::Ordering;
+        let path = root.resolve("dev/kmsg").map_err(|e| std::io::Error::new(e.source.kind(), e.to_string()))?;
+        let device = std::fs::metadata(&path)?.file_type().is_char_device();
+        let mut file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&path)?;
+        let mut offset = file.seek(SeekFrom::End(0))?;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new().name("kmsg-follow".into()).spawn(move || {
+            let mut pending = String::new();
+            // One record is at most about 8 KiB (see Sysroot::read_kmsg).
+            let mut buf = vec![0u8; 16 * 1024];
+            let mut hand_over = |line: &str| -> bool {
+                let Some(rec) = parse_record(line) else { return true };
+                let Some(mut sxid) = parse_sxid(rec.message) else { return true };
+                sxid.usec = rec.usec;
+                sxid.seq = rec.seq;
+                deliver(sxid)
+            };
+            while !stopped.load(Ordering::Relaxed) {
+                if device {
+                    use std::os::fd::AsRawFd;
+                    let mut fd = libc::pollfd { fd: file.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                    // SAFETY: one valid pollfd for a descriptor this thread owns, count 1.
+                    let ready = unsafe { libc::poll(&mut fd, 1, FOLLOW_POLL.as_millis() as i32) };
+                    if ready <= 0 {
+                        continue;
+                    }
+                    match file.read(&mut buf) {
+                        Ok(0) => std::thread::sleep(FOLLOW_POLL),
+                        Ok(n) => {
+                            if !hand_over(String::from_utf8_lossy(&buf[..n]).trim_end_matches('\n')) {
+                                return;
+                            }
+                        }
+                        // EAGAIN: nothing after all; EPIPE: the ring overwrote the record about
+                        // to be read, and the next read goes on at the oldest one still there.
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "the kernel log cannot be followed; SXids will show at each snapshot");
+                            return;
+                        }
+                    }
+                } else {
+                    std::thread::sleep(FOLLOW_POLL);
+                    let Ok(len) = file.metadata().map(|m| m.len()) else { continue };
+                    if len < offset {
+                        // Rewritten shorter: follow the new contents from their start.
+                        offset = 0;
+                        pending.clear();
+                    }
+                    if len == offset || file.seek(SeekFrom::Start(offset)).is_err() {
+                        continue;
+                    }
+                    let mut chunk = Vec::new();
+                    if (&mut file).take(len - offset).read_to_end(&mut chunk).is_err() {
+                        continue;
+                    }
+                    offset += chunk.len() as u64;
+                    pending.push_str(&String::from_utf8_lossy(&chunk));
+                    while let Some(end) = pending.find('\n') {
+                        let line: String = pending.drain(..=end).collect();
+                        if !hand_over(line.trim_end_matches('\n')) {
+                            return;
+                        }
+                    }
+                }
+            }
+        })?;
+        Ok(Follower { stop, thread: Some(thread) })
+    }
+}
+
+impl Drop for Follower {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// One kernel log line split into its kmsg header fields (when it has them) and the message.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Record<'a> {
@@ -241,6 +346,36 @@ mod tests {
         assert_eq!((s.sxid, s.raw_code.as_str()), (None, "99999999999"));
         assert_eq!(parse_sxid("nvidia-nvswitch3: SXid (PCI:0000:c1:00.0): garbled, Fatal"), None);
         assert_eq!(parse_sxid("nvidia-nvswitch2: open (major=510)"), None);
+    }
+
+    /// A regular file standing for /dev/kmsg: what was there before the follower started is not
+    /// handed over, what is appended after is, one report per SXid (not its detail lines), and
+    /// a line written in two pieces is read whole.
+    #[test]
+    fn the_follower_hands_over_new_sxids_only() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("dev")).unwrap();
+        let kmsg = dir.path().join("dev/kmsg");
+        std::fs::write(
+            &kmsg,
+            "4,1,1,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up\n",
+        )
+        .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let follower = Follower::start(&Sysroot::new(dir.path()), move |x| tx.send(x).is_ok()).unwrap();
+        let mut f = std::fs::OpenOptions::new().append(true).open(&kmsg).unwrap();
+        write!(f, "4,2,2,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Non-fatal, Link 32 egress").unwrap();
+        f.flush().unwrap();
+        std::thread::sleep(FOLLOW_POLL * 2);
+        writeln!(f, " non-posted PRIV error (First)").unwrap();
+        writeln!(f, "4,3,3,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Severity 0 Engine instance 32 Sub-engine instance 00").unwrap();
+        writeln!(f, "4,4,4,-;NVRM: Xid (PCI:0000:0c:00): 13, pid=1, name=x, y").unwrap();
+        let got = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("the appended SXid");
+        assert_eq!((got.sxid, got.fatal, got.seq), (Some(12028), false, Some(2)));
+        assert_eq!(got.message, "Link 32 egress non-posted PRIV error (First)");
+        assert!(rx.recv_timeout(FOLLOW_POLL * 3).is_err(), "nothing else is a report");
+        drop(follower);
     }
 
     #[test]

@@ -139,6 +139,18 @@ pub enum Event {
         #[serde(default = "one")]
         count: u64,
     },
+    /// An NVSwitch SXid, from the kernel log (rule 9 of serve).
+    Sxid {
+        /// The NVSwitch's PCI address.
+        nvswitch: String,
+        sxid: u64,
+        /// The driver's word: `Fatal` or `Non-fatal`.
+        fatal: bool,
+        source: String,
+        /// As for Xids: 1 for the first, the repeats in one event at the window's end.
+        #[serde(default = "one")]
+        count: u64,
+    },
     SeverityChange {
         check: String,
         gpu: Option<String>,
@@ -179,6 +191,29 @@ pub fn event_report(base: &Report, event: Event) -> Report {
                 .filter(|f| {
                     f.gpu.as_deref().is_some_and(|g| keys.iter().any(|k| k.eq_ignore_ascii_case(g)) || g == gpu)
                 })
+                .cloned()
+                .collect();
+            (gpus, findings)
+        }
+        // The NVSwitch's finding, and the GPUs whose fabric a fatal one took down with theirs.
+        Event::Sxid { nvswitch, .. } => {
+            let findings: Vec<Finding> = base
+                .findings
+                .iter()
+                .filter(|f| f.severity != Severity::Pass && f.id == "fabric.sxid")
+                .filter(|f| {
+                    f.gpu.as_deref() == Some(nvswitch.as_str())
+                        || f.evidence
+                            .get("nvswitches")
+                            .and_then(|v| v.as_array())
+                            .is_some_and(|a| a.iter().any(|s| s == nvswitch.as_str()))
+                })
+                .cloned()
+                .collect();
+            let gpus = base
+                .gpus
+                .iter()
+                .filter(|g| findings.iter().any(|f| f.gpu.as_deref() == Some(g.pci_address.as_str())))
                 .cloned()
                 .collect();
             (gpus, findings)
