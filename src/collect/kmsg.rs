@@ -15,7 +15,8 @@ pub fn read(root: &Sysroot) -> Fact<KernelLog> {
     }
 }
 
-/// How often a follower looks for new records (and for being stopped).
+/// How often a follower looks for new records (and for being stopped): our choice, well under
+/// the service's 10-second Xid window so an SXid is judged within a second of its line.
 const FOLLOW_POLL: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Follows the kernel log from the moment it starts, on a thread of its own, and hands every

@@ -353,12 +353,12 @@ fn verdict(ctx: &Context, x: &XidSummary) -> Verdict {
         Immediate::WorkflowNvlinkErr => Verdict::new(
             Fail,
             format!("{} Afterwards `nvidia-smi nvlink -s` should show every link up and `nvidia-smi nvlink -e` no growing error counts; the fault may be at the far end of a link (another GPU, or an NVSwitch: see fabric.sxid).", words::reset(gpu)),
-            named("WORKFLOW_NVLINK_ERR, NVIDIA's NVLink workflow: a GPU reset to retrain the links, then the error registers decoded"),
+            named("WORKFLOW_NVLINK_ERR, its NVLink workflow: a GPU reset to retrain the links, then the error registers decoded"),
         ),
         Immediate::WorkflowNvlink5Err => Verdict::new(
             Fail,
             words::reset(gpu),
-            named("WORKFLOW_NVLINK5_ERR, NVIDIA's NVLink5 workflow: the Xid's IntrInfo and error status decide, most often a GPU reset"),
+            named("WORKFLOW_NVLINK5_ERR, its NVLink5 workflow: the Xid's IntrInfo and error status decide, most often a GPU reset"),
         ),
         Immediate::WorkflowXid48 => {
             let remap = ctx.nvml.and_then(|g| g.remapped_rows.value()).is_some_and(|r| r.pending || r.failure);
@@ -366,10 +366,10 @@ fn verdict(ctx: &Context, x: &XidSummary) -> Verdict {
                 Verdict::new(
                     Fail,
                     format!("Drain the GPU (let its jobs finish, start no new ones), then reset it so the row remap takes effect. {}", words::reset(gpu)),
-                    named("WORKFLOW_XID_48, NVIDIA's double-bit ECC workflow: with Xid 63/64 or a pending remap, drain and reset"),
+                    named("WORKFLOW_XID_48, its double-bit ECC workflow: with Xid 63/64 or a pending remap, drain and reset"),
                 )
             } else {
-                Verdict::new(Fail, words::reset(gpu), named("WORKFLOW_XID_48, NVIDIA's double-bit ECC workflow: alone, a GPU reset"))
+                Verdict::new(Fail, words::reset(gpu), named("WORKFLOW_XID_48, its double-bit ECC workflow: alone, a GPU reset"))
             }
         }
         Immediate::WorkflowXid45 => {
@@ -427,7 +427,9 @@ fn recovery(action: u32, gpu: &str) -> (Severity, &'static str, String) {
         2 => (Severity::Fail, "node reboot required", "Restart the VM. If NVML still asks for a reboot after it, the host must be restarted: report it to the platform with `phq-agent doctor --bundle`.".into()),
         3 => (Severity::Warn, "drain P2P", "Stop every process that uses peer-to-peer (NVLink) traffic on this GPU, and UVM persistence mode if it is on; then run doctor again: NVML then names the next action.".into()),
         4 => (Severity::Fail, "drain and reset", format!("Let the GPU's jobs finish and start no new ones, then reset it. {}", words::reset(gpu))),
-        _ => (Severity::Warn, "an action this agent does not know", "Run `nvidia-smi -q -i <gpu>` to read the recovery action in the driver's words, and report it to the platform with `phq-agent doctor --bundle`.".into()),
+        // 5 is named RECOVER_IMEX_DOMAIN in go-nvml's nvml.h (2026-07) and GPU_RESET_BUS in
+        // nvidia-ml-py: not settled, and neither is a tenant's to act on.
+        _ => (Severity::Warn, "an action this agent does not name", "NVML asks for a recovery action nvml.h, as this agent read it, does not define for a tenant: report it to the platform with `phq-agent doctor --bundle`.".into()),
     }
 }
 
@@ -462,7 +464,7 @@ fn xid154(ctx: &Context, x: &XidSummary, named: String) -> Verdict {
         (None, None) => {
             return Verdict::new(
                 Severity::Warn,
-                format!("Read the recovery action with `nvidia-smi -q -i {}` and follow it; report the GPU if it asks for a reset or reboot.", ctx.address),
+                format!("Xid 154 only accompanies another Xid's recovery: follow the other Xids on this GPU, and reset it when its jobs allow. {}", words::reset(ctx.address)),
                 format!("{named} Neither the line ({}) nor NVML says which action.", if x.last_message.is_empty() { "reported through NVML's event set" } else { x.last_message.as_str() }),
             )
         }

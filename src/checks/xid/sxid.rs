@@ -222,7 +222,7 @@ fn judge_switch(s: &Snapshot, address: &str, events: &[&SxidEvent]) -> Finding {
             "unlisted" => format!("not in the {SXID_GUIDE} tables (read {SXID_READ})"),
             t => format!("the guide lists it as {t}"),
         };
-        detail.push(format!("SXid {} ({}): {listed}; last: {}", x.code, x.name, x.last_message));
+        detail.push(format!("SXid {} ({}): {listed}; last report: \"{}\".", x.code, x.name, x.last_message));
     }
     let f = if fatal {
         let (gpus, from_nvml) = gpus_behind(s, address);

@@ -8,8 +8,9 @@ use super::catalog::XID_READ;
 
 /// A GPU reset as a tenant can do it. `nvidia-smi -r` resets one GPU that no process holds (the
 /// nvidia-smi manual page, quoted in the Fabric Manager User Guide, "GPU VM System Reset
-/// Capabilities and Limitations"); in a passthrough VM whether that works depends on the
-/// hypervisor, and a VM restart always resets its GPUs (same guide, "Hopper and NVSwitch").
+/// Capabilities and Limitations"; `--query-compute-apps` lists the processes, same manual);
+/// in a passthrough VM whether that works depends on the hypervisor, and a VM restart always
+/// resets its GPUs (same guide, "Hopper and NVSwitch").
 pub fn reset(gpu: &str) -> String {
     format!(
         "Stop the processes on the GPU (`nvidia-smi --query-compute-apps=pid,process_name --format=csv -i {gpu}` lists them) and reset it with `nvidia-smi -r -i {gpu}`; if the reset is refused in this VM or the GPU stays unusable, restart the VM, which resets every GPU passed through to it. If the Xid comes back after the reset, report the GPU to the platform with `phq-agent doctor --bundle`."
@@ -51,7 +52,7 @@ pub fn investigatory(bucket: &str) -> String {
         "" => "NVIDIA's catalog names no investigation for it.".into(),
         "CONTACT_SUPPORT" => "NVIDIA wants its support to see it: report it to the platform with a bundle.".into(),
         "CHECK_APP/CUDA" => "Usually the application passed bad data or used the API wrongly; the Xid line's pid points at it. If the application is known good, it is a driver bug to report.".into(),
-        "WORKFLOW_XID_13" => "Repeats on this GPU across different SMs point at the hardware (run DCGM's diagnostics, `dcgmi diag -r 3`); a lone one, or one that follows the program across GPUs, is the program's (run it under compute-sanitizer).".into(),
+        "WORKFLOW_XID_13" => "Repeats on this GPU across different SMs point at the hardware (run DCGM's diagnostics); a lone one, or one that follows the program across GPUs, is the program's (run it under compute-sanitizer).".into(),
         "WORKFLOW_XID_31" => "MMU faults that repeat on this GPU across runs point at the hardware (DCGM diagnostics); faults that follow the program across GPUs are its own bug (compute-sanitizer).".into(),
         "WORKFLOW_XID_48" => "Alone, NVIDIA asks for its field diagnostics; with Xid 63 or 64, follow the row-remapping result (gpu.row-remap). For an SRAM error, the SRAM error threshold decides whether the GPU is replaced.".into(),
         "INVESTIGATE_SW" => "A software problem, the application's or NVIDIA's: the Xid line's pid points at where it came from; if it is not the application, report a driver bug.".into(),
