@@ -377,6 +377,9 @@ pub struct KernelLog {
     /// Lines that were not kernel log records (kept out of the counts, noted for support).
     pub malformed: usize,
     pub xids: Vec<XidEvent>,
+    /// NVSwitch SXid reports (`nvidia-nvswitchN: SXid (PCI:…): code, Fatal|Non-fatal, …`).
+    #[serde(default)]
+    pub sxids: Vec<SxidEvent>,
     pub bar_errors: Vec<BarError>,
     /// `NVRM: GPU at PCI:0000:9b:00: GPU-…` lines, linking PCI addresses to UUIDs.
     pub gpu_uuids: Vec<GpuUuidLine>,
@@ -392,6 +395,29 @@ pub struct XidEvent {
     /// Microseconds since boot, from the kmsg record.
     pub usec: Option<u64>,
     pub seq: Option<u64>,
+    pub message: String,
+}
+
+/// One SXid report of the NVSwitch driver. The driver follows a report with lines of detail for
+/// the same error (`…: 11004, Severity 0 Engine instance 42 …`, `…: 11004, Data {…}`); those are
+/// not reports and are not kept.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SxidEvent {
+    /// The driver's name for the switch, `nvswitch3`.
+    pub device: String,
+    /// `0000:05:00.0`, as the driver prints it (with the function number).
+    pub pci: String,
+    /// The SXid; `None` when the number in the line is not one (kept, so it is not lost).
+    pub sxid: Option<u32>,
+    pub raw_code: String,
+    /// The driver's own word: `Fatal` (true) or `Non-fatal` (false).
+    pub fatal: bool,
+    /// The NVLink port, when the line names one (`Link 32`).
+    pub link: Option<u32>,
+    /// Microseconds since boot, from the kmsg record.
+    pub usec: Option<u64>,
+    pub seq: Option<u64>,
+    /// What follows the severity word: `Link 32 egress non-posted PRIV error (First)`.
     pub message: String,
 }
 
@@ -687,6 +713,11 @@ pub struct NvmlGpu {
     /// (`nvmlDeviceGetP2PStatus` with `NVML_P2P_CAPS_INDEX_NVLINK` answering OK).
     #[serde(default)]
     pub nvlink_p2p: Nv<Vec<String>>,
+    /// What NVML says the GPU needs to recover (field `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`, the
+    /// raw `nvmlDeviceGpuRecoveryAction_t`: 0 none, 1 GPU reset, 2 node reboot, 3 drain P2P,
+    /// 4 drain and reset; nvml.h). Drivers before the field existed answer not supported.
+    #[serde(default)]
+    pub recovery_action: Nv<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

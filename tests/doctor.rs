@@ -170,15 +170,78 @@ fn half_installed_driver_points_at_the_build() {
 fn xid_79_fails_only_the_gpu_that_fell_off() {
     let (code, r) = doctor("hgx-8gpu-xid79", "empty");
     assert_eq!(code, 2);
-    assert_eq!(bad(&r), vec![("gpu.xid".into(), "0000:0c:00.0".into(), "fail".into())]);
-    // Xid 13 on another GPU is the application's fault: reported, not failed.
+    assert_eq!(
+        bad(&r),
+        vec![
+            ("gpu.xid".into(), "0000:0c:00.0".into(), "fail".into()),
+            ("gpu.xid".into(), "0000:0d:00.0".into(), "warn".into())
+        ]
+    );
+    // Xid 13 on another GPU is the application's: a warning naming it, the GPU not failed.
     let f = findings(&r, "gpu.xid").into_iter().find(|f| f["gpu"] == "0000:0d:00.0").unwrap();
-    assert_eq!(f["severity"], "pass");
-    assert!(f["summary"].as_str().unwrap().contains("Xid 13"));
+    assert_eq!(f["summary"], "Xid 13 (Graphics Engine Exception) ×1");
+    assert!(f["remedy"].as_str().unwrap().starts_with("Restart python3 (pid 48211)."), "{f:#}");
     let gpu = r["gpus"].as_array().unwrap().iter().find(|g| g["pci_address"] == "0000:0c:00.0").unwrap();
     assert_eq!(gpu["uuid"], "GPU-7e1f0b2c-55c4-c1a4-9b33-2f1d0e4c8a71");
     assert_eq!(gpu["xids"][0]["code"], "79");
     assert_eq!(gpu["xids"][0]["count"], 1);
+}
+
+/// The guide's two kinds of SXid, in a guest's kernel log: the fatal one fails its NVSwitch and
+/// the NVLink fabric of every GPU behind it, the non-fatal one warns its NVSwitch only; the
+/// driver's lines of detail after each report are not counted as reports.
+#[test]
+fn nvswitch_sxids_fail_and_warn_the_right_switch() {
+    let (code, r) = doctor("hgx-8gpu-sxid", "empty");
+    assert_eq!(code, 2);
+    let sxid = |dev: &str| findings(&r, "fabric.sxid").into_iter().find(|f| f["gpu"] == dev).unwrap().clone();
+    let fatal = sxid("0000:11:00.0");
+    assert_eq!(
+        (fatal["severity"].as_str(), fatal["summary"].as_str()),
+        (Some("fail"), Some("SXid 20034 (LTSSM Fault Up) fatal ×1"))
+    );
+    assert!(fatal["remedy"].as_str().unwrap().starts_with("Restart the VM"), "{fatal:#}");
+    let non_fatal = sxid("0000:14:00.0");
+    assert_eq!(
+        (non_fatal["severity"].as_str(), non_fatal["summary"].as_str()),
+        (Some("warn"), Some("SXid 12028 (egress non-posted PRIV error) non-fatal ×1"))
+    );
+    for quiet in ["0000:12:00.0", "0000:13:00.0"] {
+        assert_eq!(sxid(quiet)["severity"], "pass", "{quiet}");
+    }
+    // Every GPU's fabric is down (NVML is not read here, so all of the VM's GPUs are behind it).
+    let gpus: Vec<&Value> =
+        findings(&r, "fabric.sxid").into_iter().filter(|f| f["gpu"].as_str().is_some_and(|g| g < "0000:11")).collect();
+    assert_eq!(gpus.len(), 8);
+    assert!(gpus.iter().all(|f| f["severity"] == "fail"));
+    // The GPU that saw the fatal SXid as Xid 74 says where it came from.
+    let x74 = findings(&r, "gpu.xid").into_iter().find(|f| f["gpu"] == "0000:0a:00.0").unwrap();
+    assert_eq!(x74["severity"], "fail");
+    assert!(x74["detail"].as_str().unwrap().contains("see fabric.sxid"), "{x74:#}");
+}
+
+/// Codes the agent's old hand-made table did not know get NVIDIA's catalog action, and the
+/// application's Xid 13 names its process.
+#[test]
+fn xids_are_judged_by_nvidias_catalog() {
+    let (code, r) = doctor("hgx-8gpu-xid-catalog", "empty");
+    assert_eq!(code, 2);
+    let xid = |gpu: &str| findings(&r, "gpu.xid").into_iter().find(|f| f["gpu"] == gpu).unwrap().clone();
+    for (gpu, summary, remedy) in [
+        ("0000:09:00.0", "Xid 46 (GPU stopped processing) ×1", "nvidia-smi -r -i 0000:09:00.0"),
+        ("0000:0a:00.0", "Xid 110 (Security Fault Error) ×1", "nvidia-smi -r -i 0000:0a:00.0"),
+        ("0000:0b:00.0", "Xid 151 (Key rotation Error) ×1", "Restart the VM that owns the GPU"),
+        ("0000:0c:00.0", "Xid 156 (Resource Retirement Event) ×1", "nvidia-smi -r -i 0000:0c:00.0"),
+        ("0000:0d:00.0", "Xid 158 (GPU Fatal Timeout) ×1", "nvidia-smi -r -i 0000:0d:00.0"),
+    ] {
+        let f = xid(gpu);
+        assert_eq!((f["severity"].as_str(), f["summary"].as_str()), (Some("fail"), Some(summary)), "{gpu}");
+        assert!(f["remedy"].as_str().unwrap().contains(remedy), "{gpu}: {f:#}");
+    }
+    let app = xid("0000:0e:00.0");
+    assert_eq!(app["severity"], "warn");
+    assert!(app["remedy"].as_str().unwrap().starts_with("Restart python3 (pid 48211)."));
+    assert_eq!(r["gpus"][5]["xids"][0]["resolution"], "RESTART_APP");
 }
 
 #[test]

@@ -60,6 +60,27 @@ fn fabric_not_started_explains_error_802() {
     assert!(findings(&r, "nvlink.links-active").iter().all(|f| f["severity"] == "fail"));
 }
 
+/// NVML's recovery action (field 230) read through the real library path: Xid 154 follows it,
+/// and it governs the GPU's finding.
+#[test]
+fn xid_154_follows_the_recovery_action_nvml_reads() {
+    let Some((code, r, _)) = run("hgx-8gpu-healthy", "hgx-8gpu-xid154-reset-required", None) else { return };
+    assert_eq!(code, 2);
+    assert_eq!(bad(&r), vec![row("gpu.xid", "0000:0d:00.0", "fail")]);
+    let f = findings(&r, "gpu.xid").into_iter().find(|f| f["gpu"] == "0000:0d:00.0").unwrap();
+    assert_eq!(
+        f["summary"],
+        "Xid 62 (Internal micro-controller halt (newer drivers)) ×1, Xid 154 (GPU Recovery Action Changed) ×1"
+    );
+    assert_eq!(f["evidence"]["recovery_action"], serde_json::json!({"value": 1}));
+    let detail = f["detail"].as_str().unwrap();
+    assert!(detail.contains("The action is 1 (GPU reset required), from NVML's current recovery action"), "{detail}");
+    assert!(f["remedy"].as_str().unwrap().contains("nvidia-smi -r -i 0000:0d:00.0"));
+    // The other GPUs' scenario has no field 230 (an older driver): no action, no alarm.
+    let other = findings(&r, "gpu.xid").into_iter().find(|f| f["gpu"] == "0000:09:00.0").unwrap();
+    assert_eq!(other["severity"], "pass");
+}
+
 #[test]
 fn xid_79_names_the_gpu_that_fell_off() {
     let Some((code, r, _)) = run("hgx-8gpu-healthy", "hgx-8gpu-xid79", None) else { return };

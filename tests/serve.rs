@@ -34,6 +34,11 @@ impl Drop for Agent {
 /// private NOTIFY_SOCKET; `token_mode` is the token file's mode. It listens on a port the
 /// kernel picks (`127.0.0.1:0`), read back from /proc. None: a skip (no dbus-daemon).
 fn start(token_mode: u32, state_dir: Option<&Path>) -> Option<(Agent, std::path::PathBuf)> {
+    start_on(&repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"), token_mode, state_dir)
+}
+
+/// As `start`, over the sysroot `root`.
+fn start_on(root: &Path, token_mode: u32, state_dir: Option<&Path>) -> Option<(Agent, std::path::PathBuf)> {
     let dir = tempfile::tempdir().unwrap();
     let token = dir.path().join("token");
     std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
@@ -53,7 +58,7 @@ fn start(token_mode: u32, state_dir: Option<&Path>) -> Option<(Agent, std::path:
     let notify = UnixDatagram::bind(&notify_path).unwrap();
     notify.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let bus = PrivateBus::start(HEALTHY_UNITS)?;
-    let mut child = serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus)
+    let mut child = serve_command_on(root, &cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus)
         .env("NOTIFY_SOCKET", &notify_path)
         .stderr(Stdio::piped())
         .spawn()
@@ -162,6 +167,71 @@ fn ready_after_the_first_snapshot_then_serves_with_credentials_only() {
     assert!(r.contains("application/openmetrics-text; version=1.0.0"));
     assert!(body(&r).trim_end().ends_with("# EOF"));
     assert_eq!(get(a.port, "/nothing-here", &auth()).0, 404);
+}
+
+/// The Fabric Manager guide's two kinds of SXid, written to the kernel log of a running
+/// service (the first line in two writes, and each report followed by the driver's lines of
+/// detail): both reach /metrics, counted per NVSwitch and code from a total born at 0, and
+/// fail and warn the right NVSwitch in /v1/status, as they arrive rather than at the next
+/// 30-second snapshot.
+#[test]
+fn sxids_reach_metrics_and_status_as_the_driver_writes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("guest");
+    let copied = Command::new("cp")
+        .arg("-a")
+        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
+        .arg(&root)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let Some((a, _)) = start_on(&root, 0o600, None) else { return };
+    wait_ready(&a);
+    let metrics = || body(&get(a.port, "/metrics", &auth()).1).to_string();
+    let zero = r#"phq_nvswitch_sxids_total{nvswitch="0000:11:00.0"} 0"#;
+    assert!(metrics().contains(zero), "every NVSwitch's total is there from the start");
+    let started = Instant::now();
+    let mut kmsg = std::fs::OpenOptions::new().append(true).open(root.join("dev/kmsg")).unwrap();
+    write!(kmsg, "3,5001,9100000000,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30").unwrap();
+    kmsg.flush().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    writeln!(kmsg, " LTSSM Fault Up").unwrap();
+    writeln!(kmsg, "3,5002,9100000100,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Severity 1 Engine instance 30 Sub-engine instance 00").unwrap();
+    writeln!(kmsg, "4,5003,9200000000,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)").unwrap();
+    writeln!(kmsg, "4,5004,9200000100,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Data {{0x00000000, 0x00000010, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000}}").unwrap();
+    kmsg.flush().unwrap();
+    let want = [
+        r#"phq_nvswitch_sxids_total{nvswitch="0000:11:00.0"} 1"#,
+        r#"phq_nvswitch_sxid_errors_total{nvswitch="0000:11:00.0",sxid="20034",severity="fatal"} 1"#,
+        r#"phq_nvswitch_sxids_total{nvswitch="0000:14:00.0"} 1"#,
+        r#"phq_nvswitch_sxid_errors_total{nvswitch="0000:14:00.0",sxid="12028",severity="non_fatal"} 1"#,
+    ];
+    let mut m = metrics();
+    while !want.iter().all(|w| m.contains(w)) {
+        assert!(
+            started.elapsed() < Duration::from_secs(25),
+            "not in /metrics: {:?}\n{m}",
+            want.iter().filter(|w| !m.contains(*w)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+        m = metrics();
+    }
+    // Sooner than the next scheduled snapshot: the first SXid of its kind asked for one.
+    assert!(started.elapsed() < serve_interval(), "took {:?}", started.elapsed());
+    let (_, r) = get(a.port, "/v1/status", &auth());
+    let report: Value = serde_json::from_str(body(&r)).unwrap();
+    validate(&report);
+    let sxid =
+        |dev: &str| findings(&report, "fabric.sxid").into_iter().find(|f| f["gpu"] == dev).unwrap()["severity"].clone();
+    assert_eq!(
+        (sxid("0000:11:00.0"), sxid("0000:14:00.0"), sxid("0000:12:00.0")),
+        ("fail".into(), "warn".into(), "pass".into())
+    );
+}
+
+/// The service's snapshot interval (serve rule 1).
+fn serve_interval() -> Duration {
+    phq_agent::serve::SNAPSHOT_INTERVAL
 }
 
 #[test]
@@ -362,8 +432,11 @@ fn grafana_dashboard_queries_only_metrics_the_agent_serves() {
     // Counters of events (Xids) have no series until the first event; they count as served
     // when the agent declares them.
     let source = std::fs::read_to_string(common::repo().join("src/serve/metrics.rs")).unwrap();
-    let event_counters: Vec<&str> =
-        source.split("fam.counter(\"").skip(1).filter_map(|r| r.split('"').next()).collect();
+    let event_counters: Vec<&str> = source
+        .split("fam.counter(")
+        .skip(1)
+        .filter_map(|r| r.trim_start().strip_prefix('"').and_then(|r| r.split('"').next()))
+        .collect();
     let path = common::repo().join("dashboards/phq-agent.json");
     let dash: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let mut used = 0;

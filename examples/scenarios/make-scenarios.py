@@ -115,6 +115,16 @@ def ecc_dbe():
     return s
 
 
+def xid154_reset_required():
+    """GPU 0000:0d:00.0 halted its micro-controller (Xid 62), and the driver changed its recovery
+    action to "GPU reset required" (Xid 154; NVML field 230 reads 1 from then on)."""
+    s = hgx()
+    d = s["devices"][4]
+    d["xid_events"] = [{"xid": 62, "after_ms": 0}, {"xid": 154, "after_ms": 0}]
+    d["recovery_action"] = 1
+    return s
+
+
 def pcie_thermal():
     """GPU 0000:0e:00.0 under load on a Gen3 x8 link, held down by HW thermal slowdown."""
     s = hgx()
@@ -203,6 +213,7 @@ SCENARIOS = {
     "hgx-8gpu-fabric-not-started": fabric_not_started,
     "hgx-8gpu-xid79": xid79,
     "hgx-8gpu-ecc-dbe-remap-pending": ecc_dbe,
+    "hgx-8gpu-xid154-reset-required": xid154_reset_required,
     "hgx-8gpu-pcie-degraded-thermal": pcie_thermal,
     "hgx-8gpu-nvlink-down": nvlink_down,
     "hgx-8gpu-nvlink-p2p-off": hgx_nvlink_p2p_off,

@@ -1,175 +1,13 @@
-//! gpu.xid (the kernel log and NVML's event set, merged) and gpu.sku-known (the PCI id).
+//! The GPU as a device: gpu.sku-known (its PCI id), and per GPU from NVML driver.persistence,
+//! gpu.pcie-link and gpu.pcie-replay (its host link) and gpu.mig-pending.
 
+use super::nvml::{missing, on_off};
 use super::{gpu_model, Finding};
-use crate::facts::{self, XidClass};
-use crate::snapshot::{Fact, Snapshot, XidEvent};
-use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use crate::facts;
+use crate::snapshot::{Nv, NvmlGpu, Snapshot};
 
 pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
-    xid(s, out);
     sku_known(s, out);
-}
-
-/// One Xid code on one GPU, summed over both sources: what `gpu.xid` shows and the report carries.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct XidSummary {
-    pub code: String,
-    /// Reports of this code. The kernel log holds every report since boot and NVML's event set
-    /// only those while the agent listened, so the same Xid is usually in both: the count is
-    /// the larger of the two, never their sum.
-    pub count: usize,
-    pub meaning: String,
-    /// Seconds since boot of the first and last report, when the log carries timestamps.
-    pub first_seen_s: Option<f64>,
-    pub last_seen_s: Option<f64>,
-    pub last_message: String,
-    /// `kmsg`, `nvml`, or both.
-    pub sources: Vec<String>,
-}
-
-/// Groups Xid reports per code from the kernel log and NVML's event set, worst first.
-pub fn summarize(kmsg: &[&XidEvent], nvml: &[u64]) -> Vec<XidSummary> {
-    let meaning = |code: Option<u32>| {
-        code.and_then(facts::xid)
-            .map(|x| x.meaning.to_string())
-            .unwrap_or_else(|| "not in the agent's Xid table".into())
-    };
-    let mut by_code: BTreeMap<String, XidSummary> = BTreeMap::new();
-    let blank = |code: &str, m: String| XidSummary {
-        code: code.to_string(),
-        count: 0,
-        meaning: m,
-        first_seen_s: None,
-        last_seen_s: None,
-        last_message: String::new(),
-        sources: Vec::new(),
-    };
-    for e in kmsg {
-        let entry = by_code.entry(e.raw_code.clone()).or_insert_with(|| blank(&e.raw_code, meaning(e.xid)));
-        entry.count += 1;
-        let t = e.usec.map(|u| u as f64 / 1e6);
-        entry.first_seen_s = entry.first_seen_s.or(t);
-        entry.last_seen_s = t.or(entry.last_seen_s);
-        entry.last_message = e.message.clone();
-        if entry.sources.is_empty() {
-            entry.sources.push("kmsg".into());
-        }
-    }
-    let mut nvml_counts: BTreeMap<u64, usize> = BTreeMap::new();
-    for code in nvml {
-        *nvml_counts.entry(*code).or_default() += 1;
-    }
-    for (code, n) in nvml_counts {
-        let key = code.to_string();
-        let entry = by_code.entry(key.clone()).or_insert_with(|| blank(&key, meaning(u32::try_from(code).ok())));
-        entry.count = entry.count.max(n);
-        entry.sources.push("nvml".into());
-    }
-    let mut v: Vec<XidSummary> = by_code.into_values().collect();
-    v.sort_by_key(|x| (std::cmp::Reverse(class_rank(&x.code)), x.code.parse::<u64>().unwrap_or(u64::MAX)));
-    v
-}
-
-/// Reset 3, unknown code 2, watch 1, application 0.
-fn class_rank(code: &str) -> u8 {
-    match code.parse::<u32>().ok().and_then(facts::xid).map(|x| x.class) {
-        Some(XidClass::Reset) => 3,
-        None => 2,
-        Some(XidClass::Watch) => 1,
-        Some(XidClass::Application) => 0,
-    }
-}
-
-/// Xid reports for one GPU address from both sources.
-pub fn events_for<'a>(s: &'a Snapshot, address: &str) -> (Vec<&'a XidEvent>, Vec<u64>) {
-    let prefix = address.rsplit_once('.').map(|(a, _)| a).unwrap_or(address);
-    let kmsg = s
-        .kernel_log
-        .value()
-        .map(|l| l.xids.iter().filter(|e| e.pci == prefix || e.pci == address).collect())
-        .unwrap_or_default();
-    let nvml =
-        s.nvml().map(|n| n.xid_events.iter().filter(|e| e.gpu == address).map(|e| e.xid).collect()).unwrap_or_default();
-    (kmsg, nvml)
-}
-
-fn xid(s: &Snapshot, out: &mut Vec<Finding>) {
-    const ID: &str = "gpu.xid";
-    let nvml_listening = s.nvml().is_some_and(|n| n.events_error.is_none());
-    let sources = match (&s.kernel_log, nvml_listening) {
-        (Fact::Value(l), true) => format!("{} and NVML events", l.source),
-        (Fact::Value(l), false) => l.source.clone(),
-        (Fact::Error(_), _) => "NVML events".into(),
-    };
-    let gpus = s.gpus();
-    let mut addresses: Vec<String> = gpus.iter().map(|g| g.address.clone()).collect();
-    // Xids for an address with no GPU on the bus now (a GPU that fell off the bus): still reported.
-    let known = |a: &str| gpus.iter().any(|g| g.address == a || g.address_without_function() == a);
-    let mut orphans: Vec<String> = Vec::new();
-    for e in s.kernel_log.value().map(|l| l.xids.as_slice()).unwrap_or_default() {
-        if !known(&e.pci) && !orphans.contains(&e.pci) {
-            orphans.push(e.pci.clone());
-        }
-    }
-    for e in s.nvml().map(|n| n.xid_events.as_slice()).unwrap_or_default() {
-        if !known(&e.gpu) && !orphans.contains(&e.gpu) {
-            orphans.push(e.gpu.clone());
-        }
-    }
-    addresses.extend(orphans.iter().cloned());
-    for address in &addresses {
-        let (kmsg, nvml) = events_for(s, address);
-        let f = match (&s.kernel_log, kmsg.is_empty() && nvml.is_empty()) {
-            (Fact::Error(e), true) => Finding::unknown(ID, format!("cannot read the kernel log: {e}"))
-                .remedy("Run doctor as root (or with CAP_SYSLOG) so it can read /dev/kmsg."),
-            _ => judge(&kmsg, &nvml, &sources),
-        };
-        let f = f.gpu(address);
-        out.push(if orphans.contains(address) {
-            Finding { detail: format!("No GPU is at this address on the PCI bus now. {}", f.detail), ..f }
-        } else {
-            f
-        });
-    }
-    if addresses.is_empty() {
-        out.push(match &s.kernel_log {
-            Fact::Value(_) => Finding::pass(ID, "no NVIDIA GPU and no Xid in the kernel log"),
-            Fact::Error(_) => Finding::pass(ID, "no NVIDIA GPU: nothing to check"),
-        });
-    }
-}
-
-fn judge(kmsg: &[&XidEvent], nvml: &[u64], sources: &str) -> Finding {
-    const ID: &str = "gpu.xid";
-    if kmsg.is_empty() && nvml.is_empty() {
-        return Finding::pass(ID, format!("no Xid since boot ({sources})"));
-    }
-    let summary = summarize(kmsg, nvml);
-    let line =
-        summary.iter().map(|x| format!("Xid {} ({}) ×{}", x.code, x.meaning, x.count)).collect::<Vec<_>>().join(", ");
-    let worst = &summary[0];
-    let info = worst.code.parse::<u32>().ok().and_then(facts::xid);
-    let f = match info.map(|i| i.class) {
-        Some(XidClass::Reset) => Finding::fail(ID, line),
-        Some(XidClass::Watch) => Finding::warn(ID, line),
-        Some(XidClass::Application) => {
-            Finding::pass(ID, line).detail("Application-level errors: the application faulted, the GPU did not.")
-        }
-        None => Finding::warn(ID, line)
-            .detail(format!("Xid {} is not in the agent's table; look it up in NVIDIA's Xid catalog.", worst.code)),
-    };
-    let last = if worst.last_message.is_empty() {
-        "Reported through NVML's event set.".to_string()
-    } else {
-        format!("Last report: {}", worst.last_message)
-    };
-    let f = match info {
-        Some(i) if i.class != XidClass::Application => f.remedy(i.action).detail(last),
-        None => f.remedy("Look the code up in NVIDIA's Xid catalog (docs.nvidia.com/deploy/xid-errors) and report it to the platform with `phq-agent doctor --bundle`."),
-        _ => f,
-    };
-    f.evidence("xids", summary)
 }
 
 fn sku_known(s: &Snapshot, out: &mut Vec<Finding>) {
@@ -193,82 +31,141 @@ fn sku_known(s: &Snapshot, out: &mut Vec<Finding>) {
     }
 }
 
+pub(super) fn persistence(s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "driver.persistence";
+    let unit = s.unit(PERSISTENCED);
+    let f = match (&g.persistence_mode, unit) {
+        (Nv::Value(true), Some(u)) if u.active_state != "active" => {
+            Finding::pass(ID, "persistence mode on").detail(format!("nvidia-persistenced is {}: the mode was set another way (`nvidia-smi -pm 1`), which does not survive a reboot.", u.active_state))
+        }
+        (Nv::Value(true), _) => Finding::pass(ID, "persistence mode on"),
+        (Nv::Value(false), u) => Finding::warn(ID, "persistence mode off")
+            .detail("Without persistence the driver tears the GPU down whenever no client holds it: every CUDA start pays seconds of initialisation, and state such as ECC counters and clocks is reloaded.")
+            .remedy(match u {
+                Some(u) if !u.exists() => "Install nvidia-persistenced (it ships with the driver's utilities) and `systemctl enable --now nvidia-persistenced`.",
+                Some(u) if u.active_state == "failed" => "nvidia-persistenced failed: read `journalctl -u nvidia-persistenced -b`, then `systemctl restart nvidia-persistenced`.",
+                _ => "`systemctl enable --now nvidia-persistenced` (the daemon NVIDIA recommends over `nvidia-smi -pm 1`).",
+            }),
+        (other, _) => return missing(ID, "persistence mode", other),
+    };
+    f.evidence("unit", unit)
+}
+
+const PERSISTENCED: &str = "nvidia-persistenced.service";
+
+pub(super) fn pcie_link(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.pcie-link";
+    let p = &g.pcie;
+    let (wc, wm) = match (&p.width_current, &p.width_max) {
+        (Nv::Value(c), Nv::Value(m)) => (*c, *m),
+        (Nv::Value(_), other) | (other, _) => return missing(ID, "PCIe link width", other),
+    };
+    let (gc, gm) = (p.gen_current.value().copied(), p.gen_max.value().copied());
+    let busy = g.utilization.value().is_some_and(|u| u.gpu > 0);
+    let gen_low = matches!((gc, gm), (Some(c), Some(m)) if c < m);
+    let shown = format!(
+        "Gen{} x{wc} of Gen{} x{wm}",
+        gc.map_or("?".into(), |v| v.to_string()),
+        gm.map_or("?".into(), |v| v.to_string())
+    );
+    let remedy = "Report the GPU to the platform: the link trained narrower or slower than the slot (card, riser or retimer). Confirm with `phq-agent probe` (probe.h2d-bandwidth).";
+    let f = if wc * 2 <= wm {
+        Finding::fail(ID, format!("{shown}: link width at half or less"))
+            .detail("Host↔device bandwidth falls in proportion to the width.")
+            .remedy(remedy)
+    } else if wc < wm {
+        Finding::warn(ID, format!("{shown}: narrower link than the GPU supports")).remedy(remedy)
+    } else if gen_low && busy {
+        Finding::warn(ID, format!("{shown}: slower link generation while the GPU is busy")).remedy(remedy)
+    } else if gen_low {
+        Finding::pass(ID, format!("{shown} (idle GPUs lower their link generation)"))
+    } else {
+        Finding::pass(ID, shown)
+    };
+    f.evidence("pcie", p)
+}
+
+pub(super) fn pcie_replay(s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.pcie-replay";
+    let n = match &g.pcie.replay_counter {
+        Nv::Value(n) => *n,
+        other => return missing(ID, "PCIe replay counter", other),
+    };
+    let Some(uptime) = s.host.uptime_s.filter(|u| *u > 0.0) else {
+        return Finding::pass(ID, format!("{n} PCIe replays (uptime unknown, so no rate)")).evidence("replays", n);
+    };
+    let per_minute = n as f64 / (uptime / 60.0).max(1.0);
+    let f = if per_minute > facts::PCIE_REPLAYS_PER_MINUTE {
+        Finding::warn(
+            ID,
+            format!(
+                "{n} PCIe replays since boot, {per_minute:.0} per minute (budget {})",
+                facts::PCIE_REPLAYS_PER_MINUTE
+            ),
+        )
+        .detail("Replays retransmit corrupted PCIe packets: a marginal link costs bandwidth and can end in Xid 79.")
+        .remedy("Report the GPU to the platform (link, riser or retimer); confirm with `phq-agent probe`.")
+    } else {
+        Finding::pass(ID, format!("{n} PCIe replays since boot"))
+    };
+    f.evidence("replays", n).evidence("per_minute", (per_minute * 100.0).round() / 100.0)
+}
+
+pub(super) fn mig_pending(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.mig-pending";
+    match &g.mig_mode {
+        Nv::Value(m) if m.current != m.pending => Finding::warn(ID, format!("MIG {} now, {} after the next GPU reset", on_off(m.current), on_off(m.pending)))
+            .remedy("Reset the GPU (restart the VM) to apply the pending MIG mode, or set it back (`nvidia-smi -i <gpu> -mig 0|1`)."),
+        Nv::Value(m) => Finding::pass(ID, format!("MIG {}, nothing pending", on_off(m.current))),
+        other => missing(ID, "MIG mode", other),
+    }
+    .evidence("mig", &g.mig_mode)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
-    use super::*;
     use crate::checks::Severity;
     use crate::snapshot::*;
 
-    fn with_xids(events: Vec<(&str, &str, u64)>) -> Snapshot {
+    #[test]
+    fn persistence_off_with_missing_daemon() {
         let mut s = healthy();
-        s.kernel_log = Fact::Value(KernelLog {
-            source: "/dev/kmsg".into(),
-            xids: events
-                .into_iter()
-                .map(|(pci, code, usec)| XidEvent {
-                    pci: pci.into(),
-                    xid: code.parse().ok(),
-                    raw_code: code.into(),
-                    usec: Some(usec),
-                    seq: None,
-                    message: "m".into(),
-                })
-                .collect(),
-            ..Default::default()
-        });
-        s
-    }
-
-    fn xids(s: &Snapshot) -> Vec<Finding> {
-        let mut out = Vec::new();
-        run(s, &mut out);
-        out.into_iter().filter(|f| f.id == "gpu.xid").collect()
+        gpu_mut(&mut s, 0).persistence_mode = Nv::Value(false);
+        if let Fact::Value(units) = &mut s.units {
+            units[0].load_state = "not-found".into();
+            units[0].active_state = "inactive".into();
+        }
+        let f = findings(&s);
+        let p = find(&f, "driver.persistence")[0];
+        assert_eq!(p.severity, Severity::Warn);
+        assert!(p.remedy.as_ref().unwrap().starts_with("Install nvidia-persistenced"));
     }
 
     #[test]
-    fn xid_79_fails_the_named_gpu_only() {
-        let f = xids(&with_xids(vec![("0000:0c:00", "79", 5_000_000)]));
-        let bad: Vec<_> = f.iter().filter(|f| f.severity == Severity::Fail).collect();
-        assert_eq!(bad.len(), 1);
-        assert_eq!(bad[0].gpu.as_deref(), Some("0000:0c:00.0"));
-        assert!(bad[0].summary.contains("fallen off the bus"));
-        assert!(bad[0].remedy.as_ref().unwrap().contains("Restart the VM"));
-        assert_eq!(f.iter().filter(|f| f.severity == Severity::Pass).count(), 7);
-    }
-
-    #[test]
-    fn repeats_are_counted_and_worst_first() {
-        let s = with_xids(vec![("0000:09:00", "13", 1), ("0000:09:00", "13", 2), ("0000:09:00", "119", 3)]);
-        let f = &xids(&s)[0];
-        assert_eq!(f.severity, Severity::Fail);
-        assert!(f.summary.starts_with("Xid 119"), "{}", f.summary);
-        assert!(f.summary.contains("Xid 13 (graphics engine exception) ×2"), "{}", f.summary);
-    }
-
-    #[test]
-    fn application_xid_passes_unknown_and_absurd_codes_warn() {
-        assert_eq!(xids(&with_xids(vec![("0000:09:00", "13", 1)]))[0].severity, Severity::Pass);
-        assert_eq!(xids(&with_xids(vec![("0000:09:00", "7777", 1)]))[0].severity, Severity::Warn);
-        let f = &xids(&with_xids(vec![("0000:09:00", "99999999999999999999999", 1)]))[0];
-        assert_eq!(f.severity, Severity::Warn);
-        assert!(f.remedy.is_some());
-    }
-
-    #[test]
-    fn xid_for_a_vanished_gpu_is_still_reported() {
-        let f = xids(&with_xids(vec![("0000:42:00", "79", 1)]));
-        let o = f.iter().find(|f| f.gpu.as_deref() == Some("0000:42:00")).unwrap();
-        assert_eq!(o.severity, Severity::Fail);
-        assert!(o.detail.starts_with("No GPU is at this address"));
-    }
-
-    #[test]
-    fn unreadable_log_is_unknown_with_remedy() {
+    fn replay_rate_against_the_dcgm_budget() {
         let mut s = healthy();
-        s.kernel_log = Fact::Error("/dev/kmsg: Permission denied".into());
-        let f = &xids(&s)[0];
-        assert_eq!(f.severity, Severity::Unknown);
-        assert!(f.summary.contains("Permission denied"));
+        gpu_mut(&mut s, 0).pcie.replay_counter = Nv::Value(100);
+        assert_eq!(find(&findings(&s), "gpu.pcie-replay")[0].severity, Severity::Pass);
+        gpu_mut(&mut s, 0).pcie.replay_counter = Nv::Value(60 * 40);
+        assert_eq!(find(&findings(&s), "gpu.pcie-replay")[0].severity, Severity::Warn);
+    }
+
+    #[test]
+    fn idle_gen_drop_passes_busy_gen_drop_warns() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).pcie.gen_current = Nv::Value(1);
+        assert_eq!(one(&s, "gpu.pcie-link").severity, Severity::Pass);
+        gpu_mut(&mut s, 0).utilization = Nv::Value(Utilization { gpu: 90, memory: 10 });
+        assert_eq!(one(&s, "gpu.pcie-link").severity, Severity::Warn);
+    }
+
+    #[test]
+    fn mig_pending_and_inforom() {
+        let mut s = healthy();
+        gpu_mut(&mut s, 0).mig_mode = Nv::Value(CurrentPending { current: false, pending: true });
+        assert_eq!(one(&s, "gpu.mig-pending").severity, Severity::Warn);
+        gpu_mut(&mut s, 0).inforom_valid = Nv::Value(false);
+        assert_eq!(one(&s, "gpu.inforom").severity, Severity::Warn);
     }
 }

@@ -6,10 +6,14 @@
 
 pub mod cuda;
 pub mod driver;
+pub mod fabric;
 pub mod gpu;
 pub mod host;
+pub mod memory;
 pub mod nvml;
 pub mod pci;
+pub mod thermal;
+pub mod xid;
 
 use crate::snapshot::Snapshot;
 use serde::{Deserialize, Serialize};
@@ -141,6 +145,7 @@ pub const CATALOG: &[&str] = &[
     "fabric.manager-running",
     "fabric.manager-version",
     "fabric.state",
+    "fabric.sxid",
     "nvlink.links-active",
     "nvlink.errors",
     "gpu.xid",
@@ -185,6 +190,7 @@ pub fn run(s: &Snapshot, settings: &Settings) -> Vec<Finding> {
     pci::run(s, settings, &mut out);
     driver::run(s, settings, &mut out);
     gpu::run(s, &mut out);
+    xid::run(s, &mut out);
     nvml::run(s, &mut out);
     cuda::run(s, &mut out);
     let order = |id: &str| CATALOG.iter().position(|c| *c == id).unwrap_or(usize::MAX);
@@ -420,11 +426,40 @@ pub(crate) mod testutil {
             decoder_utilization: Nv::Value(0),
             nvlink_throughput: Nv::Value(NvLinkThroughput { tx_kib: 1 << 20, rx_kib: 1 << 20 }),
             nvlink_p2p: Nv::Value((0x09..0x11u8).filter(|b| *b != bus).map(|b| format!("0000:{b:02x}:00.0")).collect()),
+            recovery_action: Nv::Value(0),
         }
     }
 
     pub fn find<'a>(f: &'a [super::Finding], id: &str) -> Vec<&'a super::Finding> {
         f.iter().filter(|x| x.id == id).collect()
+    }
+
+    /// What the NVML checks (`nvml::run`, every room's per-GPU checks) find in `s`.
+    pub fn findings(s: &Snapshot) -> Vec<super::Finding> {
+        let mut out = Vec::new();
+        super::nvml::run(s, &mut out);
+        out
+    }
+
+    /// The `i`th GPU NVML lists, to edit.
+    pub fn gpu_mut(s: &mut Snapshot, i: usize) -> &mut NvmlGpu {
+        match &mut s.nvml {
+            NvmlStatus::Ok(n) => &mut n.devices[i],
+            _ => unreachable!("testutil snapshots read NVML"),
+        }
+    }
+
+    /// The warnings and failures: (id, GPU, severity).
+    pub fn bad(f: &[super::Finding]) -> Vec<(String, String, super::Severity)> {
+        f.iter()
+            .filter(|f| f.severity >= super::Severity::Warn)
+            .map(|f| (f.id.clone(), f.gpu.clone().unwrap_or_default(), f.severity))
+            .collect()
+    }
+
+    /// Check `id`'s finding for the first GPU (0000:09:00.0).
+    pub fn one(s: &Snapshot, id: &str) -> super::Finding {
+        findings(s).into_iter().find(|f| f.id == id && f.gpu.as_deref() == Some("0000:09:00.0")).unwrap()
     }
 }
 

@@ -248,6 +248,7 @@ fn unreadable_device(index: u32, e: &NvmlError) -> NvmlGpu {
         decoder_utilization: err!(),
         nvlink_throughput: err!(),
         nvlink_p2p: err!(),
+        recovery_action: err!(),
     }
 }
 
@@ -273,8 +274,8 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
             (Err(e), _) | (_, Err(e)) => nv::<EccCounts>(Err(e)),
         }
     };
-    let (memory_temperature_c, nvlink_throughput) =
-        sys.map(|s| field_values(s, d)).unwrap_or((Nv::NotSupported, Nv::NotSupported));
+    let Fields { memory_temperature_c, nvlink_throughput, recovery_action } =
+        sys.map(|s| field_values(s, d)).unwrap_or_default();
     NvmlGpu {
         index,
         pci_address,
@@ -348,6 +349,7 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
         encoder_utilization: nv(d.encoder_utilization().map(|u| u.utilization)),
         decoder_utilization: nv(d.decoder_utilization().map(|u| u.utilization)),
         nvlink_throughput,
+        recovery_action,
     }
 }
 
@@ -355,17 +357,31 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
 const FI_DEV_MEMORY_TEMP: u32 = 82;
 const FI_DEV_NVLINK_THROUGHPUT_DATA_TX: u32 = 138;
 const FI_DEV_NVLINK_THROUGHPUT_DATA_RX: u32 = 139;
+/// "GPU Recovery action - None/Reset/Reboot/Drain P2P/Drain and Reset" (nvml.h, NVIDIA/go-nvml
+/// `gen/nvml/nvml.h`), the field that replaces the deprecated 226/227 reset-status fields.
+const FI_DEV_GET_GPU_RECOVERY_ACTION: u32 = 230;
 /// The `scopeId` that asks for a throughput counter summed over all links (nvml.h: "A scopeId
 /// of UINT_MAX returns aggregate value summed up across all links"); 0 would be link 0 alone.
 const ALL_LINKS: u32 = u32::MAX;
 
-/// HBM temperature and NVLink data throughput, in one `nvmlDeviceGetFieldValues` call.
-fn field_values(sys: &NvmlLib, d: &Device) -> (Nv<u32>, Nv<NvLinkThroughput>) {
-    let Ok(f) = sys.nvmlDeviceGetFieldValues.as_ref() else { return (Nv::NotSupported, Nv::NotSupported) };
+/// The readings taken through `nvmlDeviceGetFieldValues`; each not supported when the call is not.
+#[derive(Default)]
+struct Fields {
+    memory_temperature_c: Nv<u32>,
+    nvlink_throughput: Nv<NvLinkThroughput>,
+    recovery_action: Nv<u32>,
+}
+
+/// HBM temperature, NVLink data throughput and the recovery action, in one
+/// `nvmlDeviceGetFieldValues` call (each field carries its own return code, so a field an older
+/// driver lacks does not cost the others).
+fn field_values(sys: &NvmlLib, d: &Device) -> Fields {
+    let Ok(f) = sys.nvmlDeviceGetFieldValues.as_ref() else { return Fields::default() };
     let ask = [
         (FI_DEV_MEMORY_TEMP, 0),
         (FI_DEV_NVLINK_THROUGHPUT_DATA_TX, ALL_LINKS),
         (FI_DEV_NVLINK_THROUGHPUT_DATA_RX, ALL_LINKS),
+        (FI_DEV_GET_GPU_RECOVERY_ACTION, 0),
     ];
     let mut values: Vec<nvmlFieldValue_t> = ask
         .iter()
@@ -383,19 +399,25 @@ fn field_values(sys: &NvmlLib, d: &Device) -> (Nv<u32>, Nv<NvLinkThroughput>) {
     let r = unsafe { f(d.handle(), values.len() as i32, values.as_mut_ptr()) };
     if let Err(e) = ret(r) {
         let why = nv::<()>(Err(e));
-        return (why.without_value(), why.without_value());
+        return Fields {
+            memory_temperature_c: why.without_value(),
+            nvlink_throughput: why.without_value(),
+            recovery_action: why.without_value(),
+        };
     }
-    let temp = match field_u64(&values[0]) {
-        Nv::Value(t) => {
-            u32::try_from(t).map(Nv::Value).unwrap_or_else(|_| Nv::Error(format!("memory temperature {t}")))
-        }
+    let small = |v: Nv<u64>, what: &str| match v {
+        Nv::Value(t) => u32::try_from(t).map(Nv::Value).unwrap_or_else(|_| Nv::Error(format!("{what} {t}"))),
         other => other.without_value(),
     };
-    let throughput = match (field_u64(&values[1]), field_u64(&values[2])) {
+    let nvlink_throughput = match (field_u64(&values[1]), field_u64(&values[2])) {
         (Nv::Value(tx_kib), Nv::Value(rx_kib)) => Nv::Value(NvLinkThroughput { tx_kib, rx_kib }),
         (Nv::Value(_), other) | (other, _) => other.without_value(),
     };
-    (temp, throughput)
+    Fields {
+        memory_temperature_c: small(field_u64(&values[0]), "memory temperature"),
+        nvlink_throughput,
+        recovery_action: small(field_u64(&values[3]), "recovery action"),
+    }
 }
 
 /// One field's value as an unsigned integer, read from the union member its `valueType` names

@@ -5,7 +5,8 @@
 //! - `manifest.json`   format, agent version, when
 //! - `snapshot.json`   the Snapshot: `--from` re-runs the checks on exactly this
 //! - `report.json`     the Report as it was printed
-//! - `nvrm.log`        the kernel log lines from the NVIDIA driver (Xid, BAR, GPU UUIDs)
+//! - `nvrm.log`        the kernel log lines from the NVIDIA drivers (Xid, BAR, GPU UUIDs; the
+//!   NVSwitch driver's SXids)
 //! - `files/…`         every raw file and link the snapshot was built from, laid out like `/`,
 //!   so `doctor --sysroot files/` re-collects from them
 //!
@@ -82,7 +83,10 @@ fn write_to(path: &Path, snapshot: &Snapshot, report: &super::Report, recorded: 
         match r {
             Recorded::File { path: rel, contents } => {
                 if rel.trim_start_matches('/') == "dev/kmsg" {
-                    for line in String::from_utf8_lossy(contents).lines().filter(|l| l.contains("NVRM:")) {
+                    for line in String::from_utf8_lossy(contents)
+                        .lines()
+                        .filter(|l| l.contains("NVRM:") || l.contains(": SXid ("))
+                    {
                         nvrm.push_str(line);
                         nvrm.push('\n');
                     }

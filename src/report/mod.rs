@@ -4,7 +4,7 @@
 pub mod bundle;
 pub mod table;
 
-use crate::checks::gpu::{summarize, XidSummary};
+use crate::checks::xid::{summarize, XidSummary};
 use crate::checks::{gpu_model, Finding, Severity};
 use crate::snapshot::{PciLink, SecureBoot, Snapshot, Timestamp};
 use serde::{Deserialize, Serialize};
@@ -139,6 +139,18 @@ pub enum Event {
         #[serde(default = "one")]
         count: u64,
     },
+    /// An NVSwitch SXid, from the kernel log (rule 9 of serve).
+    Sxid {
+        /// The NVSwitch's PCI address.
+        nvswitch: String,
+        sxid: u64,
+        /// The driver's word: `Fatal` or `Non-fatal`.
+        fatal: bool,
+        source: String,
+        /// As for Xids: 1 for the first, the repeats in one event at the window's end.
+        #[serde(default = "one")]
+        count: u64,
+    },
     SeverityChange {
         check: String,
         gpu: Option<String>,
@@ -183,6 +195,29 @@ pub fn event_report(base: &Report, event: Event) -> Report {
                 .collect();
             (gpus, findings)
         }
+        // The NVSwitch's finding, and the GPUs whose fabric a fatal one took down with theirs.
+        Event::Sxid { nvswitch, .. } => {
+            let findings: Vec<Finding> = base
+                .findings
+                .iter()
+                .filter(|f| f.severity != Severity::Pass && f.id == "fabric.sxid")
+                .filter(|f| {
+                    f.gpu.as_deref() == Some(nvswitch.as_str())
+                        || f.evidence
+                            .get("nvswitches")
+                            .and_then(|v| v.as_array())
+                            .is_some_and(|a| a.iter().any(|s| s == nvswitch.as_str()))
+                })
+                .cloned()
+                .collect();
+            let gpus = base
+                .gpus
+                .iter()
+                .filter(|g| findings.iter().any(|f| f.gpu.as_deref() == Some(g.pci_address.as_str())))
+                .cloned()
+                .collect();
+            (gpus, findings)
+        }
         Event::SeverityChange { check, gpu, .. } => {
             let gpus = gpu.as_deref().map(|g| about_gpu(g).0).unwrap_or_default();
             let findings = base.findings.iter().filter(|f| f.id == *check && f.gpu == *gpu).cloned().collect();
@@ -213,7 +248,7 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
         .into_iter()
         .map(|g| {
             let prefix = g.address_without_function();
-            let (kmsg, nvml) = crate::checks::gpu::events_for(s, &g.address);
+            let (kmsg, nvml) = crate::checks::xid::events_for(s, &g.address);
             let xids = summarize(&kmsg, &nvml);
             let status = findings
                 .iter()

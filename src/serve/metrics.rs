@@ -200,7 +200,10 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     let nvlink_err =
         fam.counter("phq_gpu_nvlink_errors_total", "NVLink error counters summed over the GPU's links, by type");
     let fabric = fam.gauge("phq_gpu_fabric_state", "1 for the GPU's NVSwitch fabric state");
-    let xid = fam.counter("phq_gpu_xid_errors_total", "Xid reports since boot, by code: every repeat counts");
+    let xid = fam.counter(
+        "phq_gpu_xid_errors_total",
+        "Xid reports since boot, by code and the immediate resolution NVIDIA's Xid catalog gives it: every repeat counts",
+    );
     // Every GPU has this series from the first scrape, at 0 until an Xid: `increase()` then sees
     // the first one, which a series born at 1 hides.
     let xids = fam.counter("phq_gpu_xids_total", "Xid reports since boot, all codes together; 0 from the start");
@@ -224,7 +227,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
             .set(1.0);
         let total = xids.get_or_create(&base);
         for x in &g.xids {
-            let labels = plus(&base, "xid", &x.code);
+            let labels = plus(&plus(&base, "xid", &x.code), "resolution", resolution_label(&x.resolution));
             xid.get_or_create(&labels).inc_by(x.count as u64);
             total.inc_by(x.count as u64);
         }
@@ -324,6 +327,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
             d.add(n, g, &hostname, r.driver.version.as_deref().unwrap_or(""));
         }
     }
+    sxid_counters(&mut fam, s);
     let mut openmetrics = String::new();
     // Writing into a String cannot fail; an encoder error would be a bug in a metric name.
     if encode(&mut openmetrics, &fam.registry).is_err() {
@@ -335,6 +339,39 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         return Rendered { openmetrics, text };
     }
     Rendered { openmetrics, text }
+}
+
+/// The `resolution` label of an Xid counter: the catalog's immediate resolution as NVIDIA spells
+/// it (`RESET_GPU`, `RESTART_APP`, …), so an alert can ask for "needs a reset" without a list of
+/// codes; `none` where the catalog gives none yet, `unknown` for a code it does not list.
+fn resolution_label(resolution: &str) -> &str {
+    if resolution.is_empty() {
+        "none"
+    } else {
+        resolution
+    }
+}
+
+/// SXid counters per NVSwitch: the total from the first scrape (0 until an SXid, so `increase()`
+/// sees the first one), and per code and the driver's severity as codes appear.
+fn sxid_counters(fam: &mut Families, s: &Snapshot) {
+    let total = fam.counter(
+        "phq_nvswitch_sxids_total",
+        "NVSwitch SXid reports since boot, all codes together; 0 from the start for every NVSwitch",
+    );
+    let by_code = fam.counter(
+        "phq_nvswitch_sxid_errors_total",
+        "NVSwitch SXid reports since boot, by code and the driver's severity (fatal, non_fatal): every repeat counts",
+    );
+    for sw in s.nvswitches() {
+        total.get_or_create(&l(&[("nvswitch", &sw.address)])).inc_by(0);
+    }
+    for x in s.kernel_log.value().map(|k| k.sxids.as_slice()).unwrap_or_default() {
+        let base = l(&[("nvswitch", &x.pci)]);
+        total.get_or_create(&base).inc();
+        let severity = if x.fatal { "fatal" } else { "non_fatal" };
+        by_code.get_or_create(&plus(&plus(&base, "sxid", &x.raw_code), "severity", severity)).inc();
+    }
 }
 
 /// dcgm-exporter's default counters (its `etc/default-counters.csv`) and what the agent does
@@ -534,10 +571,12 @@ impl Dcgm {
         // gauge holds DCGM's last value; 0 with "No Error" before any.
         let last =
             g.xids.iter().max_by(|a, b| a.last_seen_s.partial_cmp(&b.last_seen_s).unwrap_or(std::cmp::Ordering::Equal));
+        // err_msg: the catalog's description (NVIDIA's own words for the code, as DCGM's).
         let (code, msg) = match last {
-            Some(x) => {
-                (x.code.clone(), x.code.parse().ok().and_then(crate::facts::xid).map_or("Unknown Error", |i| i.meaning))
-            }
+            Some(x) => (
+                x.code.clone(),
+                x.code.parse().ok().and_then(crate::checks::xid::xid).map_or("Unknown Error", |e| e.description),
+            ),
             None => ("0".to_string(), "No Error"),
         };
         let xid_labels = plus(&plus(&labels, "err_code", &code), "err_msg", msg);
@@ -759,7 +798,40 @@ mod tests {
         let r = crate::report::build(&s, crate::checks::run(&s, &Default::default()), "vm".into(), s.observed_at, 1);
         let m = render(&s, &r, true);
         let line = m.text.lines().find(|l| l.starts_with("DCGM_FI_DEV_XID_ERRORS{gpu=\"3\"")).unwrap_or_default();
-        assert!(line.contains(r#"err_code="13",err_msg="graphics engine exception"} 13"#), "{line}");
+        assert!(line.contains(r#"err_code="13",err_msg="Graphics Engine Exception"} 13"#), "{line}");
+    }
+
+    /// Every NVSwitch has its SXid total from the first scrape; an SXid adds to it and to its
+    /// code's counter, with the driver's severity; the Xid counters carry the catalog's
+    /// immediate resolution.
+    #[test]
+    fn sxid_counters_are_born_at_zero_and_xids_carry_their_resolution() {
+        let m = rendered(false);
+        let zeros: Vec<&str> = m.text.lines().filter(|l| l.starts_with("phq_nvswitch_sxids_total{")).collect();
+        assert_eq!(zeros.len(), 4, "{}", m.text);
+        assert!(zeros.iter().all(|l| l.ends_with(" 0")), "{zeros:?}");
+        assert!(!m.text.contains("phq_nvswitch_sxid_errors_total{"), "no code before the first SXid");
+        let mut s = healthy();
+        s.kernel_log = crate::snapshot::Fact::Value(crate::collect::kmsg::parse(
+            "3,1,1,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up\n\
+             4,2,2,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)\n\
+             4,3,3,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Severity 0 Engine instance 32 Sub-engine instance 00\n\
+             4,4,4,-;NVRM: Xid (PCI:0000:0c:00): 46, pid=1, name=a, b\n\
+             4,5,5,-;NVRM: Xid (PCI:0000:0c:00): 165, pid=1, name=a, b\n",
+            "/dev/kmsg",
+        ));
+        let r = crate::report::build(&s, crate::checks::run(&s, &Default::default()), "vm".into(), s.observed_at, 1);
+        let m = render(&s, &r, false);
+        for line in [
+            r#"phq_nvswitch_sxids_total{nvswitch="0000:11:00.0"} 1"#,
+            r#"phq_nvswitch_sxids_total{nvswitch="0000:14:00.0"} 1"#,
+            r#"phq_nvswitch_sxid_errors_total{nvswitch="0000:11:00.0",sxid="20034",severity="fatal"} 1"#,
+            r#"phq_nvswitch_sxid_errors_total{nvswitch="0000:14:00.0",sxid="12028",severity="non_fatal"} 1"#,
+            r#"xid="46",resolution="RESET_GPU"} 1"#,
+            r#"xid="165",resolution="none"} 1"#,
+        ] {
+            assert!(m.text.contains(line), "{line} in {}", m.text);
+        }
     }
 
     #[test]
@@ -779,6 +851,6 @@ mod tests {
             1,
         );
         let m = render(&s, &r, false);
-        assert!(m.text.contains(r#"phq_gpu_xid_errors_total{gpu="0000:0c:00.0",uuid="GPU-3f1c0b7e-0003-4000-8000-00000000000c",xid="79"} 2"#) || m.text.contains(r#"xid="79"} 2"#), "{}", m.text);
+        assert!(m.text.contains(r#"xid="79",resolution="RESTART_BM"} 2"#), "{}", m.text);
     }
 }

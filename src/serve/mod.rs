@@ -31,6 +31,12 @@
 //!    delivered while the agent was being killed, before it reached the spool, or one that came
 //!    while the agent was down, is not lost. (One that did reach the spool may be sent twice: at
 //!    least once, as every event.) — `service::events`, `unseen_kernel_xids`.
+//! 9. SXids, which only the kernel log reports, are read as the NVSwitch driver writes them: a
+//!    follower reads the kernel log from the service's start (before the first snapshot, so
+//!    nothing falls between it and rule 8), and each SXid is merged per NVSwitch and code like an
+//!    Xid (rule 6), the first of a kind spooled at once and judged at once. Rule 8 covers the
+//!    SXids of this boot that no running agent saw. — `collect::kmsg::Follower`,
+//!    `service::events`, `XidWindow`, `unseen_kernel_xids`.
 
 pub mod agent_checks;
 pub mod dbus;
@@ -62,24 +68,49 @@ pub const XID_WINDOW: Duration = Duration::from_secs(10);
 /// snapshot intervals, so a snapshot hung on a wedged driver gets the service restarted.
 pub const LOOP_STALL: Duration = Duration::from_secs(60);
 
-/// Rule 6: Xid windows per (GPU, code).
+/// What rule 6 merges repeats of: one Xid code on one GPU, or one SXid code (with the driver's
+/// word for it) on one NVSwitch.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Seen {
+    Xid { gpu: String, xid: u64 },
+    Sxid { nvswitch: String, sxid: u64, fatal: bool },
+}
+
+impl Seen {
+    /// The event this stands for, `count` times in its window.
+    fn event(&self, count: u64) -> report::Event {
+        match self {
+            Seen::Xid { gpu, xid } => xid_event(gpu, *xid, count),
+            Seen::Sxid { nvswitch, sxid, fatal } => report::Event::Sxid {
+                nvswitch: nvswitch.clone(),
+                sxid: *sxid,
+                fatal: *fatal,
+                source: "kernel-log".into(),
+                count,
+            },
+        }
+    }
+}
+
+/// Rules 6 and 9: windows per Xid code and GPU, and per SXid code and NVSwitch.
 #[derive(Debug, Default)]
 pub struct XidWindow {
-    open: std::collections::HashMap<(String, u64), (std::time::Instant, u64)>,
+    open: std::collections::HashMap<Seen, (std::time::Instant, u64)>,
 }
 
 impl XidWindow {
-    /// An Xid seen now. `Some`: the first of its kind in a window, to spool at once. `None`: a
-    /// repeat, counted for the window's closing event.
-    pub fn note(&mut self, gpu: &str, xid: u64, now: std::time::Instant) -> Option<report::Event> {
-        match self.open.get_mut(&(gpu.to_string(), xid)) {
+    /// An Xid or SXid seen now. `Some`: the first of its kind in a window, to spool at once.
+    /// `None`: a repeat, counted for the window's closing event.
+    pub fn note(&mut self, seen: Seen, now: std::time::Instant) -> Option<report::Event> {
+        match self.open.get_mut(&seen) {
             Some((_, repeats)) => {
                 *repeats += 1;
                 None
             }
             None => {
-                self.open.insert((gpu.to_string(), xid), (now, 0));
-                Some(xid_event(gpu, xid, 1))
+                let first = seen.event(1);
+                self.open.insert(seen, (now, 0));
+                Some(first)
             }
         }
     }
@@ -96,13 +127,12 @@ impl XidWindow {
     }
 
     fn close(&mut self, expired: impl Fn(std::time::Instant) -> bool) -> Vec<report::Event> {
-        let mut keys: Vec<(String, u64)> =
-            self.open.iter().filter(|(_, (t, _))| expired(*t)).map(|(k, _)| k.clone()).collect();
+        let mut keys: Vec<Seen> = self.open.iter().filter(|(_, (t, _))| expired(*t)).map(|(k, _)| k.clone()).collect();
         keys.sort();
         keys.into_iter()
             .filter_map(|k| {
                 let (_, repeats) = self.open.remove(&k)?;
-                (repeats > 0).then(|| xid_event(&k.0, k.1, repeats))
+                (repeats > 0).then(|| k.event(repeats))
             })
             .collect()
     }
@@ -116,8 +146,8 @@ fn xid_event(gpu: &str, xid: u64, count: u64) -> report::Event {
 /// record a running agent has seen.
 pub const KMSG_XID_MARK: &str = "kmsg-xid-mark";
 
-/// The kernel log's Xids that no running agent saw (after the mark, or all of this boot's when
-/// the mark is of another boot or missing), as events merged per GPU and code.
+/// The kernel log's Xids and SXids that no running agent saw (after the mark, or all of this
+/// boot's when the mark is of another boot or missing), as events merged per device and code.
 pub fn unseen_kernel_xids(state_dir: &Path, s: &crate::snapshot::Snapshot) -> Vec<report::Event> {
     let Some(log) = s.kernel_log.value() else { return vec![] };
     let mark = std::fs::read_to_string(state_dir.join(KMSG_XID_MARK)).unwrap_or_default();
@@ -125,23 +155,38 @@ pub fn unseen_kernel_xids(state_dir: &Path, s: &crate::snapshot::Snapshot) -> Ve
         (Some((boot, seq)), Some(now)) if boot == now => seq.trim().parse::<u64>().ok(),
         _ => None,
     };
+    let unseen = |seq: Option<u64>| seq.is_some_and(|seq| after.is_none_or(|a| seq > a));
     let mut counts: std::collections::BTreeMap<(String, u64), u64> = Default::default();
     for x in &log.xids {
-        let (Some(seq), Some(code)) = (x.seq, x.xid) else { continue };
-        if after.is_none_or(|a| seq > a) {
+        if let (true, Some(code)) = (unseen(x.seq), x.xid) {
             *counts.entry((format!("{}.0", x.pci.to_ascii_lowercase()), u64::from(code))).or_default() += 1;
+        }
+    }
+    let mut sxids: std::collections::BTreeMap<(String, u64, bool), u64> = Default::default();
+    for x in &log.sxids {
+        if let (true, Some(code)) = (unseen(x.seq), x.sxid) {
+            *sxids.entry((x.pci.clone(), u64::from(code), x.fatal)).or_default() += 1;
         }
     }
     counts
         .into_iter()
         .map(|((gpu, xid), count)| report::Event::Xid { gpu, xid, source: "kernel-log".into(), count })
+        .chain(sxids.into_iter().map(|((nvswitch, sxid, fatal), count)| report::Event::Sxid {
+            nvswitch,
+            sxid,
+            fatal,
+            source: "kernel-log".into(),
+            count,
+        }))
         .collect()
 }
 
 /// Notes the newest kernel log record of `s` as seen (rule 8); written only when it moved.
 pub fn mark_kernel_log_seen(state_dir: &Path, s: &crate::snapshot::Snapshot, last: &mut Option<u64>) {
     let (Some(log), Some(boot)) = (s.kernel_log.value(), s.host.boot_id.as_deref()) else { return };
-    let Some(newest) = log.xids.iter().filter_map(|x| x.seq).max() else { return };
+    let Some(newest) = log.xids.iter().filter_map(|x| x.seq).chain(log.sxids.iter().filter_map(|x| x.seq)).max() else {
+        return;
+    };
     if *last == Some(newest) {
         return;
     }
@@ -486,19 +531,38 @@ mod tests {
     fn xid_repeats_in_a_window_become_one_counted_event() {
         let t0 = std::time::Instant::now();
         let mut w = XidWindow::default();
-        let first = w.note("0000:0c:00.0", 13, t0).expect("the first goes at once");
+        let xid = |gpu: &str, xid: u64| Seen::Xid { gpu: gpu.into(), xid };
+        let first = w.note(xid("0000:0c:00.0", 13), t0).expect("the first goes at once");
         assert!(matches!(first, report::Event::Xid { count: 1, .. }));
         for i in 0..999 {
-            assert!(w.note("0000:0c:00.0", 13, t0 + Duration::from_millis(i)).is_none());
+            assert!(w.note(xid("0000:0c:00.0", 13), t0 + Duration::from_millis(i)).is_none());
         }
-        assert!(w.note("0000:0c:00.0", 31, t0).is_some(), "another code has its own window");
-        assert!(w.note("0000:0d:00.0", 13, t0).is_some(), "another GPU has its own window");
+        assert!(w.note(xid("0000:0c:00.0", 31), t0).is_some(), "another code has its own window");
+        assert!(w.note(xid("0000:0d:00.0", 13), t0).is_some(), "another GPU has its own window");
+        // SXids have windows of their own, per NVSwitch and code (rule 9).
+        let sxid = Seen::Sxid { nvswitch: "0000:11:00.0".into(), sxid: 20034, fatal: true };
+        assert!(matches!(w.note(sxid.clone(), t0), Some(report::Event::Sxid { count: 1, .. })));
+        assert!(w.note(sxid.clone(), t0).is_none());
+        assert!(w.note(sxid, t0).is_none());
         assert!(w.due(t0 + XID_WINDOW - Duration::from_millis(1)).is_empty(), "not before the window closes");
         let closed = w.due(t0 + XID_WINDOW);
-        assert_eq!(closed, vec![xid_event("0000:0c:00.0", 13, 999)], "only windows with repeats make an event");
+        assert_eq!(
+            closed,
+            vec![
+                xid_event("0000:0c:00.0", 13, 999),
+                report::Event::Sxid {
+                    nvswitch: "0000:11:00.0".into(),
+                    sxid: 20034,
+                    fatal: true,
+                    source: "kernel-log".into(),
+                    count: 2
+                }
+            ],
+            "only windows with repeats make an event"
+        );
         // The next one opens a new window and goes at once again.
-        assert!(w.note("0000:0c:00.0", 13, t0 + XID_WINDOW).is_some());
-        w.note("0000:0c:00.0", 13, t0 + XID_WINDOW);
+        assert!(w.note(xid("0000:0c:00.0", 13), t0 + XID_WINDOW).is_some());
+        w.note(xid("0000:0c:00.0", 13), t0 + XID_WINDOW);
         assert_eq!(w.close_all(), vec![xid_event("0000:0c:00.0", 13, 1)], "stopping leaves nothing counted behind");
     }
 
@@ -521,6 +585,31 @@ mod tests {
         assert_eq!((e.agent.clone(), e.health, e.seq), (full.agent.clone(), full.health, full.seq));
         let (small, whole) = (serde_json::to_vec(&e).unwrap().len(), serde_json::to_vec(&full).unwrap().len());
         assert!(small * 4 < whole, "an event report of {small} bytes beside a full one of {whole}");
+    }
+
+    #[test]
+    fn an_sxid_event_report_carries_its_switch_and_the_gpus_its_fatal_sxid_took_down() {
+        let mut s = healthy();
+        s.kernel_log = crate::snapshot::Fact::Value(crate::collect::kmsg::parse(
+            "3,1,1,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up\n",
+            "/dev/kmsg",
+        ));
+        let full = report_of(&s);
+        let event = report::Event::Sxid {
+            nvswitch: "0000:11:00.0".into(),
+            sxid: 20034,
+            fatal: true,
+            source: "kernel-log".into(),
+            count: 1,
+        };
+        let e = report::event_report(&full, event);
+        assert!(e.findings.iter().all(|f| f.id == "fabric.sxid" && f.severity == checks::Severity::Fail));
+        assert_eq!(e.findings.len(), 9, "the NVSwitch and the 8 GPUs behind it");
+        assert_eq!(e.gpus.len(), 8);
+        let schema: serde_json::Value =
+            serde_json::from_str(include_str!("../../schema/phq.status.v1.json")).expect("schema is JSON");
+        let v = serde_json::to_value(&e).unwrap();
+        assert!(jsonschema::is_valid(&schema, &v), "{v:#}");
     }
 
     #[test]
@@ -555,9 +644,27 @@ mod tests {
             log.xids.push(xid(13, 48));
         }
         assert_eq!(unseen_kernel_xids(dir.path(), &s), vec![event(48, 1)]);
+        // SXids too (rule 9), and the mark moves past them.
+        if let Fact::Value(log) = &mut s.kernel_log {
+            log.sxids = crate::collect::kmsg::parse(
+                "3,14,14000,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up\n",
+                "/dev/kmsg",
+            )
+            .sxids;
+        }
+        let sxid = report::Event::Sxid {
+            nvswitch: "0000:11:00.0".into(),
+            sxid: 20034,
+            fatal: true,
+            source: "kernel-log".into(),
+            count: 1,
+        };
+        assert_eq!(unseen_kernel_xids(dir.path(), &s), vec![event(48, 1), sxid]);
+        mark_kernel_log_seen(dir.path(), &s, &mut last);
+        assert!(unseen_kernel_xids(dir.path(), &s).is_empty(), "the mark is the newest record, an SXid's");
         // Another boot: the mark is of the last one, so this boot's log is all new.
         s.host.boot_id = Some("boot-b".into());
-        assert_eq!(unseen_kernel_xids(dir.path(), &s).len(), 3);
+        assert_eq!(unseen_kernel_xids(dir.path(), &s).len(), 4);
     }
 
     #[test]

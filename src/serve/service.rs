@@ -5,22 +5,24 @@
 //! |---|---|---|---|
 //! | [`run`] (the coordinator) | signals, configuration, start and stop order | SIGTERM, SIGINT, SIGHUP | everyone, through `Config` and stop channels |
 //! | [`snapshotter`] | `Inputs`, the schedule | ticks, "snapshot now", probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the probe task |
-//! | [`events`] | the Xid windows, the spool writer, the install and kernel-log marks | Xids from NVML, reports, a 1 s beat | the pusher (status), the snapshotter ("now") |
+//! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, a 1 s beat | the pusher (status), the snapshotter ("now") |
 //! | `http::serve` | the listener | connections | — |
 //! | `push::Pusher::run` | the platform connection | spool wake-ups, status | — |
 //! | [`dbus`] | the bus connection | health changes | D-Bus signals |
 //! | [`probes`] | the GPUs while probing | requests | the snapshotter (results) |
 //! | [`watchdog`] | systemd's watchdog | the heartbeats of the snapshotter and the event task | systemd |
+//! | [`follow_sxids`] (a thread) | the kernel log read as it is written | new kernel log records | the event task (SXids) |
 
 use super::{
-    dbus as bus, http, push, EventCounters, Inputs, Published, Seq, Shared, SpoolWriter, XidWindow, INSTALL_EVENT_SENT,
-    LOOP_STALL, SNAPSHOT_INTERVAL,
+    dbus as bus, http, push, EventCounters, Inputs, Published, Seen, Seq, Shared, SpoolWriter, XidWindow,
+    INSTALL_EVENT_SENT, LOOP_STALL, SNAPSHOT_INTERVAL,
 };
+use crate::collect::kmsg::Follower;
 use crate::collect::nvml::XidWatcher;
 use crate::collect::NvmlSource;
 use crate::config::{Config, ProbeLevel};
 use crate::report::{Event, Report};
-use crate::snapshot::{NvmlXid, Snapshot, Timestamp};
+use crate::snapshot::{NvmlXid, Snapshot, SxidEvent, Timestamp};
 use anyhow::Context;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -126,6 +128,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     let server = tokio::spawn(http::serve(listener, shared.clone(), tls, stopped(stop_io.subscribe())));
 
     let seq = Arc::new(Mutex::new(Seq::load(&config.agent.state_dir)));
+    // Rule 9: SXids from the kernel log, followed from before the first snapshot.
+    let (sxid_rx, _follower) = follow_sxids(&root);
     // Rules 1 and 4: a stop during the first snapshot (NVML attaching eight GPUs, a wedged
     // bus) is not kept waiting for it.
     let first = {
@@ -177,6 +181,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         counters: counters.clone(),
         status: status_tx,
         xids: xid_rx,
+        sxids: sxid_rx,
         taken: taken_rx,
         snapshot_now: to_snapshotter.clone(),
         stop: stop_loops.subscribe(),
@@ -382,6 +387,7 @@ struct Events {
     counters: Arc<EventCounters>,
     status: watch::Sender<Option<(u64, Vec<u8>)>>,
     xids: mpsc::UnboundedReceiver<NvmlXid>,
+    sxids: mpsc::UnboundedReceiver<SxidEvent>,
     taken: mpsc::UnboundedReceiver<Taken>,
     snapshot_now: mpsc::UnboundedSender<ToSnapshotter>,
     stop: watch::Receiver<bool>,
@@ -393,7 +399,7 @@ impl Events {
     /// Hands an event, with only what it is about, to the spool writer (rules 6 and 7).
     fn spool(&self, base: &Report, event: Event) {
         let Some(writer) = &self.writer else { return };
-        if let Event::Xid { count, .. } = &event {
+        if let Event::Xid { count, .. } | Event::Sxid { count, .. } = &event {
             self.counters.merged.fetch_add(count.saturating_sub(1), Ordering::Relaxed);
         }
         let mut r = crate::report::event_report(base, event);
@@ -406,7 +412,7 @@ impl Events {
     }
 }
 
-/// Rules 6–8 and the installer's end: every event goes to the spool writer in the order it
+/// Rules 6–9 and the installer's end: every event goes to the spool writer in the order it
 /// happened; the status goes to the pusher every `platform.interval`.
 async fn events(mut e: Events) {
     let state_dir = e.settings.borrow().config.agent.state_dir.clone();
@@ -443,16 +449,28 @@ async fn events(mut e: Events) {
             _ = stopped(e.stop.clone()) => break,
             Some(x) = e.xids.recv() => {
                 // Rule 6: the first of a kind goes at once and is judged at once; repeats wait.
-                if let Some(event) = xids.note(&x.gpu, x.xid, Instant::now()) {
+                if let Some(event) = xids.note(Seen::Xid { gpu: x.gpu.clone(), xid: x.xid }, Instant::now()) {
                     tracing::warn!(gpu = %x.gpu, xid = x.xid, "Xid");
+                    e.spool(&e.last.clone(), event);
+                    let _ = e.snapshot_now.send(ToSnapshotter::Now);
+                }
+            }
+            Some(x) = e.sxids.recv() => {
+                // Rule 9: as rule 6, per NVSwitch and code.
+                let Some(code) = x.sxid else { continue };
+                let seen = Seen::Sxid { nvswitch: x.pci.clone(), sxid: u64::from(code), fatal: x.fatal };
+                if let Some(event) = xids.note(seen, Instant::now()) {
+                    tracing::warn!(nvswitch = %x.pci, sxid = code, fatal = x.fatal, "SXid: {}", x.message);
                     e.spool(&e.last.clone(), event);
                     let _ = e.snapshot_now.send(ToSnapshotter::Now);
                 }
             }
             _ = beat.tick() => {
                 for event in xids.due(Instant::now()) {
-                    if let Event::Xid { gpu, xid, count, .. } = &event {
-                        tracing::warn!(%gpu, xid, repeats = count, "Xid repeated within {} s", super::XID_WINDOW.as_secs());
+                    match &event {
+                        Event::Xid { gpu, xid, count, .. } => tracing::warn!(%gpu, xid, repeats = count, "Xid repeated within {} s", super::XID_WINDOW.as_secs()),
+                        Event::Sxid { nvswitch, sxid, count, .. } => tracing::warn!(%nvswitch, sxid, repeats = count, "SXid repeated within {} s", super::XID_WINDOW.as_secs()),
+                        _ => {}
                     }
                     e.spool(&e.last.clone(), event);
                 }
@@ -477,7 +495,15 @@ async fn events(mut e: Events) {
     // Xids NVML delivered before the stop are not dropped with the channel; then no counted
     // repeat is left behind, and every event handed over reaches the disk.
     while let Ok(x) = e.xids.try_recv() {
-        if let Some(event) = xids.note(&x.gpu, x.xid, Instant::now()) {
+        if let Some(event) = xids.note(Seen::Xid { gpu: x.gpu.clone(), xid: x.xid }, Instant::now()) {
+            e.spool(&e.last.clone(), event);
+        }
+    }
+    while let Ok(x) = e.sxids.try_recv() {
+        let Some(code) = x.sxid else { continue };
+        if let Some(event) =
+            xids.note(Seen::Sxid { nvswitch: x.pci, sxid: u64::from(code), fatal: x.fatal }, Instant::now())
+        {
             e.spool(&e.last.clone(), event);
         }
     }
@@ -527,6 +553,20 @@ async fn probes(
         let dir = state_dir.clone();
         if let Ok(Some(p)) = tokio::task::spawn_blocking(move || super::run_probes(&snapshot, level, &dir)).await {
             let _ = results.send(ToSnapshotter::Probes(p));
+        }
+    }
+}
+
+/// Rule 9: SXids from the kernel log as the NVSwitch driver writes them, read by a thread of its
+/// own (it lives as long as the returned value); a kernel log that cannot be followed is said
+/// once, and its SXids still show at each snapshot.
+fn follow_sxids(root: &crate::sysroot::Sysroot) -> (mpsc::UnboundedReceiver<SxidEvent>, Option<Follower>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    match Follower::start(root, move |x| tx.send(x).is_ok()) {
+        Ok(f) => (rx, Some(f)),
+        Err(e) => {
+            tracing::warn!(error = %e, "the kernel log is not followed; SXids show at each snapshot");
+            (rx, None)
         }
     }
 }

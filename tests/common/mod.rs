@@ -301,11 +301,16 @@ impl PrivateBus {
 
 /// `phq-agent serve` over the healthy 8-GPU fixture, the fake NVML with `scenario` and `bus`.
 pub fn serve_command(cfg: &Path, scenario: &Path, bus: &PrivateBus) -> Command {
+    serve_command_on(&repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"), cfg, scenario, bus)
+}
+
+/// `phq-agent serve` over the sysroot `root`, the fake NVML with `scenario` and `bus`.
+pub fn serve_command_on(root: &Path, cfg: &Path, scenario: &Path, bus: &PrivateBus) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_phq-agent"));
     c.args(["serve", "--config"])
         .arg(cfg)
         .arg("--sysroot")
-        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
+        .arg(root)
         .arg("--nvml-lib")
         .arg(fake_nvml())
         .env("PHQ_FAKE_NVML_SCENARIO", scenario)

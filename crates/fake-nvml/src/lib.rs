@@ -509,6 +509,9 @@ pub unsafe extern "C" fn nvmlDeviceGetDecoderUtilization(
 const FI_DEV_MEMORY_TEMP: c_uint = 82;
 const FI_DEV_NVLINK_THROUGHPUT_DATA_TX: c_uint = 138;
 const FI_DEV_NVLINK_THROUGHPUT_DATA_RX: c_uint = 139;
+/// `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION` (nvml.h: "GPU Recovery action - None/Reset/Reboot/Drain
+/// P2P/Drain and Reset"), an unsigned int; NVIDIA/go-nvml `gen/nvml/nvml.h`.
+const FI_DEV_GET_GPU_RECOVERY_ACTION: c_uint = 230;
 
 /// `nvmlDeviceGetFieldValues`, with nvml.h's rules:
 /// - the call itself fails only for bad arguments (a null array, a count below 1); each field
@@ -545,6 +548,7 @@ fn field_value(d: &Device, field: c_uint, scope: c_uint) -> (Ret, Option<(nvmlVa
     let ull = |v: u64| (OK, Some((nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, nvmlValue_t { ullVal: v })));
     match field {
         FI_DEV_MEMORY_TEMP => d.memory_temperature_c.map_or((NOT_SUPPORTED, None), uint),
+        FI_DEV_GET_GPU_RECOVERY_ACTION => d.recovery_action.map_or((NOT_SUPPORTED, None), uint),
         FI_DEV_NVLINK_THROUGHPUT_DATA_TX | FI_DEV_NVLINK_THROUGHPUT_DATA_RX => {
             let Some(links) = d.nvlinks.as_ref() else { return (NOT_SUPPORTED, None) };
             let pick =
@@ -931,6 +935,7 @@ mod tests {
             r#"{"devices": [{
                 "memory": {"total_bytes": 1000, "used_bytes": 100, "reserved_bytes": 300},
                 "memory_temperature_c": 40,
+                "recovery_action": 1,
                 "nvlinks": [{"active": true, "tx_kib": 5, "rx_kib": 7}, {"active": true, "tx_kib": 11, "rx_kib": 13}]
             }]}"#,
         )
@@ -959,6 +964,7 @@ mod tests {
                 field(FI_DEV_NVLINK_THROUGHPUT_DATA_RX, u32::MAX),
                 field(FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 2),
                 field(9999, 0),
+                field(FI_DEV_GET_GPU_RECOVERY_ACTION, 0),
             ];
             assert_eq!(nvmlDeviceGetFieldValues(h, vs.len() as i32, vs.as_mut_ptr()), OK);
             assert_eq!((vs[0].nvmlReturn, vs[0].valueType, vs[0].value.uiVal), (OK, 1, 40));
@@ -968,6 +974,7 @@ mod tests {
             assert_eq!(vs[3].value.ullVal, 20);
             assert_eq!(vs[4].nvmlReturn, INVALID, "a link past the last");
             assert_eq!(vs[5].nvmlReturn, NOT_SUPPORTED, "an unknown field");
+            assert_eq!((vs[6].nvmlReturn, vs[6].valueType, vs[6].value.uiVal), (OK, 1, 1), "GPU reset required");
             assert_eq!(nvmlDeviceGetFieldValues(h, 0, vs.as_mut_ptr()), INVALID);
         }
         assert_eq!(nvmlShutdown(), OK);

@@ -55,6 +55,11 @@ pub struct Device {
     pub memory_temperature_c: Option<u32>,
     /// `nvmlDeviceGetTotalEnergyConsumption`, millijoules.
     pub energy_mj: Option<u64>,
+    /// The GPU's recovery action, answered for field `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION` (230) as
+    /// an unsigned int: nvml.h's `nvmlDeviceGpuRecoveryAction_t` (0 none, 1 GPU reset, 2 node
+    /// reboot, 3 drain P2P, 4 drain and reset). Absent: the field is not supported (a driver
+    /// before R565, or a VM's driver that does not report it).
+    pub recovery_action: Option<u32>,
     /// `nvmlDeviceGetEncoderUtilization` / `DecoderUtilization`, percent.
     pub encoder_utilization: Option<u32>,
     pub decoder_utilization: Option<u32>,
