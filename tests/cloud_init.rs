@@ -89,7 +89,7 @@ fn first_runcmd(file: &str) -> Option<Vec<String>> {
 
 /// The user-data as JSON; None (a skip) without python3's yaml module.
 fn user_data(file: &str) -> Option<serde_json::Value> {
-    yaml(&std::fs::read_to_string(dir().join(file)).unwrap())
+    common::yaml(&std::fs::read_to_string(dir().join(file)).unwrap())
 }
 
 /// The user-data's own first-boot script, run with stand-ins for the package manager,
@@ -451,7 +451,7 @@ fn render_fills_in_the_variables_and_leaves_everything_else_alone() {
             assert_eq!(filled, expected, "{file}: render changed more than the PHQ_ variables");
             assert!(!filled.contains("${PHQ_"), "{file}");
 
-            let (Some(doc), Some(raw)) = (yaml(&filled), yaml(&text)) else { return };
+            let (Some(doc), Some(raw)) = (common::yaml(&filled), common::yaml(&text)) else { return };
             let cmd: Vec<String> = serde_json::from_value(doc["runcmd"][0].clone()).unwrap();
             let raw: Vec<String> = serde_json::from_value(raw["runcmd"][0].clone()).unwrap();
             let args: Vec<String> = raw[4..].iter().map(|a| value(&variables(a)[0])).collect();
@@ -580,30 +580,7 @@ fn render_refuses_a_value_that_could_break_out_and_prints_nothing() {
     std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
     drop(child.stdin.take());
     let filled = String::from_utf8(child.wait_with_output().unwrap().stdout).unwrap();
-    let Some(doc) = yaml(&filled) else { return };
+    let Some(doc) = common::yaml(&filled) else { return };
     let cmd: Vec<String> = serde_json::from_value(doc["runcmd"][0].clone()).unwrap();
     assert_eq!(cmd[5], attacker, "plain envsubst: {cmd:?}");
-}
-
-/// A YAML text as JSON; None (a skip) without python3's yaml module.
-fn yaml(text: &str) -> Option<serde_json::Value> {
-    let python = Path::new("/usr/bin/python3");
-    let has_yaml =
-        python.is_file() && Command::new(python).args(["-c", "import yaml"]).output().is_ok_and(|o| o.status.success());
-    if !has_yaml {
-        common::skip("needs /usr/bin/python3 with its yaml module (apt-get install python3-yaml)");
-        return None;
-    }
-    let mut child = Command::new(python)
-        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
-    drop(child.stdin.take());
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    Some(serde_json::from_slice(&out.stdout).unwrap())
 }

@@ -7,26 +7,12 @@
 mod common;
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 
-/// The YAML file as JSON, or None (a skip) without /usr/bin/python3 and its yaml module.
+/// The YAML file (relative to the repository) as JSON, or None (a skip) without
+/// /usr/bin/python3 and its yaml module.
 fn yaml(rel: &str) -> Option<Value> {
-    let python = Path::new("/usr/bin/python3");
-    let has_yaml =
-        python.is_file() && Command::new(python).args(["-c", "import yaml"]).output().is_ok_and(|o| o.status.success());
-    if !has_yaml {
-        common::skip("needs /usr/bin/python3 with its yaml module (apt-get install python3-yaml)");
-        return None;
-    }
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel);
-    let out = Command::new(python)
-        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{rel}: {}", String::from_utf8_lossy(&out.stderr));
-    Some(serde_json::from_slice(&out.stdout).unwrap())
+    common::yaml(&std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel)).unwrap())
 }
 
 fn agent_port() -> u64 {

@@ -166,27 +166,8 @@ fn signed_repositories_install_with_the_pinned_key_and_refuse_tampering() {
     }
     let work = tempfile::Builder::new().prefix("phq-repo-").tempdir_in(target_dir()).unwrap();
     let w = work.path();
-    let gnupg = w.join("gnupg");
-    std::fs::create_dir(&gnupg).unwrap();
-    std::fs::set_permissions(&gnupg, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let gpg = |args: &[&str]| {
-        let out = Command::new("gpg").arg("--batch").args(args).env("GNUPGHOME", &gnupg).output().unwrap();
-        assert!(out.status.success(), "gpg {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).to_string()
-    };
-    gpg(&[
-        "--passphrase",
-        "",
-        "--quick-gen-key",
-        "phq-agent test repository <repo@phq.invalid>",
-        "ed25519",
-        "sign",
-        "never",
-    ]);
-    let fpr = gpg(&["--with-colons", "--list-secret-keys"])
-        .lines()
-        .find_map(|l| l.strip_prefix("fpr:").map(|r| r.trim_matches(':').to_string()))
-        .unwrap();
+    let key = common::TestKey::new(w);
+    let (gnupg, fpr) = (key.home.clone(), key.fpr.clone());
     let repos = w.join("repos");
     // Published now, as a republication would be: the packages' own time (their commit's) may
     // be older than the Release's window (tests/publish_repos.rs checks that window).

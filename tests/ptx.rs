@@ -8,28 +8,27 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-fn ptxas() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("PHQ_PTXAS") {
+/// A tool of NVIDIA's: the one `var` names, else the one `scripts/test` unpacked at `fetched`
+/// (under the repository), else one on PATH.
+fn tool(var: &str, fetched: &str, name: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(var) {
         return Some(PathBuf::from(p));
     }
-    let fetched = common::repo().join("target/ptxas/nvidia/cuda_nvcc/bin/ptxas");
+    let fetched = common::repo().join(fetched);
     if fetched.is_file() {
         return Some(fetched);
     }
-    common::have("ptxas").then(|| PathBuf::from("ptxas"))
+    common::have(name).then(|| PathBuf::from(name))
+}
+
+fn ptxas() -> Option<PathBuf> {
+    tool("PHQ_PTXAS", "target/ptxas/nvidia/cuda_nvcc/bin/ptxas", "ptxas")
 }
 
 const KERNELS: &str = "src/probe/kernels.ptx";
 
 fn nvdisasm() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("PHQ_NVDISASM") {
-        return Some(PathBuf::from(p));
-    }
-    let fetched = common::repo().join("target/nvdisasm/nvidia/cu13/bin/nvdisasm");
-    if fetched.is_file() {
-        return Some(fetched);
-    }
-    common::have("nvdisasm").then(|| PathBuf::from("nvdisasm"))
+    tool("PHQ_NVDISASM", "target/nvdisasm/nvidia/cu13/bin/nvdisasm", "nvdisasm")
 }
 
 /// The memory-test kernels read and write every word of 90% of the GPU's memory: a call per

@@ -8,7 +8,6 @@
 mod common;
 
 use common::debian::{build_deb, sh, Deb};
-use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -53,27 +52,9 @@ fn the_signed_release_expires_after_its_window_and_apt_refuses_it_then() {
     }
     let work = tempfile::tempdir().unwrap();
     let w = work.path();
-    let gnupg = w.join("gnupg");
-    std::fs::create_dir(&gnupg).unwrap();
-    std::fs::set_permissions(&gnupg, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let gpg = |args: &[&str]| {
-        let out = Command::new("gpg").arg("--batch").args(args).env("GNUPGHOME", &gnupg).output().unwrap();
-        assert!(out.status.success(), "gpg {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).to_string()
-    };
-    gpg(&[
-        "--passphrase",
-        "",
-        "--quick-gen-key",
-        "phq-agent test repository <repo@phq.invalid>",
-        "ed25519",
-        "sign",
-        "never",
-    ]);
-    let fpr = gpg(&["--with-colons", "--list-secret-keys"])
-        .lines()
-        .find_map(|l| l.strip_prefix("fpr:").map(|r| r.trim_matches(':').to_string()))
-        .unwrap();
+    let key = common::TestKey::new(w);
+    let (gnupg, fpr) = (key.home.clone(), key.fpr.clone());
+    let gpg = |args: &[&str]| key.gpg(args);
 
     // The stand-ins: one .deb, one .rpm, each with no files.
     let packages = w.join("packages");

@@ -386,3 +386,67 @@ pub fn bad(r: &Value) -> Vec<(String, String, String)> {
 pub fn row(id: &str, gpu: &str, sev: &str) -> (String, String, String) {
     (id.into(), gpu.into(), sev.into())
 }
+
+/// A YAML text as JSON (through the system Python's yaml module, cloud-init's own); None (a
+/// skip) without /usr/bin/python3 and that module.
+pub fn yaml(text: &str) -> Option<Value> {
+    let python = Path::new("/usr/bin/python3");
+    let has_yaml =
+        python.is_file() && Command::new(python).args(["-c", "import yaml"]).output().is_ok_and(|o| o.status.success());
+    if !has_yaml {
+        skip("needs /usr/bin/python3 with its yaml module (apt-get install python3-yaml)");
+        return None;
+    }
+    let mut child = Command::new(python)
+        .args(["-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
+    drop(child.stdin.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    Some(serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// A GnuPG home with a fresh Ed25519 signing key, standing for a repository's key in a test.
+pub struct TestKey {
+    pub home: PathBuf,
+    /// The key's whole fingerprint, 40 upper-case hex digits.
+    pub fpr: String,
+}
+
+impl TestKey {
+    /// Makes the key in `dir/gnupg` (0700, as gpg wants its home).
+    pub fn new(dir: &Path) -> TestKey {
+        use std::os::unix::fs::PermissionsExt;
+        let home = dir.join("gnupg");
+        std::fs::create_dir(&home).unwrap();
+        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let mut key = TestKey { home, fpr: String::new() };
+        key.gpg(&[
+            "--passphrase",
+            "",
+            "--quick-gen-key",
+            "phq-agent test repository <repo@phq.invalid>",
+            "ed25519",
+            "sign",
+            "never",
+        ]);
+        key.fpr = key
+            .gpg(&["--with-colons", "--list-secret-keys"])
+            .lines()
+            .find_map(|l| l.strip_prefix("fpr:").map(|r| r.trim_matches(':').to_string()))
+            .unwrap();
+        key
+    }
+
+    /// gpg in batch mode in this home: its stdout, or a failed test with its stderr.
+    pub fn gpg(&self, args: &[&str]) -> String {
+        let out = Command::new("gpg").arg("--batch").args(args).env("GNUPGHOME", &self.home).output().unwrap();
+        assert!(out.status.success(), "gpg {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+}
