@@ -332,7 +332,8 @@ mod tests {
 
     #[test]
     fn sxid_forms() {
-        // dmesg -T, the examples in hopper-facts (gpud's comments), a code too big for a u32.
+        // dmesg -T, the example lines leptonai/gpud quotes in its SXid package's comments, a code
+        // too big for a u32.
         let s = parse_sxid(
             "nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)",
         )

@@ -277,7 +277,8 @@ mod tests {
         f.iter().find(|f| f.gpu.as_deref() == Some(device)).cloned().unwrap()
     }
 
-    /// The guide's examples of its two kinds (hopper-facts, gpud's comments), on this VM's switches.
+    /// An example line of each kind, as leptonai/gpud quotes them in its SXid package's comments
+    /// (codes from the Fabric Manager User Guide's tables), on this VM's switches.
     const FATAL: &str =
         "3,1400,9100000000,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up\n";
     const NON_FATAL: &str = "4,1401,9200000000,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)\n";
