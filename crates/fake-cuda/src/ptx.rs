@@ -118,7 +118,7 @@ pub enum Base {
     /// An entry's parameter, by its byte offset in the parameter buffer.
     Param(u32),
     Shared(u32),
-    /// A `.func`'s parameter declared in `.param` space is not used by the agent's kernels.
+    /// A constant address (`[4096]`): the offset alone.
     Abs,
 }
 
@@ -162,7 +162,7 @@ pub enum Op {
         ty: Ty,
         dst: Vec<u16>,
         addr: Addr,
-        volatile: bool,
+        /// `.cv` or `.volatile`: the word is fetched from its memory again, never a cache.
         uncached: bool,
     },
     St {
@@ -292,7 +292,6 @@ pub struct Function {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Module {
-    pub version: String,
     pub functions: Vec<Function>,
 }
 
@@ -383,7 +382,7 @@ pub fn parse(source: &str) -> Result<Module, ParseError> {
         return err(1, "PTX is ASCII text");
     }
     let text = strip_comments(source);
-    let mut version = String::new();
+    let mut versioned = false;
     let mut headers: Vec<(Function, usize, usize)> = Vec::new(); // (header, body start, body end)
     let mut pos = 0;
     let bytes = text.as_bytes();
@@ -399,9 +398,7 @@ pub fn parse(source: &str) -> Result<Module, ParseError> {
         match word.as_str() {
             ".version" | ".target" | ".address_size" => {
                 let end = trimmed.find('\n').unwrap_or(trimmed.len());
-                if word == ".version" {
-                    version = trimmed[word.len()..end].trim().to_string();
-                }
+                versioned |= word == ".version";
                 pos += end;
             }
             ".visible" | ".weak" | ".entry" | ".func" => {
@@ -434,7 +431,7 @@ pub fn parse(source: &str) -> Result<Module, ParseError> {
             }
         }
     }
-    if version.is_empty() {
+    if !versioned {
         return err(1, "no .version directive");
     }
     let names: HashMap<String, usize> = headers.iter().enumerate().map(|(i, (f, _, _))| (f.name.clone(), i)).collect();
@@ -463,7 +460,7 @@ pub fn parse(source: &str) -> Result<Module, ParseError> {
             }
         }
     }
-    Ok(Module { version, functions })
+    Ok(Module { functions })
 }
 
 /// `.visible .entry name(.param .u64 a, …)` or `.func (.reg .b64 r) name(.reg .b64 a, …)`.
@@ -910,7 +907,6 @@ impl Cx<'_> {
                         ty,
                         dst,
                         addr: self.addr(&ops[1], line)?,
-                        volatile: has("volatile"),
                         uncached: has("cv") || has("volatile"),
                     }
                 } else {
@@ -1122,8 +1118,6 @@ impl Cx<'_> {
             }
             _ => return Ok(unsupported),
         };
-        // Registers written must be of the instruction's width class (a mistyped register is a
-        // JIT error on a real driver).
         Ok(Instr { guard, op, text: raw.text.clone(), line })
     }
 }
