@@ -25,8 +25,26 @@ pub const MAX_FILE_BYTES: u64 = 4 << 20;
 /// component is refused too (`O_NOFOLLOW`), for files that root opens in a directory another
 /// user can write.
 pub fn open_regular(path: &Path, nofollow: bool) -> io::Result<(File, fs::Metadata)> {
+    let mut options = fs::OpenOptions::new();
+    options.read(true);
+    checked_open(&options, path, nofollow)
+}
+
+/// `open_regular` for writing, never through a symlink in the last component: created with
+/// `mode` when missing; appended to (`append`, a log) or opened to read and write without
+/// truncating (a lock file). For files root writes in a directory another user can write.
+pub fn open_regular_rw(path: &Path, append: bool, mode: u32) -> io::Result<File> {
+    let mut options = fs::OpenOptions::new();
+    options.read(!append).write(!append).append(append).create(true).truncate(false).mode(mode);
+    checked_open(&options, path, true).map(|(f, _)| f)
+}
+
+/// Opens with `options`, non-blocking and (`nofollow`) without following a last-component
+/// symlink, and keeps the file only if it is a regular one.
+fn checked_open(options: &fs::OpenOptions, path: &Path, nofollow: bool) -> io::Result<(File, fs::Metadata)> {
     let flags = libc::O_NONBLOCK | libc::O_CLOEXEC | if nofollow { libc::O_NOFOLLOW } else { 0 };
-    let file = fs::OpenOptions::new().read(true).custom_flags(flags).open(path).map_err(|e| {
+    let mut options = options.clone();
+    let file = options.custom_flags(flags).open(path).map_err(|e| {
         if nofollow && e.raw_os_error() == Some(libc::ELOOP) {
             io::Error::new(io::ErrorKind::InvalidInput, "is a symbolic link; refusing to follow it")
         } else {

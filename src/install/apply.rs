@@ -167,29 +167,9 @@ pub fn journal_dir(dir: &Path) -> Result<(), String> {
 /// `O_NOFOLLOW` fails with ELOOP on a symbolic link), created with `mode`; only a regular file
 /// is accepted.
 fn open_private(dir: &Path, name: &str, append: bool, mode: u32) -> Result<File, String> {
-    use std::os::unix::fs::OpenOptionsExt;
     journal_dir(dir)?;
     let path = dir.join(name);
-    let file = std::fs::OpenOptions::new()
-        .read(!append)
-        .write(!append)
-        .append(append)
-        .create(true)
-        .truncate(false)
-        .mode(mode)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(&path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => {
-                format!("{}: is a symbolic link; the installer does not follow links here", path.display())
-            }
-            _ => format!("{}: {e}", path.display()),
-        })?;
-    let meta = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?;
-    if !meta.file_type().is_file() {
-        return Err(format!("{}: not a regular file", path.display()));
-    }
-    Ok(file)
+    crate::sysroot::open_regular_rw(&path, append, mode).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// The journal's bytes as written to `state.json`. cloud-init's user-data greps them for

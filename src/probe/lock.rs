@@ -30,30 +30,14 @@ pub fn path(state_dir: &Path) -> PathBuf {
 /// read-only open of an existing lock file; with no lock file to open at all the run goes ahead
 /// unlocked, with a warning.
 pub fn acquire(state_dir: &Path, who: &str) -> Result<RunLock, Held> {
-    use std::os::unix::fs::OpenOptionsExt;
     let path = path(state_dir);
     let _ = std::fs::create_dir_all(state_dir);
     // The state directory is the service user's, and a person runs `probe` as root: a link
     // planted at the lock's name is never followed (O_NOFOLLOW: ELOOP), so root never
     // truncates or writes another file; only a regular file is taken as the lock.
-    let flags = libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
-    let opened = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o644)
-        .custom_flags(flags)
-        .open(&path)
+    let opened = crate::sysroot::open_regular_rw(&path, false, 0o644)
         .map(|f| (f, true))
-        .or_else(|_| std::fs::OpenOptions::new().read(true).custom_flags(flags).open(&path).map(|f| (f, false)))
-        .and_then(|(f, w)| {
-            if f.metadata()?.file_type().is_file() {
-                Ok((f, w))
-            } else {
-                Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"))
-            }
-        });
+        .or_else(|_| crate::sysroot::open_regular(&path, true).map(|(f, _)| (f, false)));
     let (mut file, writable) = match opened {
         Ok(f) => f,
         Err(e) => {
