@@ -1169,7 +1169,7 @@ pub const MAX_DOWNLOAD_BYTES: u64 = 16 << 20;
 
 /// Whether a redirect may be followed: never from `https` down to plain `http` (what TLS
 /// protected would then come unprotected, from wherever the redirect points), at most ten in a
-/// row (curl's and reqwest's own default limit).
+/// row (reqwest's own default policy, `redirect::Policy::default`, stops at ten).
 pub fn redirect_allowed(from: &str, to: &str, hops: usize) -> Result<(), String> {
     if hops >= 10 {
         return Err(format!("more than 10 redirects (the last to {to})"));
