@@ -60,9 +60,9 @@ pub fn by_name(name: &str) -> Option<CUresult> {
 /// Errors after which "the process is left in an inconsistent state and any further CUDA work
 /// will return the same error" (driver API reference, `CUresult`: the text of
 /// CUDA_ERROR_ILLEGAL_ADDRESS and CUDA_ERROR_LAUNCH_FAILED; CUDA_ERROR_LAUNCH_TIMEOUT's says the
-/// context "cannot be used (and must be destroyed similar to CUDA_ERROR_LAUNCH_FAILED)"). An uncorrectable ECC or NVLink
-/// error met by running work poisons its context the same way (DCGM's diagnostics treat a
-/// context that saw 214 as unusable until the GPU is reset).
+/// context "cannot be used (and must be destroyed similar to CUDA_ERROR_LAUNCH_FAILED)"). An
+/// uncorrectable ECC or NVLink error met by running work poisons its context the same way
+/// (DCGM's diagnostics treat a context that saw 214 as unusable until the GPU is reset).
 pub fn is_sticky(code: CUresult) -> bool {
     matches!(code, 214 | 220 | 700 | 702 | 714 | 715 | 716 | 717 | 718 | 719)
 }
