@@ -42,6 +42,7 @@ pub mod attr {
     /// 0 default, 1 exclusive-thread (gone since CUDA 8), 2 prohibited, 3 exclusive-process.
     pub const COMPUTE_MODE: i32 = 20;
     pub const MULTIPROCESSOR_COUNT: i32 = 16;
+    pub const L2_CACHE_SIZE: i32 = 38;
 }
 
 /// Errors after which "the process is left in an inconsistent state and any further CUDA work

@@ -189,7 +189,8 @@ fn hgx_passes_with_all_56_pairs_at_the_links_rate_and_one_run_at_a_time() {
     let pairs = p.report["probes"]["nvlink"]["pairs_gbps"].as_array().unwrap();
     assert_eq!(pairs.len(), 28);
     assert!(pairs.iter().all(|x| x["a_to_b"].as_f64().is_some() && x["b_to_a"].as_f64().is_some()), "{pairs:?}");
-    // Peer latency by pointer chase through the other GPU's memory: the scenario's 1,000 ns.
+    // Peer latency by pointer chase through the other GPU's memory, that GPU's L2 emptied before
+    // each sample: the scenario's 1,000 ns (without the eviction, the L2 figure: 600 ns).
     let l = &p.peers()[0];
     assert!((median(&l["latency_ns"]) - 1000.0).abs() < 1.0, "{l}");
     let g = &p.report["probes"]["gpus"][0];
@@ -431,6 +432,41 @@ fn a_stuck_bit_is_a_memory_failure() {
     assert!(!all.iter().any(|p| p.0.starts_with("moving inversions")), "quick runs no moving inversions: {all:?}");
     assert!(f["summary"].as_str().unwrap().contains(&format!("{word:#x}")), "{f}");
     assert_eq!(p.severity("probe.gemm", "0000:09:00.0"), "pass");
+}
+
+/// Hopper's L2 is a write-back cache: the last lines a pass writes stay dirty in it, and a pass
+/// that starts where the last one ended reads them from the cache, not from HBM. The scenario
+/// has a bit stuck at 1 in the first word the standard level tests and one stuck at 0 in the
+/// last. Moving inversions down writes zeros from the top down, ending at the first word, and
+/// the solid pass then starts there; moving inversions up writes ones ending at the last word,
+/// and the down pass starts there. Each is found only because the memory test writes twice the
+/// L2 between passes (without that eviction both passes read 0 mismatches).
+#[test]
+fn the_l2_is_evicted_between_passes_so_the_ends_of_memory_are_read_from_hbm() {
+    let r = Run::new("h100-pcie-single", "h100-pcie-vm-unsupported", "cuda-h100-pcie-stuck-at-the-ends");
+    let p = r.run(&["--level", "standard"]);
+    let f = p.finding("probe.memory-integrity", "0000:09:00.0");
+    let m = &f["evidence"]["memtest"];
+    let (first, end) = (GPU0 + 0x1_0660_0000, GPU0 + 0x12_CFA0_0000);
+    assert_eq!(
+        m["ranges"],
+        serde_json::json!([[first, end]]),
+        "the memory the test covers moved: the scenario's stuck bits must sit at its two ends {f}"
+    );
+    let all = passes(f);
+    // Each read back with its stuck bit, at its own address.
+    assert_eq!(pass(&all, "solid 0x0000000000000000"), &("solid 0x0000000000000000".into(), 1, Some(1)), "{all:?}");
+    assert_eq!(
+        pass(&all, "moving inversions down 0xffffffffffffffff"),
+        &("moving inversions down 0xffffffffffffffff".into(), 1, Some(u64::MAX - 1)),
+        "{all:?}"
+    );
+    let at = |name: &str| {
+        let ps = m["passes"].as_array().unwrap();
+        ps.iter().find(|p| p["name"] == name).map(|p| p["first"][0]["address"].as_u64()).unwrap_or_default()
+    };
+    assert_eq!(at("solid 0x0000000000000000"), Some(first), "{m}");
+    assert_eq!(at("moving inversions down 0xffffffffffffffff"), Some(end - 8), "{m}");
 }
 
 /// Two pairs of shorted cells (the scenario's): a near one (bit 6 of a word reads bit 6 of the

@@ -299,6 +299,20 @@ def cuda_h100_pcie_stuck_bit():
     return s
 
 
+def cuda_h100_pcie_stuck_at_the_ends():
+    """The H100 PCIe with a stuck bit at each end of what the standard level's memory test covers
+    (its first word, 0x1_0660_0000 bytes in, past the copy probes' buffers and the eviction
+    buffer; and its last word): bit 0 of the first stuck at 1, bit 0 of the last stuck at 0. Each
+    sits where a pass ends writing, so the next pass, starting there, reads it from the L2 unless
+    the L2 was evicted between them."""
+    s = cuda_h100_pcie()
+    s["devices"][0]["stuck_bits"] = [
+        {"offset": 0x1_0660_0000, "bit": 0, "value": 1},
+        {"offset": 0x12_CFA0_0000 - 8, "bit": 0, "value": 0},
+    ]
+    return s
+
+
 def cuda_h100_pcie_coupled_bit():
     """The H100 PCIe with two shorted cells (16 GiB in: past the buffers the copy probes allocate
     first, inside what the memory test covers). Near: bit 6 of the word 16 GiB + 64 bytes in reads
@@ -363,6 +377,7 @@ CUDA_SCENARIOS = {
     "cuda-hgx-8gpu-gen3x8": cuda_hgx_gen3x8,
     "cuda-h100-pcie": cuda_h100_pcie,
     "cuda-h100-pcie-stuck-bit": cuda_h100_pcie_stuck_bit,
+    "cuda-h100-pcie-stuck-at-the-ends": cuda_h100_pcie_stuck_at_the_ends,
     "cuda-h100-pcie-coupled-bit": cuda_h100_pcie_coupled_bit,
     "cuda-h200": cuda_h200,
     "cuda-h200-slow-sm-copy": cuda_h200_slow_sm_copy,

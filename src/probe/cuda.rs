@@ -129,7 +129,9 @@ impl CudaBackend {
         let ctx = self.ctx(gpu)?;
         if !self.kernels.contains_key(&gpu) {
             let sms = self.devices[gpu].attribute(cuda::attr::MULTIPROCESSOR_COUNT).unwrap_or(132).max(1) as u32;
-            let loaded = match Loaded::load(&ctx, sms) {
+            // An unreadable L2 size: the H100's 50 MiB, so the eviction still covers a Hopper L2.
+            let l2 = self.devices[gpu].attribute(cuda::attr::L2_CACHE_SIZE).map_or(50 << 20, |b| b.max(0) as usize);
+            let loaded = match Loaded::load(&ctx, sms, l2) {
                 Ok(k) => Ok(k),
                 Err(e) if e.sticky => return Err(on(gpu)(e)),
                 Err(e) => Err(format!("the driver could not load the probe kernels: {e}")),
@@ -280,7 +282,7 @@ fn host_latency(ctx: &Arc<Ctx>, k: &Loaded, p: &LevelParams) -> cuda::Result<Vec
     }
     let out = ctx.alloc(8)?;
     let stream = ctx.stream()?;
-    kernels::chase_ns(&stream, k, base, &out, LATENCY_STEPS, p.samples)
+    kernels::chase_ns(&stream, k, base, &out, LATENCY_STEPS, p.samples, None)
 }
 
 /// Dependent loads per latency sample: about 2 ms at a microsecond each, a thousand times CUDA
@@ -346,6 +348,7 @@ fn memory_readback(ctx: &Arc<Ctx>, p: &LevelParams) -> cuda::Result<MemtestResul
         seed: None,
         passes: Vec::new(),
         seconds: None,
+        ranges: Vec::new(),
     })
 }
 
@@ -725,8 +728,14 @@ impl Backend for CudaBackend {
     /// A chain in `dst`'s memory, chased by a kernel on `src` (peer access is enabled by `p2p`,
     /// which runs first; enabling it again is harmless).
     fn peer_latency(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
-        let b = self.ctx(dst)?;
-        let (a, k) = self.with_kernels(src)?;
+        // Both GPUs' kernels: the chase runs on `src`, the eviction of the chain's L2 on `dst`.
+        let (b, _) = self.with_kernels(dst)?;
+        let (a, _) = self.with_kernels(src)?;
+        let loaded = |g: usize| self.kernels.get(&g).and_then(|x| x.as_ref().ok());
+        let (Some(k), Some(kd)) = (loaded(src), loaded(dst)) else {
+            return Err(ProbeError::Unavailable("the probe kernels are not loaded".into()));
+        };
+        let evict = kernels::Evict::new(&b, kd).map_err(on(dst))?;
         a.enable_peer_access(&b).map_err(on(src))?;
         let chain = b.alloc(kernels::CHASE_NODES * kernels::CHASE_STRIDE).map_err(on(dst))?;
         let words = kernels::chain_words(chain.ptr(), kernels::CHASE_NODES, kernels::CHASE_STRIDE);
@@ -742,7 +751,7 @@ impl Backend for CudaBackend {
         }
         let out = a.alloc(8).map_err(on(src))?;
         let stream = a.stream().map_err(on(src))?;
-        kernels::chase_ns(&stream, k, chain.ptr(), &out, LATENCY_STEPS, p.samples).map_err(on(src))
+        kernels::chase_ns(&stream, k, chain.ptr(), &out, LATENCY_STEPS, p.samples, evict.as_ref()).map_err(on(src))
     }
 
     fn can_access_peer(&mut self, src: usize, dst: usize) -> Result<bool, ProbeError> {
@@ -787,6 +796,47 @@ impl Backend for CudaBackend {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Every GPU's device-side test at once (`kernels::memtest_all`); a GPU whose kernels
+    /// cannot load gets the host read-back, alone.
+    fn memory_integrity_all(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+    ) -> Vec<(usize, Result<MemtestResult, ProbeError>)> {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0x5eed);
+        let steps = kernels::steps(self.level, seed, std::time::Duration::from_secs(p.fade_secs.into()));
+        let mut out = Vec::new();
+        let mut with = Vec::new();
+        for &g in gpus {
+            match self.with_kernels(g) {
+                Ok((ctx, _)) => with.push((g, ctx)),
+                Err(ProbeError::Unavailable(why)) => {
+                    tracing::warn!(gpu = g, %why, "memory test falls back to the host read-back");
+                    out.push((g, self.ctx(g).and_then(|c| memory_readback(&c, p).map_err(on(g)))));
+                }
+                Err(e) => out.push((g, Err(e))),
+            }
+        }
+        let loaded = &self.kernels;
+        let mut runs: Vec<(usize, Result<kernels::Memtest<'_>, ProbeError>)> = with
+            .iter()
+            .map(|(g, ctx)| {
+                let k = loaded.get(g).and_then(|x| x.as_ref().ok());
+                let r = k
+                    .ok_or_else(|| ProbeError::Unavailable("the probe kernels are not loaded".into()))
+                    .and_then(|k| kernels::Memtest::new(ctx, k, usize::MAX, seed).map_err(on(*g)));
+                (*g, r)
+            })
+            .collect();
+        kernels::memtest_all(&mut runs, &steps, |g, e| on(g)(e));
+        out.extend(runs.into_iter().map(|(g, r)| (g, r.and_then(|t| t.result().map_err(on(g))))));
+        out.sort_by_key(|(g, _)| *g);
+        out
     }
 
     /// cuBLAS when the toolkit's library loads, else the agent's PTX GEMM; checked on the GPU

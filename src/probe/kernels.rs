@@ -23,11 +23,14 @@ pub(crate) struct Loaded {
     pub module: Module,
     /// Blocks for a grid-stride launch that fills the GPU.
     pub grid: u32,
+    /// The GPU's L2 in bytes (`CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE`), which the memory test
+    /// evicts between passes and the peer chase before each sample.
+    pub l2_bytes: usize,
 }
 
 impl Loaded {
-    pub fn load(ctx: &Arc<Ctx>, sms: u32) -> cuda::Result<Loaded> {
-        Ok(Loaded { module: ctx.load_ptx(PTX)?, grid: sms.max(1) * BLOCKS_PER_SM })
+    pub fn load(ctx: &Arc<Ctx>, sms: u32, l2_bytes: usize) -> cuda::Result<Loaded> {
+        Ok(Loaded { module: ctx.load_ptx(PTX)?, grid: sms.max(1) * BLOCKS_PER_SM, l2_bytes })
     }
 }
 
@@ -137,45 +140,89 @@ fn allocate(ctx: &Arc<Ctx>, bytes: usize) -> cuda::Result<Vec<DeviceBuffer>> {
     Ok(chunks)
 }
 
-/// Runs the memory test over at most `cap` bytes (and at most 90% of free memory).
-pub(crate) fn memtest(
-    ctx: &Arc<Ctx>,
-    k: &Loaded,
-    steps: &[Step],
-    cap: usize,
+/// One GPU's memory test as it runs: its chunks, the buffer that evicts its L2, its stream and
+/// the passes checked so far. `memtest_all` runs every GPU's at once.
+pub(crate) struct Memtest<'m> {
+    ctx: Arc<Ctx>,
+    k: &'m Loaded,
+    chunks: Vec<DeviceBuffer>,
+    evict: Option<DeviceBuffer>,
+    write: Function<'m>,
+    check: Function<'m>,
+    result: DeviceBuffer,
+    host: PinnedBuffer,
+    stream: Stream,
+    t0: cuda::Event,
+    t1: cuda::Event,
+    passes: Vec<MemtestPass>,
     seed: u64,
-) -> cuda::Result<MemtestResult> {
-    let (free, _) = ctx.mem_info()?;
-    // Room for the driver, the result buffer and what the other probes hold: 90% of free.
-    let bytes = cap.min(free / 10 * 9);
-    let chunks = allocate(ctx, bytes)?;
-    let tested: usize = chunks.iter().map(DeviceBuffer::len).sum();
-    let write = k.module.function("phq_mem_write")?;
-    let check_fn = k.module.function("phq_mem_check")?;
-    let result = ctx.alloc(256)?;
-    let host = ctx.pinned(256)?;
-    let stream = ctx.stream()?;
-    let (t0, t1) = (ctx.event()?, ctx.event()?);
-    stream.record(&t0)?;
-    let mut passes = Vec::new();
-    for step in steps {
+}
+
+impl<'m> Memtest<'m> {
+    /// Allocates the test's memory: at most `cap` bytes, and at most 90% of what is free once
+    /// the eviction buffer is taken.
+    pub fn new(ctx: &Arc<Ctx>, k: &'m Loaded, cap: usize, seed: u64) -> cuda::Result<Memtest<'m>> {
+        // Twice the L2, written between passes: a write-back cache keeps the last lines written
+        // and serves them to the next pass, so without it the pass after one that ended there
+        // would read up to an L2 of the cache instead of HBM (PTX ISA, "Cache Operators": `.cg`
+        // caches in L2; Hopper's L2 is 50 MB on the H100, its architecture whitepaper).
+        let evict = match k.l2_bytes {
+            0 => None,
+            l2 => Some(ctx.alloc((2 * l2).next_multiple_of(8))?),
+        };
+        let (free, _) = ctx.mem_info()?;
+        // Room for the driver, the result buffer and what the other probes hold: 90% of free.
+        let bytes = cap.min(free / 10 * 9);
+        let chunks = allocate(ctx, bytes)?;
+        let t = Memtest {
+            ctx: ctx.clone(),
+            k,
+            chunks,
+            evict,
+            write: k.module.function("phq_mem_write")?,
+            check: k.module.function("phq_mem_check")?,
+            result: ctx.alloc(256)?,
+            host: ctx.pinned(256)?,
+            stream: ctx.stream()?,
+            t0: ctx.event()?,
+            t1: ctx.event()?,
+            passes: Vec::new(),
+            seed,
+        };
+        t.stream.record(&t.t0)?;
+        Ok(t)
+    }
+
+    /// Writes the eviction buffer: what the L2 held before is written back to HBM and gone.
+    fn evict(&self) -> cuda::Result<()> {
+        let Some(e) = &self.evict else { return Ok(()) };
+        let args = [Arg::U64(e.ptr()), Arg::U64((e.len() / 8) as u64), Arg::U32(0), Arg::U64(0)];
+        // SAFETY: the kernel writes the live eviction buffer's words, which outlives the stream.
+        unsafe { self.stream.launch(&self.write, self.k.grid, BLOCK, &args) }
+    }
+
+    /// Queues `step` on the GPU; `after_pause`: the step before was a pause, which evicted.
+    fn queue(&self, step: &Step, after_pause: bool) -> cuda::Result<()> {
         match step {
             Step::Write(p) => {
-                for c in &chunks {
+                for c in &self.chunks {
                     let args = [Arg::U64(c.ptr()), Arg::U64((c.len() / 8) as u64), Arg::U32(p.mode), Arg::U64(p.arg)];
                     // SAFETY: the kernel writes `words` 64-bit words from the chunk's start, all
                     // inside the live chunk, which outlives the stream.
-                    unsafe { stream.launch(&write, k.grid, BLOCK, &args) }?;
+                    unsafe { self.stream.launch(&self.write, self.k.grid, BLOCK, &args) }?;
                 }
+                Ok(())
             }
-            Step::Pause(d) => {
-                stream.synchronize()?;
-                std::thread::sleep(*d);
-            }
-            Step::Check { name, want, then, descending } => {
-                stream.memset_d32(&result, 0, 0, 64)?;
+            // The pattern's last lines go to HBM before the wait, or they would wait in the L2,
+            // where nothing fades.
+            Step::Pause(_) => self.evict(),
+            Step::Check { want, then, descending, .. } => {
+                if !after_pause {
+                    self.evict()?;
+                }
+                self.stream.memset_d32(&self.result, 0, 0, 64)?;
                 let order: Vec<&DeviceBuffer> =
-                    if *descending { chunks.iter().rev().collect() } else { chunks.iter().collect() };
+                    if *descending { self.chunks.iter().rev().collect() } else { self.chunks.iter().collect() };
                 let next = then.unwrap_or(Pattern { mode: u32::MAX, arg: 0 });
                 for c in order {
                     let args = [
@@ -186,37 +233,107 @@ pub(crate) fn memtest(
                         Arg::U32(next.mode),
                         Arg::U64(next.arg),
                         Arg::U32(u32::from(*descending)),
-                        Arg::U64(result.ptr()),
+                        Arg::U64(self.result.ptr()),
                     ];
                     // SAFETY: the kernel reads and writes the live chunk's words and at most
                     // 200 bytes of the live 256-byte result buffer.
-                    unsafe { stream.launch(&check_fn, k.grid, BLOCK, &args) }?;
+                    unsafe { self.stream.launch(&self.check, self.k.grid, BLOCK, &args) }?;
                 }
-                // SAFETY: `host` is read only after the synchronize below.
-                unsafe { stream.copy_d2h(&host, 0, &result, 0, 200) }?;
-                stream.synchronize()?;
-                passes.push(read_pass(name, host.as_slice()));
+                // SAFETY: `host` is read only after the stream is synchronized (`finish`).
+                unsafe { self.stream.copy_d2h(&self.host, 0, &self.result, 0, 200) }
             }
         }
     }
-    stream.record(&t1)?;
-    stream.synchronize()?;
-    let seconds = t0.elapsed_ms(&t1)? as f64 / 1000.0;
-    let mismatches = passes.iter().map(|p| p.mismatches).sum();
-    let first = passes.iter().find_map(|p| {
-        p.first.first().map(|m| (m.address, format!("{:#018x} for {:#018x} in {}", m.read, m.expected, p.name)))
-    });
-    Ok(MemtestResult {
-        bytes_tested: tested as u64,
-        patterns: passes.iter().map(|p| p.name.clone()).collect(),
-        mismatches,
-        first_mismatch: first,
-        method: "kernels".into(),
-        chunks: chunks.len(),
-        seed: Some(seed),
-        passes,
-        seconds: Some(seconds),
-    })
+
+    /// Waits for `step` and keeps what a check found.
+    fn finish(&mut self, step: &Step) -> cuda::Result<()> {
+        self.stream.synchronize()?;
+        if let Step::Check { name, .. } = step {
+            self.passes.push(read_pass(name, self.host.as_slice()));
+        }
+        Ok(())
+    }
+
+    pub fn result(self) -> cuda::Result<MemtestResult> {
+        self.stream.record(&self.t1)?;
+        self.stream.synchronize()?;
+        let seconds = self.t0.elapsed_ms(&self.t1)? as f64 / 1000.0;
+        let _ = &self.ctx;
+        let passes = self.passes;
+        let mismatches = passes.iter().map(|p| p.mismatches).sum();
+        let first = passes.iter().find_map(|p| {
+            p.first.first().map(|m| (m.address, format!("{:#018x} for {:#018x} in {}", m.read, m.expected, p.name)))
+        });
+        let mut ranges: Vec<[u64; 2]> = Vec::new();
+        let mut spans: Vec<[u64; 2]> = self.chunks.iter().map(|c| [c.ptr(), c.ptr() + c.len() as u64]).collect();
+        spans.sort_unstable();
+        for r in spans {
+            match ranges.last_mut() {
+                Some(last) if last[1] == r[0] => last[1] = r[1],
+                _ => ranges.push(r),
+            }
+        }
+        Ok(MemtestResult {
+            ranges,
+            bytes_tested: self.chunks.iter().map(DeviceBuffer::len).sum::<usize>() as u64,
+            patterns: passes.iter().map(|p| p.name.clone()).collect(),
+            mismatches,
+            first_mismatch: first,
+            method: "kernels".into(),
+            chunks: self.chunks.len(),
+            seed: Some(self.seed),
+            passes,
+            seconds: Some(seconds),
+        })
+    }
+}
+
+/// Runs `steps` on every GPU of `runs` at once: each step queued on all of them, then waited
+/// for on all, so the GPUs work side by side and a bit-fade pause is one pause for all — the
+/// full level's two pauses take their time once, not once per GPU. A GPU that fails drops out
+/// with its error; the others carry on.
+pub(crate) fn memtest_all<E>(
+    runs: &mut [(usize, Result<Memtest<'_>, E>)],
+    steps: &[Step],
+    fail: impl Fn(usize, cuda::CudaError) -> E,
+) {
+    let mut after_pause = false;
+    for step in steps {
+        for (gpu, r) in runs.iter_mut() {
+            if let Ok(t) = r {
+                if let Err(e) = t.queue(step, after_pause) {
+                    *r = Err(fail(*gpu, e));
+                }
+            }
+        }
+        for (gpu, r) in runs.iter_mut() {
+            if let Ok(t) = r {
+                if let Err(e) = t.finish(step) {
+                    *r = Err(fail(*gpu, e));
+                }
+            }
+        }
+        if let Step::Pause(d) = step {
+            if runs.iter().any(|(_, r)| r.is_ok()) {
+                std::thread::sleep(*d);
+            }
+        }
+        after_pause = matches!(step, Step::Pause(_));
+    }
+}
+
+/// Runs the memory test on one GPU over at most `cap` bytes (and at most 90% of free memory).
+pub(crate) fn memtest(
+    ctx: &Arc<Ctx>,
+    k: &Loaded,
+    steps: &[Step],
+    cap: usize,
+    seed: u64,
+) -> cuda::Result<MemtestResult> {
+    let mut runs = [(0, Memtest::new(ctx, k, cap, seed))];
+    memtest_all(&mut runs, steps, |_, e| e);
+    let [(_, r)] = runs;
+    r?.result()
 }
 
 /// A check kernel's result buffer (`phq_mem_check`, `phq_gemm_check`): the count, then up to 8
@@ -301,10 +418,44 @@ pub(crate) fn sgemm_shape(n: usize) -> Result<(u32, u32), String> {
     Ok((grid, 256))
 }
 
-pub(crate) const CHASE_NODES: usize = 256;
+/// The chain: at least as many nodes as a sample takes steps (`cuda::LATENCY_STEPS`), so no
+/// node is loaded twice in a sample — a second load of a line would come from the L2.
+pub(crate) const CHASE_NODES: usize = 2048;
 pub(crate) const CHASE_STRIDE: usize = 4096;
 
-/// Nanoseconds per dependent load from GPU `stream`'s kernel through the chain at `start`.
+/// A GPU's L2 emptied of the chain before each latency sample: twice its size written by
+/// `phq_mem_write` on its own stream. Device memory is coherent at the L2 of the GPU that owns
+/// it, and `ld.cv` refetches only system memory (PTX ISA, "Cache Operators"), so a chain still
+/// in that L2 — the lines its upload or the last sample left there — times the L2, not HBM or
+/// NVLink.
+pub(crate) struct Evict<'m> {
+    write: Function<'m>,
+    buffer: DeviceBuffer,
+    stream: Stream,
+    grid: u32,
+}
+
+impl<'m> Evict<'m> {
+    /// For the GPU of `ctx`, whose kernels are `k`; `None` where the L2's size is unknown (0).
+    pub fn new(ctx: &Arc<Ctx>, k: &'m Loaded) -> cuda::Result<Option<Evict<'m>>> {
+        if k.l2_bytes == 0 {
+            return Ok(None);
+        }
+        let buffer = ctx.alloc((2 * k.l2_bytes).next_multiple_of(8))?;
+        Ok(Some(Evict { write: k.module.function("phq_mem_write")?, buffer, stream: ctx.stream()?, grid: k.grid }))
+    }
+
+    fn run(&self) -> cuda::Result<()> {
+        let args = [Arg::U64(self.buffer.ptr()), Arg::U64((self.buffer.len() / 8) as u64), Arg::U32(0), Arg::U64(0)];
+        // SAFETY: the kernel writes the live buffer's words; the stream is synchronized below,
+        // before the buffer can be dropped.
+        unsafe { self.stream.launch(&self.write, self.grid, BLOCK, &args) }?;
+        self.stream.synchronize()
+    }
+}
+
+/// Nanoseconds per dependent load from GPU `stream`'s kernel through the chain at `start`, the
+/// L2 owning the chain evicted before each sample (`evict`; none for host memory).
 pub(crate) fn chase_ns(
     stream: &Stream,
     k: &Loaded,
@@ -312,6 +463,7 @@ pub(crate) fn chase_ns(
     out: &DeviceBuffer,
     steps: u64,
     samples: u32,
+    evict: Option<&Evict<'_>>,
 ) -> cuda::Result<Vec<f64>> {
     let f = k.module.function("phq_chase")?;
     let ctx = stream.context();
@@ -323,6 +475,9 @@ pub(crate) fn chase_ns(
     stream.synchronize()?;
     let mut out_ns = Vec::new();
     for _ in 0..samples {
+        if let Some(e) = evict {
+            e.run()?;
+        }
         stream.record(&a)?;
         let args = [Arg::U64(start), Arg::U64(steps), Arg::U64(out.ptr())];
         // SAFETY: as above.

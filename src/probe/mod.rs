@@ -148,6 +148,9 @@ pub struct MemtestResult {
     /// GPU time the whole test took (bit-fade pauses included), by CUDA events.
     #[serde(default)]
     pub seconds: Option<f64>,
+    /// The device addresses tested, `[start, end)`, neighbouring chunks merged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranges: Vec<[u64; 2]>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -200,6 +203,15 @@ pub trait Backend {
     fn can_access_peer(&mut self, src: usize, dst: usize) -> Result<bool, ProbeError>;
     fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError>;
     fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError>;
+    /// The memory test on all of `gpus` at once (a bit-fade pause is then one pause for all);
+    /// by default one GPU after the other.
+    fn memory_integrity_all(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+    ) -> Vec<(usize, Result<MemtestResult, ProbeError>)> {
+        gpus.iter().map(|g| (*g, self.memory_integrity(*g, p))).collect()
+    }
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError>;
     /// Device-local copy by a kernel on the SMs, counting bytes read plus written.
     fn sm_copy(&mut self, _gpu: usize, _p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
@@ -462,11 +474,9 @@ pub fn run(
         let sm_copy = bandwidth(guard.call(backend, &[g], |b| b.sm_copy(g, &p)));
         step("host latency");
         let host_latency = bandwidth(guard.call(backend, &[g], |b| b.host_latency(g, &p)));
-        step("memory integrity");
-        let memory = guard.call(backend, &[g], |b| b.memory_integrity(g, &p)).into();
-        step("GEMM");
-        let gemm = guard.call(backend, &[g], |b| b.gemm(g, &p)).into();
-        let memory = guard.memory_of(g, memory);
+        // Filled in below: every GPU's memory test runs at once, then each GPU's GEMM.
+        let memory = Outcome::Error(ProbeError::Unavailable("not measured".into()));
+        let gemm = Outcome::Error(ProbeError::Unavailable("not measured".into()));
         report.gpus.push(GpuProbes {
             ordinal: g,
             pci: t.pci.clone(),
@@ -482,6 +492,35 @@ pub fn run(
             host_memory: backend.host_placement(g),
             conditions: backend.conditions(g),
         });
+    }
+    // The memory test on every GPU at once: the GPUs work side by side, and the full level's
+    // bit-fade pauses are waited once for all of them, not once per GPU.
+    if !chosen.is_empty() {
+        let live: Vec<usize> = chosen.iter().map(|t| t.ordinal).filter(|g| !guard.0.contains_key(g)).collect();
+        progress(&format!("GPUs {live:?} at once: memory integrity"));
+        let mut tested: std::collections::BTreeMap<usize, Outcome<MemtestResult>> = Default::default();
+        for (g, r) in backend.memory_integrity_all(&live, &p) {
+            if let Err(e @ ProbeError::Sticky { gpu, .. }) = &r {
+                backend.release(*gpu);
+                guard.0.insert(*gpu, e.clone());
+            }
+            tested.insert(g, r.into());
+        }
+        for gp in report.gpus.iter_mut() {
+            let g = gp.ordinal;
+            let m = tested.remove(&g).unwrap_or_else(|| {
+                let why = guard.0.get(&g).map(|e| e.to_string()).unwrap_or_default();
+                Outcome::Error(ProbeError::Unavailable(format!("not measured: GPU {g} is unusable since {why}")))
+            });
+            gp.memory = guard.memory_of(g, m);
+        }
+    }
+    for gp in report.gpus.iter_mut() {
+        let g = gp.ordinal;
+        progress(&format!("GPU {g} ({}): GEMM", gp.pci));
+        gp.gemm = guard.call(backend, &[g], |b| b.gemm(g, &p)).into();
+        // NVML's readings beside the memory test and the GEMM, taken since the GPU's first loop.
+        gp.conditions = backend.conditions(g);
     }
     let secs = opts.gemm_seconds.unwrap_or(p.gemm_secs);
     if secs > 0 && !chosen.is_empty() {
@@ -706,6 +745,17 @@ impl Backend for Observed<'_> {
         let r = self.inner.memory_integrity(gpu, p);
         self.after(gpu, "memory", r)
     }
+    fn memory_integrity_all(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+    ) -> Vec<(usize, Result<MemtestResult, ProbeError>)> {
+        for g in gpus {
+            let _ = self.after(*g, "memory_before", Ok(()));
+        }
+        let out = self.inner.memory_integrity_all(gpus, p);
+        out.into_iter().map(|(g, r)| (g, self.after(g, "memory", r))).collect()
+    }
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
         let r = self.inner.gemm(gpu, p);
         self.after(gpu, "gemm", r)
@@ -743,7 +793,7 @@ impl Backend for Observed<'_> {
     }
 }
 
-/// What a run would do here, from the snapshot alone: no CUDA is loaded and no GPU touched. The
+/// What a run would do here, from the snapshot alone: no CUDA driver is loaded and no GPU touched. The
 /// GPUs are the snapshot's NVIDIA GPUs in PCI order (as CUDA numbers them under
 /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`).
 pub fn plan_here(snapshot: &crate::snapshot::Snapshot, opts: &Options<'_>) -> plan::Plan {
@@ -753,7 +803,9 @@ pub fn plan_here(snapshot: &crate::snapshot::Snapshot, opts: &Options<'_>) -> pl
         pcis.into_iter().map(|pci| cuda::DeviceInfo { pci, compute_mode: 0 }).collect();
     let targets = targets_of(snapshot, &devices, std::process::id());
     let memory = |pci: &str| snapshot.nvml_gpu(pci).and_then(|g| g.memory.value()).map(|m| m.total_bytes);
-    plan::plan(&targets, opts, &memory)
+    // The GEMM is planned at the rate of the kernel the run will use: cuBLAS is looked up (its
+    // library loaded, not initialised; no GPU is touched), as the run would.
+    plan::plan(&targets, opts, &memory, crate::cuda::blas().is_ok())
 }
 
 /// What the probes need to know of each GPU CUDA lists, from the snapshot. `own_pid` (the
@@ -1350,6 +1402,7 @@ mod tests {
                 seed: None,
                 passes: Vec::new(),
                 seconds: None,
+                ranges: Vec::new(),
             })
         }
         fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
@@ -1412,6 +1465,7 @@ mod tests {
             seed: Some(1),
             passes: Vec::new(),
             seconds: None,
+            ranges: Vec::new(),
         });
         let at = |corrected, uncorrected, remapped| Conditions {
             sm_clock_mhz: None,

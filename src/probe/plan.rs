@@ -21,6 +21,19 @@ pub const QUICK_BUDGET_S: f64 = 10.0;
 /// The standard level's budget.
 pub const STANDARD_BUDGET_S: f64 = 120.0;
 
+/// The agent's own FP32 GEMM (`phq_sgemm`, used where cuBLAS is missing), planned at 3 TFLOP/s:
+/// each fused multiply-add of its 16 × 16 tiles reads two shared-memory words, and a warp's 32
+/// multiply-adds take two shared-memory wavefronts, so an SM does at most 16 a clock — 132 SMs
+/// at 1.755 GHz make a ceiling of about 7.4 TFLOP/s on the H100 SXM (CUDA programming guide,
+/// "Shared Memory" of compute capability 9.0: 32 banks, one wavefront a clock), and a plain
+/// kernel reaches well under it. Our planning figure, not a measurement.
+pub const PTX_SGEMM_TFLOPS: f64 = 3.0;
+
+/// The memory-test kernels are planned at the SKU's device-copy floor: like a copy they stream
+/// HBM with several loads in flight per thread (four words each, `phq_mem_check`), reading and
+/// writing. Our planning assumption until a GPU measures it (docs/hardware-validation.md).
+const MEMTEST_RATE_OF_D2D: f64 = 1.0;
+
 /// What a dependent load is planned at, host or peer memory: a round figure above what PCIe and
 /// NVLink round trips take (about a microsecond), our planning assumption, not a floor.
 const PLANNED_LATENCY_S: f64 = 2e-6;
@@ -36,6 +49,7 @@ pub struct GpuPlan {
     pub d2d_s: f64,
     pub sm_copy_s: f64,
     pub latency_s: f64,
+    /// The memory test's passes; its bit-fade pauses are the plan's `fade_s`, shared by all GPUs.
     pub memory_s: f64,
     pub memory_bytes: u64,
     pub gemm_s: f64,
@@ -62,6 +76,10 @@ pub struct Plan {
     pub skipped: Vec<super::Skipped>,
     /// The all-GPU GEMM: every GPU at once, so counted once.
     pub gemm_sustained_s: f64,
+    /// The bit-fade pauses: every GPU's memory test waits them at once, so counted once.
+    pub fade_s: f64,
+    /// The GEMM the plan times: cuBLAS, or the agent's PTX kernel where cuBLAS is missing.
+    pub gemm_library: String,
     pub total_s: f64,
     /// The level's budget, where it has one.
     pub budget_s: Option<f64>,
@@ -69,7 +87,8 @@ pub struct Plan {
 
 /// The GPUs a real run would probe (the same choice: `--gpu`, busy, MIG) and the GPU time each
 /// part takes at the floors.
-pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) -> Option<u64>) -> Plan {
+/// `cublas`: whether the run would find cuBLAS (else it times the agent's own GEMM).
+pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) -> Option<u64>, cublas: bool) -> Plan {
     let p = params(opts.level);
     let (chosen, skipped) = super::choose(targets, opts);
     let rounds = (p.samples + 1) as f64 * p.copies_per_sample as f64; // a warm-up, then the samples
@@ -77,24 +96,28 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
     let secs = |bytes: f64, gbps: f64| bytes / (gbps * 1e9);
     // A latency chase (host or peer): a warm-up of a tenth, then the samples.
     let chase = (p.samples as f64 + 0.1) * cuda::LATENCY_STEPS as f64 * PLANNED_LATENCY_S;
+    let fade = std::time::Duration::from_secs(p.fade_secs.into());
     let mut gpus = Vec::new();
     for (t, index) in &chosen {
         let f = facts::probe_floors(t.device_id.unwrap_or(0));
         let h2d = f.h2d_gbps.unwrap_or(FALLBACK_PCIE_GBPS);
         let d2h = f.d2h_gbps.unwrap_or(FALLBACK_PCIE_GBPS);
         let hbm = f.d2d_gbps.unwrap_or(FALLBACK_HBM_GBPS);
-        let tflops = f.gemm_tflops.unwrap_or(FALLBACK_TFLOPS);
+        let tflops = if cublas { f.gemm_tflops.unwrap_or(FALLBACK_TFLOPS) } else { PTX_SGEMM_TFLOPS };
+        let memtest_gbps = hbm * MEMTEST_RATE_OF_D2D;
         // As the memory test sizes itself: 90% of the GPU's memory (of what is free, when it runs).
         // Each step moves its bytes through HBM once (a write or a check) or twice (a check that
-        // rewrites); the fade passes wait.
+        // rewrites); every check and pause first writes twice the L2 (50 MB on an H100) to evict
+        // it; the fade pauses are the plan's, shared.
         let memory_bytes = memory_total(&t.pci).map(|m| m / 10 * 9).unwrap_or(p.memtest_bytes as u64) as f64;
-        let fade = std::time::Duration::from_secs(p.fade_secs.into());
+        let evict = 2.0 * 50e6;
         let memory_s: f64 = kernels::steps(opts.level, 0, fade)
             .iter()
             .map(|s| match s {
-                Step::Write(_) | Step::Check { then: None, .. } => secs(memory_bytes, hbm),
-                Step::Check { then: Some(_), .. } => secs(2.0 * memory_bytes, hbm),
-                Step::Pause(d) => d.as_secs_f64(),
+                Step::Write(_) => secs(memory_bytes, memtest_gbps),
+                Step::Check { then: None, .. } => secs(memory_bytes + evict, memtest_gbps),
+                Step::Check { then: Some(_), .. } => secs(2.0 * memory_bytes + evict, memtest_gbps),
+                Step::Pause(_) => secs(evict, memtest_gbps),
             })
             .sum();
         let memory_bytes = memory_bytes as u64;
@@ -135,14 +158,37 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
         }
     }
     let gemm_sustained_s = if gpus.is_empty() { 0.0 } else { opts.gemm_seconds.unwrap_or(p.gemm_secs) as f64 };
-    let total_s =
-        gpus.iter().map(|g| g.total_s).chain(pairs.iter().map(|p| p.seconds)).fold(gemm_sustained_s, |a, b| a + b);
+    let fade_s: f64 = if gpus.is_empty() {
+        0.0
+    } else {
+        kernels::steps(opts.level, 0, fade)
+            .iter()
+            .map(|s| if let Step::Pause(d) = s { d.as_secs_f64() } else { 0.0 })
+            .sum()
+    };
+    let total_s = gpus
+        .iter()
+        .map(|g| g.total_s)
+        .chain(pairs.iter().map(|p| p.seconds))
+        .fold(gemm_sustained_s + fade_s, |a, b| a + b);
+    let gemm_library = if cublas { "cuBLAS" } else { super::cuda::PTX_GEMM }.to_string();
     let budget_s = match opts.level {
         ProbeLevel::None | ProbeLevel::Quick => Some(QUICK_BUDGET_S),
         ProbeLevel::Standard => Some(STANDARD_BUDGET_S),
         ProbeLevel::Full => None,
     };
-    Plan { level: opts.level, params: p, gpus, pairs, skipped, gemm_sustained_s, total_s, budget_s }
+    Plan {
+        level: opts.level,
+        params: p,
+        gpus,
+        pairs,
+        skipped,
+        gemm_sustained_s,
+        fade_s,
+        gemm_library,
+        total_s,
+        budget_s,
+    }
 }
 
 /// The plan as a person reads it.
@@ -158,11 +204,12 @@ pub fn render(plan: &Plan) -> String {
     );
     let _ = writeln!(
         s,
-        "  copies: {} MiB × {} per sample × {} samples + a warm-up; memory test: 90% of each GPU's memory, {} passes on the GPU; GEMM {}² × {} × {} samples + a warm-up",
+        "  copies: {} MiB × {} per sample × {} samples + a warm-up; memory test: 90% of each GPU's memory, {} passes on the GPU, all GPUs at once; GEMM ({}) {}² × {} × {} samples + a warm-up",
         plan.params.buffer_bytes >> 20,
         plan.params.copies_per_sample,
         plan.params.samples,
         kernels::steps(plan.level, 0, std::time::Duration::from_secs(plan.params.fade_secs.into())).len(),
+        plan.gemm_library,
         plan.params.gemm_n,
         plan.params.gemm_reps,
         cuda::GEMM_SAMPLES
@@ -190,6 +237,9 @@ pub fn render(plan: &Plan) -> String {
         let slowest = plan.pairs.iter().map(|p| p.gbps).fold(f64::INFINITY, f64::min);
         let _ =
             writeln!(s, "  peers: {} pair(s), {secs:.2} s (slowest planned rate {slowest:.0} GB/s)", plan.pairs.len());
+    }
+    if plan.fade_s > 0.0 {
+        let _ = writeln!(s, "  bit fade: {:.0} s of pauses, all GPUs' memory left alone together", plan.fade_s);
     }
     if plan.gemm_sustained_s > 0.0 {
         let _ = writeln!(s, "  all GPUs at once: GEMM for {:.0} s", plan.gemm_sustained_s);
@@ -232,7 +282,7 @@ mod tests {
     }
 
     fn total(level: ProbeLevel) -> Plan {
-        plan(&hgx(8), &Options { level, only: &[], force: false, gemm_seconds: None }, &|_| Some(80 << 30))
+        plan(&hgx(8), &Options { level, only: &[], force: false, gemm_seconds: None }, &|_| Some(80 << 30), true)
     }
 
     #[test]
@@ -247,22 +297,58 @@ mod tests {
 
     #[test]
     fn the_plan_counts_what_the_probes_move() {
-        let p =
-            plan(&hgx(1), &Options { level: ProbeLevel::Quick, only: &[], force: false, gemm_seconds: None }, &|_| {
-                Some(80 << 30)
-            });
+        let p = plan(
+            &hgx(1),
+            &Options { level: ProbeLevel::Quick, only: &[], force: false, gemm_seconds: None },
+            &|_| Some(80 << 30),
+            true,
+        );
         let g = &p.gpus[0];
         // 4 rounds (warm-up + 3 samples) × 8 copies × 64 MiB = 2 GiB at the 48 GB/s floor.
         assert!((g.h2d_s - (2u64 << 30) as f64 / 48e9).abs() < 1e-9, "{g:?}");
         // The memory test covers 90% of the GPU's memory at every level, as the probe sizes it;
-        // quick's six passes (three writes, three checks) each move it through HBM once.
+        // quick's six passes (three writes, three checks) each move it through HBM once, and
+        // each check first writes twice the L2 (100 MB) to evict it.
         assert_eq!(g.memory_bytes, (80u64 << 30) / 10 * 9);
         let once = g.memory_bytes as f64 / 1905e9;
-        assert!((g.memory_s - 6.0 * once).abs() < 1e-9, "{g:?}");
-        let small =
-            plan(&hgx(1), &Options { level: ProbeLevel::Full, only: &[], force: false, gemm_seconds: None }, &|_| {
-                Some(10 << 30)
-            });
+        assert!((g.memory_s - 6.0 * once - 3.0 * 100e6 / 1905e9).abs() < 1e-9, "{g:?}");
+        assert_eq!((p.fade_s, p.gemm_library.as_str()), (0.0, "cuBLAS"));
+        let small = plan(
+            &hgx(1),
+            &Options { level: ProbeLevel::Full, only: &[], force: false, gemm_seconds: None },
+            &|_| Some(10 << 30),
+            true,
+        );
         assert_eq!(small.gpus[0].memory_bytes, (10u64 << 30) / 10 * 9);
+    }
+
+    #[test]
+    fn bit_fade_is_one_pause_for_all_gpus() {
+        let full = total(ProbeLevel::Full);
+        // The full level's two 20 s pauses, once for the eight GPUs, not once each.
+        assert_eq!(full.fade_s, 40.0);
+        let parts: f64 = full.gpus.iter().map(|g| g.total_s).sum::<f64>()
+            + full.pairs.iter().map(|p| p.seconds).sum::<f64>()
+            + full.gemm_sustained_s;
+        assert!((full.total_s - parts - 40.0).abs() < 1e-6, "{}", render(&full));
+        assert!(full.gpus.iter().all(|g| g.memory_s < 20.0), "{}", render(&full));
+        assert!(render(&full).contains("bit fade: 40 s of pauses"), "{}", render(&full));
+    }
+
+    #[test]
+    fn without_cublas_the_gemm_is_planned_at_the_ptx_kernels_rate() {
+        let opts = Options { level: ProbeLevel::Quick, only: &[], force: false, gemm_seconds: None };
+        let with = plan(&hgx(1), &opts, &|_| Some(80 << 30), true);
+        let without = plan(&hgx(1), &opts, &|_| Some(80 << 30), false);
+        assert_eq!(without.gemm_library, crate::probe::cuda::PTX_GEMM);
+        assert!(render(&without).contains("PTX fallback"), "{}", render(&without));
+        // The same products at 3 TFLOP/s instead of the H100 SXM's cuBLAS floor.
+        let n = without.params.gemm_n as f64;
+        let products = (1 + crate::probe::cuda::GEMM_SAMPLES as u32 * without.params.gemm_reps) as f64;
+        let upload = with.gpus[0].gemm_s
+            - products * 2.0 * n.powi(3) / (facts::probe_floors(0x2330).gemm_tflops.unwrap() * 1e12);
+        let want = products * 2.0 * n.powi(3) / (PTX_SGEMM_TFLOPS * 1e12) + upload;
+        assert!((without.gpus[0].gemm_s - want).abs() < 1e-9, "{:?}", without.gpus[0]);
+        assert!(without.gpus[0].gemm_s > with.gpus[0].gemm_s);
     }
 }

@@ -215,11 +215,12 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(value: *mut c_int, attrib: c_int, 
                 ComputeMode::Prohibited => 2,
                 ComputeMode::ExclusiveProcess => 3,
             },
-            33 => bus as c_int, // PCI_BUS_ID
-            41 => 1,            // UNIFIED_ADDRESSING
-            75 => 9,            // COMPUTE_CAPABILITY_MAJOR
-            76 => 0,            // COMPUTE_CAPABILITY_MINOR
-            115 => 1,           // MEMORY_POOLS_SUPPORTED
+            33 => bus as c_int,                                // PCI_BUS_ID
+            38 => spec.l2_bytes.min(i32::MAX as u64) as c_int, // L2_CACHE_SIZE
+            41 => 1,                                           // UNIFIED_ADDRESSING
+            75 => 9,                                           // COMPUTE_CAPABILITY_MAJOR
+            76 => 0,                                           // COMPUTE_CAPABILITY_MINOR
+            115 => 1,                                          // MEMORY_POOLS_SUPPORTED
             a if (1..=150).contains(&a) => 0,
             _ => return INVALID_VALUE,
         };

@@ -175,6 +175,50 @@ struct DeviceMem<'a> {
     /// Every GPU's coupled cells as device addresses, (victim byte, bit, aggressor byte): read
     /// from the scenario once per launch, not at every load.
     couplings: Vec<(u64, u8, u64)>,
+    /// Bytes of device memory the launch has loaded and stored so far.
+    traffic: u64,
+    /// What the launch touched in each allocation, entered in the L2 when it ends.
+    touched: BTreeMap<u64, Touched>,
+}
+
+/// A launch's accesses to one allocation.
+struct Touched {
+    low: u64,
+    high: u64,
+    first_store: Option<u64>,
+    last_store: u64,
+    traffic: u64,
+}
+
+impl DeviceMem<'_> {
+    fn note(&mut self, addr: u64, len: u64, store: bool) {
+        self.traffic += len;
+        let Some(base) = self.w.find_quiet(addr, len) else { return };
+        let t = self.touched.entry(base).or_insert(Touched {
+            low: addr,
+            high: addr + len,
+            first_store: None,
+            last_store: addr,
+            traffic: 0,
+        });
+        t.low = t.low.min(addr);
+        t.high = t.high.max(addr + len);
+        t.traffic += len;
+        if store {
+            t.first_store.get_or_insert(addr);
+            t.last_store = addr;
+        }
+    }
+
+    /// Enters what the launch touched in the L2s: each allocation's span as one extent, in the
+    /// order its stores ran (the model kernels' extents, `mem_check`).
+    fn enter_l2(self) {
+        self.w.l2_since = 0;
+        for t in self.touched.values() {
+            let descending = t.first_store.is_some_and(|f| t.last_store < f);
+            self.w.l2_touch(t.low, t.high - t.low, t.traffic, t.first_store.is_some(), descending);
+        }
+    }
 }
 
 impl DeviceMem<'_> {
@@ -204,9 +248,14 @@ impl interp::Memory for DeviceMem<'_> {
             return Ok(());
         }
         let owner = self.owner(addr, len)?;
+        self.w.l2_since = self.traffic;
         self.w.read_into(addr, out).map_err(|e| format!("CUDA error {e}"))?;
-        // A coupled bit reads its aggressor's bit as that cell holds it now.
+        // A coupled bit reads its aggressor's bit as that cell holds it now, unless the victim's
+        // line is dirty in the L2 (what was written, not the cell).
         for &(victim, bit, aggressor) in self.couplings.iter().filter(|c| c.0 >= addr && c.0 < addr + len) {
+            if self.w.l2_line(victim) == l2::Line::Dirty {
+                continue;
+            }
             let mut aggr = [0u8; 1];
             if self.w.read_into(aggressor, &mut aggr).is_ok() {
                 let (bit, byte) = (bit & 7, &mut out[(victim - addr) as usize]);
@@ -214,7 +263,9 @@ impl interp::Memory for DeviceMem<'_> {
             }
         }
         if uncached {
-            self.latency += self.w.latency_s(self.dev, Some(owner));
+            self.latency += self.w.device_latency_s(self.dev, owner, addr);
+        } else {
+            self.note(addr, len, false);
         }
         Ok(())
     }
@@ -227,6 +278,7 @@ impl interp::Memory for DeviceMem<'_> {
             return Ok(());
         }
         self.owner(addr, len)?;
+        self.note(addr, len, true);
         self.w.write(addr, data).map_err(|e| format!("CUDA error {e}"))
     }
 
@@ -264,10 +316,11 @@ fn run_ptx(
             spec.coupled_bits.iter().map(move |c| (base + c.offset, c.bit, base + c.aggressor))
         })
         .collect();
-    let mut mem = DeviceMem { w, ctx, dev, latency: 0.0, start_ns, couplings };
+    let mut mem = DeviceMem { w, ctx, dev, latency: 0.0, start_ns, couplings, traffic: 0, touched: BTreeMap::new() };
     let limits = interp::Limits { max_instructions: HANG_BUDGET };
     let r = interp::run(module, entry, grid, block, &a.buf, &mut mem, &limits);
     let latency = mem.latency;
+    mem.enter_l2();
     match r {
         Ok(stats) => {
             if name == "phq_sgemm" {
@@ -417,6 +470,7 @@ fn mem_write(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     if let Err(e) = write_pattern(w, base, ptr, len as usize, mode, arg) {
         return e;
     }
+    w.l2_touch(ptr, len, len, true, false);
     let dev = w.ctx_dev(ctx);
     let secs = len as f64 / (w.hbm_gbps(dev) * 1e9);
     w.run_on_sms(stream, secs);
@@ -456,9 +510,15 @@ fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args, stride: u64) ->
         let j = (addr - ptr) / 8;
         (if descending { words - 1 - j } else { j }) / (ROUND_WORDS * stride).max(1)
     };
+    // The launch's own traffic before it reaches `addr` in its walking order (the L2 counts it).
+    let factor = if rewrites { 2 } else { 1 };
+    let since = |addr: u64| factor * if descending { end - 8 - addr } else { addr - ptr };
     let seen = |w: &mut World, addr: u64, held: u64| -> u64 {
         let mut v = held;
         for c in couplings.iter().filter(|c| dev_base + (c.offset & !7) == addr) {
+            if w.l2_line(dev_base + c.offset) == l2::Line::Dirty {
+                continue;
+            }
             let aggr = dev_base + (c.aggressor & !7);
             let first = aggr >= ptr && aggr < end && round(aggr) < round(addr);
             let av = if rewrites && aggr >= ptr && aggr < end && first {
@@ -496,6 +556,7 @@ fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args, stride: u64) ->
             sites.reverse();
         }
         for addr in sites {
+            w.l2_since = since(addr);
             let Some(held) = stored(w, addr) else { continue };
             let got = seen(w, addr, held);
             let want = pattern(addr, mode, arg);
@@ -512,6 +573,7 @@ fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args, stride: u64) ->
         }
         for s in starts {
             let n = CHUNK.min(end - s);
+            w.l2_since = since(if descending { s + n - 8 } else { s });
             let Ok(bytes) = w.read(s, n as usize) else { return INVALID_VALUE };
             let mut found: Vec<(u64, u64, u64)> = Vec::new();
             for (i, c) in bytes.chunks_exact(8).enumerate() {
@@ -529,9 +591,11 @@ fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args, stride: u64) ->
             bad.extend(found);
         }
     }
+    w.l2_since = 0;
     if let Err(e) = record(w, result, bad.len() as u64, &bad) {
         return e;
     }
+    w.l2_touch(ptr, len, len * factor, rewrites, descending);
     if rewrites {
         if let Err(e) = write_pattern(w, base, ptr, len as usize, next_mode, next_arg) {
             return e;
@@ -577,6 +641,8 @@ fn copy_sm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     if let Err(e) = w.copy(dst, src, len as usize) {
         return e;
     }
+    w.l2_touch(src, len, len, false, false);
+    w.l2_touch(dst, len, len, true, false);
     let dev = w.ctx_dev(ctx);
     let secs = 2.0 * len as f64 / (w.sm_copy_gbps(dev) * 1e9);
     w.run_on_sms(stream, secs);
@@ -643,7 +709,7 @@ fn chase(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
             let Some(base) = reach(w, ctx, "phq_chase", p, 8) else { return SUCCESS };
             let owner = w.allocs[&base].device;
             let Some(next) = stored(w, p) else { return INVALID_VALUE };
-            secs += w.latency_s(dev, Some(owner));
+            secs += w.device_latency_s(dev, owner, p);
             p = next;
         }
     }
@@ -768,6 +834,7 @@ fn fill_u32(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     if let Err(e) = w.fill(dst, len as usize, value) {
         return e;
     }
+    w.l2_touch(dst, len, len, true, false);
     let dev = w.ctx_dev(ctx);
     let secs = len as f64 / (w.hbm_gbps(dev) * 1e9);
     w.run_on_sms(stream, secs);

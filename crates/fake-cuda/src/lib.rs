@@ -24,6 +24,7 @@ pub mod blas;
 pub mod codes;
 pub mod interp;
 pub mod kernels;
+pub(crate) mod l2;
 pub mod ptx;
 pub mod scenario;
 
@@ -190,6 +191,11 @@ pub(crate) struct World {
     next_addr: Vec<u64>,
     used: Vec<u64>,
     poisoned: Vec<Option<CUresult>>,
+    /// Each GPU's L2 (by scenario index): what its work touched last (`l2`).
+    pub(crate) l2: Vec<l2::L2>,
+    /// Bytes of traffic the launch running now has made before the load being served: a line
+    /// the launch itself pushed out is read from memory.
+    pub(crate) l2_since: u64,
     counts: Vec<HashMap<FaultOn, u64>>,
     busy: HashMap<Engine, f64>,
     /// The host's present in virtual seconds: how far it has waited (a synchronize moves it to
@@ -298,6 +304,8 @@ impl World {
             next_addr: (0..n as u64).map(|d| BASE + d * SPAN).collect(),
             used: vec![0; n],
             poisoned: vec![None; n],
+            l2: Vec::new(),
+            l2_since: 0,
             counts: vec![HashMap::new(); n],
             busy: HashMap::new(),
             now: 0.0,
@@ -312,6 +320,7 @@ impl World {
         for d in 0..n {
             let h = w.handle();
             w.pools.insert(h, Pool { device: d, access: Vec::new() });
+            w.l2.push(l2::L2::new(w.scenario.devices[d].l2_bytes));
             w.default_pool.push(h);
         }
         Ok(w)
@@ -447,26 +456,53 @@ impl World {
         Ok(out)
     }
 
-    /// Reads `dst.len()` bytes at `ptr` into `dst`.
+    /// Reads `dst.len()` bytes at `ptr` into `dst`: what was written, but a stuck bit's cell
+    /// reads its fixed value unless its line is still dirty in the GPU's L2 (`l2`).
     pub(crate) fn read_into(&mut self, ptr: CUdeviceptr, dst: &mut [u8]) -> Result<(), CUresult> {
         let (base, off) = self.find(ptr, dst.len() as u64)?;
         blas::materialise(self, base, off, dst.len());
         let a = &self.allocs[&base];
         a.read_into(off, dst);
-        // Written bytes carry their stuck bits already (`write_with`); pattern memory gets them
-        // as it is read.
-        if matches!(a.mem, Mem::Pattern { .. }) {
-            let dev_base = BASE + a.device as u64 * SPAN;
-            let start = ptr - dev_base;
-            for b in self.scenario.devices[a.device].stuck_bits.iter() {
-                if b.offset >= start && b.offset < start + dst.len() as u64 {
-                    let byte = &mut dst[(b.offset - start) as usize];
-                    let mask = 1u8 << (b.bit & 7);
-                    *byte = if b.value != 0 { *byte | mask } else { *byte & !mask };
+        let dev = a.device;
+        self.apply_stuck(dev, ptr, dst);
+        Ok(())
+    }
+
+    /// Gives the stuck bits of GPU `dev` inside `[ptr, ptr + dst.len())` their fixed values,
+    /// where the byte is read from its cell rather than from a dirty line of the L2.
+    pub(crate) fn apply_stuck(&self, dev: usize, ptr: CUdeviceptr, dst: &mut [u8]) {
+        let dev_base = BASE + dev as u64 * SPAN;
+        let start = ptr - dev_base;
+        for b in self.scenario.devices[dev].stuck_bits.iter() {
+            if b.offset >= start && b.offset < start + dst.len() as u64 {
+                if self.l2_line(dev_base + b.offset) == l2::Line::Dirty {
+                    continue;
                 }
+                let byte = &mut dst[(b.offset - start) as usize];
+                let mask = 1u8 << (b.bit & 7);
+                *byte = if b.value != 0 { *byte | mask } else { *byte & !mask };
             }
         }
-        Ok(())
+    }
+
+    /// Whether any stuck bit of GPU `dev` lies in `[ptr, ptr + len)`.
+    fn stuck_in(&self, dev: usize, ptr: CUdeviceptr, len: usize) -> bool {
+        let start = ptr - (BASE + dev as u64 * SPAN);
+        self.scenario.devices[dev].stuck_bits.iter().any(|b| b.offset >= start && b.offset < start + len as u64)
+    }
+
+    /// Where the byte at device address `addr` stands in its GPU's L2.
+    pub(crate) fn l2_line(&self, addr: u64) -> l2::Line {
+        let dev = ((addr.saturating_sub(BASE)) / SPAN) as usize;
+        self.l2.get(dev).map_or(l2::Line::Memory, |c| c.line(addr, self.l2_since))
+    }
+
+    /// Enters work on `[ptr, ptr + len)` in the L2 of the GPU owning it (`l2::L2::touch`).
+    pub(crate) fn l2_touch(&mut self, ptr: u64, len: u64, traffic: u64, write: bool, descending: bool) {
+        let dev = ((ptr.saturating_sub(BASE)) / SPAN) as usize;
+        if let Some(c) = self.l2.get_mut(dev) {
+            c.touch(ptr, ptr + len, traffic, write, descending);
+        }
     }
 
     pub(crate) fn write(&mut self, ptr: CUdeviceptr, bytes: &[u8]) -> Result<(), CUresult> {
@@ -479,11 +515,7 @@ impl World {
     /// Writes `len` bytes of the repeated `word` at `ptr` (4-byte phase from `ptr`).
     pub(crate) fn fill(&mut self, ptr: CUdeviceptr, len: usize, word: u32) -> Result<(), CUresult> {
         let (base, off) = self.find(ptr, len as u64)?;
-        let dev = self.allocs[&base].device;
-        let dev_base = BASE + dev as u64 * SPAN;
-        let (start, end) = (ptr - dev_base, ptr - dev_base + len as u64);
-        let stuck_inside = self.scenario.devices[dev].stuck_bits.iter().any(|b| b.offset >= start && b.offset < end);
-        if off == 0 && len == self.allocs[&base].len && !stuck_inside {
+        if off == 0 && len == self.allocs[&base].len {
             blas::overwrite(self, base, off, len);
             let a = self.allocs.get_mut(&base).ok_or(INVALID_VALUE)?;
             a.mem = Mem::Fill(word);
@@ -505,7 +537,8 @@ impl World {
             return self.fill(dst, len, rotated);
         }
         let (dbase, _) = self.find(dst, len as u64)?;
-        if dbase == sbase || matches!(self.allocs[&sbase].mem, Mem::Pattern { .. }) {
+        let sdev = self.allocs[&sbase].device;
+        if dbase == sbase || matches!(self.allocs[&sbase].mem, Mem::Pattern { .. }) || self.stuck_in(sdev, src, len) {
             let bytes = self.read(src, len)?;
             return self.write(dst, &bytes);
         }
@@ -530,18 +563,10 @@ impl World {
     ) -> Result<(), CUresult> {
         let (base, off) = self.find(ptr, len as u64)?;
         blas::overwrite(self, base, off, len);
-        let dev = self.allocs[&base].device;
-        let dev_base = BASE + dev as u64 * SPAN;
+        // Memory keeps what was written; a stuck bit shows when its cell is read (`read_into`).
         let a = self.allocs.get_mut(&base).ok_or(INVALID_VALUE)?;
         let data = a.bytes_mut();
         fill(&mut data[off..off + len]);
-        // A stuck bit reads its fixed value whatever was written over it.
-        let (start, end) = (ptr - dev_base, ptr - dev_base + len as u64);
-        for b in self.scenario.devices[dev].stuck_bits.iter().filter(|b| b.offset >= start && b.offset < end) {
-            let byte = &mut data[off + (b.offset - start) as usize];
-            let mask = 1u8 << (b.bit & 7);
-            *byte = if b.value != 0 { *byte | mask } else { *byte & !mask };
-        }
         a.generation += 1;
         Ok(())
     }
@@ -587,6 +612,8 @@ impl World {
         if let Err(e) = self.copy(dst, src, len) {
             return e;
         }
+        self.l2_touch(src, len as u64, len as u64, false, false);
+        self.l2_touch(dst, len as u64, len as u64, true, false);
         let ctx = self.streams[&stream].ctx;
         let n = len as f64;
         if sd == dd {
@@ -701,6 +728,7 @@ impl World {
         if let Err(e) = r {
             return e;
         }
+        self.l2_touch(ptr, len as u64, len as u64, true, false);
         // A memset writes every byte once.
         let secs = len as f64 / (self.spec(dev).hbm_gbps * 1e9);
         self.occupy(s, &[Engine::Hbm(dev)], secs);
@@ -755,6 +783,24 @@ impl World {
             Some(_) => self.scenario.peers.latency_ns,
         };
         ns * 1e-9
+    }
+
+    /// What a dependent load from `dev` of device memory at `addr` (on `owner`) costs: served
+    /// by the owner's L2 while the line is there (device memory is coherent at its own GPU's
+    /// L2: PTX ISA, "Cache Operators", `.cv`), from its memory otherwise. A peer's L2 hit still
+    /// crosses the link: the peer figure with the memory's share replaced by the L2's.
+    pub(crate) fn device_latency_s(&self, dev: usize, owner: usize, addr: u64) -> f64 {
+        let memory = self.latency_s(dev, Some(owner));
+        if self.l2_line(addr) == l2::Line::Memory {
+            return memory;
+        }
+        let o = self.spec(owner);
+        let hit = if owner == dev {
+            o.l2_latency_ns
+        } else {
+            (self.scenario.peers.latency_ns - o.hbm_latency_ns + o.l2_latency_ns).max(o.l2_latency_ns)
+        };
+        hit * 1e-9
     }
 }
 
@@ -819,17 +865,22 @@ impl World {
     pub(crate) fn snapshot(&mut self, base: u64) -> Arc<Vec<u8>> {
         let len = self.allocs[&base].len;
         blas::materialise(self, base, 0, len);
-        let a = self.allocs.get_mut(&base).expect("caller found the allocation");
-        match &a.snapshot {
-            Some((g, s)) if *g == a.generation => s.clone(),
-            _ => {
-                let mut bytes = vec![0u8; len];
-                a.read_into(0, &mut bytes);
-                let s = Arc::new(bytes);
-                a.snapshot = Some((a.generation, s.clone()));
-                s
+        let a = &self.allocs[&base];
+        if let Some((g, s)) = &a.snapshot {
+            if *g == a.generation {
+                return s.clone();
             }
         }
+        let mut bytes = vec![0u8; len];
+        a.read_into(0, &mut bytes);
+        let (generation, dev) = (a.generation, a.device);
+        // What the GPU reads: stuck bits included.
+        self.apply_stuck(dev, base, &mut bytes);
+        let s = Arc::new(bytes);
+        if let Some(a) = self.allocs.get_mut(&base) {
+            a.snapshot = Some((generation, s.clone()));
+        }
+        s
     }
 }
 

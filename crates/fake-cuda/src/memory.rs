@@ -270,6 +270,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_vo
         if let Err(e) = w.write(dst, bytes) {
             return e;
         }
+        w.l2_touch(dst, n as u64, n as u64, true, false);
         let secs = n as f64 / (w.spec(dev).h2d_gbps * 1e9);
         w.occupy(id, &[Engine::HostToDevice(dev)], secs);
         SUCCESS
@@ -298,6 +299,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr
         if let Err(e) = w.read_into(src, std::slice::from_raw_parts_mut(dst as *mut u8, n)) {
             return e;
         }
+        w.l2_touch(src, n as u64, n as u64, false, false);
         let secs = n as f64 / (w.spec(dev).d2h_gbps * 1e9);
         w.occupy(id, &[Engine::DeviceToHost(dev)], secs);
         SUCCESS

@@ -64,6 +64,14 @@ pub struct Device {
     /// One dependent load of the GPU's own memory, ns.
     #[serde(default = "default_hbm_latency_ns")]
     pub hbm_latency_ns: f64,
+    /// The L2's size, bytes (`CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE`); 0: no cache. Default: the
+    /// H100's 50 MB (NVIDIA H100 Tensor Core GPU Architecture whitepaper, "H100 L2 cache"), as
+    /// the driver reports it, 50 MiB.
+    #[serde(default = "default_l2_bytes")]
+    pub l2_bytes: u64,
+    /// One dependent load served by the L2 of the GPU owning the memory, ns.
+    #[serde(default = "default_l2_latency_ns")]
+    pub l2_latency_ns: f64,
     /// FP32 GEMM rate of the agent's own PTX GEMM (`phq_sgemm`), TFLOP/s; absent: a quarter of
     /// `sgemm_tflops` (the fake's guess for a plain tiled kernel beside cuBLAS, not a measurement).
     #[serde(default)]
@@ -98,6 +106,14 @@ fn default_host_latency_ns() -> f64 {
 
 fn default_hbm_latency_ns() -> f64 {
     600.0
+}
+
+fn default_l2_bytes() -> u64 {
+    50 << 20
+}
+
+fn default_l2_latency_ns() -> f64 {
+    200.0
 }
 
 fn default_peer_latency_ns() -> f64 {

@@ -191,7 +191,15 @@ fn the_drivers_rules() {
         ok(cuMemsetD32Async(base1, 0, 4, s1b));
         let mut words = [0u32; 4];
         ok(cuMemcpyDtoHAsync_v2(words.as_mut_ptr() as *mut c_void, base1, 16, s1b));
+        // Still dirty in the L2: the copy reads what was written, not the cell.
+        assert_eq!(words, [0, 0, 0, 0], "a line dirty in the L2 reads what was written");
+        // Twice the L2 written elsewhere: the line went to HBM, and the cell's fault shows.
+        let mut evict: CUdeviceptr = 0;
+        ok(cuMemAlloc_v2(&mut evict, 100 << 20));
+        ok(cuMemsetD32Async(evict, 7, (100 << 20) / 4, s1b));
+        ok(cuMemcpyDtoHAsync_v2(words.as_mut_ptr() as *mut c_void, base1, 16, s1b));
         assert_eq!(words, [0, 0, 1, 0], "the stuck bit reads 1 whatever was written");
+        ok(cuMemFree_v2(evict));
 
         // A sticky error: GPU 2's second memset meets an uncorrectable ECC error. The memset
         // itself is queued; every later call in that context answers 214; GPU 0 carries on.

@@ -200,14 +200,15 @@ fn mem_write_and_check_match_the_ptx() {
         // Planted faults on some cases: a stuck bit and couplings whose aggressor lies in an
         // earlier iteration, the same one, or a later one.
         let planted = case % 3 == 0;
-        let extra = if planted {
+        let planted = if planted {
             r#", "stuck_bits": [{"offset": 4104, "bit": 3, "value": 1}, {"offset": 40, "bit": 7, "value": 0}],
                  "coupled_bits": [{"offset": 2051, "bit": 5, "aggressor": 8195}, {"offset": 16390, "bit": 1, "aggressor": 1030},
                                   {"offset": 3000, "bit": 2, "aggressor": 3012}]"#
         } else {
             ""
         };
-        let mut p = Pair::new(extra);
+        // The cells alone, no L2 in front of them: the L2 has its own test below.
+        let mut p = Pair::new(&format!(r#", "l2_bytes": 0{planted}"#));
         let words = 200 + rng.below(2800);
         let skip = rng.below(4) * 8;
         let base = p.alloc((words * 8 + skip) as usize);
@@ -262,7 +263,7 @@ fn mem_write_and_check_match_the_ptx() {
 /// the other value, and a coupling under address patterns.
 #[test]
 fn the_ptx_finds_planted_faults() {
-    let extra = r#", "stuck_bits": [{"offset": 64, "bit": 0, "value": 1}],
+    let extra = r#", "l2_bytes": 0, "stuck_bits": [{"offset": 64, "bit": 0, "value": 1}],
                      "coupled_bits": [{"offset": 1024, "bit": 4, "aggressor": 2048}]"#;
     let mut r = Rig::new(Path::Interpret, extra);
     let buf = r.alloc(4096);
@@ -289,6 +290,44 @@ fn the_ptx_finds_planted_faults() {
     let b = r.read(result, 200);
     let count = u64::from_le_bytes(b[..8].try_into().unwrap());
     assert!(count >= 1, "address in address sees the coupled bit");
+}
+
+/// A stuck bit among the last bytes written is not seen by a check that reads them while they
+/// are dirty in the L2 (what the GPU reads is what was written), and is seen once twice the
+/// L2's size has been written elsewhere — on both paths, the PTX's and the model's.
+#[test]
+fn the_l2_hides_the_last_writes_until_they_are_evicted() {
+    let extra = r#", "l2_bytes": 65536, "stuck_bits": [{"offset": 4096, "bit": 0, "value": 1}]"#;
+    for path in [Path::Interpret, Path::Model] {
+        let mut r = Rig::new(path, extra);
+        let buf = r.alloc(16384);
+        let result = r.alloc(200);
+        let evict = r.alloc(131072);
+        let check = |r: &mut Rig| {
+            r.write(result, &[0u8; 200]);
+            r.launch(
+                "phq_mem_check",
+                &[
+                    A::U64(buf),
+                    A::U64(2048),
+                    A::U32(0),
+                    A::U64(0),
+                    A::U32(u32::MAX),
+                    A::U64(0),
+                    A::U32(0),
+                    A::U64(result),
+                ],
+                2,
+                64,
+            );
+            let b = r.read(result, 200);
+            (u64::from_le_bytes(b[..8].try_into().unwrap()), u64::from_le_bytes(b[8..16].try_into().unwrap()))
+        };
+        r.launch("phq_mem_write", &[A::U64(buf), A::U64(2048), A::U32(0), A::U64(0)], 2, 64);
+        assert_eq!(check(&mut r).0, 0, "{path:?}: the zeros just written are read from the L2");
+        r.launch("phq_mem_write", &[A::U64(evict), A::U64(16384), A::U32(0), A::U64(7)], 4, 128);
+        assert_eq!(check(&mut r), (1, buf + 4096), "{path:?}: after the eviction the stuck bit shows");
+    }
 }
 
 #[test]
