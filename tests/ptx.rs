@@ -26,6 +26,8 @@ fn ptxas() -> Option<PathBuf> {
 }
 
 const KERNELS: &str = "src/probe/kernels.ptx";
+/// The tensor-core module (sm_80 and later).
+const TENSOR: &str = "src/probe/tensor.ptx";
 
 fn nvdisasm() -> Option<PathBuf> {
     tool("PHQ_NVDISASM", "target/nvdisasm/nvidia/cu13/bin/nvdisasm", "nvdisasm")
@@ -66,13 +68,40 @@ fn memory_test_kernels_call_no_function() {
     }
 }
 
+/// The tensor-core GEMM is what its name says: ptxas turns each `mma.sync` into Hopper's
+/// half-precision matrix instruction (HMMA), not into a loop on the CUDA cores.
+#[test]
+fn the_tensor_gemm_runs_on_the_tensor_cores() {
+    let (Some(ptxas), Some(nvdisasm)) = (ptxas(), nvdisasm()) else {
+        common::skip(
+            "needs ptxas and nvdisasm (scripts/test fetches them from NVIDIA's wheels; or set PHQ_PTXAS, PHQ_NVDISASM)",
+        );
+        return;
+    };
+    let out = tempfile::tempdir().expect("tempdir");
+    let cubin = out.path().join("tensor.cubin");
+    let run =
+        Command::new(&ptxas).args(["-arch=sm_90", "-o"]).arg(&cubin).arg(common::repo().join(TENSOR)).output().unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let dis = Command::new(&nvdisasm).arg(&cubin).output().unwrap_or_else(|e| panic!("{}: {e}", nvdisasm.display()));
+    let text = String::from_utf8_lossy(&dis.stdout);
+    let hmma: Vec<&str> = text.lines().filter(|l| l.contains("HMMA.16816.F32.BF16")).collect();
+    assert!(!hmma.is_empty(), "no BF16 HMMA in phq_mma_gemm's machine code:\n{text}");
+}
+
 #[test]
 fn kernels_assemble_for_sm_90() {
+    for module in [KERNELS, TENSOR] {
+        assemble(module);
+    }
+}
+
+fn assemble(module: &str) {
     let Some(ptxas) = ptxas() else {
         common::skip("needs ptxas (scripts/test fetches it from the nvidia-cuda-nvcc-cu12 wheel; or set PHQ_PTXAS)");
         return;
     };
-    let src = common::repo().join(KERNELS);
+    let src = common::repo().join(module);
     let out = tempfile::tempdir().expect("tempdir");
     let cubin = out.path().join("kernels.cubin");
     let run = Command::new(&ptxas)
@@ -82,12 +111,12 @@ fn kernels_assemble_for_sm_90() {
         .output()
         .unwrap_or_else(|e| panic!("{}: {e}", ptxas.display()));
     let said = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
-    assert!(run.status.success(), "ptxas refused {KERNELS}:\n{said}");
+    assert!(run.status.success(), "ptxas refused {module}:\n{said}");
     // Every entry was compiled, and none spills (a spill in a bandwidth kernel costs HBM traffic).
     let text = std::fs::read_to_string(&src).expect("kernels");
     let entries: Vec<&str> =
         text.lines().filter_map(|l| l.strip_prefix(".visible .entry ")).map(|l| l.trim_end_matches('(')).collect();
-    assert!(entries.len() >= 5, "entries: {entries:?}");
+    assert!(!entries.is_empty() && (module != KERNELS || entries.len() >= 5), "entries: {entries:?}");
     for e in &entries {
         assert!(said.contains(&format!("Compiling entry function '{e}' for 'sm_90'")), "{e} not compiled:\n{said}");
     }

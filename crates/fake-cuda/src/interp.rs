@@ -24,13 +24,23 @@
 //! - `bar.sync` waited on by some threads of a block after others exited: a GPU would hang
 //!   there; reported as CUDA_ERROR_LAUNCH_TIMEOUT (702), as is a launch past its instruction
 //!   budget (a loop that never ends);
-//! - an integer division by zero (PTX, "div": the result is unspecified): LAUNCH_FAILED.
+//! - an integer division by zero (PTX, "div": the result is unspecified): LAUNCH_FAILED;
+//! - a warp-wide `mma.sync.aligned` that not every thread of a full warp reaches at the same
+//!   instruction (PTX, "mma": `.aligned` "requires all threads in the warp to execute the same
+//!   mma instruction"; otherwise the behaviour is undefined): CUDA_ERROR_ILLEGAL_INSTRUCTION (715).
+//!
+//! `mma.sync` runs once for the warp, when its 32 threads have all arrived: each element of D is
+//! the sum over k of A·B plus C, from the fragments each lane holds as the PTX ISA lays them out
+//! ("Matrix Fragments for mma.m16n8k16 with floating point type"). The ISA leaves the order and
+//! internal precision of a tensor core's sums unspecified; the interpreter adds the products to
+//! C in k order in FP32, which is exact for what the agent multiplies (small integers whose sums stay below 2^24).
 
 use crate::codes::CUresult;
 use crate::ptx::{Addr, Base, Bin, Cmp, Function, Instr, Module, Op, Operand, Space, Special, Ty};
 
 pub const ILLEGAL_ADDRESS: CUresult = 700;
 pub const LAUNCH_TIMEOUT: CUresult = 702;
+pub const ILLEGAL_INSTRUCTION: CUresult = 715;
 pub const MISALIGNED_ADDRESS: CUresult = 716;
 pub const LAUNCH_FAILED: CUresult = 719;
 pub const NOT_SUPPORTED: CUresult = 801;
@@ -84,6 +94,8 @@ pub struct Stats {
 enum State {
     Run,
     Barrier,
+    /// Arrived at a warp-collective instruction (`mma.sync`), waiting for the rest of its warp.
+    Warp,
     Done,
 }
 
@@ -215,19 +227,20 @@ pub fn run(
             let before = th.state;
             l.step(t as u32, th, &mut bstate[b], mem)?;
             let after = th.state;
-            if before != after {
+            // A thread waiting for its warp still counts as running for the block's barrier.
+            if before != after && after != State::Warp {
                 let bs = &mut bstate[b];
                 bs.running -= 1;
                 match after {
                     State::Barrier => bs.waiting += 1,
                     State::Done => bs.done += 1,
-                    State::Run => {}
+                    State::Run | State::Warp => {}
                 }
             }
         }
+        let mut released = l.warps(&mut threads)?;
         // Barriers: a block whose threads have all arrived goes on; one whose waiting threads
         // can never be joined (the others exited) is a GPU that hangs.
-        let mut released = false;
         for (b, bs) in bstate.iter_mut().enumerate() {
             if bs.running > 0 || bs.waiting == 0 {
                 continue;
@@ -535,6 +548,17 @@ impl Launch<'_> {
                 th.state = State::Done;
                 return Ok(());
             }
+            Op::Mma { .. } => {
+                if depth > 1 {
+                    return Err(fault(
+                        NOT_SUPPORTED,
+                        "mma inside a called function is not executed by the fake".into(),
+                    ));
+                }
+                // The warp runs it together (`warps`); the pc moves on then.
+                th.state = State::Warp;
+                return Ok(());
+            }
             Op::BarSync => {
                 if depth > 1 {
                     return Err(fault(
@@ -552,6 +576,117 @@ impl Launch<'_> {
         }
         if let Some(fr) = th.frames.last_mut() {
             fr.pc += 1;
+        }
+        Ok(())
+    }
+
+    /// Runs the warp-collective instruction of every warp whose threads have all arrived at it;
+    /// a warp some of whose threads can no longer arrive is a fault. Returns whether any ran.
+    fn warps(&self, threads: &mut [Thread]) -> Result<bool, Fault> {
+        let mut ran = false;
+        let blocks = threads.len() as u32 / self.per_block.max(1);
+        for b in 0..blocks {
+            let first = b * self.per_block;
+            for w0 in (0..self.per_block).step_by(32) {
+                let lanes = first + w0..first + (w0 + 32).min(self.per_block);
+                let states: Vec<State> = lanes.clone().map(|t| threads[t as usize].state).collect();
+                let Some(arrived) = lanes.clone().find(|t| threads[*t as usize].state == State::Warp) else { continue };
+                if states.contains(&State::Run) {
+                    continue;
+                }
+                let i = self.current(&threads[arrived as usize]);
+                if states.len() < 32 {
+                    return Err(self.fault(
+                        arrived,
+                        &i,
+                        ILLEGAL_INSTRUCTION,
+                        format!("mma.sync needs a full warp of 32 threads; this one has {}", states.len()),
+                    ));
+                }
+                let at = |t: u32| threads[t as usize].frames.last().map(|f| (f.func, f.pc));
+                if let Some(stray) =
+                    lanes.clone().find(|t| threads[*t as usize].state != State::Warp || at(*t) != at(arrived))
+                {
+                    let why = match threads[stray as usize].state {
+                        State::Done => "has exited",
+                        State::Barrier => "waits at a barrier",
+                        _ => "is at another instruction",
+                    };
+                    return Err(self.fault(
+                        arrived,
+                        &i,
+                        ILLEGAL_INSTRUCTION,
+                        format!("lane {} of the warp {why}: `.aligned` needs every thread of the warp at the same mma (undefined on a GPU)", stray - first - w0),
+                    ));
+                }
+                self.mma(threads, lanes.start, &i)?;
+                ran = true;
+            }
+        }
+        Ok(ran)
+    }
+
+    /// One warp's `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}` with lanes `l0..l0 + 32`.
+    fn mma(&self, threads: &mut [Thread], l0: u32, i: &Instr) -> Result<(), Fault> {
+        let Op::Mma { input, d, a, b, c } = &i.op else { return Ok(()) };
+        let mut am = [[0f32; 16]; 16];
+        let mut bm = [[0f32; 8]; 16];
+        let mut cm = [[0f32; 8]; 16];
+        for lane in 0..32u32 {
+            let t = l0 + lane;
+            let Some(fr) = threads[t as usize].frames.last() else { continue };
+            let func = &self.m.functions[fr.func];
+            let get = |r: u16| -> Result<u64, Fault> {
+                if fr.init[r as usize] {
+                    Ok(fr.regs[r as usize])
+                } else {
+                    Err(self.fault(
+                        t,
+                        i,
+                        LAUNCH_FAILED,
+                        format!("reads {}, which was never written", func.regs[r as usize].name),
+                    ))
+                }
+            };
+            // PTX, "Matrix Fragments for mma.m16n8k16 with floating point type".
+            let (g, tig) = ((lane >> 2) as usize, (lane % 4) as usize);
+            for (k, r) in a.iter().enumerate() {
+                let v = get(*r)?;
+                for h in 0..2 {
+                    let e = 2 * k + h; // a0..a7, two to a register, the lower half first
+                    let row = if e < 2 || (4..6).contains(&e) { g } else { g + 8 };
+                    let col = tig * 2 + (e & 1) + if e >= 4 { 8 } else { 0 };
+                    am[row][col] = input.to_f32((v >> (16 * h)) as u16);
+                }
+            }
+            for (k, r) in b.iter().enumerate() {
+                let v = get(*r)?;
+                for h in 0..2 {
+                    let e = 2 * k + h; // b0..b3
+                    let row = tig * 2 + (e & 1) + if e >= 2 { 8 } else { 0 };
+                    bm[row][g] = input.to_f32((v >> (16 * h)) as u16);
+                }
+            }
+            for (e, r) in c.iter().enumerate() {
+                let row = if e < 2 { g } else { g + 8 };
+                cm[row][tig * 2 + (e & 1)] = f32::from_bits(get(*r)? as u32);
+            }
+        }
+        for lane in 0..32u32 {
+            let th = &mut threads[(l0 + lane) as usize];
+            let Some(fr) = th.frames.last_mut() else { continue };
+            let (g, tig) = ((lane >> 2) as usize, (lane % 4) as usize);
+            for (e, r) in d.iter().enumerate() {
+                let (row, col) = (if e < 2 { g } else { g + 8 }, tig * 2 + (e & 1));
+                let mut sum = cm[row][col];
+                for (k, arow) in am[row].iter().enumerate() {
+                    sum += arow * bm[k][col];
+                }
+                fr.regs[*r as usize] = u64::from(sum.to_bits());
+                fr.init[*r as usize] = true;
+            }
+            fr.pc += 1;
+            th.state = State::Run;
         }
         Ok(())
     }
@@ -810,6 +945,33 @@ mod tests {
         // A loop that never ends is stopped by the budget.
         let spin = ".visible .entry k(.param .u64 p)\n{\nTOP:\n bra.uni TOP;\n}\n";
         assert_eq!(launch(spin, 1, 1, &mut mem).unwrap_err().code, LAUNCH_TIMEOUT);
+    }
+
+    /// `mma.sync.aligned` is the warp's: one lane that left (or a block that is not whole warps)
+    /// is undefined on a GPU and a fault here; a whole warp gets A·B + C, fragment by fragment.
+    #[test]
+    fn mma_needs_the_whole_warp_and_computes_the_tile() {
+        let kernel = |exit_lane: &str| {
+            format!(
+                ".visible .entry k(.param .u64 p)\n{{\n .reg .pred %p<2>;\n .reg .b32 %r<8>;\n .reg .f32 %f<5>;\n .reg .b64 %rd<4>;\n\
+                 mov.u32 %r1, %tid.x;\n setp.eq.u32 %p1, %r1, {exit_lane};\n @%p1 bra DONE;\n\
+                 mov.b32 %r2, 0x3F803F80;\n mov.b32 %r3, 0x3F803F80;\n mov.b32 %r4, 0x3F803F80;\n mov.b32 %r5, 0x3F803F80;\n\
+                 mov.b32 %r6, 0x40004000;\n mov.b32 %r7, 0x40004000;\n\
+                 mov.f32 %f1, 0f3F800000;\n mov.f32 %f2, 0f3F800000;\n mov.f32 %f3, 0f3F800000;\n mov.f32 %f4, 0f3F800000;\n\
+                 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{%f1, %f2, %f3, %f4}}, {{%r2, %r3, %r4, %r5}}, {{%r6, %r7}}, {{%f1, %f2, %f3, %f4}};\n\
+                 ld.param.u64 %rd1, [p];\n mul.wide.u32 %rd2, %r1, 4;\n add.u64 %rd3, %rd1, %rd2;\n st.global.f32 [%rd3], %f4;\n\
+                 DONE:\n ret;\n}}\n"
+            )
+        };
+        let mut mem = Flat { base: 0x1000, bytes: vec![0; 4 * 64] };
+        // A all ones (BF16 0x3F80), B all twos (0x4000), C ones: every entry is 16·1·2 + 1 = 33.
+        launch(&kernel("99"), 1, 64, &mut mem).unwrap();
+        assert!(mem.bytes.chunks_exact(4).all(|c| f32::from_le_bytes(c.try_into().unwrap()) == 33.0));
+        let f = launch(&kernel("5"), 1, 32, &mut mem).unwrap_err();
+        assert_eq!(f.code, ILLEGAL_INSTRUCTION);
+        assert!(f.message.contains("lane 5 of the warp has exited"), "{f}");
+        let f = launch(&kernel("99"), 1, 48, &mut mem).unwrap_err();
+        assert!(f.message.contains("needs a full warp of 32 threads; this one has 16"), "{f}");
     }
 
     #[test]

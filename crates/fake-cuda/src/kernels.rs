@@ -32,6 +32,7 @@ pub(crate) const NAMES: &[&str] = &[
     "phq_chase",
     "phq_sgemm",
     "phq_gemm_check",
+    "phq_mma_gemm",
 ];
 
 /// How a launch runs: through the PTX interpreter (`interp`), which executes the text the
@@ -123,6 +124,7 @@ pub(crate) fn model(
         "phq_chase" => chase(w, ctx, stream, a),
         "phq_sgemm" => sgemm(w, ctx, stream, a),
         "phq_gemm_check" => gemm_check(w, ctx, stream, a),
+        "phq_mma_gemm" => mma_gemm(w, ctx, stream, a, grid, block),
         _ => {
             eprintln!("fake-cuda: cuLaunchKernel: no model of kernel {name:?}");
             NOT_SUPPORTED
@@ -157,6 +159,8 @@ pub(crate) fn estimate(name: &str, a: &Args, grid: [u32; 3], block: [u32; 3]) ->
                     let n = u64::from(a.u32(1));
                     35 * n * n
                 }
+                // About 20 instructions a thread per step of 16 along k.
+                "phq_mma_gemm" => 20 * threads * u64::from(a.u32(3) / 16),
                 _ => return None,
             },
     )
@@ -378,6 +382,10 @@ fn model_secs(w: &World, name: &str, dev: usize, a: &Args) -> Option<f64> {
         "phq_gemm_check" => {
             let n = a.u32(1) as f64;
             n * n * 4.0 / hbm
+        }
+        "phq_mma_gemm" => {
+            let n = f64::from(a.u32(3));
+            2.0 * n * n * n / (w.spec(dev).mma_tflops * 1e12)
         }
         _ => return None,
     })
@@ -744,6 +752,68 @@ fn sgemm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
         blas::Queued::Done | blas::Queued::Poisoned => SUCCESS,
         blas::Queued::Failed => 719, // CUDA_ERROR_LAUNCH_FAILED
     }
+}
+
+/// `phq_mma_gemm(u64 a, u64 b, u64 c, u32 n)` (tensor.ptx): C = A·B with A row-major BF16, B
+/// column-major BF16, C column-major FP32, n a multiple of 16. Warp v of block b (32 threads
+/// each, the kernel counts four to a block) computes tile 4b + v of the (n/16)·(n/8) tiles,
+/// numbered down the columns, if there is one; each entry is the sum in k order in FP32, as
+/// the interpreter's `mma.sync` adds (the ISA leaves a tensor core's order open; the agent's
+/// inputs are exact in any order).
+fn mma_gemm(w: &mut World, ctx: usize, stream: usize, a: &Args, grid: [u32; 3], block: [u32; 3]) -> CUresult {
+    let (pa, pb, pc, n) = (a.u64(0), a.u64(1), a.u64(2), a.u32(3) as usize);
+    let dev = w.ctx_dev(ctx);
+    if n == 0 || n % 16 != 0 {
+        eprintln!("fake-cuda: phq_mma_gemm: n = {n} is not a multiple of 16: the tiles run past the matrices");
+        w.poison(dev, ILLEGAL_ADDRESS);
+        return SUCCESS;
+    }
+    let threads = block[0] * block[1] * block[2];
+    if threads % 32 != 0 {
+        // mma.sync.aligned needs every thread of a full warp (PTX ISA, "mma").
+        eprintln!("fake-cuda: phq_mma_gemm: a block of {threads} threads leaves a partial warp at mma.sync");
+        w.poison(dev, interp::ILLEGAL_INSTRUCTION);
+        return SUCCESS;
+    }
+    let (nn, half) = ((n * n) as u64, 2u64);
+    if reach(w, ctx, "phq_mma_gemm (A)", pa, nn * half).is_none()
+        || reach(w, ctx, "phq_mma_gemm (B)", pb, nn * half).is_none()
+        || reach(w, ctx, "phq_mma_gemm (C)", pc, nn * 4).is_none()
+    {
+        return SUCCESS;
+    }
+    let (Ok(am), Ok(bm)) = (w.read(pa, n * n * 2), w.read(pb, n * n * 2)) else { return INVALID_VALUE };
+    let elem = |m: &[u8], i: usize| ptx::Half::Bf16.to_f32(u16::from_le_bytes([m[2 * i], m[2 * i + 1]]));
+    let (rows, tiles) = (n / 16, (n / 16) * (n / 8));
+    let blocks = (grid[0] * grid[1] * grid[2]) as usize;
+    let mut done = vec![false; tiles];
+    for b in 0..blocks {
+        for v in 0..(threads / 32) as usize {
+            let tile = 4 * b + v;
+            if tile >= tiles || done[tile] {
+                continue;
+            }
+            done[tile] = true;
+            let (row0, col0) = (16 * (tile % rows), 8 * (tile / rows));
+            let mut out = vec![0u8; 16 * 4];
+            for col in col0..col0 + 8 {
+                for (r, cell) in out.chunks_exact_mut(4).enumerate() {
+                    let row = row0 + r;
+                    let mut acc = 0f32;
+                    for k in 0..n {
+                        acc += elem(&am, row * n + k) * elem(&bm, col * n + k);
+                    }
+                    cell.copy_from_slice(&acc.to_le_bytes());
+                }
+                if let Err(e) = w.write(pc + 4 * (col * n + row0) as u64, &out) {
+                    return e;
+                }
+            }
+        }
+    }
+    let secs = 2.0 * (n as f64).powi(3) / (w.spec(dev).mma_tflops * 1e12);
+    w.run_on_sms(stream, secs);
+    SUCCESS
 }
 
 /// `phq_gemm_check(u64 c, u32 n, u64 table, u64 result)`: every entry of C compared bit for bit

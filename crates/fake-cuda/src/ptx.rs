@@ -245,10 +245,52 @@ pub enum Op {
         rets: Vec<u16>,
         args: Vec<Operand>,
     },
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32`: a warp's 16 × 8 tile
+    /// of D = A·B + C, each lane holding its fragments of A (four registers of two 16-bit
+    /// elements), B (two) and C and D (four FP32 values each).
+    Mma {
+        input: Half,
+        d: [u16; 4],
+        a: [u16; 4],
+        b: [u16; 2],
+        c: [u16; 4],
+    },
     Ret,
     Exit,
     BarSync,
     Unsupported,
+}
+
+/// The 16-bit floating-point format of a tensor-core instruction's A and B (PTX, "Alternate
+/// Floating-Point Data Formats": `.bf16` has FP32's 8-bit exponent and 7 stored mantissa bits;
+/// `.f16` is IEEE 754 binary16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    Bf16,
+    F16,
+}
+
+impl Half {
+    /// The value of a 16-bit element, exactly (both formats widen to FP32 without rounding).
+    pub fn to_f32(self, bits: u16) -> f32 {
+        match self {
+            Half::Bf16 => f32::from_bits(u32::from(bits) << 16),
+            Half::F16 => {
+                let sign = u32::from(bits >> 15) << 31;
+                let exp = u32::from((bits >> 10) & 0x1f);
+                let man = u32::from(bits & 0x3ff);
+                let v = match (exp, man) {
+                    (0, 0) => 0.0,
+                    // Subnormal: man × 2^-24.
+                    (0, m) => m as f32 * (2.0f32).powi(-24),
+                    (31, 0) => f32::INFINITY,
+                    (31, _) => f32::NAN,
+                    (e, m) => f32::from_bits(((e + 127 - 15) << 23) | (m << 13)),
+                };
+                f32::from_bits(v.to_bits() | sign)
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -1105,6 +1147,39 @@ impl Cx<'_> {
                 let rets = list(rets).iter().map(|r| self.reg(r, line)).collect::<Result<_, _>>()?;
                 let args = list(args).iter().map(|a| self.operand(a, line)).collect::<Result<_, _>>()?;
                 Op::Call { func, rets, args }
+            }
+            // PTX, "Warp-level Matrix Multiply-Accumulate Instructions: mma": only the shape and
+            // types the agent's tensor kernel uses; `.sync.aligned` — every thread of the warp
+            // executes the same mma (the interpreter holds the warp until all have arrived).
+            "mma" => {
+                let input = match mods {
+                    ["sync", "aligned", "m16n8k16", "row", "col", "f32", "bf16", "bf16", "f32"] => Half::Bf16,
+                    ["sync", "aligned", "m16n8k16", "row", "col", "f32", "f16", "f16", "f32"] => Half::F16,
+                    _ => return Ok(unsupported),
+                };
+                want(4)?;
+                let regs = |k: usize, n: usize, ty: Ty| -> Result<Vec<u16>, ParseError> {
+                    let r = self.regs_of(&ops[k], line)?;
+                    if r.len() != n {
+                        return err(line, format!("{s}: operand {} holds {n} registers", k + 1));
+                    }
+                    if let Some(bad) = r.iter().find(|x| self.f.regs[**x as usize].ty.bytes() != ty.bytes()) {
+                        return err(
+                            line,
+                            format!("{s}: {} is not a {}-byte register", self.f.regs[*bad as usize].name, ty.bytes()),
+                        );
+                    }
+                    Ok(r)
+                };
+                let (d, a, b, c) =
+                    (regs(0, 4, Ty::F32)?, regs(1, 4, Ty::B32)?, regs(2, 2, Ty::B32)?, regs(3, 4, Ty::F32)?);
+                Op::Mma {
+                    input,
+                    d: [d[0], d[1], d[2], d[3]],
+                    a: [a[0], a[1], a[2], a[3]],
+                    b: [b[0], b[1]],
+                    c: [c[0], c[1], c[2], c[3]],
+                }
             }
             "ret" => Op::Ret,
             "exit" => Op::Exit,

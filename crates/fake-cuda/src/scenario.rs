@@ -80,6 +80,10 @@ pub struct Device {
     /// GPU computes 1.0 too large: a faulty GPU, the scenario's own fault.
     #[serde(default)]
     pub gemm_wrong_entries: Vec<[usize; 2]>,
+    /// Dense BF16 rate of the agent's tensor-core kernel (`phq_mma_gemm`), TFLOP/s; the default
+    /// is the fake's own round figure, not a measurement.
+    #[serde(default = "default_mma_tflops")]
+    pub mma_tflops: f64,
     /// FP32 GEMM rate of cuBLAS SGEMM, TFLOP/s.
     #[serde(default = "default_sgemm_tflops")]
     pub sgemm_tflops: f64,
@@ -122,6 +126,10 @@ fn default_peer_latency_ns() -> f64 {
 
 fn default_context_bytes() -> u64 {
     512 << 20
+}
+
+fn default_mma_tflops() -> f64 {
+    200.0
 }
 
 fn default_sgemm_tflops() -> f64 {

@@ -10,6 +10,7 @@ use super::*;
 use crate::kernels::Path;
 
 const PTX: &str = include_str!("../../../src/probe/kernels.ptx");
+const TENSOR: &str = include_str!("../../../src/probe/tensor.ptx");
 
 /// xorshift64: a reproducible stream of test inputs.
 struct Rng(u64);
@@ -327,6 +328,55 @@ fn the_l2_hides_the_last_writes_until_they_are_evicted() {
         assert_eq!(check(&mut r).0, 0, "{path:?}: the zeros just written are read from the L2");
         r.launch("phq_mem_write", &[A::U64(evict), A::U64(16384), A::U32(0), A::U64(7)], 4, 128);
         assert_eq!(check(&mut r), (1, buf + 4096), "{path:?}: after the eviction the stuck bit shows");
+    }
+}
+
+/// The tensor-core GEMM (`tensor.ptx`): `mma.sync` run by the interpreter with the ISA's
+/// fragment layouts, against the model and against the exact product, for n = 16, 32 and 48
+/// with integer BF16 inputs from −8 to 8 (exact in BF16, sums exact in FP32); blocks of four
+/// warps as the kernel counts them, of eight (two blocks then share tiles), and a grid too
+/// small for the tiles (the rest of C is left as it was).
+#[test]
+fn the_tensor_gemm_matches_the_ptx_and_the_exact_product() {
+    let mut rng = Rng(0x5eed_7e45);
+    for (case, n) in [16usize, 32, 48, 48].into_iter().enumerate() {
+        let mut p = Pair::new("");
+        for r in [&mut p.ptx, &mut p.model] {
+            r.module = Arc::new(ptx::parse(TENSOR).unwrap());
+        }
+        let (a, b, c) = (p.alloc(n * n * 2), p.alloc(n * n * 2), p.alloc(n * n * 4));
+        // A row-major, B column-major: element (i, k) of A at i·n + k, (k, j) of B at j·n + k.
+        let ints = |rng: &mut Rng| -> Vec<i64> { (0..n * n).map(|_| rng.below(17) as i64 - 8).collect() };
+        let (ia, ib) = (ints(&mut rng), ints(&mut rng));
+        let bf16 = |v: &[i64]| -> Vec<u8> {
+            v.iter().flat_map(|x| (((*x as f32).to_bits() >> 16) as u16).to_le_bytes()).collect()
+        };
+        p.write(a, &bf16(&ia));
+        p.write(b, &bf16(&ib));
+        p.write(c, &vec![0xAB; n * n * 4]);
+        let tiles = (n * n / 128) as u32;
+        let (grid, block) = match case {
+            0 | 1 => (tiles.div_ceil(4), 128),
+            2 => (tiles.div_ceil(4), 256),
+            _ => (2, 128),
+        };
+        let what = format!("mma gemm n = {n}, grid {grid} × {block}");
+        p.launch(&what, "phq_mma_gemm", &[A::U64(a), A::U64(b), A::U64(c), A::U32(n as u32)], grid, block);
+        p.same(&what, c, n * n * 4);
+        let got = p.ptx.read(c, n * n * 4);
+        let rows = n / 16;
+        for j in 0..n {
+            for i in 0..n {
+                let tile = (j / 8) * rows + i / 16;
+                let cell = u32::from_le_bytes(got[4 * (j * n + i)..4 * (j * n + i) + 4].try_into().unwrap());
+                if tile < 4 * grid as usize || block == 256 {
+                    let want: i64 = (0..n).map(|k| ia[i * n + k] * ib[j * n + k]).sum();
+                    assert_eq!(f32::from_bits(cell), want as f32, "{what}: C({i},{j})");
+                } else {
+                    assert_eq!(cell, 0xABAB_ABAB, "{what}: C({i},{j}) has no warp and stays");
+                }
+            }
+        }
     }
 }
 
