@@ -27,7 +27,40 @@ pub struct BlasHandle {
     pub stream: usize,
 }
 
+/// How a GEMM's A and B are stored: FP32 column-major (SGEMM), or BF16 with A row-major and B
+/// column-major (the agent's tensor-core kernel, `phq_mma_gemm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Inputs {
+    F32,
+    Bf16RowCol,
+}
+
+impl Inputs {
+    fn size(self) -> usize {
+        match self {
+            Inputs::F32 => 4,
+            Inputs::Bf16RowCol => 2,
+        }
+    }
+
+    /// Byte offset of element (r, c) of A (`a`) or B, leading dimension `ld`.
+    fn at(self, a: bool, r: usize, c: usize, ld: usize) -> usize {
+        match (self, a) {
+            (Inputs::Bf16RowCol, true) => 2 * (c + r * ld),
+            _ => self.size() * (r + c * ld),
+        }
+    }
+
+    fn value(self, bytes: &[u8], off: usize) -> f32 {
+        match self {
+            Inputs::F32 => f32_at(bytes, off),
+            Inputs::Bf16RowCol => crate::ptx::Half::Bf16.to_f32(u16::from_le_bytes([bytes[off], bytes[off + 1]])),
+        }
+    }
+}
+
 pub struct Pending {
+    inputs: Inputs,
     /// Byte offset of C(0,0) in its allocation.
     c_off: usize,
     m: usize,
@@ -64,6 +97,7 @@ impl Pending {
     /// The same product without its bookkeeping (the snapshots are shared).
     fn clone_shallow(&self) -> Pending {
         Pending {
+            inputs: self.inputs,
             c_off: self.c_off,
             m: self.m,
             n: self.n,
@@ -101,9 +135,10 @@ impl Pending {
     }
     fn entry(&self, i: usize, j: usize) -> f32 {
         let mut sum = 0.0f32;
+        let x = self.inputs;
         for p in 0..self.k {
-            let a = f32_at(&self.a, self.a_off + 4 * (i + p * self.lda));
-            let b = f32_at(&self.b, self.b_off + 4 * (p + j * self.ldb));
+            let a = x.value(&self.a, self.a_off + x.at(true, i, p, self.lda));
+            let b = x.value(&self.b, self.b_off + x.at(false, p, j, self.ldb));
             sum += a * b;
         }
         let old = match &self.old {
@@ -137,11 +172,13 @@ impl Pending {
 /// A GEMM input scanned for periodicity: its snapshot, (its address, offset), the answer.
 pub(crate) type Scanned = (std::sync::Weak<Vec<u8>>, (usize, usize), bool);
 
-/// Whether an m×k column-major matrix's entries depend only on row and column modulo `p`.
-fn periodic(bytes: &[u8], off: usize, ld: usize, rows: usize, cols: usize, p: usize) -> bool {
+/// Whether a rows×cols input's entries (A's when `a`) depend only on row and column modulo `p`.
+#[allow(clippy::too_many_arguments)]
+fn periodic(x: Inputs, a: bool, bytes: &[u8], off: usize, ld: usize, rows: usize, cols: usize, p: usize) -> bool {
+    let size = x.size();
     (0..cols).all(|c| {
         (0..rows).all(|r| {
-            let at = |r: usize, c: usize| &bytes[off + 4 * (r + c * ld)..off + 4 * (r + c * ld) + 4];
+            let at = |r: usize, c: usize| &bytes[off + x.at(a, r, c, ld)..off + x.at(a, r, c, ld) + size];
             at(r, c) == at(r % p, c % p)
         })
     })
@@ -169,8 +206,8 @@ pub(crate) fn periodic_table(w: &mut World, base: u64, p: usize) -> Option<Vec<f
     let (am, bm) = (pd.a.clone(), pd.b.clone());
     let (a_ok, b_ok) = (known(w, ka, &am), known(w, kb, &bm));
     let pd = w.allocs.get(&base)?.pending.as_ref()?;
-    let a_ok = a_ok.unwrap_or_else(|| periodic(&pd.a, pd.a_off, pd.lda, pd.m, pd.k, p));
-    let b_ok = b_ok.unwrap_or_else(|| periodic(&pd.b, pd.b_off, pd.ldb, pd.k, pd.n, p));
+    let a_ok = a_ok.unwrap_or_else(|| periodic(pd.inputs, true, &pd.a, pd.a_off, pd.lda, pd.m, pd.k, p));
+    let b_ok = b_ok.unwrap_or_else(|| periodic(pd.inputs, false, &pd.b, pd.b_off, pd.ldb, pd.k, pd.n, p));
     // The table from the sums alone: the scenario's wrong entries are exceptions to it, which
     // the caller takes from `wrong_entries`.
     let clean = Pending { wrong: Vec::new(), done: Vec::new(), old: None, ..pd.clone_shallow() };
@@ -398,7 +435,7 @@ fn sgemm(
         return SUCCESS;
     }
     let tflops = w.sgemm_tflops(dev);
-    match queue(w, ctx, stream, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc), tflops) {
+    match queue(w, ctx, stream, Inputs::F32, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc), tflops) {
         Queued::Done | Queued::Poisoned => SUCCESS,
         Queued::Failed => EXECUTION_FAILED,
     }
@@ -414,13 +451,15 @@ pub(crate) enum Queued {
     Failed,
 }
 
-/// Queues `C = α·A·B + β·C` (column-major) on `stream` of context `ctx` at `tflops`: the lazy
-/// product cuBLAS's SGEMM and the agent's own PTX GEMM both leave.
+/// Queues `C = α·A·B + β·C` (C column-major FP32, A and B as `inputs` says) on `stream` of
+/// context `ctx` at `tflops`: the lazy product cuBLAS's SGEMM and the agent's own PTX GEMMs
+/// leave.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn queue(
     w: &mut World,
     ctx: usize,
     stream: usize,
+    inputs: Inputs,
     (m, n, k): (usize, usize, usize),
     alpha: f32,
     (a, lda): (CUdeviceptr, usize),
@@ -430,8 +469,12 @@ pub(crate) fn queue(
     tflops: f64,
 ) -> Queued {
     let Some(dev) = w.ctx_device(ctx) else { return Queued::Failed };
-    let span = |ld: usize, rows: usize, cols: usize| (4 * (ld * (cols.max(1) - 1) + rows)) as u64;
-    let regions = [(a, span(lda, m, k)), (b, span(ldb, k, n)), (c, span(ldc, m, n))];
+    // The bytes a column-major rows×cols matrix of `size`-byte entries spans; A row-major is
+    // its transpose, a cols×rows one.
+    let span = |size: usize, ld: usize, rows: usize, cols: usize| (size * (ld * (cols.max(1) - 1) + rows)) as u64;
+    let es = inputs.size();
+    let a_span = if inputs == Inputs::Bf16RowCol { span(es, lda, k, m) } else { span(es, lda, m, k) };
+    let regions = [(a, a_span), (b, span(es, ldb, k, n)), (c, span(4, ldc, m, n))];
     for (ptr, len) in regions {
         match w.reaches_ptr(ctx, ptr, len) {
             Ok(true) => {}
@@ -455,6 +498,7 @@ pub(crate) fn queue(
     let b_snap = w.snapshot(b_base);
     let old = (beta != 0.0).then(|| w.snapshot(c_base));
     let pending = Pending {
+        inputs,
         c_off,
         m,
         n,

@@ -308,7 +308,8 @@ fn run_ptx(
 ) -> CUresult {
     let name = module.functions[entry].name.clone();
     let dev = w.ctx_dev(ctx);
-    if name == "phq_sgemm" {
+    let gemm = name == "phq_sgemm" || name == "phq_mma_gemm";
+    if gemm {
         if let Err(code) = w.gemm_fault(dev) {
             return code;
         }
@@ -327,7 +328,7 @@ fn run_ptx(
     mem.enter_l2();
     match r {
         Ok(stats) => {
-            if name == "phq_sgemm" {
+            if gemm {
                 plant_gemm_faults(w, ctx, a);
             }
             // A kernel without a model is charged a thousand thread-instructions a nanosecond:
@@ -748,7 +749,7 @@ fn sgemm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     }
     let spec = w.spec(dev);
     let tflops = spec.ptx_sgemm_tflops.unwrap_or(spec.sgemm_tflops / 4.0);
-    match blas::queue(w, ctx, stream, (n, n, n), 1.0, (pa, n), (pb, n), 0.0, (pc, n), tflops) {
+    match blas::queue(w, ctx, stream, blas::Inputs::F32, (n, n, n), 1.0, (pa, n), (pb, n), 0.0, (pc, n), tflops) {
         blas::Queued::Done | blas::Queued::Poisoned => SUCCESS,
         blas::Queued::Failed => 719, // CUDA_ERROR_LAUNCH_FAILED
     }
@@ -782,13 +783,26 @@ fn mma_gemm(w: &mut World, ctx: usize, stream: usize, a: &Args, grid: [u32; 3], 
     {
         return SUCCESS;
     }
-    let (Ok(am), Ok(bm)) = (w.read(pa, n * n * 2), w.read(pb, n * n * 2)) else { return INVALID_VALUE };
-    let elem = |m: &[u8], i: usize| ptx::Half::Bf16.to_f32(u16::from_le_bytes([m[2 * i], m[2 * i + 1]]));
     let (rows, tiles) = (n / 16, (n / 16) * (n / 8));
     let blocks = (grid[0] * grid[1] * grid[2]) as usize;
+    let warps = (threads / 32) as usize;
+    let covers = |t: usize| (0..blocks).any(|b| t >= 4 * b && t < 4 * b + warps);
+    if (0..tiles).all(covers) {
+        // Every tile has a warp: the lazy product (`blas`), as the FP32 GEMMs leave it, with the
+        // scenario's GEMM faults.
+        let tflops = w.spec(dev).mma_tflops;
+        let inputs = blas::Inputs::Bf16RowCol;
+        return match blas::queue(w, ctx, stream, inputs, (n, n, n), 1.0, (pa, n), (pb, n), 0.0, (pc, n), tflops) {
+            blas::Queued::Done | blas::Queued::Poisoned => SUCCESS,
+            blas::Queued::Failed => 719, // CUDA_ERROR_LAUNCH_FAILED
+        };
+    }
+    // A grid short of the tiles: only those with a warp are written.
+    let (Ok(am), Ok(bm)) = (w.read(pa, n * n * 2), w.read(pb, n * n * 2)) else { return INVALID_VALUE };
+    let elem = |m: &[u8], i: usize| ptx::Half::Bf16.to_f32(u16::from_le_bytes([m[2 * i], m[2 * i + 1]]));
     let mut done = vec![false; tiles];
     for b in 0..blocks {
-        for v in 0..(threads / 32) as usize {
+        for v in 0..warps {
             let tile = 4 * b + v;
             if tile >= tiles || done[tile] {
                 continue;
