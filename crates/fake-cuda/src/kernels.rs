@@ -770,7 +770,7 @@ fn mma_gemm(w: &mut World, ctx: usize, stream: usize, a: &Args, grid: [u32; 3], 
         return SUCCESS;
     }
     let threads = block[0] * block[1] * block[2];
-    if threads % 32 != 0 {
+    if !threads.is_multiple_of(32) {
         // mma.sync.aligned needs every thread of a full warp (PTX ISA, "mma").
         eprintln!("fake-cuda: phq_mma_gemm: a block of {threads} threads leaves a partial warp at mma.sync");
         w.poison(dev, interp::ILLEGAL_INSTRUCTION);
