@@ -594,6 +594,34 @@ fn a_single_wrong_gemm_entry_is_found_by_the_device_check() {
     // One wrong entry in each of the three timed samples.
     assert_eq!(f["evidence"]["gemm"]["wrong_entries"], 3, "{f}");
     assert!(f["summary"].as_str().unwrap().contains("first C[4000, 17]"), "{f}");
+    // The tensor-core GEMM on the same GPU computes the same wrong entry, and its exact check
+    // finds it in each sample too.
+    let t = p.finding("probe.gemm-tensor", "0000:09:00.0");
+    assert_eq!(t["severity"], "fail", "{t}");
+    assert_eq!(t["evidence"]["gemm"]["wrong_entries"], 3, "{t}");
+    assert!(t["summary"].as_str().unwrap().starts_with("BF16 tensor-core GEMM"), "{t}");
+}
+
+/// The tensor-core GEMM, BF16 in and FP32 out through the agent's `mma.sync` kernel, on every
+/// GPU of the HGX: every entry of every timed product exact, at the scenario's tensor rate.
+#[test]
+fn the_tensor_core_gemm_is_checked_exactly_on_every_gpu() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
+    let p = r.run(&["--gpu", "0", "--gpu", "1"]);
+    for gpu in &PCI[..2] {
+        let f = p.finding("probe.gemm-tensor", gpu);
+        assert_eq!(f["severity"], "pass", "{f}");
+        let g = &f["evidence"]["gemm"];
+        assert_eq!(
+            (g["library"].as_str(), g["checked_on"].as_str()),
+            (Some("PTX tensor cores, BF16 (phq_mma_gemm)"), Some("device")),
+            "{f}"
+        );
+        assert_eq!(g["wrong_entries"], 0, "{f}");
+        assert_eq!(g["checked_entries"], 3 * 4096 * 4096, "{f}");
+        // The fake's default tensor rate (200 TFLOP/s), exact.
+        assert!((f["evidence"]["median_tflops"].as_f64().unwrap() - 200.0).abs() < 0.01, "{f}");
+    }
 }
 
 /// `--gemm-seconds`: every GPU of the HGX computes checked GEMMs at once for that much GPU time;

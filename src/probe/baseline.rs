@@ -33,7 +33,7 @@ pub struct Baselines {
 pub struct Baseline {
     pub pci: String,
     pub recorded_at: String,
-    /// Figure name → value: `*_gbps` and `gemm_tflops` (higher is better), `*_ns` (lower is).
+    /// Figure name → value: `*_gbps` and `*_tflops` (higher is better), `*_ns` (lower is).
     pub figures: BTreeMap<String, f64>,
 }
 
@@ -54,6 +54,11 @@ pub fn figures(g: &GpuProbes, peers: &[PeerLink]) -> BTreeMap<String, f64> {
     if let Outcome::Ok(gm) = &g.gemm {
         if let Some(s) = super::Stat::of(gm.tflops_samples.clone()) {
             m.insert("gemm_tflops".into(), s.median);
+        }
+    }
+    if let Some(Outcome::Ok(gm)) = &g.gemm_tensor {
+        if let Some(s) = super::Stat::of(gm.tflops_samples.clone()) {
+            m.insert("gemm_tensor_tflops".into(), s.median);
         }
     }
     let mine = peers.iter().filter(|l| l.src == g.ordinal);
@@ -104,6 +109,7 @@ fn label(name: &str) -> String {
         "d2d_gbps" => ("device copy", "GB/s"),
         "sm_copy_gbps" => ("SM copy", "GB/s"),
         "gemm_tflops" => ("GEMM", "TFLOP/s"),
+        "gemm_tensor_tflops" => ("tensor-core GEMM", "TFLOP/s"),
         "host_latency_ns" => ("host latency", "ns"),
         "p2p_slowest_gbps" => ("slowest peer copy", "GB/s"),
         "p2p_latency_ns" => ("slowest peer latency", "ns"),

@@ -407,6 +407,38 @@ fn upload_matrix(
     Ok(())
 }
 
+/// Fills an n×n BF16 matrix on the device: A row-major (each row contiguous), B column-major,
+/// the values of `gemm_value` — integers from −8 to 8, exact in BF16 (8 bits of mantissa) —
+/// so the product is the FP32 GEMM's, and `phq_gemm_check` checks it against the same table.
+fn upload_bf16(
+    stream: &Stream,
+    staging: &mut PinnedBuffer,
+    m: &DeviceBuffer,
+    n: usize,
+    salt: usize,
+    row_major: bool,
+) -> cuda::Result<()> {
+    let per = (staging.len() / (n * 2)).max(1);
+    let mut line = 0;
+    while line < n {
+        let k = per.min(n - line);
+        for l in 0..k {
+            let dst = &mut staging.as_mut_slice()[l * n * 2..(l + 1) * n * 2];
+            for (e, slot) in dst.chunks_exact_mut(2).enumerate() {
+                let (row, col) = if row_major { (line + l, e) } else { (e, line + l) };
+                // An integer this small is exact in BF16: FP32's top 16 bits.
+                let bits = ((gemm_value(row, col, salt) as f32).to_bits() >> 16) as u16;
+                slot.copy_from_slice(&bits.to_ne_bytes());
+            }
+        }
+        // SAFETY: the staging buffer is not touched again until the stream is synchronized.
+        unsafe { stream.copy_h2d(m, line * n * 2, staging, k * n * 2) }?;
+        stream.synchronize()?;
+        line += k;
+    }
+    Ok(())
+}
+
 /// How many entries of C each timed sample reads back and checks exactly.
 const GEMM_CHECKED_PER_SAMPLE: usize = 1024;
 pub(crate) const GEMM_SAMPLES: usize = 3;
@@ -416,6 +448,8 @@ pub(crate) const GEMM_SAMPLES: usize = 3;
 enum Gemmer<'a> {
     Blas(BlasHandle),
     Ptx(Function<'a>),
+    /// The agent's tensor-core kernel (`tensor.ptx`): BF16 in, FP32 accumulate.
+    Mma(Function<'a>),
 }
 
 impl Gemmer<'_> {
@@ -437,6 +471,21 @@ impl Gemmer<'_> {
                 // SAFETY: the three live buffers hold n×n floats (checked above) and the launch
                 // has the kernel's shape (`sgemm_shape`), so every tile it reads and writes lies
                 // inside them.
+                unsafe { stream.launch(f, grid, block, &args) }
+            }
+            Gemmer::Mma(f) => {
+                let (grid, block) = kernels::mma_shape(n).map_err(|e| ctx_error(&e))?;
+                if a.len() < n * n * 2 || b.len() < n * n * 2 || c.len() < n * n * 4 {
+                    return Err(ctx_error(&format!("phq_mma_gemm: the matrices hold fewer than {n}×{n} entries")));
+                }
+                let args = [
+                    cuda::Arg::U64(a.ptr()),
+                    cuda::Arg::U64(b.ptr()),
+                    cuda::Arg::U64(c.ptr()),
+                    cuda::Arg::U32(n as u32),
+                ];
+                // SAFETY: A and B hold n×n BF16 values, C n×n floats (checked above), and the
+                // launch has the kernel's shape (`mma_shape`): every warp's tile lies inside.
                 unsafe { stream.launch(f, grid, block, &args) }
             }
         }
@@ -478,14 +527,36 @@ impl<'a> GemmRun<'a> {
         k: Option<&'a Loaded>,
         n: usize,
     ) -> cuda::Result<GemmRun<'a>> {
+        GemmRun::with(ctx, blas, k, n, false)
+    }
+
+    /// `tensor`: BF16 on the tensor cores (the agent's `phq_mma_gemm`), else FP32.
+    fn with(
+        ctx: &Arc<Ctx>,
+        blas: Option<&Arc<cuda::Blas>>,
+        k: Option<&'a Loaded>,
+        n: usize,
+        tensor: bool,
+    ) -> cuda::Result<GemmRun<'a>> {
         let bytes = n * n * 4;
-        let (a, b, c) = (ctx.alloc(bytes)?, ctx.alloc(bytes)?, ctx.alloc(bytes)?);
+        let input = if tensor { n * n * 2 } else { bytes };
+        let (a, b, c) = (ctx.alloc(input)?, ctx.alloc(input)?, ctx.alloc(bytes)?);
         let mut staging = ctx.pinned((16 << 20).max(n * 4).min(bytes))?;
         let stream = ctx.stream()?;
-        upload_matrix(&stream, &mut staging, &a, n, SALT_A)?;
-        upload_matrix(&stream, &mut staging, &b, n, SALT_B)?;
+        if tensor {
+            upload_bf16(&stream, &mut staging, &a, n, SALT_A, true)?;
+            upload_bf16(&stream, &mut staging, &b, n, SALT_B, false)?;
+        } else {
+            upload_matrix(&stream, &mut staging, &a, n, SALT_A)?;
+            upload_matrix(&stream, &mut staging, &b, n, SALT_B)?;
+        }
         let reference = gemm_reference(n);
         let (gemmer, library) = match (blas, k) {
+            (_, Some(k)) if tensor => match &k.tensor {
+                Ok(m) => (Gemmer::Mma(m.function("phq_mma_gemm")?), PTX_MMA_GEMM),
+                Err(why) => return Err(ctx_error(why)),
+            },
+            (_, None) if tensor => return Err(ctx_error("the tensor-core GEMM needs the probe kernels")),
             (Some(blas), _) => (Gemmer::Blas(BlasHandle::new(blas, &stream)?), "cuBLAS SGEMM"),
             (None, Some(k)) if n.is_multiple_of(16) => (Gemmer::Ptx(k.module.function("phq_sgemm")?), PTX_GEMM),
             _ => return Err(ctx_error("the GEMM needs cuBLAS or the probe kernels")),
@@ -688,6 +759,8 @@ fn gemm_sustained(runs: &mut [(usize, Result<GemmRun<'_>, ProbeError>)], reps: u
 
 /// The library name a GEMM by the agent's own kernel reports.
 pub(crate) const PTX_GEMM: &str = "PTX fallback (phq_sgemm)";
+/// … and by its tensor-core kernel.
+pub(crate) const PTX_MMA_GEMM: &str = "PTX tensor cores, BF16 (phq_mma_gemm)";
 
 fn ctx_error(text: &str) -> CudaError {
     CudaError { call: "gemm", code: 801, name: "CUDA_ERROR_NOT_SUPPORTED".into(), text: text.into(), sticky: false }
@@ -857,6 +930,26 @@ impl Backend for CudaBackend {
             (Err(e), Some(_)) if !p.gemm_n.is_multiple_of(16) => Err(ProbeError::Unavailable(format!("no cuBLAS ({e}), and the PTX GEMM needs n a multiple of 16"))),
             _ => gemm(&ctx, blas.as_ref().ok(), kernels, p).map_err(on(gpu)),
         }
+    }
+
+    /// BF16 on the tensor cores by the agent's `phq_mma_gemm`, every entry of every timed
+    /// product checked on the GPU against the exact table.
+    fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+        let _near = self.near(gpu);
+        let (ctx, k) = self.with_kernels(gpu)?;
+        if let Err(why) = &k.tensor {
+            return Err(ProbeError::Unavailable(why.clone()));
+        }
+        if !p.gemm_n.is_multiple_of(16) {
+            return Err(ProbeError::Unavailable("the tensor-core GEMM needs n a multiple of 16".into()));
+        }
+        let mut run = GemmRun::with(&ctx, None, Some(k), p.gemm_n, true).map_err(on(gpu))?;
+        run.warm_up().map_err(on(gpu))?;
+        for _ in 0..GEMM_SAMPLES {
+            run.queue(p.gemm_reps).map_err(on(gpu))?;
+            run.finish().map_err(on(gpu))?;
+        }
+        Ok(run.result())
     }
 
     /// Every GPU at once (`gemm_sustained`), cuBLAS where it loads, the PTX GEMM elsewhere.

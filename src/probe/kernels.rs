@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 /// The kernels' text, assembled by CI with ptxas (tests/ptx.rs).
 pub(crate) const PTX: &str = include_str!("kernels.ptx");
+/// The tensor-core kernel, a module of its own: it needs sm_80 or later.
+pub(crate) const TENSOR_PTX: &str = include_str!("tensor.ptx");
 
 /// Threads per block of the grid-stride kernels; 8 blocks per SM fill Hopper's 2,048 threads
 /// per SM (CUDA programming guide, "Compute Capabilities", 9.0).
@@ -26,11 +28,19 @@ pub(crate) struct Loaded {
     /// The GPU's L2 in bytes (`CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE`), which the memory test
     /// evicts between passes and the peer chase before each sample.
     pub l2_bytes: usize,
+    /// The tensor-core module, or why the driver would not load it (a GPU before sm_80).
+    pub tensor: Result<Module, String>,
 }
 
 impl Loaded {
     pub fn load(ctx: &Arc<Ctx>, sms: u32, l2_bytes: usize) -> cuda::Result<Loaded> {
-        Ok(Loaded { module: ctx.load_ptx(PTX)?, grid: sms.max(1) * BLOCKS_PER_SM, l2_bytes })
+        let module = ctx.load_ptx(PTX)?;
+        let tensor = match ctx.load_ptx(TENSOR_PTX) {
+            Ok(m) => Ok(m),
+            Err(e) if e.sticky => return Err(e),
+            Err(e) => Err(format!("the driver could not load the tensor-core kernel (it needs sm_80 or later): {e}")),
+        };
+        Ok(Loaded { module, grid: sms.max(1) * BLOCKS_PER_SM, l2_bytes, tensor })
     }
 }
 
@@ -420,6 +430,18 @@ pub(crate) fn sgemm_shape(n: usize) -> Result<(u32, u32), String> {
 
 /// The chain: at least as many nodes as a sample takes steps (`cuda::LATENCY_STEPS`), so no
 /// node is loaded twice in a sample — a second load of a line would come from the L2.
+/// `phq_mma_gemm`'s launch contract (tensor.ptx): n a positive multiple of 16, four warps (128
+/// threads) a block, one warp per 16 × 8 tile of C, so a 1-D grid of ceil(n² / 512) blocks.
+pub(crate) fn mma_shape(n: usize) -> Result<(u32, u32), String> {
+    if n == 0 || !n.is_multiple_of(16) {
+        return Err(format!("phq_mma_gemm: n = {n} is not a positive multiple of 16"));
+    }
+    let tiles = (n as u64 / 16) * (n as u64 / 8);
+    let grid = u32::try_from(tiles.div_ceil(4)).ok().filter(|g| *g <= i32::MAX as u32);
+    let grid = grid.ok_or(format!("phq_mma_gemm: n = {n} needs more than 2^31 − 1 blocks"))?;
+    Ok((grid, 128))
+}
+
 pub(crate) const CHASE_NODES: usize = 2048;
 pub(crate) const CHASE_STRIDE: usize = 4096;
 

@@ -213,6 +213,10 @@ pub trait Backend {
         gpus.iter().map(|g| (*g, self.memory_integrity(*g, p))).collect()
     }
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError>;
+    /// A GEMM on the tensor cores (BF16 in, FP32 accumulate), every entry checked.
+    fn gemm_tensor(&mut self, _gpu: usize, _p: &LevelParams) -> Result<GemmResult, ProbeError> {
+        Err(ProbeError::Unavailable("this backend has no tensor-core GEMM".into()))
+    }
     /// Device-local copy by a kernel on the SMs, counting bytes read plus written.
     fn sm_copy(&mut self, _gpu: usize, _p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         Err(ProbeError::Unavailable("this backend has no SM copy".into()))
@@ -310,6 +314,9 @@ pub struct GpuProbes {
     /// The GEMM run on every probed GPU at once (the full level), when it ran.
     #[serde(default)]
     pub gemm_sustained: Option<Outcome<GemmResult>>,
+    /// BF16 on the tensor cores, checked exactly like the FP32 GEMM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_tensor: Option<Outcome<GemmResult>>,
     /// Where the pinned host buffers were placed (NUMA node and CPUs, or why not).
     #[serde(default)]
     pub host_memory: Option<String>,
@@ -489,6 +496,7 @@ pub fn run(
             sm_copy_gbps: Some(sm_copy),
             host_latency_ns: Some(host_latency),
             gemm_sustained: None,
+            gemm_tensor: None,
             host_memory: backend.host_placement(g),
             conditions: backend.conditions(g),
         });
@@ -519,6 +527,8 @@ pub fn run(
         let g = gp.ordinal;
         progress(&format!("GPU {g} ({}): GEMM", gp.pci));
         gp.gemm = guard.call(backend, &[g], |b| b.gemm(g, &p)).into();
+        progress(&format!("GPU {g} ({}): tensor-core GEMM", gp.pci));
+        gp.gemm_tensor = Some(guard.call(backend, &[g], |b| b.gemm_tensor(g, &p)).into());
         // NVML's readings beside the memory test and the GEMM, taken since the GPU's first loop.
         gp.conditions = backend.conditions(g);
     }
@@ -760,6 +770,10 @@ impl Backend for Observed<'_> {
         let r = self.inner.gemm(gpu, p);
         self.after(gpu, "gemm", r)
     }
+    fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+        let r = self.inner.gemm_tensor(gpu, p);
+        self.after(gpu, "gemm_tensor", r)
+    }
     fn sm_copy(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         let r = self.inner.sm_copy(gpu, p);
         self.after(gpu, "sm_copy", r)
@@ -943,6 +957,11 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
             out.push(latency_finding(report, g, lat));
         }
         out.push(beside(gemm_finding("probe.gemm", &g.gemm, f.gemm_tflops).gpu(&g.pci), seen("gemm")));
+        if let Some(t) = &g.gemm_tensor {
+            // No floor: NVIDIA's datasheets give the tensor cores' peak, which a plain kernel
+            // does not approach; the GPU's own baseline judges the rate.
+            out.push(beside(gemm_finding("probe.gemm-tensor", t, None).gpu(&g.pci), seen("gemm_tensor")));
+        }
         if let Some(s) = &g.gemm_sustained {
             let all = report.gpus.iter().filter(|x| x.gemm_sustained.is_some()).count();
             let f = gemm_finding("probe.gemm-sustained", s, f.gemm_tflops);
@@ -1215,15 +1234,16 @@ fn gemm_finding(id: &str, o: &Outcome<GemmResult>, floor: Option<f64>) -> Findin
             let tflops = Stat::of(g.tflops_samples.clone()).map(|s| s.median).unwrap_or(0.0);
             // DCGM's floors are cuBLAS's figures; the agent's own fallback kernel is checked for
             // right results only.
-            let fallback = g.library == cuda::PTX_GEMM;
+            let fallback = g.library == cuda::PTX_GEMM || g.library == cuda::PTX_MMA_GEMM;
+            let kind = if g.library == cuda::PTX_MMA_GEMM { "BF16 tensor-core GEMM" } else { "FP32 GEMM" };
             let floor = floor.filter(|_| !fallback);
             let f = if g.wrong_entries > 0 || g.max_rel_error > GEMM_TOLERANCE {
                 let first = g.first_wrong.as_ref().map(|w| format!("; first {w}")).unwrap_or_default();
-                Finding::fail(ID, format!("GEMM {n}×{n} gave wrong results: {} of {} checked entries differ (largest relative error {:.2e}{first})", g.wrong_entries, g.checked_entries, g.max_rel_error, n = g.n))
+                Finding::fail(ID, format!("{kind} {n}×{n} gave wrong results: {} of {} checked entries differ (largest relative error {:.2e}{first})", g.wrong_entries, g.checked_entries, g.max_rel_error, n = g.n))
                     .detail("The GPU computed a different product than the host: a faulty GPU (compute or memory).")
                     .remedy("Drain the GPU, reset it (restart the VM) and probe again; report it to the platform if it repeats.")
             } else if let Some(fl) = floor.filter(|fl| tflops < *fl) {
-                Finding::fail(ID, format!("FP32 GEMM {n}×{n}: {tflops:.1} TFLOP/s, below the floor of {fl:.1}", n = g.n))
+                Finding::fail(ID, format!("{kind} {n}×{n}: {tflops:.1} TFLOP/s, below the floor of {fl:.1}", n = g.n))
                     .detail("The result was right but the GPU computes slower than its SKU sustains: clocks held down (power, heat) or a GPU shared with other work.")
                     .remedy("Check gpu.throttle, gpu.temperature and gpu.power; probe again with nothing else running; report the GPU to the platform if it stays low.")
             } else {
@@ -1240,7 +1260,7 @@ fn gemm_finding(id: &str, o: &Outcome<GemmResult>, floor: Option<f64>) -> Findin
                 } else {
                     format!("every timed result checked exactly on {} entries", g.checked_entries)
                 };
-                Finding::pass(ID, format!("FP32 GEMM {n}×{n}: {tflops:.1} TFLOP/s{against}, {how}", n = g.n))
+                Finding::pass(ID, format!("{kind} {n}×{n}: {tflops:.1} TFLOP/s{against}, {how}", n = g.n))
             };
             f.evidence("gemm", g).evidence("median_tflops", tflops).evidence("floor_tflops", floor)
         }
@@ -1424,6 +1444,20 @@ mod tests {
                 seconds: 0.1,
             })
         }
+        fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+            self.calls.push(format!("gemm_tensor {gpu}"));
+            Ok(GemmResult {
+                n: p.gemm_n,
+                tflops_samples: vec![300.0, 301.0, 299.0],
+                max_rel_error: 0.0,
+                checked_entries: 3 * p.gemm_n * p.gemm_n,
+                wrong_entries: 0,
+                library: cuda::PTX_MMA_GEMM.into(),
+                checked_on: "device".into(),
+                first_wrong: None,
+                seconds: 0.1,
+            })
+        }
     }
 
     fn targets(n: usize) -> Vec<Target> {
@@ -1546,8 +1580,8 @@ mod tests {
         assert!(r.peers.iter().all(|l| l.scope == "nvlink"));
         let f = judge(&r, &t);
         assert!(f.iter().all(|x| x.severity == Severity::Pass), "{f:#?}");
-        // Nine checks per GPU and the run's NVLink scope.
-        assert_eq!(f.len(), 8 * 9 + 1);
+        // Ten checks per GPU and the run's NVLink scope.
+        assert_eq!(f.len(), 8 * 10 + 1);
         let scope = f.iter().find(|x| x.id == "probe.nvlink-scope").unwrap();
         assert_eq!(scope.summary, "8 GPU(s), all-to-all over NVLink, 18 links each, 56/56 pairs ≥ 335 GB/s");
     }

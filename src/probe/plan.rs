@@ -29,6 +29,12 @@ pub const STANDARD_BUDGET_S: f64 = 120.0;
 /// kernel reaches well under it. Our planning figure, not a measurement.
 pub const PTX_SGEMM_TFLOPS: f64 = 3.0;
 
+/// The agent's tensor-core GEMM (`phq_mma_gemm`), planned at 50 TFLOP/s: each warp loads its A
+/// and B fragments from global memory for every `mma.sync` (768 bytes per 4,096 operations, no
+/// staging in shared memory), so the caches' bandwidth bounds it, far below the tensor cores'
+/// peak. Our planning figure, not a measurement.
+pub const PTX_MMA_TFLOPS: f64 = 50.0;
+
 /// The memory-test kernels are planned at the SKU's device-copy floor: like a copy they stream
 /// HBM with several loads in flight per thread (four words each, `phq_mem_check`), reading and
 /// writing. Our planning assumption until a GPU measures it (docs/hardware-validation.md).
@@ -53,6 +59,8 @@ pub struct GpuPlan {
     pub memory_s: f64,
     pub memory_bytes: u64,
     pub gemm_s: f64,
+    /// The tensor-core GEMM (BF16, the agent's kernel).
+    pub gemm_tensor_s: f64,
     pub total_s: f64,
 }
 
@@ -124,6 +132,8 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
         let n = p.gemm_n as f64;
         let gemm_s = (1 + cuda::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3) / (tflops * 1e12)
             + secs(2.0 * n * n * 4.0, h2d);
+        let products = (1 + cuda::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3);
+        let gemm_tensor_s = products / (PTX_MMA_TFLOPS * 1e12) + secs(2.0 * n * n * 2.0, h2d);
         let mut g = GpuPlan {
             index: *index,
             pci: t.pci.clone(),
@@ -137,9 +147,18 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             memory_s,
             memory_bytes,
             gemm_s,
+            gemm_tensor_s,
             total_s: 0.0,
         };
-        g.total_s = g.h2d_s + g.d2h_s + g.bidir_s + g.d2d_s + g.sm_copy_s + g.latency_s + g.memory_s + g.gemm_s;
+        g.total_s = g.h2d_s
+            + g.d2h_s
+            + g.bidir_s
+            + g.d2d_s
+            + g.sm_copy_s
+            + g.latency_s
+            + g.memory_s
+            + g.gemm_s
+            + g.gemm_tensor_s;
         gpus.push(g);
     }
     let mut pairs = Vec::new();
@@ -217,7 +236,7 @@ pub fn render(plan: &Plan) -> String {
     for g in &plan.gpus {
         let _ = writeln!(
             s,
-            "  GPU {} {} {:<16} h2d {:.2} s · d2h {:.2} s · both {:.2} s · device copy {:.2} s · SM copy {:.2} s · latency {:.2} s · memory {:.2} s · GEMM {:.2} s = {:.2} s",
+            "  GPU {} {} {:<16} h2d {:.2} s · d2h {:.2} s · both {:.2} s · device copy {:.2} s · SM copy {:.2} s · latency {:.2} s · memory {:.2} s · GEMM {:.2} s · tensor GEMM {:.2} s = {:.2} s",
             g.index,
             g.pci,
             g.sku.as_deref().unwrap_or("unknown SKU"),
@@ -229,6 +248,7 @@ pub fn render(plan: &Plan) -> String {
             g.latency_s,
             g.memory_s,
             g.gemm_s,
+            g.gemm_tensor_s,
             g.total_s
         );
     }
