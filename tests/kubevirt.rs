@@ -98,3 +98,85 @@ fn network_policy_opens_the_agent_port_to_two_peers_only() {
     }
     assert!(rules.iter().any(|r| r["ports"].as_array().unwrap().iter().any(|p| covers(p, "UDP", 53))));
 }
+
+/// Every document of a multi-document YAML file (separated by `---` lines), as JSON (None: a
+/// skip, as `yaml`).
+fn yaml_all(rel: &str) -> Option<Vec<Value>> {
+    let text = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel)).unwrap();
+    let mut docs = vec![String::new()];
+    for line in text.lines() {
+        if line.trim_end() == "---" {
+            docs.push(String::new());
+        } else if let Some(d) = docs.last_mut() {
+            d.push_str(line);
+            d.push('\n');
+        }
+    }
+    docs.iter().map(|d| common::yaml(d)).filter(|d| d.as_ref().is_none_or(|v| !v.is_null())).collect()
+}
+
+/// The CRD's schema as the API server applies it: a structural schema prunes fields it does
+/// not declare (Kubernetes docs, "Extend the Kubernetes API with CustomResourceDefinitions",
+/// "Field pruning"), so a misspelt field would be dropped without a word. Here it is refused
+/// instead: every object that lists its properties gets `additionalProperties: false`.
+fn structural(mut s: Value) -> Value {
+    fn walk(v: &mut Value) {
+        match v {
+            Value::Object(m) => {
+                if m.contains_key("properties") && !m.contains_key("additionalProperties") {
+                    m.insert("additionalProperties".into(), Value::Bool(false));
+                }
+                m.values_mut().for_each(walk);
+            }
+            Value::Array(a) => a.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    walk(&mut s);
+    s
+}
+
+/// A tenant's Prometheus (the Prometheus Operator's ServiceMonitor) scrapes the agent: the
+/// Service selects the VMs' pods by the label their template sets, on the agent's port; the
+/// ServiceMonitor scrapes `/metrics` through it with the bearer token from the Secret; and the
+/// ServiceMonitor is valid against the operator's own CRD schema (v0.93.0, vendored under
+/// tests/fixtures/crds), which refuses a misspelt field and a wrong type (shown below).
+#[test]
+fn a_service_monitor_scrapes_the_agent_with_its_token_and_the_operators_schema_accepts_it() {
+    let Some(docs) = yaml_all("examples/kubevirt/monitoring.yaml") else { return };
+    let Some(crd) = yaml("tests/fixtures/crds/monitoring.coreos.com_servicemonitors.yaml") else { return };
+    let kind = |k: &str| docs.iter().find(|d| d["kind"] == k).unwrap_or_else(|| panic!("no {k} in {docs:#?}"));
+    let (svc, secret, sm) = (kind("Service"), kind("Secret"), kind("ServiceMonitor"));
+    // The Service: the VM template's label, the agent's port, by name.
+    let Some(vm) = yaml("examples/kubevirt/vm-h100-1gpu.yaml") else { return };
+    let labels = &vm["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in svc["spec"]["selector"].as_object().unwrap() {
+        assert_eq!(&labels[k], v, "the Service selects {k}={v}, which the VM template must set");
+    }
+    let port = &svc["spec"]["ports"][0];
+    assert_eq!((port["port"].as_u64(), port["targetPort"].as_u64()), (Some(agent_port()), Some(agent_port())));
+    // The ServiceMonitor: that Service, that port, the token.
+    for (k, v) in sm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&svc["metadata"]["labels"][k], v, "the ServiceMonitor selects the Service by {k}");
+    }
+    let ep = &sm["spec"]["endpoints"][0];
+    assert_eq!((&ep["port"], &ep["path"]), (&port["name"], &Value::from("/metrics")));
+    assert_eq!(ep["authorization"]["type"], "Bearer");
+    let cred = &ep["authorization"]["credentials"];
+    assert_eq!(cred["name"], secret["metadata"]["name"]);
+    assert!(secret["stringData"][cred["key"].as_str().unwrap()].is_string(), "{secret}");
+    // The operator's schema.
+    let version = crd["spec"]["versions"].as_array().unwrap().iter().find(|v| v["name"] == "v1").unwrap();
+    assert_eq!(sm["apiVersion"], format!("{}/v1", crd["spec"]["group"].as_str().unwrap()));
+    let schema = structural(version["schema"]["openAPIV3Schema"].clone());
+    let validator = jsonschema::validator_for(&schema).expect("the CRD's schema compiles");
+    let errors: Vec<String> = validator.iter_errors(sm).map(|e| format!("{} at {}", e, e.instance_path())).collect();
+    assert!(errors.is_empty(), "the ServiceMonitor against the operator's schema: {errors:#?}");
+    // The schema is really applied: a misspelt field and a wrong type are refused.
+    let mut typo = sm.clone();
+    typo["spec"]["endpoints"][0]["authorisation"] = typo["spec"]["endpoints"][0]["authorization"].take();
+    assert!(!validator.is_valid(&typo), "a misspelt field passed");
+    let mut wrong = sm.clone();
+    wrong["spec"]["endpoints"][0]["interval"] = Value::from(30);
+    assert!(!validator.is_valid(&wrong), "an interval that is not a duration string passed");
+}
