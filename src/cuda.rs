@@ -160,7 +160,19 @@ api!("cuBLAS", "cuBLAS (libcublas, part of the CUDA toolkit)", BlasApi {
         *const f32, CUdeviceptr, c_int, CUdeviceptr, c_int,
         *const f32, CUdeviceptr, c_int
     ) -> c_int;
+    cublasGemmEx: fn(
+        Handle, c_int, c_int, c_int, c_int, c_int,
+        *const c_void, CUdeviceptr, c_int, c_int, CUdeviceptr, c_int, c_int,
+        *const c_void, CUdeviceptr, c_int, c_int, c_int, c_int
+    ) -> c_int;
 });
+
+/// `cudaDataType_t` (library_types.h): CUDA_R_16BF and CUDA_R_32F; `cublasComputeType_t`
+/// (cublas_api.h): CUBLAS_COMPUTE_32F; `cublasGemmAlgo_t`: CUBLAS_GEMM_DEFAULT.
+const CUDA_R_16BF: c_int = 14;
+const CUDA_R_32F: c_int = 0;
+const CUBLAS_COMPUTE_32F: c_int = 68;
+const CUBLAS_GEMM_DEFAULT: c_int = -1;
 
 static CHOSEN: OnceLock<Option<PathBuf>> = OnceLock::new();
 
@@ -924,5 +936,44 @@ impl BlasHandle {
             (self.blas.api.cublasSgemm_v2)(self.handle, 0, 0, n, n, n, &alpha, a.ptr, n, b.ptr, n, &beta, c.ptr, n)
         };
         blas_check("cublasSgemm", s)
+    }
+
+    /// C = A·B for n×n column-major matrices, A and B BF16, C FP32, summed in FP32
+    /// (`cublasGemmEx` with CUBLAS_COMPUTE_32F: the tensor cores), queued on the handle's stream.
+    pub fn gemm_bf16(&self, n: usize, a: &DeviceBuffer, b: &DeviceBuffer, c: &DeviceBuffer) -> Result<()> {
+        let half = n.saturating_mul(n).saturating_mul(2);
+        range_ok("cublasGemmEx", half, a.bytes)?;
+        range_ok("cublasGemmEx", half, b.bytes)?;
+        range_ok("cublasGemmEx", half.saturating_mul(2), c.bytes)?;
+        self.ctx.bind()?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let n = n as c_int;
+        let (pa, pb) = (&alpha as *const f32 as *const c_void, &beta as *const f32 as *const c_void);
+        // SAFETY: A and B hold n×n BF16 values, C n×n floats (checked above) in this handle's
+        // context; alpha and beta are FP32 host scalars, as CUBLAS_COMPUTE_32F reads them.
+        let s = unsafe {
+            (self.blas.api.cublasGemmEx)(
+                self.handle,
+                0,
+                0,
+                n,
+                n,
+                n,
+                pa,
+                a.ptr,
+                CUDA_R_16BF,
+                n,
+                b.ptr,
+                CUDA_R_16BF,
+                n,
+                pb,
+                c.ptr,
+                CUDA_R_32F,
+                n,
+                CUBLAS_COMPUTE_32F,
+                CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        blas_check("cublasGemmEx", s)
     }
 }

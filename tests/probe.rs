@@ -581,6 +581,13 @@ fn without_cublas_the_ptx_gemm_gives_the_verdict() {
     assert!(f["summary"].as_str().unwrap().contains("no floor applies"), "{f}");
     // The scenario's PTX rate: a quarter of its cuBLAS 55 TFLOP/s.
     assert!((f["evidence"]["median_tflops"].as_f64().unwrap() - 13.75).abs() < 0.1, "{f}");
+    // The tensor cores through the agent's own mma.sync kernel, checked the same way, at the
+    // fake's default rate for it (200 TFLOP/s).
+    let t = p.finding("probe.gemm-tensor", "0000:09:00.0");
+    assert_eq!(t["severity"], "pass", "{t}");
+    assert_eq!(t["evidence"]["gemm"]["library"], "PTX tensor cores, BF16 (phq_mma_gemm)", "{t}");
+    assert_eq!(t["evidence"]["gemm"]["checked_entries"], 3 * 4096 * 4096, "{t}");
+    assert!((t["evidence"]["median_tflops"].as_f64().unwrap() - 200.0).abs() < 0.01, "{t}");
 }
 
 /// One wrong entry in a 4096×4096 product is found: the check kernel compares every entry of
@@ -602,8 +609,10 @@ fn a_single_wrong_gemm_entry_is_found_by_the_device_check() {
     assert!(t["summary"].as_str().unwrap().starts_with("BF16 tensor-core GEMM"), "{t}");
 }
 
-/// The tensor-core GEMM, BF16 in and FP32 out through the agent's `mma.sync` kernel, on every
-/// GPU of the HGX: every entry of every timed product exact, at the scenario's tensor rate.
+/// The tensor-core GEMM, BF16 in and FP32 out through cuBLAS's `cublasGemmEx` (the toolkit is
+/// there), on the GPUs asked for: every entry of every timed product exact, at the scenario's
+/// tensor rate. Without cuBLAS the agent's own `mma.sync` kernel computes it
+/// (`without_cublas_the_ptx_gemm_gives_the_verdict`).
 #[test]
 fn the_tensor_core_gemm_is_checked_exactly_on_every_gpu() {
     let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
@@ -614,13 +623,13 @@ fn the_tensor_core_gemm_is_checked_exactly_on_every_gpu() {
         let g = &f["evidence"]["gemm"];
         assert_eq!(
             (g["library"].as_str(), g["checked_on"].as_str()),
-            (Some("PTX tensor cores, BF16 (phq_mma_gemm)"), Some("device")),
+            (Some("cuBLAS GemmEx, BF16 (tensor cores)"), Some("device")),
             "{f}"
         );
         assert_eq!(g["wrong_entries"], 0, "{f}");
         assert_eq!(g["checked_entries"], 3 * 4096 * 4096, "{f}");
-        // The fake's default tensor rate (200 TFLOP/s), exact.
-        assert!((f["evidence"]["median_tflops"].as_f64().unwrap() - 200.0).abs() < 0.01, "{f}");
+        // The fake's default cuBLAS tensor rate (700 TFLOP/s), exact.
+        assert!((f["evidence"]["median_tflops"].as_f64().unwrap() - 700.0).abs() < 0.01, "{f}");
     }
 }
 

@@ -447,6 +447,8 @@ pub(crate) const GEMM_SAMPLES: usize = 3;
 /// cuBLAS is missing (a VM with the driver only).
 enum Gemmer<'a> {
     Blas(BlasHandle),
+    /// cuBLAS's `cublasGemmEx`, BF16 in, FP32 summed: the tensor cores through the library.
+    BlasBf16(BlasHandle),
     Ptx(Function<'a>),
     /// The agent's tensor-core kernel (`tensor.ptx`): BF16 in, FP32 accumulate.
     Mma(Function<'a>),
@@ -456,6 +458,7 @@ impl Gemmer<'_> {
     fn run(&self, stream: &Stream, n: usize, a: &DeviceBuffer, b: &DeviceBuffer, c: &DeviceBuffer) -> cuda::Result<()> {
         match self {
             Gemmer::Blas(h) => h.sgemm(n, a, b, c),
+            Gemmer::BlasBf16(h) => h.gemm_bf16(n, a, b, c),
             Gemmer::Ptx(f) => {
                 let (grid, block) = kernels::sgemm_shape(n).map_err(|e| ctx_error(&e))?;
                 let bytes = n * n * 4;
@@ -544,7 +547,8 @@ impl<'a> GemmRun<'a> {
         let mut staging = ctx.pinned((16 << 20).max(n * 4).min(bytes))?;
         let stream = ctx.stream()?;
         if tensor {
-            upload_bf16(&stream, &mut staging, &a, n, SALT_A, true)?;
+            // The agent's kernel reads A by rows; cuBLAS reads column-major, as B is.
+            upload_bf16(&stream, &mut staging, &a, n, SALT_A, blas.is_none())?;
             upload_bf16(&stream, &mut staging, &b, n, SALT_B, false)?;
         } else {
             upload_matrix(&stream, &mut staging, &a, n, SALT_A)?;
@@ -552,6 +556,7 @@ impl<'a> GemmRun<'a> {
         }
         let reference = gemm_reference(n);
         let (gemmer, library) = match (blas, k) {
+            (Some(blas), _) if tensor => (Gemmer::BlasBf16(BlasHandle::new(blas, &stream)?), CUBLAS_BF16_GEMM),
             (_, Some(k)) if tensor => match &k.tensor {
                 Ok(m) => (Gemmer::Mma(m.function("phq_mma_gemm")?), PTX_MMA_GEMM),
                 Err(why) => return Err(ctx_error(why)),
@@ -718,8 +723,16 @@ fn gemm(
 /// Every GPU in `gpus` computing GEMMs at once for `secs` seconds of GPU time: batches queued
 /// on all of them, then each finished and checked in turn, until every GPU has run `secs`.
 /// A GPU that fails drops out with its error; the others carry on.
+/// GPU time a sustained batch lasts at least: the host checks a batch's product between
+/// batches, and a GPU left waiting for that is not under load. A tenth of a second keeps the
+/// gaps to a few per cent (the check reads C once: milliseconds).
+const SUSTAINED_BATCH_S: f64 = 0.1;
+
 fn gemm_sustained(runs: &mut [(usize, Result<GemmRun<'_>, ProbeError>)], reps: u32, secs: f64) {
     let wall = std::time::Instant::now();
+    // Each GPU's batch: `reps` at first, then as many products as fill SUSTAINED_BATCH_S at the
+    // rate its last batch ran (a tensor-core GEMM of 4096² takes a fifth of a millisecond).
+    let mut batch: Vec<u32> = vec![reps.max(1); runs.len()];
     // A bound on the host's wait whatever the events say: three times the asked time, plus a minute.
     let give_up = std::time::Duration::from_secs_f64(secs * 3.0 + 60.0);
     for (gpu, r) in runs.iter_mut() {
@@ -734,21 +747,27 @@ fn gemm_sustained(runs: &mut [(usize, Result<GemmRun<'_>, ProbeError>)], reps: u
         if !going || wall.elapsed() > give_up {
             break;
         }
-        for (gpu, r) in runs.iter_mut() {
+        for ((gpu, r), n) in runs.iter_mut().zip(&batch) {
             if let Ok(run) = r {
                 if run.seconds < secs {
-                    if let Err(e) = run.queue(reps) {
+                    if let Err(e) = run.queue(*n) {
                         *r = Err(on(*gpu)(e));
                     }
                 }
             }
         }
-        for (gpu, r) in runs.iter_mut() {
+        for ((gpu, r), n) in runs.iter_mut().zip(batch.iter_mut()) {
             if let Ok(run) = r {
                 if run.reps > 0 {
+                    let before = run.seconds;
                     if let Err(e) = run.finish() {
                         *r = Err(on(*gpu)(e));
                     } else {
+                        let per = (run.seconds - before) / f64::from(run.reps);
+                        if per > 0.0 {
+                            let want = (SUSTAINED_BATCH_S / per).ceil().min(f64::from(u32::MAX / 2));
+                            *n = (*n).max(want as u32).max(1);
+                        }
                         run.reps = 0;
                     }
                 }
@@ -761,6 +780,8 @@ fn gemm_sustained(runs: &mut [(usize, Result<GemmRun<'_>, ProbeError>)], reps: u
 pub(crate) const PTX_GEMM: &str = "PTX fallback (phq_sgemm)";
 /// … and by its tensor-core kernel.
 pub(crate) const PTX_MMA_GEMM: &str = "PTX tensor cores, BF16 (phq_mma_gemm)";
+/// … and the tensor-core GEMM through cuBLAS.
+pub(crate) const CUBLAS_BF16_GEMM: &str = "cuBLAS GemmEx, BF16 (tensor cores)";
 
 fn ctx_error(text: &str) -> CudaError {
     CudaError { call: "gemm", code: 801, name: "CUDA_ERROR_NOT_SUPPORTED".into(), text: text.into(), sticky: false }
@@ -932,18 +953,29 @@ impl Backend for CudaBackend {
         }
     }
 
-    /// BF16 on the tensor cores by the agent's `phq_mma_gemm`, every entry of every timed
-    /// product checked on the GPU against the exact table.
+    /// BF16 on the tensor cores: cuBLAS's `cublasGemmEx` where the toolkit is there, the agent's
+    /// `phq_mma_gemm` otherwise; every entry of every timed product checked on the GPU against
+    /// the exact table (read back in part when the kernels cannot load).
     fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+        let blas = cuda::blas().ok();
         let _near = self.near(gpu);
-        let (ctx, k) = self.with_kernels(gpu)?;
-        if let Err(why) = &k.tensor {
-            return Err(ProbeError::Unavailable(why.clone()));
+        let ctx = self.ctx(gpu)?;
+        let k = match self.with_kernels(gpu) {
+            Ok((_, k)) => Some(k),
+            Err(ProbeError::Unavailable(_)) if blas.is_some() => None,
+            Err(e) => return Err(e),
+        };
+        if blas.is_none() {
+            if let Some(Err(why)) = k.map(|k| &k.tensor) {
+                return Err(ProbeError::Unavailable(format!("no cuBLAS, and {why}")));
+            }
+            if !p.gemm_n.is_multiple_of(16) {
+                return Err(ProbeError::Unavailable(
+                    "no cuBLAS, and the tensor kernel needs n a multiple of 16".into(),
+                ));
+            }
         }
-        if !p.gemm_n.is_multiple_of(16) {
-            return Err(ProbeError::Unavailable("the tensor-core GEMM needs n a multiple of 16".into()));
-        }
-        let mut run = GemmRun::with(&ctx, None, Some(k), p.gemm_n, true).map_err(on(gpu))?;
+        let mut run = GemmRun::with(&ctx, blas.as_ref(), k, p.gemm_n, true).map_err(on(gpu))?;
         run.warm_up().map_err(on(gpu))?;
         for _ in 0..GEMM_SAMPLES {
             run.queue(p.gemm_reps).map_err(on(gpu))?;
@@ -952,7 +984,8 @@ impl Backend for CudaBackend {
         Ok(run.result())
     }
 
-    /// Every GPU at once (`gemm_sustained`), cuBLAS where it loads, the PTX GEMM elsewhere.
+    /// Every GPU at once (`gemm_sustained`) on the tensor cores: cuBLAS where it loads, the
+    /// agent's tensor kernel elsewhere (FP32 only where neither can run).
     fn gemm_sustained(
         &mut self,
         gpus: &[usize],
@@ -981,7 +1014,10 @@ impl Backend for CudaBackend {
                             "the GEMM needs cuBLAS (the CUDA toolkit) or the probe kernels, which the driver could not load".into(),
                         ));
                     }
-                    GemmRun::new(&ctx, blas.as_ref(), k, p.gemm_n).map_err(on(g))
+                    // The tensor cores where cuBLAS or the tensor kernel can drive them: the load
+                    // the GPUs are bought for, at its power and heat; FP32 otherwise.
+                    let tensor = blas.is_some() || k.is_some_and(|k| k.tensor.is_ok() && p.gemm_n.is_multiple_of(16));
+                    GemmRun::with(&ctx, blas.as_ref(), k, p.gemm_n, tensor).map_err(on(g))
                 });
                 (g, run)
             })

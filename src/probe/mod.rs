@@ -1235,8 +1235,10 @@ fn gemm_finding(id: &str, o: &Outcome<GemmResult>, floor: Option<f64>) -> Findin
             // DCGM's floors are cuBLAS's figures; the agent's own fallback kernel is checked for
             // right results only.
             let fallback = g.library == cuda::PTX_GEMM || g.library == cuda::PTX_MMA_GEMM;
-            let kind = if g.library == cuda::PTX_MMA_GEMM { "BF16 tensor-core GEMM" } else { "FP32 GEMM" };
-            let floor = floor.filter(|_| !fallback);
+            let tensor = g.library == cuda::PTX_MMA_GEMM || g.library == cuda::CUBLAS_BF16_GEMM;
+            let kind = if tensor { "BF16 tensor-core GEMM" } else { "FP32 GEMM" };
+            // DCGM's floors are FP32 figures: a tensor-core rate has none (the baseline holds it).
+            let floor = floor.filter(|_| !fallback && !tensor);
             let f = if g.wrong_entries > 0 || g.max_rel_error > GEMM_TOLERANCE {
                 let first = g.first_wrong.as_ref().map(|w| format!("; first {w}")).unwrap_or_default();
                 Finding::fail(ID, format!("{kind} {n}×{n} gave wrong results: {} of {} checked entries differ (largest relative error {:.2e}{first})", g.wrong_entries, g.checked_entries, g.max_rel_error, n = g.n))
@@ -1250,6 +1252,7 @@ fn gemm_finding(id: &str, o: &Outcome<GemmResult>, floor: Option<f64>) -> Findin
                 let against = match (floor, fallback) {
                     (Some(fl), _) => format!(" (floor {fl:.1})"),
                     (None, true) => " by the agent's PTX kernel (no cuBLAS here: no floor applies)".into(),
+                    (None, false) if tensor => " (no published floor: held to this GPU's baseline)".into(),
                     (None, false) => String::new(),
                 };
                 let how = if g.checked_on == "device" {

@@ -35,6 +35,11 @@ pub const PTX_SGEMM_TFLOPS: f64 = 3.0;
 /// peak. Our planning figure, not a measurement.
 pub const PTX_MMA_TFLOPS: f64 = 50.0;
 
+/// cuBLAS's BF16 GEMM (`cublasGemmEx`), planned at 400 TFLOP/s: well under the H100 SXM's
+/// dense BF16 peak of 989 (NVIDIA's H100 datasheet), so an H100 PCIe (756) and a GPU held back by
+/// power are inside the plan too. Our planning figure, not a measurement.
+pub const CUBLAS_BF16_TFLOPS: f64 = 400.0;
+
 /// The memory-test kernels are planned at the SKU's device-copy floor: like a copy they stream
 /// HBM with several loads in flight per thread (four words each, `phq_mem_check`), reading and
 /// writing. Our planning assumption until a GPU measures it (docs/hardware-validation.md).
@@ -133,7 +138,8 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
         let gemm_s = (1 + cuda::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3) / (tflops * 1e12)
             + secs(2.0 * n * n * 4.0, h2d);
         let products = (1 + cuda::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3);
-        let gemm_tensor_s = products / (PTX_MMA_TFLOPS * 1e12) + secs(2.0 * n * n * 2.0, h2d);
+        let tensor_tflops = if cublas { CUBLAS_BF16_TFLOPS } else { PTX_MMA_TFLOPS };
+        let gemm_tensor_s = products / (tensor_tflops * 1e12) + secs(2.0 * n * n * 2.0, h2d);
         let mut g = GpuPlan {
             index: *index,
             pci: t.pci.clone(),

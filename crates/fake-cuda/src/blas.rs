@@ -33,13 +33,17 @@ pub struct BlasHandle {
 pub(crate) enum Inputs {
     F32,
     Bf16RowCol,
+    /// BF16, both column-major (cublasGemmEx with CUDA_R_16BF).
+    Bf16,
+    /// FP16, both column-major (cublasGemmEx with CUDA_R_16F).
+    F16,
 }
 
 impl Inputs {
     fn size(self) -> usize {
         match self {
             Inputs::F32 => 4,
-            Inputs::Bf16RowCol => 2,
+            Inputs::Bf16RowCol | Inputs::Bf16 | Inputs::F16 => 2,
         }
     }
 
@@ -52,9 +56,11 @@ impl Inputs {
     }
 
     fn value(self, bytes: &[u8], off: usize) -> f32 {
+        let half = || u16::from_le_bytes([bytes[off], bytes[off + 1]]);
         match self {
             Inputs::F32 => f32_at(bytes, off),
-            Inputs::Bf16RowCol => crate::ptx::Half::Bf16.to_f32(u16::from_le_bytes([bytes[off], bytes[off + 1]])),
+            Inputs::Bf16RowCol | Inputs::Bf16 => crate::ptx::Half::Bf16.to_f32(half()),
+            Inputs::F16 => crate::ptx::Half::F16.to_f32(half()),
         }
     }
 }
@@ -411,6 +417,74 @@ pub unsafe extern "C" fn cublasSgemm_v2(
     out
 }
 
+/// `cudaDataType_t` values (library_types.h) and the compute type (cublas_api.h).
+const CUDA_R_32F: c_int = 0;
+const CUDA_R_16F: c_int = 2;
+const CUDA_R_16BF: c_int = 14;
+const CUBLAS_COMPUTE_32F: c_int = 68;
+
+/// `cublasGemmEx`: C = α·A·B + β·C with A and B in 16 bits and C in FP32, summed in FP32 — the
+/// tensor-core GEMM. Only the combinations the cuBLAS library guide lists for
+/// CUBLAS_COMPUTE_32F with an FP32 C are accepted (cublasGemmEx, its table of Atype/Btype/Ctype:
+/// CUDA_R_16BF or CUDA_R_16F inputs); any other is CUBLAS_STATUS_NOT_SUPPORTED, as the library
+/// answers "the combination of the parameters Atype, Btype and Ctype ... is not supported". α
+/// and β are FP32 for that compute type. The rate is the scenario's `tensor_tflops`.
+///
+/// # Safety
+/// `alpha` and `beta` must be readable as FP32.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cublasGemmEx(
+    h: Handle,
+    transa: c_int,
+    transb: c_int,
+    m: c_int,
+    n: c_int,
+    k: c_int,
+    alpha: *const c_void,
+    a: CUdeviceptr,
+    atype: c_int,
+    lda: c_int,
+    b: CUdeviceptr,
+    btype: c_int,
+    ldb: c_int,
+    beta: *const c_void,
+    c: CUdeviceptr,
+    ctype: c_int,
+    ldc: c_int,
+    compute: c_int,
+    _algo: c_int,
+) -> Status {
+    if alpha.is_null() || beta.is_null() {
+        return INVALID_VALUE;
+    }
+    let inputs = match (atype, btype, ctype, compute) {
+        (CUDA_R_16BF, CUDA_R_16BF, CUDA_R_32F, CUBLAS_COMPUTE_32F) => Inputs::Bf16,
+        (CUDA_R_16F, CUDA_R_16F, CUDA_R_32F, CUBLAS_COMPUTE_32F) => Inputs::F16,
+        _ => {
+            eprintln!(
+                "fake-cuda: cublasGemmEx: types A {atype}, B {btype}, C {ctype}, compute {compute} are not modelled"
+            );
+            return NOT_SUPPORTED;
+        }
+    };
+    if transa != 0 || transb != 0 {
+        eprintln!("fake-cuda: cublasGemmEx: only CUBLAS_OP_N is modelled");
+        return NOT_SUPPORTED;
+    }
+    if m < 0 || n < 0 || k < 0 || lda < m.max(1) || ldb < k.max(1) || ldc < m.max(1) {
+        return INVALID_VALUE;
+    }
+    let (m, n, k, lda, ldb, ldc) = (m as usize, n as usize, k as usize, lda as usize, ldb as usize, ldc as usize);
+    let (alpha, beta) = (*(alpha as *const f32), *(beta as *const f32));
+    let mut out = NOT_INITIALIZED;
+    with(|w| {
+        out = gemm(w, h, inputs, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc));
+        0
+    });
+    out
+}
+
 #[allow(clippy::too_many_arguments)]
 fn sgemm(
     w: &mut World,
@@ -418,6 +492,21 @@ fn sgemm(
     m: usize,
     n: usize,
     k: usize,
+    alpha: f32,
+    (a, lda): (CUdeviceptr, usize),
+    (b, ldb): (CUdeviceptr, usize),
+    beta: f32,
+    (c, ldc): (CUdeviceptr, usize),
+) -> Status {
+    gemm(w, h, Inputs::F32, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    w: &mut World,
+    h: Handle,
+    inputs: Inputs,
+    (m, n, k): (usize, usize, usize),
     alpha: f32,
     (a, lda): (CUdeviceptr, usize),
     (b, ldb): (CUdeviceptr, usize),
@@ -434,8 +523,8 @@ fn sgemm(
     if m == 0 || n == 0 {
         return SUCCESS;
     }
-    let tflops = w.sgemm_tflops(dev);
-    match queue(w, ctx, stream, Inputs::F32, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc), tflops) {
+    let tflops = if inputs == Inputs::F32 { w.sgemm_tflops(dev) } else { w.spec(dev).tensor_tflops };
+    match queue(w, ctx, stream, inputs, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc), tflops) {
         Queued::Done | Queued::Poisoned => SUCCESS,
         Queued::Failed => EXECUTION_FAILED,
     }

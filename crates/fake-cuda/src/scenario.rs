@@ -84,6 +84,10 @@ pub struct Device {
     /// is the fake's own round figure, not a measurement.
     #[serde(default = "default_mma_tflops")]
     pub mma_tflops: f64,
+    /// Dense 16-bit tensor-core rate of cuBLAS's `cublasGemmEx` (BF16 or FP16 in, FP32 out),
+    /// TFLOP/s; the default is the fake's own round figure, not a measurement.
+    #[serde(default = "default_tensor_tflops")]
+    pub tensor_tflops: f64,
     /// FP32 GEMM rate of cuBLAS SGEMM, TFLOP/s.
     #[serde(default = "default_sgemm_tflops")]
     pub sgemm_tflops: f64,
@@ -126,6 +130,10 @@ fn default_peer_latency_ns() -> f64 {
 
 fn default_context_bytes() -> u64 {
     512 << 20
+}
+
+fn default_tensor_tflops() -> f64 {
+    700.0
 }
 
 fn default_mma_tflops() -> f64 {
