@@ -169,6 +169,7 @@ pub const CATALOG: &[&str] = &[
     "probe.nvlink-scope",
     "probe.memory-integrity",
     "probe.gemm",
+    "probe.gemm-tensor",
     "probe.gemm-sustained",
     "probe.latency",
     "probe.baseline",
