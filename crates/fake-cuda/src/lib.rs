@@ -25,6 +25,7 @@ pub mod codes;
 pub mod interp;
 pub mod kernels;
 pub(crate) mod l2;
+pub mod nccl;
 pub mod ptx;
 pub mod scenario;
 

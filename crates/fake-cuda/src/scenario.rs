@@ -21,6 +21,18 @@ pub struct Scenario {
     /// ones), `interpret` (every launch through the PTX) or `model`.
     #[serde(default)]
     pub kernels: crate::kernels::Path,
+    /// What the fake NCCL (`nccl`) needs beyond the peer links.
+    #[serde(default)]
+    pub nccl: Option<Nccl>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Nccl {
+    /// Bus bandwidth of an all-reduce by NVLink SHARP on the NVSwitches, GB/s; absent: no NVLS
+    /// (the ring's slowest link sets the rate).
+    #[serde(default)]
+    pub nvls_busbw_gbps: Option<f64>,
 }
 
 fn default_driver_version() -> i32 {

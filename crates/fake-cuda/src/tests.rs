@@ -253,6 +253,8 @@ fn the_drivers_rules() {
         // never silently skipped.
         ok(cuModuleGetFunction(&mut g, module, c"phq_unwritten".as_ptr()));
         assert_eq!(cuLaunchKernel(g, 1, 1, 1, 1, 1, 1, 0, s0, params.as_mut_ptr(), null), NOT_SUPPORTED);
+        // NCCL on GPUs 0 and 1, before GPU 1 is poisoned below.
+        nccl_rules();
         // A kernel writing a peer's memory without access (GPU 1 → GPU 2): the launch is
         // accepted and the context is poisoned with an illegal address.
         ok(cuCtxSetCurrent(c1));
@@ -347,4 +349,76 @@ fn the_drivers_rules() {
         assert_eq!(cuStreamSynchronize(s0), ILLEGAL_ADDRESS);
         assert_eq!(name(ILLEGAL_ADDRESS), "CUDA_ERROR_ILLEGAL_ADDRESS");
     }
+}
+
+/// The fake NCCL's rules (`nccl`), on GPUs 0 and 1 (peer access both ways, 400 GB/s).
+unsafe fn nccl_rules() {
+    use crate::nccl::*;
+    let mut v = 0;
+    assert_eq!(ncclGetVersion(&mut v), SUCCESS);
+    assert!(v >= 22700, "{v}");
+    let mut comms = [std::ptr::null_mut(); 2];
+    assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), 2, [0, 0].as_ptr()), INVALID_USAGE, "a device twice");
+    assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), 2, [0, 9].as_ptr()), INVALID_ARGUMENT, "no device 9");
+    assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), 2, [0, 3].as_ptr()), UNHANDLED_CUDA_ERROR, "GPU 3 is taken");
+    assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), 2, [0, 1].as_ptr()), SUCCESS);
+    let mut n = 0;
+    assert_eq!(ncclCommCount(comms[0], &mut n), SUCCESS);
+    assert_eq!(n, 2);
+    // Each rank's buffers and stream in its device's primary context.
+    let count = 4 << 20;
+    let mut bufs = Vec::new();
+    for (ordinal, value) in [(0, 1.5f32), (1, 2.25f32)] {
+        ok(cuCtxSetCurrent(retain(ordinal)));
+        let (mut send, mut recv, mut st) = (0, 0, std::ptr::null_mut());
+        ok(cuMemAlloc_v2(&mut send, count * 4));
+        ok(cuMemAlloc_v2(&mut recv, count * 4));
+        ok(cuStreamCreate(&mut st, 0));
+        ok(cuMemsetD32Async(send, value.to_bits(), count, st));
+        ok(cuStreamSynchronize(st));
+        bufs.push((send, recv, st));
+    }
+    let all = |n: usize| {
+        assert_eq!(ncclGroupStart(), SUCCESS);
+        for (r, (send, recv, st)) in bufs.iter().enumerate() {
+            let (s, d) = (*send as *const c_void, *recv as *mut c_void);
+            assert_eq!(ncclAllReduce(s, d, n, 7, 0, comms[r], *st), SUCCESS);
+        }
+        assert_eq!(ncclGroupEnd(), SUCCESS);
+    };
+    // The sum in every rank's buffer, in the ring's time: 2(n−1)/n of 16 MiB at 400 GB/s.
+    ok(cuCtxSetCurrent(retain(0)));
+    let ms = elapsed_ms(bufs[0].2, || all(count));
+    assert!((ms as f64 - (count * 4) as f64 / 400e9 * 1e3).abs() < 1e-4, "{ms}");
+    for (_, recv, st) in &bufs {
+        let mut w = [0f32; 4];
+        ok(cuMemcpyDtoHAsync_v2(w.as_mut_ptr() as *mut c_void, *recv + 4096, 16, *st));
+        ok(cuStreamSynchronize(*st));
+        assert_eq!(w, [3.75; 4]);
+    }
+    // Data that is not one word: summed element by element.
+    for (r, (send, _, st)) in bufs.iter().enumerate() {
+        let v: Vec<f32> = (0..8).map(|i| (i * (r + 1)) as f32).collect();
+        ok(cuMemcpyHtoDAsync_v2(*send, v.as_ptr() as *const c_void, 32, *st));
+        ok(cuStreamSynchronize(*st));
+    }
+    all(8);
+    let mut w = [0f32; 8];
+    ok(cuMemcpyDtoHAsync_v2(w.as_mut_ptr() as *mut c_void, bufs[1].1, 32, bufs[1].2));
+    ok(cuStreamSynchronize(bufs[1].2));
+    assert_eq!(w, [0.0, 3.0, 6.0, 9.0, 12.0, 15.0, 18.0, 21.0]);
+    // Arguments NCCL refuses.
+    let (s0, r0, st0) = bufs[0];
+    let (_, r1, st1) = bufs[1];
+    let s = s0 as *const c_void;
+    assert_eq!(ncclAllReduce(s, r1 as *mut c_void, 8, 7, 0, comms[0], st0), INVALID_ARGUMENT, "GPU 1's buffer");
+    assert_eq!(ncclAllReduce(s, r0 as *mut c_void, 8, 7, 0, comms[0], st1), UNHANDLED_CUDA_ERROR, "GPU 1's stream");
+    assert_eq!(ncclAllReduce(s, r0 as *mut c_void, 8, 12, 0, comms[0], st0), INVALID_ARGUMENT, "no type 12");
+    assert_eq!(ncclAllReduce(std::ptr::null(), r0 as *mut c_void, 8, 7, 0, comms[0], st0), INVALID_ARGUMENT);
+    assert_eq!(ncclGroupEnd(), INVALID_USAGE, "not in a group");
+    assert_eq!(c_str(ncclGetErrorString(INVALID_USAGE)), "invalid usage (run with NCCL_DEBUG=WARN for details)");
+    for c in comms {
+        assert_eq!(ncclCommDestroy(c), SUCCESS);
+    }
+    assert_eq!(ncclCommDestroy(comms[0]), INVALID_ARGUMENT, "destroyed already");
 }
