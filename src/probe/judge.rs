@@ -1,0 +1,471 @@
+//! Judging a probe run: one function per probe, each turning its figures into a finding against
+//! the SKU's floors, the GPU's own baseline and what NVML read beside it. A new probe adds a
+//! runner in `probe/cuda.rs` and its finding here.
+
+use super::*;
+use crate::facts::{self, ProbeFloors};
+use crate::snapshot::Conditions;
+
+/// Every probe check as `unknown` with the reason the probes could not run.
+pub fn unavailable(why: &str) -> Vec<Finding> {
+    crate::checks::CATALOG
+        .iter()
+        .filter(|id| id.starts_with("probe."))
+        .map(|id| Finding::unknown(id, format!("probes cannot run: {why}")))
+        .collect()
+}
+
+/// GEMM results must match the host reference this closely (relative). The inputs are small
+/// integers, exact in FP32, so any real difference is a wrong result, not rounding.
+pub const GEMM_TOLERANCE: f64 = 1e-4;
+
+/// `judge`, then each GPU against its own baseline in `state_dir` (recorded from its first run
+/// that passes every probe: `baseline`).
+pub fn judge_here(report: &ProbeReport, targets: &[Target], state_dir: &std::path::Path) -> Vec<Finding> {
+    let mut f = judge(report, targets);
+    let b = baseline::apply(state_dir, report, targets, &f);
+    f.extend(b);
+    f
+}
+
+/// Turns a report into `probe.*` findings against the floors of each GPU's SKU.
+pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let floors_of = |pci: &str| -> ProbeFloors {
+        targets
+            .iter()
+            .find(|t| t.pci == pci)
+            .and_then(|t| t.device_id)
+            .map(facts::probe_floors)
+            .unwrap_or(facts::probe_floors(0))
+    };
+    for s in &report.skipped {
+        for id in crate::checks::CATALOG.iter().filter(|id| id.starts_with("probe.")) {
+            out.push(Finding::unknown(id, format!("skipped: {}", s.reason)).gpu(&s.pci));
+        }
+    }
+    for g in &report.gpus {
+        let f = floors_of(&g.pci);
+        let seen = |probe: &str| g.conditions.get(probe);
+        out.push(
+            beside(
+                bandwidth_finding("probe.h2d-bandwidth", "host→device", &g.h2d_gbps, f.h2d_gbps, &g.pci),
+                seen("h2d"),
+            )
+            .evidence("host_memory", &g.host_memory),
+        );
+        out.push(
+            beside(
+                bandwidth_finding("probe.d2h-bandwidth", "device→host", &g.d2h_gbps, f.d2h_gbps, &g.pci),
+                seen("d2h"),
+            )
+            .evidence("host_memory", &g.host_memory),
+        );
+        // PCIe links are dual-simplex (PCIe Base Specification, "Link"): both directions at
+        // once move at least what one direction does alone, so the bidirectional total is held
+        // to the one-direction floor; less means a link or IOMMU path that serialises the two.
+        let bidir_floor = f.h2d_gbps.zip(f.d2h_gbps).map(|(a, b)| a.min(b));
+        out.push(beside(
+            bandwidth_finding("probe.bidir-bandwidth", "both directions", &g.bidir_gbps, bidir_floor, &g.pci),
+            seen("bidir"),
+        ));
+        out.push(beside(
+            bandwidth_finding("probe.d2d-bandwidth", "device copy", &g.d2d_gbps, f.d2d_gbps, &g.pci),
+            seen("d2d"),
+        ));
+        out.push(beside(
+            ecc_across(memory_finding(&g.memory), seen("memory_before"), seen("memory")).gpu(&g.pci),
+            seen("memory"),
+        ));
+        if let Some(sm) = &g.sm_copy_gbps {
+            out.push(beside(
+                bandwidth_finding("probe.sm-copy-bandwidth", "SM copy", sm, f.d2d_gbps, &g.pci),
+                seen("sm_copy"),
+            ));
+        }
+        if let Some(lat) = &g.host_latency_ns {
+            out.push(latency_finding(report, g, lat));
+        }
+        out.push(beside(gemm_finding("probe.gemm", &g.gemm, f.gemm_tflops).gpu(&g.pci), seen("gemm")));
+        if let Some(t) = &g.gemm_tensor {
+            // No floor: NVIDIA's datasheets give the tensor cores' peak, which a plain kernel
+            // does not approach; the GPU's own baseline judges the rate.
+            out.push(beside(gemm_finding("probe.gemm-tensor", t, None).gpu(&g.pci), seen("gemm_tensor")));
+        }
+        if let Some(s) = &g.gemm_sustained {
+            let all = report.gpus.iter().filter(|x| x.gemm_sustained.is_some()).count();
+            let f = gemm_finding("probe.gemm-sustained", s, f.gemm_tflops);
+            let f = if f.severity == crate::checks::Severity::Pass {
+                let secs = match s {
+                    Outcome::Ok(r) => r.seconds,
+                    Outcome::Error(_) => 0.0,
+                };
+                let summary = format!("{} — for {secs:.0} s with {all} GPU(s) loaded at once", f.summary);
+                Finding { summary, ..f }
+            } else {
+                f
+            };
+            out.push(beside(f.gpu(&g.pci), seen("gemm_sustained")));
+        }
+        out.push(p2p_finding(report, g, f.p2p_gbps));
+    }
+    if let Some(n) = &report.nvlink {
+        out.push(scope_finding(report, n, &floors_of));
+    }
+    out
+}
+
+/// The NVLink scope in one line a person reads — "8 GPUs, all-to-all over NVLink through
+/// NVSwitch, 18 links each, 56/56 pairs ≥ 335 GB/s (fabric completed, clique 1)". An account,
+/// not a judgement: the pairs are judged by `probe.p2p-bandwidth`, the fabric by doctor's
+/// `fabric.state`.
+fn scope_finding(report: &ProbeReport, n: &NvlinkScope, floors_of: &dyn Fn(&str) -> ProbeFloors) -> Finding {
+    const ID: &str = "probe.nvlink-scope";
+    let mut text = format!("{} GPU(s)", n.gpus);
+    if n.gpus < 2 {
+        text.push_str(": no peers to reach");
+    } else if n.nvlink_pairs == 0 {
+        text.push_str(": no NVLink between them (peer copies over PCIe or none)");
+    } else {
+        let reach = if n.nvlink_pairs == n.pairs {
+            "all-to-all over NVLink".to_string()
+        } else {
+            format!("{} of {} pairs over NVLink", n.nvlink_pairs, n.pairs)
+        };
+        let through = match n.through.as_str() {
+            "NVSwitch" => " through NVSwitch",
+            "direct" => " by direct bridges",
+            "mixed" => " through NVSwitch and bridges",
+            _ => "",
+        };
+        let counts: std::collections::BTreeSet<usize> = n.links.values().copied().collect();
+        let links = match (counts.first(), counts.last()) {
+            (Some(a), Some(b)) if a == b => format!("{a} links each"),
+            (Some(a), Some(b)) => format!("{a}–{b} links per GPU"),
+            _ => "no link states".to_string(),
+        };
+        text.push_str(&format!(", {reach}{through}, {links}"));
+        let nv: Vec<&PeerLink> = report.peers.iter().filter(|l| l.scope == "nvlink").collect();
+        let floor = report.gpus.first().and_then(|g| floors_of(&g.pci).p2p_gbps);
+        let ok = nv
+            .iter()
+            .filter(|l| match (&l.gbps, floor) {
+                (Some(Outcome::Ok(s)), Some(fl)) => s.median >= fl,
+                (Some(Outcome::Ok(_)), None) => true,
+                _ => false,
+            })
+            .count();
+        match floor {
+            Some(fl) => text.push_str(&format!(", {ok}/{} pairs ≥ {fl:.0} GB/s", nv.len())),
+            None => text.push_str(&format!(", {ok}/{} pairs measured (no floor for this SKU)", nv.len())),
+        }
+    }
+    let fabrics: std::collections::BTreeSet<&String> = n.fabric.values().collect();
+    match fabrics.len() {
+        0 => {}
+        1 => text.push_str(&format!(" (fabric {})", fabrics.iter().next().map(|s| s.as_str()).unwrap_or(""))),
+        _ => text.push_str(" (fabric states differ between GPUs: see the evidence)"),
+    }
+    Finding::pass(ID, text).evidence("nvlink", n)
+}
+
+/// NVML's reading after the measurement goes into the evidence; a figure that failed while the
+/// GPU was held back (thermal, power or hardware slowdown) says so, since then the GPU, not the
+/// link, may be what is slow.
+fn beside(f: Finding, seen: Option<&Conditions>) -> Finding {
+    let Some(c) = seen else { return f };
+    let held = c.held_back();
+    let f = if f.severity == crate::checks::Severity::Fail && !held.is_empty() {
+        let why = format!(
+            "Right after this measurement NVML reported the GPU held back ({}; SM clock {} MHz): the figure may be the GPU's throttling rather than the path's.",
+            held.join(", "),
+            c.sm_clock_mhz.map(|m| m.to_string()).unwrap_or_else(|| "?".into())
+        );
+        let detail = if f.detail.is_empty() { why } else { format!("{} {why}", f.detail) };
+        f.detail(detail)
+    } else {
+        f
+    };
+    f.evidence("conditions", c)
+}
+
+fn bandwidth_finding(id: &str, what: &str, o: &Outcome<Stat>, floor: Option<f64>, pci: &str) -> Finding {
+    let f = match (o, floor) {
+        (Outcome::Error(ProbeError::Unavailable(why)), _) => Finding::unknown(id, format!("{what}: {why}")),
+        (Outcome::Error(e), _) if is_ecc(e) => Finding::unknown(id, format!("{what}: stopped by an uncorrectable ECC error on this GPU (see probe.memory-integrity): {e}")),
+        (Outcome::Error(e), _) => Finding::fail(id, format!("{what} copy failed: {e}")).remedy("Read `dmesg | grep NVRM` (an Xid during the copy?); restart the VM and probe again."),
+        (Outcome::Ok(s), Some(fl)) if s.median < fl => Finding::fail(id, format!("{what} {:.1} GB/s, below the floor of {fl:.0} GB/s", s.median))
+            .detail(if id == "probe.d2d-bandwidth" { "Device memory bandwidth this low means a throttled or faulty GPU (see gpu.throttle, gpu.temperature)." } else { "The PCIe link carries less than the SKU should: a degraded link (width or generation), a busy host, or a NUMA-remote pinned buffer." })
+            .remedy("Check gpu.pcie-link and gpu.throttle; probe again with nothing else running; if it stays low, report the GPU to the platform with this figure."),
+        (Outcome::Ok(s), Some(fl)) => Finding::pass(id, format!("{what} {:.1} GB/s (floor {fl:.0})", s.median)),
+        (Outcome::Ok(s), None) => Finding::pass(id, format!("{what} {:.1} GB/s (no floor for this SKU)", s.median)),
+    };
+    let f = match o {
+        Outcome::Ok(s) => f.evidence("median_gbps", s.median).evidence("samples_gbps", &s.samples),
+        Outcome::Error(_) => f,
+    };
+    f.gpu(pci).evidence("floor_gbps", floor)
+}
+
+/// A rise of NVML's ECC or row-remap counters across the memory test is a finding even when
+/// every word read back right: the GPU corrected (or could not correct) errors while it ran.
+pub(super) fn ecc_across(f: Finding, before: Option<&Conditions>, after: Option<&Conditions>) -> Finding {
+    use crate::checks::Severity;
+    let (Some(b), Some(a)) = (before, after) else { return f };
+    let rise = |x: u64, y: u64| y.saturating_sub(x);
+    let mut fail = Vec::new();
+    let mut warn = Vec::new();
+    if let (Some(x), Some(y)) = (&b.ecc_volatile, &a.ecc_volatile) {
+        if rise(x.uncorrected, y.uncorrected) > 0 {
+            fail.push(format!("{} uncorrectable ECC error(s)", rise(x.uncorrected, y.uncorrected)));
+        }
+        if rise(x.corrected, y.corrected) > 0 {
+            warn.push(format!("{} corrected ECC error(s)", rise(x.corrected, y.corrected)));
+        }
+    }
+    if let (Some(x), Some(y)) = (&b.remapped_rows, &a.remapped_rows) {
+        let (u, c) =
+            (rise(x.uncorrectable.into(), y.uncorrectable.into()), rise(x.correctable.into(), y.correctable.into()));
+        if u > 0 {
+            fail.push(format!("{u} row(s) remapped for uncorrectable errors"));
+        }
+        if c > 0 {
+            warn.push(format!("{c} row(s) remapped for correctable errors"));
+        }
+        if y.pending && !x.pending {
+            warn.push("a row remap pending (applied at the next GPU reset)".into());
+        }
+    }
+    if fail.is_empty() && warn.is_empty() {
+        return f;
+    }
+    let what = fail.iter().chain(&warn).cloned().collect::<Vec<_>>().join(", ");
+    let text = format!("NVML counted {what} while the memory test ran");
+    let severity = if fail.is_empty() { Severity::Warn } else { Severity::Fail };
+    let f = if f.severity == Severity::Pass || (severity == Severity::Fail && f.severity != Severity::Fail) {
+        let summary = if f.severity == Severity::Pass { format!("{} — but {text}", f.summary) } else { text.clone() };
+        let base =
+            if severity == Severity::Fail { Finding::fail(&f.id, summary) } else { Finding::warn(&f.id, summary) };
+        let mut base = base
+            .detail("Every word read back right, but the GPU's memory needed error correction (or failed it) under the test's load: memory that is wearing out.")
+            .remedy("Check gpu.ecc-uncorrectable and gpu.row-remap; drain the GPU, reset it (restart the VM) and probe again; report it to the platform if the counters keep rising.");
+        base.evidence = f.evidence.clone();
+        base
+    } else {
+        let detail = if f.detail.is_empty() { format!("{text}.") } else { format!("{} {text}.", f.detail) };
+        f.detail(detail)
+    };
+    f.evidence("counters_before", b).evidence("counters_after", a)
+}
+
+/// Host↔device latency (and the peers' in the evidence): no published floor, so the figure is
+/// reported, kept in the baseline and judged by its drift (`probe.baseline`).
+fn latency_finding(report: &ProbeReport, g: &GpuProbes, o: &Outcome<Stat>) -> Finding {
+    const ID: &str = "probe.latency";
+    let peers: Vec<serde_json::Value> = report
+        .peers
+        .iter()
+        .filter(|l| l.src == g.ordinal)
+        .filter_map(|l| match &l.latency_ns {
+            Some(Outcome::Ok(s)) => Some(serde_json::json!({"dst": l.dst, "scope": l.scope, "median_ns": s.median})),
+            _ => None,
+        })
+        .collect();
+    let f = match o {
+        Outcome::Error(ProbeError::Unavailable(why)) => Finding::unknown(ID, why.clone()),
+        Outcome::Error(e) if is_ecc(e) => Finding::unknown(
+            ID,
+            format!("stopped by an uncorrectable ECC error on this GPU (see probe.memory-integrity): {e}"),
+        ),
+        Outcome::Error(e) => Finding::fail(ID, format!("latency probe failed: {e}"))
+            .remedy("Read `dmesg | grep NVRM`; restart the VM and probe again."),
+        Outcome::Ok(s) => {
+            let slowest = peers
+                .iter()
+                .filter_map(|p| p["median_ns"].as_f64())
+                .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
+            let peer_text = slowest.map(|v| format!("; slowest peer {:.2} µs", v / 1000.0)).unwrap_or_default();
+            Finding::pass(
+                ID,
+                format!("host memory {:.2} µs per dependent load from the GPU{peer_text}", s.median / 1000.0),
+            )
+            .evidence("median_ns", s.median)
+            .evidence("samples_ns", &s.samples)
+        }
+    };
+    f.gpu(&g.pci).evidence("peers", &peers)
+}
+
+pub(super) fn memory_finding(o: &Outcome<MemtestResult>) -> Finding {
+    const ID: &str = "probe.memory-integrity";
+    match o {
+        Outcome::Error(ProbeError::Unavailable(why)) => Finding::unknown(ID, why.clone()),
+        // DCGM's memory test maps an uncorrectable ECC error met while testing to a memory
+        // failure of the GPU, not to a test that could not run.
+        Outcome::Error(ProbeError::Sticky { code: crate::cuda::code::ECC_UNCORRECTABLE, message, .. }) => {
+            Finding::fail(ID, format!("uncorrectable ECC error (CUDA error 214) while probing this GPU ({message})"))
+                .detail("The GPU's memory returned data ECC could not correct; the GPU is unusable until it is reset.")
+                .remedy("Drain the GPU, check gpu.ecc-uncorrectable and gpu.row-remap, reset it (restart the VM) and probe again; if it repeats, report it to the platform for replacement.")
+        }
+        Outcome::Error(e) => Finding::fail(ID, format!("memory test failed to run: {e}"))
+            .remedy("Read `dmesg | grep NVRM`; restart the VM and probe again."),
+        Outcome::Ok(m) if m.mismatches == 0 => Finding::pass(
+            ID,
+            format!(
+                "{} MiB written and checked with {} pattern(s){}, no mismatch",
+                m.bytes_tested >> 20,
+                m.patterns.len(),
+                if m.method == "kernels" { " on the GPU" } else { " (read back to the host: the probe kernels could not load)" }
+            ),
+        )
+        .evidence("memtest", m),
+        Outcome::Ok(m) => {
+            let first = m.passes.iter().find_map(|p| p.first.first().map(|x| (p, x)));
+            let at = match (first, &m.first_mismatch) {
+                (Some((p, x)), _) => {
+                    let bits: Vec<String> =
+                        (0..64).filter(|b| (x.read ^ x.expected) >> b & 1 == 1).map(|b: u32| b.to_string()).collect();
+                    format!(
+                        " (lowest of the {} kept in {}: device address {:#x} read {:#018x}, expected {:#018x}; bit(s) {} differ)",
+                        p.first.len(),
+                        p.name,
+                        x.address,
+                        x.read,
+                        x.expected,
+                        bits.join(", ")
+                    )
+                }
+                (None, Some((o, v))) => format!(" (first at byte offset {o:#x}: read {v})"),
+                (None, None) => String::new(),
+            };
+            let by_pass: Vec<String> =
+                m.passes.iter().filter(|p| p.mismatches > 0).map(|p| format!("{} {}", p.name, p.mismatches)).collect();
+            let by_pass = if by_pass.is_empty() { String::new() } else { format!(": {}", by_pass.join(", ")) };
+            Finding::fail(ID, format!("{} mismatching word(s) in {} MiB{by_pass}{at}", m.mismatches, m.bytes_tested >> 20))
+                .detail("The GPU returned different data than was written: its memory is corrupting data.")
+                .remedy("Drain the GPU, check gpu.ecc-uncorrectable and gpu.row-remap, reset it (restart the VM) and probe again; if mismatches remain, report it to the platform for replacement.")
+                .evidence("memtest", m)
+        }
+    }
+}
+
+fn gemm_finding(id: &str, o: &Outcome<GemmResult>, floor: Option<f64>) -> Finding {
+    #[allow(non_snake_case)]
+    let ID = id;
+    match o {
+        Outcome::Error(ProbeError::Unavailable(why)) => Finding::unknown(ID, why.clone()),
+        Outcome::Error(e) if is_ecc(e) => Finding::unknown(
+            ID,
+            format!("stopped by an uncorrectable ECC error on this GPU (see probe.memory-integrity): {e}"),
+        ),
+        Outcome::Error(e) => Finding::fail(ID, format!("GEMM failed to run: {e}"))
+            .remedy("Read `dmesg | grep NVRM`; restart the VM and probe again."),
+        Outcome::Ok(g) => {
+            let tflops = Stat::of(g.tflops_samples.clone()).map(|s| s.median).unwrap_or(0.0);
+            // DCGM's floors are cuBLAS's figures; the agent's own fallback kernel is checked for
+            // right results only.
+            let fallback = g.library == cuda::PTX_GEMM || g.library == cuda::PTX_MMA_GEMM;
+            let tensor = g.library == cuda::PTX_MMA_GEMM || g.library == cuda::CUBLAS_BF16_GEMM;
+            let kind = if tensor { "BF16 tensor-core GEMM" } else { "FP32 GEMM" };
+            // DCGM's floors are FP32 figures: a tensor-core rate has none (the baseline holds it).
+            let floor = floor.filter(|_| !fallback && !tensor);
+            let f = if g.wrong_entries > 0 || g.max_rel_error > GEMM_TOLERANCE {
+                let first = g.first_wrong.as_ref().map(|w| format!("; first {w}")).unwrap_or_default();
+                Finding::fail(ID, format!("{kind} {n}×{n} gave wrong results: {} of {} checked entries differ (largest relative error {:.2e}{first})", g.wrong_entries, g.checked_entries, g.max_rel_error, n = g.n))
+                    .detail("The GPU computed a different product than the host: a faulty GPU (compute or memory).")
+                    .remedy("Drain the GPU, reset it (restart the VM) and probe again; report it to the platform if it repeats.")
+            } else if let Some(fl) = floor.filter(|fl| tflops < *fl) {
+                Finding::fail(ID, format!("{kind} {n}×{n}: {tflops:.1} TFLOP/s, below the floor of {fl:.1}", n = g.n))
+                    .detail("The result was right but the GPU computes slower than its SKU sustains: clocks held down (power, heat) or a GPU shared with other work.")
+                    .remedy("Check gpu.throttle, gpu.temperature and gpu.power; probe again with nothing else running; report the GPU to the platform if it stays low.")
+            } else {
+                let against = match (floor, fallback) {
+                    (Some(fl), _) => format!(" (floor {fl:.1})"),
+                    (None, true) => " by the agent's PTX kernel (no cuBLAS here: no floor applies)".into(),
+                    (None, false) if tensor => " (no published floor: held to this GPU's baseline)".into(),
+                    (None, false) => String::new(),
+                };
+                let how = if g.checked_on == "device" {
+                    format!(
+                        "every entry of every timed result checked exactly on the GPU ({} entries)",
+                        g.checked_entries
+                    )
+                } else {
+                    format!("every timed result checked exactly on {} entries", g.checked_entries)
+                };
+                Finding::pass(ID, format!("{kind} {n}×{n}: {tflops:.1} TFLOP/s{against}, {how}", n = g.n))
+            };
+            f.evidence("gemm", g).evidence("median_tflops", tflops).evidence("floor_tflops", floor)
+        }
+    }
+}
+
+fn p2p_finding(report: &ProbeReport, g: &GpuProbes, floor: Option<f64>) -> Finding {
+    const ID: &str = "probe.p2p-bandwidth";
+    let row: Vec<&PeerLink> = report.peers.iter().filter(|l| l.src == g.ordinal).collect();
+    if row.is_empty() {
+        return Finding::pass(ID, "no other GPU probed: no peer copies").gpu(&g.pci);
+    }
+    // A pair not measured because one of its GPUs was lost says nothing about the link.
+    let lost = |l: &PeerLink| matches!(l.gbps, Some(Outcome::Error(ProbeError::Unavailable(_))));
+    let reach =
+        |scope: &str| -> Vec<usize> { row.iter().filter(|l| l.scope == scope && !lost(l)).map(|l| l.dst).collect() };
+    let (nvlink, pcie, none) = (reach("nvlink"), reach("pcie"), reach("none"));
+    let slowest_of = |scope: Option<&str>| {
+        row.iter()
+            .filter(|l| scope.is_none_or(|s| l.scope == s))
+            .filter_map(|l| match &l.gbps {
+                Some(Outcome::Ok(s)) => Some((l.dst, s.median)),
+                _ => None,
+            })
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+    };
+    let (slowest, slowest_nvlink) = (slowest_of(None), slowest_of(Some("nvlink")));
+    let scope = format!("NVLink to {:?}, PCIe only to {:?}, no peer access to {:?}", nvlink, pcie, none);
+    let errors: Vec<String> = row
+        .iter()
+        .filter_map(|l| match &l.gbps {
+            Some(Outcome::Error(ProbeError::Unavailable(_))) => None,
+            Some(Outcome::Error(e)) => Some(format!("→ GPU {}: {e}", l.dst)),
+            _ => None,
+        })
+        .collect();
+    // Pairs with a GPU that became unusable (a sticky error) are not this GPU's failure.
+    let unmeasured: Vec<String> = row
+        .iter()
+        .filter_map(|l| match &l.gbps {
+            Some(Outcome::Error(ProbeError::Unavailable(why))) => Some(format!("→ GPU {}: {why}", l.dst)),
+            _ => None,
+        })
+        .collect();
+    let scope = if unmeasured.is_empty() { scope } else { format!("{scope}; {}", unmeasured.join("; ")) };
+    let measured = row.iter().any(|l| matches!(l.gbps, Some(Outcome::Ok(_))) || !l.peer_access && l.gbps.is_none());
+    let f = if errors.is_empty() && !measured && !unmeasured.is_empty() {
+        Finding::unknown(ID, "no peer copy measured").detail(scope.clone())
+    } else if !errors.is_empty() {
+        Finding::fail(ID, format!("peer copies failed: {}", errors.join("; ")))
+            .remedy("Restart the VM; check nvlink.links-active and fabric.state.")
+    } else {
+        match (floor, slowest_nvlink) {
+            (Some(fl), Some((dst, v))) if v < fl => Finding::fail(ID, format!("slowest NVLink peer copy {v:.0} GB/s (to GPU {dst}), below the floor of {fl:.0} GB/s"))
+                .detail(scope.clone())
+                .remedy("Check nvlink.links-active and nvlink.errors for the pair; restart the VM; report the GPUs to the platform if it stays low."),
+            (Some(fl), _) if !(pcie.is_empty() && none.is_empty()) => {
+                let without: Vec<usize> = pcie.iter().chain(&none).copied().collect();
+                let summary = if nvlink.is_empty() {
+                    "no NVLink between these GPUs in this VM".to_string()
+                } else {
+                    format!("no NVLink to GPU(s) {without:?} in this VM")
+                };
+                Finding::warn(ID, summary)
+                    .detail(format!("{scope}. SXM GPUs reach {fl:.0} GB/s and more over NVLink; without it collectives crawl over PCIe."))
+                    .remedy("If the VM should have NVLink: pass the NVSwitches through (or have the host's fabric manager share them) and check fabric.state.")
+            }
+            _ => match slowest {
+                Some((dst, v)) => Finding::pass(ID, format!("slowest peer copy {v:.0} GB/s (to GPU {dst})")).detail(scope.clone()),
+                None => Finding::pass(ID, "no peer access between these GPUs (reported, no floor for this SKU)").detail(scope.clone()),
+            },
+        }
+    };
+    f.gpu(&g.pci).evidence("nvlink_to", nvlink).evidence("pcie_to", pcie).evidence("no_access_to", none)
+}
