@@ -19,6 +19,7 @@ use std::ffi::{c_char, c_uint, c_ulonglong};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+pub mod gpm;
 pub mod scenario;
 use scenario::{Device, Scenario};
 

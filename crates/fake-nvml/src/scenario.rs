@@ -67,6 +67,9 @@ pub struct Device {
     pub xid_events: Vec<XidEvent>,
     #[serde(default)]
     pub unsupported: Vec<String>,
+    /// GPM: absent, the GPU has none (`nvmlGpmQueryDeviceSupport` says so).
+    #[serde(default)]
+    pub gpm: Option<Gpm>,
     #[serde(default)]
     pub errors: BTreeMap<String, String>,
     /// This GPU's answer to `nvmlDeviceGetP2PStatus` with the NVLink capability: "ok",
@@ -216,4 +219,13 @@ pub fn parse_u32(s: &str) -> Option<u32> {
         Some(hex) => u32::from_str_radix(hex, 16).ok(),
         None => s.parse().ok(),
     }
+}
+
+/// The GPM metrics a GPU reports, by NVML's metric id (`nvmlGpmMetricId_t`, as a string key):
+/// percentages for utilisations, MiB/s for PCIe and NVLink rates; `null` is a NaN.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Gpm {
+    #[serde(default)]
+    pub metrics: std::collections::BTreeMap<String, Option<f64>>,
 }
