@@ -70,8 +70,18 @@ for gpu in range(torch.cuda.device_count()):
     for _ in range(5):
         torch.matmul(a, b)
     e.record(); torch.cuda.synchronize()
+    # The same product in BF16 on the tensor cores, FP32 accumulation (cuBLAS through torch):
+    # the peer of probe.gemm-tensor.
+    ab, bb = a.bfloat16(), b.bfloat16()
+    torch.matmul(ab, bb); torch.cuda.synchronize()
+    s2, e2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s2.record()
+    for _ in range(20):
+        torch.matmul(ab, bb)
+    e2.record(); torch.cuda.synchronize()
     res[str(gpu)] = {
         "index": gpu,
+        "gemm_bf16_tflops": 2 * g ** 3 * 20 / (s2.elapsed_time(e2) / 1000) / 1e12,
         "h2d": bw(lambda: dev.copy_(host, non_blocking=True), n),
         "d2h": bw(lambda: host.copy_(dev, non_blocking=True), n),
         "d2d": bw(lambda: dev2.copy_(dev, non_blocking=True), 2 * n),
@@ -114,6 +124,12 @@ for g in gpus:
         theirs = pe.get("gemm_tflops")
         r1 = f"{ours/theirs:.2f}" if theirs else "-"
         print(f"{g['pci']:<14}{'gemm':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s, {gm['wrong_entries']} wrong of {gm['checked_entries']}")
+    gt = (g.get("gemm_tensor") or {}).get("ok") if isinstance(g.get("gemm_tensor"), dict) else None
+    if gt:
+        ours = sorted(gt["tflops_samples"])[len(gt["tflops_samples"]) // 2]
+        theirs = pe.get("gemm_bf16_tflops")
+        r1 = f"{ours/theirs:.2f}" if theirs else "-"
+        print(f"{g['pci']:<14}{'bf16':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s by {gt['library']}, {gt['wrong_entries']} wrong of {gt['checked_entries']}")
     mt = (g.get("memory") or {}).get("ok")
     if mt:
         secs = mt.get("seconds") or 0
