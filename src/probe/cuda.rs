@@ -459,11 +459,16 @@ impl Gemmer<'_> {
         match self {
             Gemmer::Blas(h) => h.sgemm(n, a, b, c),
             Gemmer::BlasBf16(h) => h.gemm_bf16(n, a, b, c),
-            Gemmer::Ptx(f) => {
-                let (grid, block) = kernels::sgemm_shape(n).map_err(|e| ctx_error(&e))?;
-                let bytes = n * n * 4;
-                if a.len() < bytes || b.len() < bytes || c.len() < bytes {
-                    return Err(ctx_error(&format!("phq_sgemm: the matrices hold fewer than {n}×{n} floats")));
+            Gemmer::Ptx(f) | Gemmer::Mma(f) => {
+                // The kernel's launch contract and the bytes of an input entry: FP32 for
+                // phq_sgemm, BF16 for phq_mma_gemm; C is FP32 for both.
+                let (shape, input) = match self {
+                    Gemmer::Mma(_) => (kernels::mma_shape(n), 2),
+                    _ => (kernels::sgemm_shape(n), 4),
+                };
+                let (grid, block) = shape.map_err(|e| ctx_error(&e))?;
+                if a.len() < n * n * input || b.len() < n * n * input || c.len() < n * n * 4 {
+                    return Err(ctx_error(&format!("the GEMM's matrices hold fewer than {n}×{n} entries")));
                 }
                 let args = [
                     cuda::Arg::U64(a.ptr()),
@@ -471,24 +476,9 @@ impl Gemmer<'_> {
                     cuda::Arg::U64(c.ptr()),
                     cuda::Arg::U32(n as u32),
                 ];
-                // SAFETY: the three live buffers hold n×n floats (checked above) and the launch
-                // has the kernel's shape (`sgemm_shape`), so every tile it reads and writes lies
-                // inside them.
-                unsafe { stream.launch(f, grid, block, &args) }
-            }
-            Gemmer::Mma(f) => {
-                let (grid, block) = kernels::mma_shape(n).map_err(|e| ctx_error(&e))?;
-                if a.len() < n * n * 2 || b.len() < n * n * 2 || c.len() < n * n * 4 {
-                    return Err(ctx_error(&format!("phq_mma_gemm: the matrices hold fewer than {n}×{n} entries")));
-                }
-                let args = [
-                    cuda::Arg::U64(a.ptr()),
-                    cuda::Arg::U64(b.ptr()),
-                    cuda::Arg::U64(c.ptr()),
-                    cuda::Arg::U32(n as u32),
-                ];
-                // SAFETY: A and B hold n×n BF16 values, C n×n floats (checked above), and the
-                // launch has the kernel's shape (`mma_shape`): every warp's tile lies inside.
+                // SAFETY: A and B hold n×n entries of the kernel's input type and C n×n floats
+                // (checked above), and the launch has the kernel's shape (`sgemm_shape`,
+                // `mma_shape`), so every tile it reads and writes lies inside them.
                 unsafe { stream.launch(f, grid, block, &args) }
             }
         }

@@ -400,14 +400,10 @@ pub unsafe extern "C" fn cublasSgemm_v2(
     if alpha.is_null() || beta.is_null() {
         return INVALID_VALUE;
     }
-    if transa != 0 || transb != 0 {
-        eprintln!("fake-cuda: cublasSgemm_v2: only CUBLAS_OP_N is modelled");
-        return NOT_SUPPORTED;
-    }
-    if m < 0 || n < 0 || k < 0 || lda < m.max(1) || ldb < k.max(1) || ldc < m.max(1) {
-        return INVALID_VALUE;
-    }
-    let (m, n, k, lda, ldb, ldc) = (m as usize, n as usize, k as usize, lda as usize, ldb as usize, ldc as usize);
+    let (m, n, k, lda, ldb, ldc) = match dims("cublasSgemm_v2", (transa, transb), (m, n, k), (lda, ldb, ldc)) {
+        Ok(d) => d,
+        Err(s) => return s,
+    };
     let (alpha, beta) = (*alpha, *beta);
     let mut out = NOT_INITIALIZED;
     with(|w| {
@@ -415,6 +411,26 @@ pub unsafe extern "C" fn cublasSgemm_v2(
         0
     });
     out
+}
+
+/// A GEMM's shape as cuBLAS checks it: CUBLAS_OP_N only (the fake models no transposes), no
+/// negative size, each leading dimension at least its matrix's rows (cuBLAS library guide,
+/// cublas<t>gemm: CUBLAS_STATUS_INVALID_VALUE "if m, n, k < 0" or a leading dimension too small).
+type Dims = (usize, usize, usize, usize, usize, usize);
+fn dims(
+    what: &str,
+    trans: (c_int, c_int),
+    (m, n, k): (c_int, c_int, c_int),
+    (lda, ldb, ldc): (c_int, c_int, c_int),
+) -> Result<Dims, Status> {
+    if trans != (0, 0) {
+        eprintln!("fake-cuda: {what}: only CUBLAS_OP_N is modelled");
+        return Err(NOT_SUPPORTED);
+    }
+    if m < 0 || n < 0 || k < 0 || lda < m.max(1) || ldb < k.max(1) || ldc < m.max(1) {
+        return Err(INVALID_VALUE);
+    }
+    Ok((m as usize, n as usize, k as usize, lda as usize, ldb as usize, ldc as usize))
 }
 
 /// `cudaDataType_t` values (library_types.h) and the compute type (cublas_api.h).
@@ -468,14 +484,10 @@ pub unsafe extern "C" fn cublasGemmEx(
             return NOT_SUPPORTED;
         }
     };
-    if transa != 0 || transb != 0 {
-        eprintln!("fake-cuda: cublasGemmEx: only CUBLAS_OP_N is modelled");
-        return NOT_SUPPORTED;
-    }
-    if m < 0 || n < 0 || k < 0 || lda < m.max(1) || ldb < k.max(1) || ldc < m.max(1) {
-        return INVALID_VALUE;
-    }
-    let (m, n, k, lda, ldb, ldc) = (m as usize, n as usize, k as usize, lda as usize, ldb as usize, ldc as usize);
+    let (m, n, k, lda, ldb, ldc) = match dims("cublasGemmEx", (transa, transb), (m, n, k), (lda, ldb, ldc)) {
+        Ok(d) => d,
+        Err(s) => return s,
+    };
     let (alpha, beta) = (*(alpha as *const f32), *(beta as *const f32));
     let mut out = NOT_INITIALIZED;
     with(|w| {
