@@ -18,8 +18,9 @@ use super::{Health, Report};
 use crate::checks::{Finding, Severity};
 use std::fmt::Write as _;
 
-/// The colour of a cell below the floor, and of failures (Material red 800).
-pub const SLOW_RGB: (u8, u8, u8) = (198, 40, 40);
+/// The colour of a cell below the floor (Material red 700): kept apart from the verdict's red
+/// (red 800), so that a screenshot tells the cell from the banner.
+pub const SLOW_RGB: (u8, u8, u8) = (211, 47, 47);
 
 /// Text made safe for HTML text and attribute values (OWASP's five characters).
 pub fn esc(s: &str) -> String {
@@ -49,7 +50,7 @@ table{border-collapse:collapse;margin:.5em 0}th,td{border:1px solid #ccc;padding
 .sev{font-weight:bold;font-family:monospace}.finding .id{font-family:monospace}.remedy{font-weight:500}\
 pre{white-space:pre-wrap;word-break:break-word;background:#f0f0f0;padding:.4em;font-size:12px;max-height:24em;overflow:auto}\
 table.heat td.cell{text-align:right;font-family:monospace;min-width:4.5em}\
-table.heat td.slow{background:rgb(198,40,40);color:#fff;font-weight:bold}\
+table.heat td.slow{background:rgb(211,47,47);color:#fff;font-weight:bold}table.heat td.failed{background:#c62828;color:#fff}\
 table.heat td.self{background:#e0e0e0;color:#555;text-align:center}\
 table.heat td.none{background:#f5f5f5;color:#555;text-align:center}\
 .muted{color:#555}";
@@ -302,7 +303,7 @@ fn plain(f: &Figure) -> (String, String, String, String) {
     match f {
         Figure::Measured(v) => (format!("{v:.1}"), "cell".into(), String::new(), String::new()),
         Figure::NoAccess => ("none".into(), "cell none".into(), String::new(), "no peer access".into()),
-        Figure::Failed(e) => ("err".into(), "cell slow".into(), String::new(), e.clone()),
+        Figure::Failed(e) => ("err".into(), "cell failed".into(), String::new(), e.clone()),
         Figure::NotMeasured => ("-".into(), "cell none".into(), String::new(), "not measured".into()),
     }
 }
@@ -431,4 +432,20 @@ fn install(r: &Report, o: &mut String) {
         }
     }
     let _ = writeln!(o, "</section>");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_the_five_characters() {
+        assert_eq!(esc(r#"<a href="x">'&'</a>"#), "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;");
+    }
+
+    #[test]
+    fn the_slow_colour_is_the_styles() {
+        let (r, g, b) = SLOW_RGB;
+        assert!(STYLE.contains(&format!("td.slow{{background:rgb({r},{g},{b})")));
+    }
 }
