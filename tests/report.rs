@@ -1,7 +1,8 @@
 //! What a person sees: the GPU↔GPU matrix printed after `probe`'s findings, and the support
 //! bundle's `report.html` — rendered again from the bundle by `phq-agent report`, and opened in
-//! a real browser (headless Chromium). All on the 8-GPU HGX fake whose GPU 2 → GPU 6 NVLink path
-//! copies at 120 GB/s, under the 335 GB/s floor (`cuda-hgx-8gpu-slow-pair`).
+//! a real browser (headless Chromium). Mostly on the 8-GPU HGX fake whose GPU 2 → GPU 6 NVLink
+//! path copies at 120 GB/s, under the 335 GB/s floor (`cuda-hgx-8gpu-slow-pair`); the timeline on
+//! a fixture whose kernel log holds an Xid and SXids.
 
 mod common;
 
@@ -207,6 +208,46 @@ fn hostile_strings_in_a_finding_are_escaped() {
     assert_eq!(page.matches("<pre>").count(), page.matches("</pre>").count());
     // In the evidence the text is JSON first (its quotes escaped as \"), then HTML.
     assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;\\&quot;&gt;"), "{page}");
+}
+
+/// The page's timeline holds the Xid a GPU reported and the NVSwitches' SXids (both from the
+/// kernel log of `hgx-8gpu-sxid`), and its install section the installer's journal as the report
+/// carries it.
+#[test]
+fn the_page_has_the_xid_and_sxid_timeline_and_the_install_journal() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(["doctor", "--json", "--sysroot"])
+        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-sxid"))
+        .arg("--config")
+        .arg(repo().join("tests/fixtures/config/empty/config.toml"))
+        .env_remove("PHQ_NVML_LIB")
+        .output()
+        .unwrap();
+    let mut report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    report["install"] = serde_json::json!({
+        "schema": "phq.install/v1", "status": "reboot-required", "plan": "driver 580 (open), CUDA 12.9",
+        "started_at": "2026-12-01T10:00:00.000Z", "updated_at": "2026-12-01T10:04:00.000Z",
+        "steps": { "nvidia-repository": { "finished_at": "2026-12-01T10:01:00.000Z", "hash": "ab12", "seconds": 3.5 } },
+        "reboot_pending_since": "9f3c", "reboot_reason": "the driver's kernel modules", "reboots": 0,
+        "error": null, "findings": [],
+    });
+    let path = dir.path().join("report.json");
+    std::fs::write(&path, serde_json::to_vec(&report).unwrap()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_phq-agent")).arg("report").arg(&path).output().unwrap();
+    let (page, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let timeline =
+        &page[page.find("<section id=\"timeline\">").unwrap()..page.find("<section id=\"install\">").unwrap()];
+    assert!(timeline.contains("<td>Xid 74</td><td>0000:0a:00.0</td><td>1</td><td>NVLINK Error</td>"), "{timeline}");
+    assert!(
+        timeline.contains("<td>SXid 20034</td><td>0000:11:00.0</td><td>1</td><td>LTSSM Fault Up</td><td>fatal</td>"),
+        "{timeline}"
+    );
+    assert!(timeline.contains("<td>SXid 12028</td><td>0000:14:00.0</td>"), "{timeline}");
+    let install = &page[page.find("<section id=\"install\">").unwrap()..];
+    assert!(install.contains("<dt>status</dt><dd>reboot-required</dd>"), "{install}");
+    assert!(install.contains("<td>nvidia-repository</td>"), "{install}");
 }
 
 /// A PNG's pixels as RGB (8-bit RGB or RGBA, not interlaced: what Chromium writes), decoded
