@@ -105,6 +105,11 @@ fn the_slow_pair_is_marked_in_the_terminal_matrix() {
         3,
         "red: the FAIL label, the slow cell and the verdict only:\n{stdout}"
     );
+
+    // NO_COLOR wins over a forced colour (no-color.org): the marker alone.
+    let out = agent(dir.path(), &["probe"]).env("CLICOLOR_FORCE", "1").env("NO_COLOR", "1").output().unwrap();
+    let (stdout, _) = text(&out);
+    assert!(!stdout.contains('\u{1b}') && stdout.contains("120.0*"), "{stdout}");
 }
 
 /// A member of a bundle, read without extracting it.
@@ -126,8 +131,11 @@ fn member(bundle: &Path, name: &str) -> Vec<u8> {
 fn bundle_of_the_slow_pair(dir: &Path) -> (PathBuf, String) {
     let bundle = dir.join("bundle.tar.gz");
     let out = agent(dir, &["doctor", "--probe", "quick", "--bundle", bundle.to_str().unwrap()]).output().unwrap();
-    let (_, stderr) = text(&out);
+    let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
+    // doctor --probe prints the matrix too, after its findings.
+    let row = matrix_rows(&stdout, "GPU↔GPU peer copy bandwidth (GB/s)").swap_remove(SLOW.0);
+    assert_eq!(row[1 + SLOW.1], "120.0*", "{stdout}");
     let page = String::from_utf8(member(&bundle, "report.html")).unwrap();
     (bundle, page)
 }

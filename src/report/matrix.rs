@@ -1,10 +1,11 @@
 //! The GPU↔GPU matrices — peer copy bandwidth and latency, every GPU to every GPU — taken from
 //! a report's probe results, for the terminal (here) and for the bundle's page (`html`).
 //!
-//! Laid out as nvbandwidth prints its matrices (NVIDIA/nvbandwidth, README "Test Details" and
-//! its `device_to_device_memcpy_*` output: a title naming the direction,
-//! `memcpy CE GPU(row) -> GPU(column) bandwidth (GB/s)`, the destinations across, one row per
-//! source, and `N/A` on the diagonal, where a GPU would copy to itself). The GPU numbers are the
+//! Laid out as nvbandwidth prints its matrices (NVIDIA/nvbandwidth: the README's example output
+//! and `testcases_ce.cpp`, `DeviceToDeviceReadCE::run`; `device_to_device_memcpy_read_ce` prints
+//! a title naming the direction, `memcpy CE GPU(row) -> GPU(column) bandwidth (GB/s)`, the
+//! destinations across, one right-aligned row per source, and `N/A` on the diagonal, where a GPU
+//! would copy to itself — v0.10's output; the first versions printed 0.00 there). The GPU numbers are the
 //! CUDA ordinals the probes use, which follow PCI order (`CUDA_DEVICE_ORDER=PCI_BUS_ID`), as
 //! nvidia-smi numbers GPUs.
 //!
