@@ -121,7 +121,11 @@ const CELL_W: usize = 9;
 /// Both matrices and the scope line, ready to print after the findings; empty when the report
 /// has no peer measurements.
 pub fn terminal(r: &Report) -> String {
-    let Some(m) = PeerMatrix::of(r) else { return String::new() };
+    PeerMatrix::of(r).map(|m| render(&m)).unwrap_or_default()
+}
+
+/// Both matrices of `m` and its scope line, as `terminal` prints them.
+pub fn render(m: &PeerMatrix) -> String {
     let mut o = String::new();
     let floor_note = match m.floor() {
         Some(fl) => format!("; * below the NVLink floor of {fl:.0} GB/s"),
@@ -129,9 +133,9 @@ pub fn terminal(r: &Report) -> String {
         None => String::new(),
     };
     let _ = writeln!(o, "\n{BOLD}GPU↔GPU peer copy bandwidth (GB/s), GPU(row) -> GPU(column){BOLD:#}{floor_note}");
-    grid(&mut o, &m, |c| (text_of(&c.gbps, 1), c.slow()));
+    grid(&mut o, m, |c| (text_of(&c.gbps, 1), c.slow()));
     let _ = writeln!(o, "\n{BOLD}GPU↔GPU latency (ns), a kernel on GPU(row) reads GPU(column)'s memory{BOLD:#}");
-    grid(&mut o, &m, |c| (text_of(&c.latency_ns, 0), false));
+    grid(&mut o, m, |c| (text_of(&c.latency_ns, 0), false));
     let _ = writeln!(
         o,
         "{DIM}GPU numbers as nvidia-smi's (PCI order). N/A: the GPU itself; none: no peer access; err: the \
@@ -175,5 +179,45 @@ fn grid(o: &mut String, m: &PeerMatrix, cell: impl Fn(&Cell) -> (String, bool)) 
             }
         }
         let _ = writeln!(o, "{}", line.trim_end());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(gbps: Figure, scope: &str, floor: Option<f64>) -> Cell {
+        Cell { gbps, latency_ns: Figure::NotMeasured, scope: scope.into(), floor_gbps: floor }
+    }
+
+    /// Only an NVLink pair under its floor is marked: a PCIe pair has no NVLink floor to be under
+    /// (probe.p2p-bandwidth warns about it instead), and a pair without peer access or whose copy
+    /// failed says so in words.
+    #[test]
+    fn only_nvlink_pairs_under_the_floor_are_marked() {
+        let gpus: Vec<(usize, String)> = (0..3).map(|n| (n, format!("0000:0{n}:00.0"))).collect();
+        let cells = BTreeMap::from([
+            ((0, 1), cell(Figure::Measured(120.0), "nvlink", Some(335.0))),
+            ((1, 0), cell(Figure::Measured(380.0), "nvlink", Some(335.0))),
+            ((0, 2), cell(Figure::Measured(50.0), "pcie", None)),
+            ((2, 0), cell(Figure::NoAccess, "none", None)),
+            ((1, 2), cell(Figure::Failed("CUDA_ERROR_ILLEGAL_ADDRESS".into()), "nvlink", Some(335.0))),
+        ]);
+        let m = PeerMatrix { gpus, cells, scope_line: Some("3 GPU(s)".into()) };
+        assert_eq!(m.slow_cells(), vec![(0, 1)]);
+        assert_eq!(m.floor(), Some(335.0));
+        // As a pipe gets it: anstream strips the colour.
+        let text = anstream::adapter::strip_str(&render(&m)).to_string();
+        let rows: Vec<Vec<&str>> = text
+            .lines()
+            .skip_while(|l| !l.contains("bandwidth"))
+            .skip(2)
+            .take(3)
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(rows[0], ["0", "N/A", "120.0*", "50.0"]);
+        assert_eq!(rows[1], ["1", "380.0", "N/A", "err"]);
+        assert_eq!(rows[2], ["2", "none", "-", "N/A"]);
+        assert!(text.ends_with("NVLink scope: 3 GPU(s)\n"), "{text}");
     }
 }
