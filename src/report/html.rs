@@ -50,7 +50,7 @@ table{border-collapse:collapse;margin:.5em 0}th,td{border:1px solid #ccc;padding
 .sev{font-weight:bold;font-family:monospace}.finding .id{font-family:monospace}.remedy{font-weight:500}\
 pre{white-space:pre-wrap;word-break:break-word;background:#f0f0f0;padding:.4em;font-size:12px;max-height:24em;overflow:auto}\
 table.heat td.cell{text-align:right;font-family:monospace;min-width:4.5em}\
-table.heat td.slow{background:rgb(211,47,47);color:#fff;font-weight:bold}table.heat td.failed{background:#c62828;color:#fff}\
+table.heat td.slow{background:rgb(211,47,47);color:#fff;font-weight:bold}table.heat td.failed{background:#c62828;color:#fff}table.heat td.pcie{background:#ffe082}\
 table.heat td.self{background:#e0e0e0;color:#555;text-align:center}\
 table.heat td.none{background:#f5f5f5;color:#555;text-align:center}\
 .muted{color:#555}";
@@ -262,6 +262,11 @@ fn matrix(r: &Report, o: &mut String) {
         })
         .fold(0.0_f64, f64::max);
     heat(o, &m, "bandwidth", |c| bandwidth_cell(c, max));
+    let _ = writeln!(
+        o,
+        "<p class=\"muted\">Green: NVLink at or above the floor, deeper the faster; amber: PCIe only, no NVLink; \
+         red: below the floor; grey: the GPU itself, no peer access, or not measured.</p>"
+    );
     let _ = writeln!(o, "<p>Latency in ns: a kernel on the row's GPU reads the column's GPU memory.</p>");
     heat(o, &m, "latency", |c| match &c.latency_ns {
         Figure::Measured(v) => (format!("{v:.0}"), "cell".into(), String::new(), String::new()),
@@ -287,6 +292,10 @@ fn bandwidth_cell(c: &Cell, max: f64) -> (String, String, String, String) {
             String::new(),
             format!("below the floor of {:.0} GB/s ({})", c.floor_gbps.unwrap_or(0.0), c.scope),
         ),
+        // A PCIe pair is not slow NVLink but no NVLink at all (probe.p2p-bandwidth warns).
+        Figure::Measured(v) if c.scope != "nvlink" => {
+            (format!("{v:.1}"), "cell pcie".into(), String::new(), format!("{}: no NVLink between these GPUs", c.scope))
+        }
         Figure::Measured(v) => {
             let t = if max > 0.0 { (v / max).clamp(0.0, 1.0) } else { 0.0 };
             // From a pale green (232,245,233) to Material green 800 (46,125,50).
