@@ -256,6 +256,7 @@ fn the_page_has_the_xid_and_sxid_timeline_and_the_install_journal() {
     let install = &page[page.find("<section id=\"install\">").unwrap()..];
     assert!(install.contains("<dt>status</dt><dd>reboot-required</dd>"), "{install}");
     assert!(install.contains("<td>nvidia-repository</td>"), "{install}");
+    assert!(page.contains("<p class=\"muted\">No probe ran.</p>"), "the heat map's place says why it is empty");
 }
 
 /// A PNG's pixels as RGB (8-bit RGB or RGBA, not interlaced: what Chromium writes), decoded

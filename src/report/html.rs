@@ -240,7 +240,14 @@ fn health_class(s: Severity) -> &'static str {
 fn matrix(r: &Report, o: &mut String) {
     let _ = writeln!(o, "<section id=\"matrix\">\n<h2>GPU↔GPU</h2>");
     let Some(m) = PeerMatrix::of(r) else {
-        let _ = writeln!(o, "<p class=\"muted\">No peer copies were measured (no probe ran, or fewer than two GPUs were probed).</p></section>");
+        let why = match &r.probes {
+            None => "No probe ran.",
+            Some(p) if serde_json::from_value::<crate::probe::ProbeReport>(p.clone()).is_err() => {
+                "The report holds probe results this agent cannot read (another agent version?): see report.json."
+            }
+            Some(_) => "Fewer than two GPUs were probed: no peer copies.",
+        };
+        let _ = writeln!(o, "<p class=\"muted\">{why}</p></section>");
         return;
     };
     let floor = match m.floor() {
