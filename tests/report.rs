@@ -159,6 +159,9 @@ fn the_bundles_page_renders_the_same_from_the_bundle() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out).1);
     let again = std::fs::read_to_string(elsewhere.path().join("again.html")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(elsewhere.path().join("again.html")).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "the page quotes the kernel log: the owner's alone, as the bundle is");
     assert!(again == page, "phq-agent report renders the bundle's page differently");
     // And from the bundle's report.json alone (what /v1/status or a push carries).
     std::fs::write(elsewhere.path().join("report.json"), member(&copy, "report.json")).unwrap();

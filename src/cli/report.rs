@@ -15,7 +15,7 @@ pub struct Report {
     /// report as JSON.
     #[arg(value_name = "BUNDLE")]
     pub bundle: PathBuf,
-    /// Write the page to this file (replaced whole if it exists) instead of stdout.
+    /// Write the page to this file (mode 0600, replaced whole if it exists) instead of stdout.
     #[arg(long, short, value_name = "OUT.html")]
     pub output: Option<PathBuf>,
 }
@@ -32,7 +32,9 @@ impl Report {
                 } else {
                     out.clone()
                 };
-                crate::durable::write(&out, page.as_bytes(), 0o644)
+                // 0600 like the bundle: the page quotes the kernel log (Xid and SXid lines), which
+                // kernel.dmesg_restrict keeps from other users.
+                crate::durable::write(&out, page.as_bytes(), 0o600)
                     .with_context(|| format!("{}: cannot write the page", out.display()))?;
                 eprintln!("phq-agent: {} written from {}", out.display(), self.bundle.display());
             }
@@ -44,7 +46,7 @@ impl Report {
 
 /// The report in a bundle (a gzip stream), else the file as a report's JSON.
 fn read(path: &Path) -> anyhow::Result<crate::report::Report> {
-    /// A report is tens of KB; the bundle reader caps its members at the same order.
+    /// A report is tens to hundreds of KB; the same cap as the bundle reader's members.
     const MAX_REPORT_BYTES: u64 = 64 << 20;
     let (file, _) =
         crate::sysroot::open_regular(path, false).with_context(|| format!("{}: cannot open", path.display()))?;

@@ -102,7 +102,7 @@ fn health_word(h: Health) -> &'static str {
     }
 }
 
-/// "Unhealthy: 1 failed, 0 warnings, 0 unknown, 84 passed" — the table's closing line.
+/// "Unhealthy: 1 failed, 0 warning(s), 0 unknown, 84 passed" — the table's closing line.
 fn verdict(r: &Report) -> String {
     let count = |sev: Severity| r.findings.iter().filter(|f| f.severity == sev).count();
     let word = health_word(r.health);
