@@ -336,6 +336,7 @@ fn bundle_round_trips_to_the_same_findings() {
         "manifest.json",
         "snapshot.json",
         "report.json",
+        "report.html",
         "nvrm.log",
         "files/etc/os-release",
         "files/sys/bus/pci/devices/0000:0a:00.0/resource",

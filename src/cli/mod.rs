@@ -5,6 +5,7 @@
 pub mod doctor;
 pub mod install;
 pub mod probe;
+pub mod report;
 pub mod serve;
 pub mod status;
 pub mod token;
@@ -84,6 +85,10 @@ pub enum Command {
     /// Measure the GPUs through CUDA: bandwidths, memory integrity, a checked GEMM.
     #[command(after_help = EXIT_CODES_FINDINGS)]
     Probe(probe::Probe),
+    /// Render a support bundle's report as one HTML page (what `doctor --bundle` puts in it).
+    #[command(after_help = "Exit codes: 0 written; 3 the bundle could not be read or the page not written; 64 \
+                            usage.")]
+    Report(report::Report),
     /// Run as the systemd service: snapshots, HTTP, metrics, D-Bus, pushes.
     #[command(after_help = "Exit codes: 0 stopped by SIGTERM or SIGINT; 3 could not start (configuration, \
                             token, listen address); 64 usage.")]
@@ -136,6 +141,7 @@ impl Cli {
             Command::Install(c) => c.run(&self.global),
             Command::Probe(c) => c.run(&self.global),
             Command::Serve(c) => c.run(&self.global),
+            Command::Report(c) => c.run(&self.global),
             Command::Status(c) => c.run(&self.global),
             Command::Token(c) => c.run(&self.global),
             Command::Completions(c) => {

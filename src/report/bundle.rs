@@ -5,12 +5,15 @@
 //! - `manifest.json`   format, agent version, when
 //! - `snapshot.json`   the Snapshot: `--from` re-runs the checks on exactly this
 //! - `report.json`     the Report as it was printed
+//! - `report.html`     the same Report as a page (`report::html`); `phq-agent report BUNDLE`
+//!   renders it again from `report.json`
 //! - `nvrm.log`        the kernel log lines from the NVIDIA drivers (Xid, BAR, GPU UUIDs; the
 //!   NVSwitch driver's SXids)
 //! - `files/…`         every raw file and link the snapshot was built from, laid out like `/`,
 //!   so `doctor --sysroot files/` re-collects from them
 //!
-//! Reading a bundle never extracts it: only `snapshot.json` is read, with a size cap. A bundle
+//! Reading a bundle never extracts it: only `snapshot.json` (or `report.json`) is read, with a
+//! size cap. A bundle
 //! comes from elsewhere, so every size in it is bounded: special entries (GNU long names, PAX
 //! headers) are skipped unread and refused past `MAX_SPECIAL_BYTES`, as Go's archive/tar caps
 //! them, and no more than `MAX_SCANNED_BYTES` are decompressed looking for the snapshot.
@@ -77,6 +80,7 @@ fn write_to(path: &Path, snapshot: &Snapshot, report: &super::Report, recorded: 
     add(&mut tar, "manifest.json", &serde_json::to_vec_pretty(&manifest)?)?;
     add(&mut tar, "snapshot.json", &serde_json::to_vec_pretty(snapshot)?)?;
     add(&mut tar, "report.json", &serde_json::to_vec_pretty(report)?)?;
+    add(&mut tar, "report.html", super::html::render(report).as_bytes())?;
     let mut seen = BTreeSet::new();
     let mut nvrm = String::new();
     for r in recorded {
@@ -124,6 +128,20 @@ fn add<W: std::io::Write>(tar: &mut tar::Builder<W>, name: &str, data: &[u8]) ->
 
 /// Reads the snapshot out of a bundle.
 pub fn read_snapshot(path: &Path) -> Result<Snapshot> {
+    let buf = read_member(path, "snapshot.json", "a snapshot")?;
+    serde_json::from_slice(&buf)
+        .with_context(|| format!("{}: snapshot.json is not a snapshot this agent can read", path.display()))
+}
+
+/// Reads the report a bundle was written with (what `doctor` printed, probes included).
+pub fn read_report(path: &Path) -> Result<super::Report> {
+    let buf = read_member(path, "report.json", "a report")?;
+    serde_json::from_slice(&buf)
+        .with_context(|| format!("{}: report.json is not a report this agent can read", path.display()))
+}
+
+/// One member of a bundle, by name, at most `MAX_SNAPSHOT_BYTES`.
+fn read_member(path: &Path, member: &str, what: &str) -> Result<Vec<u8>> {
     let (file, _) = crate::sysroot::open_regular(path, false)
         .with_context(|| format!("{}: cannot open the bundle", path.display()))?;
     let mut archive = tar::Archive::new(GzDecoder::new(file).take(MAX_SCANNED_BYTES));
@@ -146,25 +164,17 @@ pub fn read_snapshot(path: &Path) -> Result<Snapshot> {
             continue;
         }
         let name = String::from_utf8_lossy(&entry.header().path_bytes()).into_owned();
-        if name == "snapshot.json" {
+        if name == member {
             if size > MAX_SNAPSHOT_BYTES {
-                bail!(
-                    "{}: snapshot.json is {size} bytes, more than a snapshot can be ({MAX_SNAPSHOT_BYTES})",
-                    path.display()
-                );
+                bail!("{}: {member} is {size} bytes, more than {what} can be ({MAX_SNAPSHOT_BYTES})", path.display());
             }
             let mut buf = Vec::new();
             entry
                 .take(MAX_SNAPSHOT_BYTES)
                 .read_to_end(&mut buf)
-                .with_context(|| format!("{}: cannot read snapshot.json", path.display()))?;
-            return serde_json::from_slice(&buf)
-                .with_context(|| format!("{}: snapshot.json is not a snapshot this agent can read", path.display()));
+                .with_context(|| format!("{}: cannot read {member}", path.display()))?;
+            return Ok(buf);
         }
     }
-    bail!(
-        "{}: no snapshot.json in its first {} MiB; is this a phq-agent bundle?",
-        path.display(),
-        MAX_SCANNED_BYTES >> 20
-    )
+    bail!("{}: no {member} in its first {} MiB; is this a phq-agent bundle?", path.display(), MAX_SCANNED_BYTES >> 20)
 }

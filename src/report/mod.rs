@@ -2,6 +2,8 @@
 //! snapshot and its findings, and its renderings for people (table) and machines (JSON).
 
 pub mod bundle;
+pub mod html;
+pub mod matrix;
 pub mod table;
 
 use crate::checks::xid::{summarize, XidSummary};

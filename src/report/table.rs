@@ -103,6 +103,8 @@ pub fn render(r: &Report, title: &str, width: usize) -> String {
             wrap_into(&mut o, &ids.join(", "), 10, width, "");
         }
     }
+    // The GPU↔GPU matrices after the findings, so the pair a finding names is there to see.
+    o.push_str(&super::matrix::terminal(r));
     footer(r, &mut o);
     o
 }
