@@ -99,6 +99,7 @@ fn settings() -> Settings {
         repo_url: String::new(),
         key_fingerprint: repo_key().1,
         epel_url: String::new(),
+        epel_key_fingerprint: String::new(),
         replace_driver: false,
         allow_plain_http: false,
     }

@@ -1427,6 +1427,7 @@ mod tests {
             repo_url: String::new(),
             key_fingerprint: fpr.into(),
             epel_url: String::new(),
+            epel_key_fingerprint: String::new(),
             replace_driver: false,
             allow_plain_http: false,
         };
