@@ -158,6 +158,8 @@ pub struct Settings {
     pub key_fingerprint: String,
     /// A mirror of EPEL's root (`…/pub/epel`), for RHEL; empty for Fedora's own.
     pub epel_url: String,
+    /// The pinned EPEL key fingerprint; empty for EPEL 9's (facts.rs).
+    pub epel_key_fingerprint: String,
     /// Replace a driver of another branch (or the proprietary flavour) that is installed.
     pub replace_driver: bool,
     /// Mirrors may be plain `http://` (`install.allow_plain_http`): only signed metadata and
@@ -498,7 +500,7 @@ fn minor_version_compatible(cuda: &str, cuda_min: &str, min_branch: u32, what: &
 }
 
 /// The packages the steps still to run will install, in order, each once: apt-get's and dnf's
-/// `install` arguments, and dnf module streams (installed or enabled) as `@module:stream`.
+/// `install` arguments, and dnf module streams installed as `@module:stream`.
 fn packages_to_install(steps: &[Step]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for step in steps.iter().filter(|st| st.done.is_none()) {
@@ -512,17 +514,12 @@ fn packages_to_install(steps: &[Step]) -> Vec<String> {
                     Arg::AtDriverVersion(p) => (p.as_str(), true),
                 })
                 .collect();
-            // A stream enabled for a later install resolves with it: `@module:stream` puts the
-            // stream into the same simulated transaction.
-            if let (true, Some(i)) =
-                (c.program == "dnf", words.windows(2).position(|w| w[0].0 == "module" && w[1].0 == "enable"))
-            {
-                for (w, _) in &words[i + 2..] {
-                    let n = format!("@{w}");
-                    if !out.contains(&n) {
-                        out.push(n);
-                    }
-                }
+            // A stream enabled for a later install is enabled before the pre-flight (`plan`), not
+            // resolved as `@module:stream`: that would install the stream's default profile
+            // (dnf-module(8): a module spec without a profile means its default profiles), which
+            // for NVIDIA's streams is the whole desktop driver, not the compute-only set the
+            // driver step installs. The real-dnf test (tests/install_el9.rs) found it.
+            if dnf_module_enable(c) {
                 continue;
             }
             let names: Vec<String> = match (c.program.as_str(), words.iter().position(|(w, _)| *w == "install")) {
@@ -541,6 +538,14 @@ fn packages_to_install(steps: &[Step]) -> Vec<String> {
         }
     }
     out
+}
+
+/// `dnf module enable <module:stream>`: makes the stream's packages the ones dnf sees, installs
+/// nothing.
+fn dnf_module_enable(c: &Cmd) -> bool {
+    let words: Vec<&str> =
+        c.args.iter().filter_map(|a| if let Arg::Lit(s) = a { Some(s.as_str()) } else { None }).collect();
+    c.program == "dnf" && words.windows(2).any(|w| w == ["module", "enable"])
 }
 
 pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
@@ -1103,10 +1108,14 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         // apt resolves as it will install only with the branch pin in place (without it,
         // a newer branch's kernel module is the candidate and the branch's meta package
         // conflicts with it), so the pin the driver step writes is written first here.
-        let pin = steps[at..]
-            .iter()
-            .flat_map(|st| &st.actions)
-            .find(|a| matches!(a, Action::Write { path, .. } if path == DEBIAN_PIN_PATH));
+        // dnf likewise resolves the driver's packages only once the branch's module stream is
+        // enabled (NVIDIA's Driver Installation Guide for RHEL 9: `dnf module enable
+        // nvidia-driver:<branch>-open`, then `dnf install`): enabling installs nothing, and the
+        // driver step's own `module enable` then finds it done.
+        let pin = steps[at..].iter().flat_map(|st| &st.actions).find(|a| {
+            matches!(a, Action::Write { path, .. } if path == DEBIAN_PIN_PATH)
+                || matches!(a, Action::Run(c) if dnf_module_enable(c))
+        });
         let mut actions: Vec<Action> = pin.cloned().into_iter().collect();
         actions.push(Action::Resolve(wanted.clone()));
         steps.insert(
@@ -1180,13 +1189,15 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
         if id == "rhel" {
             let root = if s.epel_url.is_empty() { EPEL_ROOT } else { s.epel_url.trim_end_matches('/') };
             let epel_key = format!("{install_dir}/{EPEL_KEY_FILE}");
+            let epel_fpr =
+                if s.epel_key_fingerprint.is_empty() { facts::EPEL9_KEY_FINGERPRINT } else { &s.epel_key_fingerprint };
             let epel_rpm = format!("{install_dir}/{EPEL_RELEASE_FILE}");
             epel_crb.extend([
                 Action::Fetch { url: format!("{root}/{EPEL_KEY_FILE}"), to: epel_key.clone() },
                 Action::InstallKey {
                     file: epel_key,
                     deb_member: None,
-                    fingerprint: facts::EPEL9_KEY_FINGERPRINT.into(),
+                    fingerprint: epel_fpr.into(),
                     to: EPEL_KEY_PATH.into(),
                     armored: true,
                 },
