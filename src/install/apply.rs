@@ -1425,6 +1425,7 @@ mod tests {
             nouveau_off: false,
             nouveau_loaded: true,
             nvidia_loaded: None,
+            nvidia_module_built: false,
             dpkg_interrupted: false,
             apt_lists: vec![],
             apt_sources: vec![],

@@ -131,6 +131,9 @@ pub struct Facts {
     pub nouveau_loaded: bool,
     /// Version of the loaded `nvidia` module, if one is loaded.
     pub nvidia_loaded: Option<String>,
+    /// An `nvidia` module is installed for the running kernel (`/lib/modules/<kernel>`, where
+    /// DKMS puts what it builds).
+    pub nvidia_module_built: bool,
     /// dpkg was stopped in the middle (`/var/lib/dpkg/updates` is not empty): apt refuses to
     /// work until `dpkg --configure -a` has run.
     pub dpkg_interrupted: bool,
@@ -882,7 +885,18 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
                 ])));
             }
         }
+        // EL: rpm records a package before its %post runs (rpm's install order: files, database,
+        // then %post), and the DKMS build is in kmod-nvidia-open-dkms's %post (NVIDIA's
+        // yum-packaging-dkms-nvidia spec: `dkms add`, `dkms build`, `dkms install`). A %post
+        // killed or failed (headers missing) leaves the package installed without a module,
+        // which `dnf install` then calls done; `dnf reinstall` runs the %post again (dnf(8):
+        // reinstall). Debian's dpkg keeps such a package half-configured instead (the repair
+        // step). The real-dnf test's kill inside the %post found it.
+        let unbuilt = matching.filter(|d| !distro.is_deb() && f.installed(&d.package) && !f.nvidia_module_built);
         match &distro {
+            _ if unbuilt.is_some() => {
+                actions.push(Action::Run(dnf(&["reinstall", &driver_package])));
+            }
             // NVIDIA's own branch lock is in place from the pin step.
             _ if pinning.is_some() => actions.push(Action::Run(apt("install", lits(&driver_pkgs)))),
             Distro::Debian12 => {
@@ -903,6 +917,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         let done = present
             .as_ref()
             .filter(|d| d.branch == Some(b) && d.open && f.installed(&d.package))
+            .filter(|_| unbuilt.is_none())
             .filter(|_| {
                 pinning.is_some() || !matches!(distro, Distro::Debian12) || f.file_is(DEBIAN_PIN_PATH, &debian_pin(b))
             })
