@@ -534,6 +534,19 @@ fn rhel9_real_dnf_installs_idempotently_survives_kill_9_and_refuses_another_key(
     assert!(!state.iter().any(|l| l.starts_with("epel-release")), "{state:#?}");
     assert!(!fresh.join("etc/yum.repos.d/epel.repo").exists());
 
+    // A mirror consistent with itself, but not EPEL: its key file is another key and its
+    // release package is signed by it. The whole-fingerprint check refuses the key before rpm
+    // imports it.
+    std::fs::write(impostor.join("RPM-GPG-KEY-EPEL-9"), armored(&other)).unwrap();
+    let imposed = install(&fresh, &[]);
+    assert_eq!(imposed.code, Some(2), "{}", imposed.stderr);
+    assert!(imposed.stderr.contains("RPM-GPG-KEY-EPEL-9 is not the pinned key"), "{}", imposed.stderr);
+    // rpm names an imported key gpg-pubkey-<its short id>.
+    let short = other.fpr[other.fpr.len() - 8..].to_lowercase();
+    let (imported, _) = chroot_out(&fresh, &["rpm", "-q", &format!("gpg-pubkey-{short}")]);
+    assert!(!imported, "rpm imported the other key");
+    assert!(!fresh.join("etc/yum.repos.d/epel.repo").exists());
+
     // NVIDIA's key file of another key: not trusted, nothing of NVIDIA's configured.
     let bad = work.path().join("repos/www/impostor-nvidia/rhel9/x86_64");
     std::fs::create_dir_all(&bad).unwrap();
