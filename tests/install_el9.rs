@@ -499,6 +499,22 @@ fn rocky9_real_dnf_installs_idempotently_survives_kill_9_and_switches_streams() 
     assert!(!locks.iter().any(|l| l.contains(DRIVER)), "a 580 lock was left: {locks:#?}");
     let again = install(&clean, &["--driver-branch", "590"]);
     assert!(!again.stderr.contains("$ "), "{}", again.stderr);
+
+    // Without the kernel's lock, dnf takes the newer kernel, for which nothing built a module:
+    // grubby names it as the next boot's, and the boot-safety gate refuses the reboot.
+    let (ok, out) = chroot_out(&clean, &["dnf", "versionlock", "delete", "kernel", "kernel-core", "kernel-devel"]);
+    assert!(ok, "{out}");
+    let (ok, out) = chroot_out(&clean, &["dnf", "-y", "-q", "upgrade", "kernel", "kernel-core"]);
+    assert!(ok, "{out}");
+    let newer = format!("{}-{}.x86_64", NEWER_KERNEL.0, NEWER_KERNEL.1);
+    let gated = install(&clean, &["--driver-branch", "590"]);
+    assert!(
+        gated.stderr.contains(&format!(
+            "not rebooting: the kernel that boots next ({newer}) would start without the GPU driver"
+        )),
+        "{}",
+        gated.stderr
+    );
     eprintln!("timing: stream switch {:.1} s", t.elapsed().as_secs_f64());
 }
 

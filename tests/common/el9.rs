@@ -391,8 +391,12 @@ pub fn build_repos(root: &Path, url: &str) -> Repos {
 
     // --- The distribution's repositories.
     let (kv, kr) = KERNEL.trim_end_matches(".x86_64").split_once('-').unwrap();
+    // RHEL's kernel.spec gives kernel, kernel-core and kernel-devel `installonlypkg(kernel)`:
+    // dnf installs a newer one beside the running one instead of replacing it.
+    let installonly = || vec!["installonlypkg(kernel)".to_string()];
     let devel = |v: &str, r: &str| Rpm {
         arch: Some("x86_64"),
+        provides: installonly(),
         files: vec![(format!("usr/src/kernels/{v}-{r}.x86_64/Makefile"), b"# stand-in\n".to_vec())],
         ..Rpm::new("kernel-devel", v, r)
     };
@@ -400,6 +404,7 @@ pub fn build_repos(root: &Path, url: &str) -> Repos {
         let k = format!("{v}-{r}.x86_64");
         Rpm {
             arch: Some("x86_64"),
+            provides: installonly(),
             files: vec![
                 (format!("boot/vmlinuz-{k}"), b"stand-in\n".to_vec()),
                 (format!("lib/modules/{k}/modules.builtin"), Vec::new()),
@@ -412,6 +417,7 @@ pub fn build_repos(root: &Path, url: &str) -> Repos {
     };
     let kmeta = |v: &str, r: &str| Rpm {
         arch: Some("x86_64"),
+        provides: installonly(),
         requires: vec![format!("kernel-core = {v}-{r}")],
         ..Rpm::new("kernel", v, r)
     };
