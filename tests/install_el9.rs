@@ -10,8 +10,10 @@
 //! lack, in dnf's own words; a clean install; a rerun that changes nothing; SIGKILL inside every
 //! step, rerun until it converges with the RPM database and the journal agreeing; the kernel
 //! version-locked and the boot-safety gate reading it. Rocky: `--replace-driver` switching the
-//! module stream. RHEL: CRB through `subscription-manager`, and EPEL's release package signed by
-//! another key refused.
+//! module stream, and without the kernel's lock the gate refusing a newer kernel that has no
+//! module. RHEL: CRB through `subscription-manager`; EPEL's release package signed by another key
+//! refused by dnf, an EPEL key file of another key and a NVIDIA one refused by the fingerprint
+//! check.
 //!
 //! Needs root, debootstrap, rpmbuild, rpmsign, createrepo_c and modifyrepo_c; skipped with a
 //! note outside CI when one is missing.

@@ -9,8 +9,8 @@
 //!   580 one, the CUDA 12.9 toolkit's metas; signed with the NVIDIA stand-in key;
 //! - `epel/`: EPEL's key and `epel-release-latest-9.noarch.rpm` (signed with a key standing for
 //!   EPEL's), and `epel/9/Everything/x86_64/` with `dkms`, which needs a package only CodeReady
-//!   Builder has (EPEL's own guidance: enable CRB, "as EPEL packages may depend on packages from
-//!   it");
+//!   Builder has (EPEL's getting-started instructions enable CRB beside EPEL on RHEL 9 and its
+//!   rebuilds because EPEL's packages depend on it; which package does not matter here);
 //! - `el9/{baseos,crb,extras}/`: the distribution's repositories (signed with a key standing for
 //!   the distribution's): the running kernel's `kernel-devel` and a newer kernel, the dnf plugin
 //!   packages, mokutil; CRB's package; Rocky's `epel-release` in extras.
@@ -136,7 +136,7 @@ pub fn build_rpm(work: &Path, out: &Path, r: &Rpm) -> PathBuf {
             "_build_id_links none",
             "--define",
             "debug_package %{nil}",
-            // Debian's rpm keeps its own database in ~/.rpmdb; a build needs none.
+            // No build dependencies to check: nothing is compiled.
             "--nodeps",
             spec_file.to_str().unwrap(),
         ],
