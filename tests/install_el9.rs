@@ -359,6 +359,7 @@ fn prove(variant: Variant) -> Option<(tempfile::TempDir, PathBuf, Repos, String)
         format!("nvidia-fabricmanager {DRIVER}-1"),
         format!("libnvidia-nscq {DRIVER}-1"),
         "cuda-toolkit-12-9 12.9.1-1".into(),
+        "cuda-compiler-12-9 12.9.1-1".into(),
         format!("kernel-devel {}", KERNEL.trim_end_matches(".x86_64")),
         // EPEL's dkms, whose dependency only CodeReady Builder has.
         "dkms 3.1.5-1.el9".into(),

@@ -336,14 +336,20 @@ pub fn build_repos(root: &Path, url: &str) -> Repos {
         },
         Rpm { arch: Some("x86_64"), ..Rpm::new("libnvidia-nscq", NEWER_FM, "1") },
     ];
-    let toolkit = vec![Rpm {
-        files: vec![(
-            "usr/local/cuda-12.9/version.json".into(),
-            br#"{"cuda":{"name":"CUDA SDK","version":"12.9.1"}}"#.to_vec(),
-        )],
-        arch: Some("x86_64"),
-        ..Rpm::new("cuda-toolkit-12-9", "12.9.1", "1")
-    }];
+    // The toolkit's meta and two of the metas it pulls in, as NVIDIA's repository has them.
+    let toolkit = vec![
+        Rpm {
+            files: vec![(
+                "usr/local/cuda-12.9/version.json".into(),
+                br#"{"cuda":{"name":"CUDA SDK","version":"12.9.1"}}"#.to_vec(),
+            )],
+            requires: vec!["cuda-compiler-12-9 >= 12.9.1".into(), "cuda-libraries-12-9 >= 12.9.1".into()],
+            arch: Some("x86_64"),
+            ..Rpm::new("cuda-toolkit-12-9", "12.9.1", "1")
+        },
+        Rpm { arch: Some("x86_64"), ..Rpm::new("cuda-compiler-12-9", "12.9.1", "1") },
+        Rpm { arch: Some("x86_64"), ..Rpm::new("cuda-libraries-12-9", "12.9.1", "1") },
+    ];
     let mut signed = Vec::new();
     for r in b580.iter().chain(&b590).chain(&fm_newer).chain(&toolkit) {
         signed.push(build(&nv, r));
