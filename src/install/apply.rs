@@ -340,8 +340,9 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
         // takes its fabric manager's match and its version locks with it, though the later
         // steps' commands read the same (real dnf showed the locks gone and the journal calling
         // the hold done). Their records go, so they are judged afresh. Not for the dpkg repair,
-        // which finishes earlier work rather than changing it.
-        if step.id != "repair" {
+        // which finishes earlier work rather than changing it, nor for the pre-flight, which
+        // runs whenever anything is left and only resolves.
+        if !matches!(step.id, "repair" | "preflight") {
             let later: Vec<&str> = plan.steps[i + 1..].iter().map(|s| s.id).collect();
             st.steps.retain(|id, _| !later.contains(&id.as_str()));
         }
@@ -1934,6 +1935,25 @@ mod tests {
         assert!(m.ran[0].contains("install cuda-toolkit-12-4"), "{:#?}", m.ran);
         assert_eq!(r.state.status, Status::RebootRequired);
         assert!(r.state.findings.iter().any(|f| f.id == "install.reboot-required"));
+    }
+
+    /// A step that runs again (here the driver, changed as a replaced branch changes it) makes
+    /// the steps after it run again too, though the journal recorded them with the same
+    /// commands: what they did was built on the old driver.
+    #[test]
+    fn a_step_that_runs_again_makes_the_later_steps_due() {
+        let (dir, mut p, mut m) = fresh_install(None);
+        m.fail_when = Some("confold install cuda-toolkit-12-4".into());
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert!(r.state.steps.contains_key("persistenced"), "{:?}", r.state.steps.keys());
+        m.fail_when = None;
+        m.ran.clear();
+        let driver = p.steps.iter_mut().find(|s| s.id == "driver").unwrap();
+        driver.actions.push(Action::Run(super::super::plan::cmd("true", &[])));
+        apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        let at = |needle: &str| m.ran.iter().position(|l| l.contains(needle));
+        let (driver, persistenced) = (at("true"), at("systemctl enable nvidia-persistenced.service"));
+        assert!(driver.is_some() && persistenced > driver, "{:#?}", m.ran);
     }
 
     /// A kill inside dpkg's unpacking leaves a reinst-required package, which neither
