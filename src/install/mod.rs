@@ -115,6 +115,28 @@ pub fn report_value() -> Option<serde_json::Value> {
 mod tests {
     use super::*;
 
+    /// Where DKMS and the module packages put `nvidia.ko`: EL's DKMS `extra/` (compressed),
+    /// Debian's `updates/dkms/`, Ubuntu's signed `kernel/nvidia-<branch>srv/`; not another kernel's.
+    #[test]
+    fn the_running_kernels_nvidia_module_is_found_where_dkms_puts_it() {
+        let k = "5.14.0-427.13.1.el9_4.x86_64";
+        for place in [
+            format!("lib/modules/{k}/extra/nvidia.ko.xz"),
+            format!("lib/modules/{k}/updates/dkms/nvidia.ko"),
+            format!("lib/modules/{k}/kernel/nvidia-580srv/nvidia.ko"),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let f = dir.path().join(&place);
+            std::fs::create_dir_all(f.parent().unwrap()).unwrap();
+            std::fs::write(&f, b"").unwrap();
+            assert!(nvidia_module_under(&Sysroot::new(dir.path()), k), "{place}");
+            assert!(!nvidia_module_under(&Sysroot::new(dir.path()), "5.14.0-503.11.1.el9_5.x86_64"), "{place}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(format!("lib/modules/{k}/extra"))).unwrap();
+        assert!(!nvidia_module_under(&Sysroot::new(dir.path()), k));
+    }
+
     #[test]
     fn versionlock_lines() {
         let list = "# Added lock\nkmod-nvidia-open-dkms-3:550.90.07-1.el9.*\nnvidia-driver-3:550.90.07-1.el9.*\n";
