@@ -518,10 +518,11 @@ fn packages_to_install(steps: &[Step]) -> Vec<String> {
                 })
                 .collect();
             // A stream enabled for a later install is enabled before the pre-flight (`plan`), not
-            // resolved as `@module:stream`: that would install the stream's default profile
-            // (dnf-module(8): a module spec without a profile means its default profiles), which
-            // for NVIDIA's streams is the whole desktop driver, not the compute-only set the
-            // driver step installs. The real-dnf test (tests/install_el9.rs) found it.
+            // resolved as `@module:stream`: that means the stream's default profiles (dnf(8),
+            // "Module Command": `module install` without a profile installs the default ones;
+            // without defaults dnf says "No default profiles for module"), which for NVIDIA's
+            // streams is the whole desktop driver, not the compute-only set the driver step
+            // installs. The real-dnf test (tests/install_el9.rs) found it.
             if dnf_module_enable(c) {
                 continue;
             }
