@@ -566,13 +566,28 @@ fn rhel9_real_dnf_installs_idempotently_survives_kill_9_and_refuses_another_key(
     assert!(!imported, "rpm imported the other key");
     assert!(!fresh.join("etc/yum.repos.d/epel.repo").exists());
 
+    // NVIDIA's repository with its genuine key file but every package signed by another key:
+    // the key is trusted, dnf (gpgcheck=1 in the repository file the installer writes) refuses
+    // the packages, and no NVIDIA package is installed.
+    write_config(&fresh, &url, &format!("{url}/epel"), &repos);
+    let www = work.path().join("repos/www");
+    resign_repo(&www.join("rhel9/x86_64"), &www.join("resigned/rhel9/x86_64"), &other);
+    let resigned = install(&fresh, &["--repo-url", &format!("{url}/resigned")]);
+    eprintln!("--- RHEL: NVIDIA's packages signed by another key\n{}", resigned.stderr);
+    assert_eq!(resigned.code, Some(2), "{}", resigned.stderr);
+    assert!(resigned.stderr.contains("GPG check FAILED"), "{}", resigned.stderr);
+    assert!(!resigned.stderr.contains("trying again"), "a signature is not a network failure:\n{}", resigned.stderr);
+    let state = rpm_state(&fresh);
+    assert!(!state.iter().any(|l| l.starts_with("kmod-nvidia") || l.starts_with("nvidia-")), "{state:#?}");
+
     // NVIDIA's key file of another key: not trusted, nothing of NVIDIA's configured.
     let bad = work.path().join("repos/www/impostor-nvidia/rhel9/x86_64");
     std::fs::create_dir_all(&bad).unwrap();
     std::fs::write(bad.join("D42D0685.pub"), armored(&other)).unwrap();
-    write_config(&fresh, &url, &format!("{url}/epel"), &repos);
+    let before = std::fs::read_to_string(fresh.join("etc/yum.repos.d/cuda-rhel9.repo")).unwrap();
     let wrong = install(&fresh, &["--repo-url", &format!("{url}/impostor-nvidia")]);
     assert_eq!(wrong.code, Some(2), "{}", wrong.stderr);
     assert!(wrong.stderr.contains("is not the pinned key"), "{}", wrong.stderr);
-    assert!(!fresh.join("etc/yum.repos.d/cuda-rhel9.repo").exists());
+    // The repository file still names the mirror of the run before: nothing was rewritten.
+    assert_eq!(std::fs::read_to_string(fresh.join("etc/yum.repos.d/cuda-rhel9.repo")).unwrap(), before);
 }

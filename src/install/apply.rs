@@ -1079,13 +1079,18 @@ fn run_cmd(c: &Cmd, args: &[String], runner: &mut dyn Runner, o: &mut Options) -
         if out.ok() {
             return Ok(());
         }
-        let tail = tail_lines(&format!("{}\n{}", out.stdout_text(), out.stderr), 6);
+        let text = format!("{}\n{}", out.stdout_text(), out.stderr);
+        let tail = tail_lines(&text, 6);
         if c.retry == Retry::DpkgLock && is_dpkg_lock(&out.stderr) && Instant::now() < lock_deadline {
             (o.progress)("      another package manager holds the dpkg lock; waiting");
             runner.sleep(Duration::from_secs(5));
             continue;
         }
-        if attempt < tries {
+        // A signature refusal is dnf's verdict on what it fetched, not a network failure:
+        // another try fetches the same packages and gets the same answer (dnf's wording:
+        // "Public key for <file> is not installed", "GPG check FAILED").
+        let refused = ["GPG check FAILED", "Public key for "].iter().any(|m| text.contains(m));
+        if attempt < tries && !refused {
             (o.progress)(&format!("      failed (exit {}); trying again", code(&out)));
             runner.sleep(Duration::from_secs(1 << attempt.min(5)));
             continue;

@@ -1233,11 +1233,7 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
                 },
                 Action::Run(cmd("rpm", &["--import", EPEL_KEY_PATH])),
                 Action::Fetch { url: format!("{root}/{EPEL_RELEASE_FILE}"), to: epel_rpm.clone() },
-                // A local file: a refusal (its signature) is not a network failure to retry.
-                Action::Run(Cmd {
-                    retry: Retry::Never,
-                    ..dnf(&["install", "--setopt=localpkg_gpgcheck=1", &epel_rpm])
-                }),
+                Action::Run(dnf(&["install", "--setopt=localpkg_gpgcheck=1", &epel_rpm])),
                 Action::EnableCrb,
             ]);
         } else {

@@ -221,6 +221,34 @@ pub fn make_repo(dir: &Path, streams: &[Stream]) {
     }
 }
 
+/// A copy of the repository `from` at `to` with every package signed by `key` instead, its
+/// index and module streams made again (the packages' checksums change with their signatures).
+pub fn resign_repo(from: &Path, to: &Path, key: &TestKey) {
+    std::fs::create_dir_all(to).unwrap();
+    let mut rpms = Vec::new();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".rpm") || name == "modules.yaml" || name.ends_with(".pub") {
+            std::fs::copy(e.path(), to.join(&name)).unwrap();
+            if name.ends_with(".rpm") {
+                rpms.push(to.join(&name));
+            }
+        }
+    }
+    let mut delsign = vec!["--delsign".to_string()];
+    delsign.extend(rpms.iter().map(|p| p.display().to_string()));
+    let args: Vec<&str> = delsign.iter().map(String::as_str).collect();
+    sh("rpmsign", &args);
+    sign_rpms(key, &rpms);
+    sh("createrepo_c", &["-q", "--no-database", to.to_str().unwrap()]);
+    if to.join("modules.yaml").is_file() {
+        sh(
+            "modifyrepo_c",
+            &["--mdtype=modules", to.join("modules.yaml").to_str().unwrap(), to.join("repodata").to_str().unwrap()],
+        );
+    }
+}
+
 /// What `build_repos` made: the keys' fingerprints and the packages the root starts with.
 pub struct Repos {
     pub nvidia_fpr: String,
