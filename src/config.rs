@@ -127,6 +127,9 @@ pub struct InstallConfig {
     pub repo_key_fingerprint: String,
     /// A mirror of EPEL's root (`…/pub/epel`), for RHEL guests; empty for Fedora's own.
     pub epel_url: String,
+    /// The key EPEL's release package and its key file must be, by whole fingerprint; empty for
+    /// Fedora's EPEL 9 key. Only for a mirror that re-signs EPEL with its own key.
+    pub epel_key_fingerprint: String,
     /// Replace an installed driver of another branch (or the proprietary flavour).
     pub replace_driver: bool,
     /// Allow `http://` mirrors (`repo_url`, `epel_url`). Off: only `https://` and `file://`.
@@ -141,6 +144,7 @@ impl Default for InstallConfig {
             repo_url: String::new(),
             repo_key_fingerprint: String::new(),
             epel_url: String::new(),
+            epel_key_fingerprint: String::new(),
             replace_driver: false,
             allow_plain_http: false,
         }
@@ -404,12 +408,14 @@ fn validate(c: &Config) -> Result<(), (&'static str, String)> {
             ))
         }
     }
-    let fp: String = c.install.repo_key_fingerprint.chars().filter(|c| !c.is_whitespace()).collect();
-    if !fp.is_empty() && (fp.len() != 40 || !fp.bytes().all(|b| b.is_ascii_hexdigit())) {
-        return Err((
-            "install.repo_key_fingerprint",
-            "expected a 40-hex-digit OpenPGP fingerprint (spaces allowed)".into(),
-        ));
+    for (key, value) in [
+        ("install.repo_key_fingerprint", &c.install.repo_key_fingerprint),
+        ("install.epel_key_fingerprint", &c.install.epel_key_fingerprint),
+    ] {
+        let fp: String = value.chars().filter(|c| !c.is_whitespace()).collect();
+        if !fp.is_empty() && (fp.len() != 40 || !fp.bytes().all(|b| b.is_ascii_hexdigit())) {
+            return Err((key, "expected a 40-hex-digit OpenPGP fingerprint (spaces allowed)".into()));
+        }
     }
     let plain = c.install.allow_plain_http;
     mirror_url(&c.install.repo_url, plain).map_err(|e| ("install.repo_url", e))?;

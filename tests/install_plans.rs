@@ -99,6 +99,7 @@ fn settings() -> Settings {
         repo_url: String::new(),
         key_fingerprint: repo_key().1,
         epel_url: String::new(),
+        epel_key_fingerprint: String::new(),
         replace_driver: false,
         allow_plain_http: false,
     }
@@ -232,6 +233,8 @@ fn facts(g: &Guest, switches: bool, sb: bool, stage: Stage) -> Facts {
         nouveau_off,
         nouveau_loaded,
         nvidia_loaded: loaded,
+        // DKMS built the module only in a finished install (the half one lacked the headers).
+        nvidia_module_built: stage == Stage::Done,
         dpkg_interrupted: false,
         // Fetched by every run that got past the repository step.
         apt_lists: if stage == Stage::Fresh {

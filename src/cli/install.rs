@@ -56,6 +56,7 @@ impl Install {
             repo_url: self.repo_url.clone().unwrap_or_else(|| c.repo_url.clone()),
             key_fingerprint: c.repo_key_fingerprint.clone(),
             epel_url: c.epel_url.clone(),
+            epel_key_fingerprint: c.epel_key_fingerprint.clone(),
             replace_driver: self.replace_driver || c.replace_driver,
             allow_plain_http: c.allow_plain_http,
         };

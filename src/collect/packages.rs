@@ -27,6 +27,11 @@ fn relevant(name: &str) -> bool {
 }
 
 pub fn read(root: &Sysroot) -> Fact<Vec<Package>> {
+    // An RPM-family guest's packages are in its RPM database even where a dpkg status file lies
+    // beside it (EPEL carries dpkg; the real-dnf test's EL root is built from Debian's packages).
+    if rpm_family(root) && root.exists("var/lib/rpm") {
+        return read_rpm(root);
+    }
     match root.read_string("var/lib/dpkg/status") {
         Ok(text) => Fact::Value(parse_dpkg_status(&text)),
         Err(e) if e.is_not_found() && root.exists("var/lib/rpm") => read_rpm(root),
@@ -37,6 +42,16 @@ pub fn read(root: &Sysroot) -> Fact<Vec<Package>> {
         ),
         Err(e) => Fact::Error(e.to_string()),
     }
+}
+
+/// os-release says RHEL or a relative (`ID` or `ID_LIKE` naming rhel, fedora or centos).
+fn rpm_family(root: &Sysroot) -> bool {
+    let Ok(text) = root.read_string("etc/os-release") else { return false };
+    text.lines().filter_map(|l| l.strip_prefix("ID=").or_else(|| l.strip_prefix("ID_LIKE="))).any(|v| {
+        v.trim_matches('"')
+            .split_whitespace()
+            .any(|id| ["rhel", "fedora", "centos", "rocky", "almalinux"].contains(&id))
+    })
 }
 
 /// The RPM database through `rpm -qa`: on the running system with rpm's own settings; under a
@@ -130,6 +145,26 @@ pub fn upstream_version(v: &str) -> &str {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// An EL guest with dpkg installed beside rpm (EPEL carries it): its packages are the RPM
+    /// database's, never dpkg's status file.
+    #[test]
+    fn an_rpm_guest_with_a_dpkg_status_reads_rpm() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("etc")).unwrap();
+        std::fs::create_dir_all(dir.path().join("var/lib/dpkg")).unwrap();
+        std::fs::create_dir_all(dir.path().join("var/lib/rpm")).unwrap();
+        std::fs::write(dir.path().join("etc/os-release"), "ID=\"rocky\"\nID_LIKE=\"rhel centos fedora\"\n").unwrap();
+        std::fs::write(
+            dir.path().join("var/lib/dpkg/status"),
+            "Package: nvidia-driver-cuda\nStatus: install ok installed\nVersion: 580.82.07-1\n",
+        )
+        .unwrap();
+        let root = Sysroot::new(dir.path());
+        assert!(matches!(read(&root), Fact::Error(e) if e.contains("RPM database")));
+        std::fs::write(dir.path().join("etc/os-release"), "ID=debian\n").unwrap();
+        assert!(matches!(read(&root), Fact::Value(v) if v.len() == 1));
+    }
 
     #[test]
     fn rpm_listing() {

@@ -65,6 +65,7 @@ pub fn gather(root: &Sysroot, s: &Snapshot) -> Facts {
             .any(|m| m == "nvidia")
             .then(|| s.driver.nvrm.value().map(|v| v.version.clone()).or(s.driver.module_version.clone()))
             .flatten(),
+        nvidia_module_built: s.host.kernel_release.value().is_some_and(|k| nvidia_module_under(root, k)),
         dpkg_interrupted: root.list_dir("var/lib/dpkg/updates").is_ok_and(|v| !v.is_empty()),
         apt_lists: root.list_dir("var/lib/apt/lists").unwrap_or_default(),
         apt_sources,
@@ -72,6 +73,23 @@ pub fn gather(root: &Sysroot, s: &Snapshot) -> Facts {
         files,
         keys,
     }
+}
+
+/// An `nvidia.ko` (or `.ko.xz`, `.ko.zst`) for `kernel` where module packages and DKMS put them:
+/// `extra/` (DKMS on EL, NVIDIA's precompiled kmods), `updates/` (`updates/dkms/` on Debian and
+/// Ubuntu), `weak-updates/`, and `kernel/` for a module shipped with the kernel (Ubuntu's
+/// `linux-modules-nvidia-*` put theirs under `kernel/nvidia-<branch>/`). Three levels down.
+fn nvidia_module_under(root: &Sysroot, kernel: &str) -> bool {
+    fn walk(root: &Sysroot, dir: &str, depth: u32) -> bool {
+        let Ok(names) = root.list_dir(dir) else { return false };
+        names.iter().any(|n| {
+            ["nvidia.ko", "nvidia.ko.xz", "nvidia.ko.zst", "nvidia.ko.gz"].contains(&n.as_str())
+                || (depth > 0 && walk(root, &format!("{dir}/{n}"), depth - 1))
+        })
+    }
+    ["extra", "updates", "weak-updates", "kernel"]
+        .iter()
+        .any(|d| walk(root, &format!("lib/modules/{kernel}/{d}"), if *d == "kernel" { 1 } else { 2 }))
 }
 
 /// `dnf versionlock` writes `name-epoch:version-release.*` lines.
@@ -96,6 +114,28 @@ pub fn report_value() -> Option<serde_json::Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Where DKMS and the module packages put `nvidia.ko`: EL's DKMS `extra/` (compressed),
+    /// Debian's `updates/dkms/`, Ubuntu's signed `kernel/nvidia-<branch>srv/`; not another kernel's.
+    #[test]
+    fn the_running_kernels_nvidia_module_is_found_where_dkms_puts_it() {
+        let k = "5.14.0-427.13.1.el9_4.x86_64";
+        for place in [
+            format!("lib/modules/{k}/extra/nvidia.ko.xz"),
+            format!("lib/modules/{k}/updates/dkms/nvidia.ko"),
+            format!("lib/modules/{k}/kernel/nvidia-580srv/nvidia.ko"),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let f = dir.path().join(&place);
+            std::fs::create_dir_all(f.parent().unwrap()).unwrap();
+            std::fs::write(&f, b"").unwrap();
+            assert!(nvidia_module_under(&Sysroot::new(dir.path()), k), "{place}");
+            assert!(!nvidia_module_under(&Sysroot::new(dir.path()), "5.14.0-503.11.1.el9_5.x86_64"), "{place}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(format!("lib/modules/{k}/extra"))).unwrap();
+        assert!(!nvidia_module_under(&Sysroot::new(dir.path()), k));
+    }
 
     #[test]
     fn versionlock_lines() {

@@ -131,6 +131,9 @@ pub struct Facts {
     pub nouveau_loaded: bool,
     /// Version of the loaded `nvidia` module, if one is loaded.
     pub nvidia_loaded: Option<String>,
+    /// An `nvidia` module is installed for the running kernel (`/lib/modules/<kernel>`, where
+    /// DKMS puts what it builds).
+    pub nvidia_module_built: bool,
     /// dpkg was stopped in the middle (`/var/lib/dpkg/updates` is not empty): apt refuses to
     /// work until `dpkg --configure -a` has run.
     pub dpkg_interrupted: bool,
@@ -158,6 +161,8 @@ pub struct Settings {
     pub key_fingerprint: String,
     /// A mirror of EPEL's root (`…/pub/epel`), for RHEL; empty for Fedora's own.
     pub epel_url: String,
+    /// The pinned EPEL key fingerprint; empty for EPEL 9's (facts.rs).
+    pub epel_key_fingerprint: String,
     /// Replace a driver of another branch (or the proprietary flavour) that is installed.
     pub replace_driver: bool,
     /// Mirrors may be plain `http://` (`install.allow_plain_http`): only signed metadata and
@@ -498,7 +503,7 @@ fn minor_version_compatible(cuda: &str, cuda_min: &str, min_branch: u32, what: &
 }
 
 /// The packages the steps still to run will install, in order, each once: apt-get's and dnf's
-/// `install` arguments, and dnf module streams (installed or enabled) as `@module:stream`.
+/// `install` arguments, and dnf module streams installed as `@module:stream`.
 fn packages_to_install(steps: &[Step]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for step in steps.iter().filter(|st| st.done.is_none()) {
@@ -512,17 +517,13 @@ fn packages_to_install(steps: &[Step]) -> Vec<String> {
                     Arg::AtDriverVersion(p) => (p.as_str(), true),
                 })
                 .collect();
-            // A stream enabled for a later install resolves with it: `@module:stream` puts the
-            // stream into the same simulated transaction.
-            if let (true, Some(i)) =
-                (c.program == "dnf", words.windows(2).position(|w| w[0].0 == "module" && w[1].0 == "enable"))
-            {
-                for (w, _) in &words[i + 2..] {
-                    let n = format!("@{w}");
-                    if !out.contains(&n) {
-                        out.push(n);
-                    }
-                }
+            // A stream enabled for a later install is enabled before the pre-flight (`plan`), not
+            // resolved as `@module:stream`: that means the stream's default profiles (dnf(8),
+            // "Module Command": `module install` without a profile installs the default ones;
+            // without defaults dnf says "No default profiles for module"), which for NVIDIA's
+            // streams is the whole desktop driver, not the compute-only set the driver step
+            // installs. The real-dnf test (tests/install_el9.rs) found it.
+            if dnf_module_enable(c) {
                 continue;
             }
             let names: Vec<String> = match (c.program.as_str(), words.iter().position(|(w, _)| *w == "install")) {
@@ -541,6 +542,14 @@ fn packages_to_install(steps: &[Step]) -> Vec<String> {
         }
     }
     out
+}
+
+/// `dnf module enable <module:stream>`: makes the stream's packages the ones dnf sees, installs
+/// nothing.
+fn dnf_module_enable(c: &Cmd) -> bool {
+    let words: Vec<&str> =
+        c.args.iter().filter_map(|a| if let Arg::Lit(s) = a { Some(s.as_str()) } else { None }).collect();
+    c.program == "dnf" && words.windows(2).any(|w| w == ["module", "enable"])
 }
 
 pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
@@ -616,6 +625,8 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         findings.push(older_driver(format!("driver branch {b}")));
     }
     let branch_of_fm = keep.and_then(|d| d.branch).unwrap_or(b);
+    // The installed driver is of another branch or flavour and is being replaced.
+    let replacing_driver = keep.is_none() && present.as_ref().is_some_and(|d| d.branch != Some(b) || !d.open);
 
     // 0. A package manager left half-way (a killed dpkg, a failed DKMS build) is finished first.
     let half: Vec<&Package> = packages.iter().filter(|p| p.state != "installed").collect();
@@ -867,8 +878,18 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             } else {
                 // The old branch's version locks go, then the module moves to the new stream,
                 // erasing what only the old stream allowed (dnf module switch-to, DNF's
-                // modularity documentation).
-                actions.push(Action::Run(on(cmd("dnf", &["versionlock", "delete"]), &old_pkgs)));
+                // modularity documentation). Every NVIDIA lock goes, not only the driver's and
+                // fabric manager's: real dnf left `nvidia-driver-cuda`'s 580 lock behind after
+                // a switch to 590 (tests/install_el9.rs). Only locks that are there: a run
+                // killed after the delete finds none and goes on to the switch.
+                let locked: Vec<String> = packages
+                    .iter()
+                    .filter(|p| p.held && ["nvidia", "kmod-nvidia", "libnvidia"].iter().any(|n| p.name.starts_with(n)))
+                    .map(|p| p.name.clone())
+                    .collect();
+                if !locked.is_empty() {
+                    actions.push(Action::Run(on(cmd("dnf", &["versionlock", "delete"]), &locked)));
+                }
                 actions.push(Action::Run(dnf(&[
                     "module",
                     "switch-to",
@@ -877,7 +898,18 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
                 ])));
             }
         }
+        // EL: rpm records a package before its %post runs (rpm's install order: files, database,
+        // then %post), and the DKMS build is in kmod-nvidia-open-dkms's %post (NVIDIA's
+        // yum-packaging-dkms-nvidia spec: `dkms add`, `dkms build`, `dkms install`). A %post
+        // killed or failed (headers missing) leaves the package installed without a module,
+        // which `dnf install` then calls done; `dnf reinstall` runs the %post again (dnf(8):
+        // reinstall). Debian's dpkg keeps such a package half-configured instead (the repair
+        // step). The real-dnf test's kill inside the %post found it.
+        let unbuilt = matching.filter(|d| !distro.is_deb() && f.installed(&d.package) && !f.nvidia_module_built);
         match &distro {
+            _ if unbuilt.is_some() => {
+                actions.push(Action::Run(dnf(&["reinstall", &driver_package])));
+            }
             // NVIDIA's own branch lock is in place from the pin step.
             _ if pinning.is_some() => actions.push(Action::Run(apt("install", lits(&driver_pkgs)))),
             Distro::Debian12 => {
@@ -898,6 +930,7 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         let done = present
             .as_ref()
             .filter(|d| d.branch == Some(b) && d.open && f.installed(&d.package))
+            .filter(|_| unbuilt.is_none())
             .filter(|_| {
                 pinning.is_some() || !matches!(distro, Distro::Debian12) || f.file_is(DEBIAN_PIN_PATH, &debian_pin(b))
             })
@@ -957,7 +990,8 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
                 Action::Run(install),
                 Action::Run(cmd("systemctl", &["enable", "nvidia-fabricmanager.service"])),
             ],
-            done: (fm_matches && f.unit_enabled("nvidia-fabricmanager.service"))
+            // A driver being replaced takes its fabric manager's match with it.
+            done: (fm_matches && !replacing_driver && f.unit_enabled("nvidia-fabricmanager.service"))
                 .then(|| format!("{fm} matches the driver and is enabled")),
             needs_reboot: false,
         });
@@ -1033,7 +1067,8 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             id: "hold",
             title: format!("hold versions: {}", hold.join(", ")),
             actions,
-            done: all_held.then(|| "all held".into()),
+            // After a driver is replaced its holds are the old versions' (or gone): hold again.
+            done: (all_held && !replacing_driver).then(|| "all held".into()),
             needs_reboot: false,
         });
     }
@@ -1103,10 +1138,14 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         // apt resolves as it will install only with the branch pin in place (without it,
         // a newer branch's kernel module is the candidate and the branch's meta package
         // conflicts with it), so the pin the driver step writes is written first here.
-        let pin = steps[at..]
-            .iter()
-            .flat_map(|st| &st.actions)
-            .find(|a| matches!(a, Action::Write { path, .. } if path == DEBIAN_PIN_PATH));
+        // dnf likewise resolves the driver's packages only once the branch's module stream is
+        // enabled (NVIDIA's Driver Installation Guide for RHEL 9: `dnf module enable
+        // nvidia-driver:<branch>-open`, then `dnf install`): enabling installs nothing, and the
+        // driver step's own `module enable` then finds it done.
+        let pin = steps[at..].iter().flat_map(|st| &st.actions).find(|a| {
+            matches!(a, Action::Write { path, .. } if path == DEBIAN_PIN_PATH)
+                || matches!(a, Action::Run(c) if dnf_module_enable(c))
+        });
         let mut actions: Vec<Action> = pin.cloned().into_iter().collect();
         actions.push(Action::Resolve(wanted.clone()));
         steps.insert(
@@ -1180,13 +1219,15 @@ fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: 
         if id == "rhel" {
             let root = if s.epel_url.is_empty() { EPEL_ROOT } else { s.epel_url.trim_end_matches('/') };
             let epel_key = format!("{install_dir}/{EPEL_KEY_FILE}");
+            let epel_fpr =
+                if s.epel_key_fingerprint.is_empty() { facts::EPEL9_KEY_FINGERPRINT } else { &s.epel_key_fingerprint };
             let epel_rpm = format!("{install_dir}/{EPEL_RELEASE_FILE}");
             epel_crb.extend([
                 Action::Fetch { url: format!("{root}/{EPEL_KEY_FILE}"), to: epel_key.clone() },
                 Action::InstallKey {
                     file: epel_key,
                     deb_member: None,
-                    fingerprint: facts::EPEL9_KEY_FINGERPRINT.into(),
+                    fingerprint: epel_fpr.into(),
                     to: EPEL_KEY_PATH.into(),
                     armored: true,
                 },

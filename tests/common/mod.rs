@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod debian;
+pub mod el9;
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
