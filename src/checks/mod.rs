@@ -138,6 +138,7 @@ pub const CATALOG: &[&str] = &[
     "driver.device-nodes",
     "driver.persistence",
     "nvml.init",
+    "nvml.responsive",
     "cuda.driver-api",
     "cuda.init",
     "cuda.toolkit",
@@ -338,6 +339,7 @@ pub(crate) mod testutil {
                 version: Fact::Value("12.4.1".into()),
             }]),
             kernel_log: Fact::Value(KernelLog { source: "/dev/kmsg".into(), records: 100, ..Default::default() }),
+            nvml_blocked: vec![],
             nvml: NvmlStatus::Ok(NvmlInfo {
                 library: "libnvidia-ml.so.1".into(),
                 driver_version: Nv::Value("580.82.07".into()),

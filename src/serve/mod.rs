@@ -281,6 +281,9 @@ pub struct Published {
     /// The bearer token for `/v1/status` and `/metrics`; `None` refuses them.
     pub token: Option<String>,
     pub summary: String,
+    /// Why the service is not healthy, when it can say it without credentials (NVML not
+    /// answering): /healthz adds it to "unhealthy".
+    pub reason: Option<String>,
     /// The snapshot itself, for the probes run on request.
     pub snapshot: Arc<crate::snapshot::Snapshot>,
 }
@@ -398,12 +401,15 @@ pub struct Inputs {
     /// Event accounting and the spool, for `agent.events` in every report.
     pub events: Arc<EventCounters>,
     pub spool: Option<push::Spool>,
+    /// All of NVML's phases within this (the first snapshot, which systemd waits for: READY=1
+    /// comes by the init deadline at the latest); `None`, each phase its own deadline.
+    pub nvml_budget: Option<Duration>,
 }
 
 /// Collects, checks and renders one snapshot; the report comes back too, for the events.
 pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     let root = Sysroot::new(&inputs.sysroot);
-    let snapshot = crate::collect::snapshot(&root, &inputs.nvml);
+    let snapshot = crate::collect::snapshot_within(&root, &inputs.nvml, inputs.nvml_budget);
     let mut findings = checks::run(&snapshot, &Settings::from(&inputs.config));
     if let Some(p) = &inputs.probes {
         findings.extend(p.1.iter().cloned());
@@ -428,8 +434,10 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     report.install = crate::install::report_value();
     let m = metrics::render(&snapshot, &report, inputs.config.metrics.dcgm_compat);
     let count = |sev| report.findings.iter().filter(|f| f.severity == sev).count();
+    let not_answering = nvml_not_answering(&snapshot);
     let summary = format!(
-        "{} GPU(s), {}: {} failed, {} warning(s); snapshot {}",
+        "{}{} GPU(s), {}: {} failed, {} warning(s); snapshot {}",
+        not_answering.as_deref().map(|n| format!("{n}; ")).unwrap_or_default(),
         report.gpus.len(),
         format!("{:?}", report.health).to_lowercase(),
         count(checks::Severity::Fail),
@@ -445,9 +453,18 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         metrics_openmetrics: Bytes::from(m.openmetrics),
         token: inputs.token.clone(),
         summary,
+        reason: not_answering,
         snapshot: Arc::new(snapshot),
     };
     (published, report)
+}
+
+/// `NVML has not answered for 42 s (nvmlInit_v2)`, the longest-blocked call, when any is: for
+/// systemd's STATUS= line and /healthz, so a person sees why before reading the report.
+pub fn nvml_not_answering(s: &crate::snapshot::Snapshot) -> Option<String> {
+    let b = s.nvml_blocked.iter().max_by_key(|b| b.blocked_ms)?;
+    let gpu = b.gpu.as_deref().map(|g| format!(" on GPU {g}")).unwrap_or_default();
+    Some(format!("NVML has not answered for {} s ({}{gpu})", b.blocked_ms / 1000, b.call))
 }
 
 /// Whether every GPU is idle: no compute process and no utilisation, per NVML. Unknown counts
