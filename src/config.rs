@@ -498,6 +498,17 @@ mod tests {
         assert_eq!(c.http.listen.port(), 9440);
         assert_eq!(c.platform.interval, Duration::from_secs(60));
         assert_eq!(c.probes.when_idle, Some(Duration::from_secs(86400)));
+        assert_eq!(c.nvml, NvmlConfig::default(), "the shipped file says the defaults");
+    }
+
+    #[test]
+    fn an_nvml_init_deadline_past_what_systemd_waits_for_is_refused() {
+        let c = one("[nvml]\ninit_timeout = \"5s\"\ngpu_timeout = \"2s\"\n").unwrap();
+        assert_eq!(c.nvml.deadlines().init, Duration::from_secs(5));
+        assert_eq!(c.nvml.deadlines().gpu, Duration::from_secs(2));
+        let e = one("[nvml]\ninit_timeout = \"2m\"\n").unwrap_err().to_string();
+        assert!(e.contains("nvml.init_timeout") || e.contains("TimeoutStartSec"), "{e}");
+        assert!(one("[nvml]\ngpu_timeout = \"0s\"\n").is_err(), "a zero deadline is no deadline");
     }
 
     #[test]

@@ -537,8 +537,14 @@ impl BlockedCall {
     /// `nvmlDeviceGetMemoryInfo_v2 (GPU 0000:1b:00.0) has not returned for 42 s`.
     pub fn describe(&self) -> String {
         let on = self.gpu.as_deref().map(|g| format!(" (GPU {g})")).unwrap_or_default();
-        format!("{}{on} has not returned for {} s", self.call, self.blocked_ms / 1000)
+        format!("{}{on} has not returned for {} s", self.call, whole_seconds(self.blocked_ms))
     }
+}
+
+/// Milliseconds as whole seconds, to the nearest: a call abandoned at a 3 s deadline has been
+/// blocked for "3 s", not "2 s", when its wait ended a millisecond early.
+pub fn whole_seconds(ms: u64) -> u64 {
+    ms.saturating_add(500) / 1000
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -160,7 +160,7 @@ fn responsive(s: &Snapshot) -> Vec<Finding> {
                      not made again until it returns, and every reading NVML would have given through it is \
                      left out rather than shown stale. Everything read without NVML is still reported.",
                     b.since,
-                    b.deadline_ms / 1000
+                    crate::snapshot::whole_seconds(b.deadline_ms)
                 ))
                 .remedy(
                     "Read `dmesg | grep -E 'NVRM|Xid'`: Xid 79 (GPU fallen off the bus) or 119/120 (GSP not \
@@ -243,7 +243,7 @@ mod tests {
             call: "nvmlDeviceGetMemoryInfo_v2".into(),
             gpu: Some("0000:0b:00.0".into()),
             since: Timestamp::from_unix_millis(1_764_000_000_000),
-            blocked_ms: 42_500,
+            blocked_ms: 42_400,
             deadline_ms: 5_000,
         });
         let f = findings(&s);

@@ -227,7 +227,7 @@ impl Session {
         NvmlFailure {
             kind: NvmlFailureKind::NotAnswering,
             library: self.library.clone(),
-            message: format!("{} (deadline {} s)", b.describe(), b.deadline_ms / 1000),
+            message: format!("{} (deadline {} s)", b.describe(), crate::snapshot::whole_seconds(b.deadline_ms)),
         }
     }
 
@@ -278,6 +278,7 @@ impl Session {
 
     fn read_from(&self, st: &mut State, h: &Arc<Held>, until: Option<Instant>) -> Reading {
         let mut blocked = Vec::new();
+        let out_of_time = || until.is_some_and(|u| Instant::now() >= u);
         let library = self.library.clone();
         // NVML as a whole: the device count and the versions.
         if let Some(late) = st.late.get(&Target::System) {
@@ -335,7 +336,7 @@ impl Session {
                 blocked.push(b);
                 continue;
             }
-            if until.is_some_and(|u| Instant::now() >= u) {
+            if out_of_time() {
                 let why = "not read: the first snapshot's time for NVML ran out".to_string();
                 devices.push(unreadable(i, why, known));
                 continue;
@@ -372,7 +373,7 @@ impl Session {
                 g.nvlink_p2p = Nv::Error(format!("{} (still blocked)", b.describe()));
             }
             blocked.push(b);
-        } else if !answering.is_empty() && !until.is_some_and(|u| Instant::now() >= u) {
+        } else if !answering.is_empty() && !out_of_time() {
             let (hh, asked) = (h.clone(), answering.clone());
             match deadline::call(
                 bounded(self.deadlines.events, until),
@@ -401,7 +402,7 @@ impl Session {
             let why = format!("{} (still blocked)", b.describe());
             blocked.push(b);
             (Vec::new(), Some(why))
-        } else if until.is_some_and(|u| Instant::now() >= u) {
+        } else if out_of_time() {
             (Vec::new(), Some("not read: the first snapshot's time for NVML ran out".into()))
         } else {
             let (hh, asked) = (h.clone(), answering.iter().map(|(i, _)| *i).collect::<Vec<_>>());

@@ -464,7 +464,7 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
 pub fn nvml_not_answering(s: &crate::snapshot::Snapshot) -> Option<String> {
     let b = s.nvml_blocked.iter().max_by_key(|b| b.blocked_ms)?;
     let gpu = b.gpu.as_deref().map(|g| format!(" on GPU {g}")).unwrap_or_default();
-    Some(format!("NVML has not answered for {} s ({}{gpu})", b.blocked_ms / 1000, b.call))
+    Some(format!("NVML has not answered for {} s ({}{gpu})", crate::snapshot::whole_seconds(b.blocked_ms), b.call))
 }
 
 /// Whether every GPU is idle: no compute process and no utilisation, per NVML. Unknown counts
