@@ -135,11 +135,19 @@ pub struct ProbesConfig {
     /// `None` is "off".
     #[serde(deserialize_with = "duration_or_off")]
     pub when_idle: Option<Duration>,
+    /// The service's probes run in a child process, killed past twice their planned GPU time
+    /// plus this (CUDA's start, JIT compilation, the host's own work).
+    #[serde(deserialize_with = "duration")]
+    pub deadline_margin: Duration,
 }
 
 impl Default for ProbesConfig {
     fn default() -> Self {
-        ProbesConfig { at_boot: ProbeLevel::Quick, when_idle: Some(Duration::from_secs(24 * 3600)) }
+        ProbesConfig {
+            at_boot: ProbeLevel::Quick,
+            when_idle: Some(Duration::from_secs(24 * 3600)),
+            deadline_margin: Duration::from_secs(120),
+        }
     }
 }
 
@@ -499,6 +507,7 @@ mod tests {
         assert_eq!(c.platform.interval, Duration::from_secs(60));
         assert_eq!(c.probes.when_idle, Some(Duration::from_secs(86400)));
         assert_eq!(c.nvml, NvmlConfig::default(), "the shipped file says the defaults");
+        assert_eq!(c.probes, ProbesConfig::default());
     }
 
     #[test]

@@ -173,6 +173,7 @@ pub const CATALOG: &[&str] = &[
     "probe.gemm-sustained",
     "probe.latency",
     "probe.baseline",
+    "probe.responsive",
     "agent.platform-reachable",
     "agent.endpoint-auth",
 ];

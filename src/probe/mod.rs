@@ -11,6 +11,7 @@
 
 pub mod affinity;
 pub mod baseline;
+pub mod child;
 pub mod cuda;
 pub mod kernels;
 pub mod lock;

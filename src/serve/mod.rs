@@ -477,20 +477,23 @@ pub fn all_gpus_idle(s: &crate::snapshot::Snapshot) -> bool {
     })
 }
 
-/// Runs the probes at `level` on this machine; `None` when they cannot run here (logged).
+/// Runs the probes at `level` on this machine, in a child process under a deadline
+/// (`probe::child`); `None` when they cannot run here (logged).
 pub fn run_probes(
     snapshot: &crate::snapshot::Snapshot,
     level: crate::config::ProbeLevel,
     state_dir: &std::path::Path,
+    margin: Duration,
 ) -> Option<(serde_json::Value, Vec<checks::Finding>)> {
-    let opts = crate::probe::Options { level, only: &[], force: false, gemm_seconds: None };
-    match crate::probe::run_here(snapshot, &opts, state_dir, "phq-agent serve (boot or idle probes)", &mut |step| {
-        tracing::info!("probe: {step}")
-    }) {
-        Ok((report, targets)) => Some((
-            serde_json::to_value(&report).unwrap_or_default(),
-            crate::probe::judge_here(&report, &targets, state_dir),
-        )),
+    match crate::probe::child::run(
+        snapshot,
+        level,
+        state_dir,
+        "phq-agent serve (boot or idle probes)",
+        margin,
+        &mut |step| tracing::info!("probe: {step}"),
+    ) {
+        Ok(a) => Some((a.probes, a.findings)),
         Err(e) => {
             tracing::warn!(error = %e, "probes cannot run");
             None

@@ -176,7 +176,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     };
 
     let (health_tx, health_rx) = mpsc::unbounded_channel();
-    let dbus = dbus(shared.clone(), state_dir.clone(), health_rx).await;
+    let margin = config.probes.deadline_margin;
+    let dbus = dbus(shared.clone(), state_dir.clone(), margin, health_rx).await;
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
     tracing::info!(%status, "ready");
 
@@ -202,7 +203,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         heartbeat: event_beat.clone(),
         first_snapshot: first.snapshot.clone(),
     }));
-    let probe_task = tokio::spawn(probes(probe_rx, to_snapshotter.clone(), state_dir.clone()));
+    let probe_task = tokio::spawn(probes(probe_rx, to_snapshotter.clone(), state_dir.clone(), margin));
     // Rule 1's probes at boot, before workloads start, when asked.
     let at_boot = settings_rx.borrow().config.probes.at_boot;
     if at_boot != ProbeLevel::None {
@@ -571,9 +572,10 @@ async fn events(mut e: Events) {
 async fn dbus(
     shared: Shared,
     state_dir: std::path::PathBuf,
+    margin: Duration,
     mut health: mpsc::UnboundedReceiver<(String, String)>,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    let building = tokio::task::spawn_blocking(move || bus::serve(shared, state_dir));
+    let building = tokio::task::spawn_blocking(move || bus::serve(shared, state_dir, margin));
     let conn = match tokio::time::timeout(Duration::from_secs(5), building).await {
         Ok(Ok(Ok(conn))) => conn,
         Ok(Ok(Err(e))) => {
@@ -593,16 +595,20 @@ async fn dbus(
     }))
 }
 
-/// Runs the probes asked for, one run at a time, on the blocking pool; never on a GPU with a
-/// compute process (the snapshotter asks only when every GPU is idle, or at boot).
+/// Runs the probes asked for, one run at a time, each in a child process under its deadline
+/// (`probe::child`); never on a GPU with a compute process (the snapshotter asks only when every
+/// GPU is idle, or at boot).
 async fn probes(
     mut asks: mpsc::UnboundedReceiver<(Arc<Snapshot>, ProbeLevel)>,
     results: mpsc::UnboundedSender<ToSnapshotter>,
     state_dir: std::path::PathBuf,
+    margin: Duration,
 ) {
     while let Some((snapshot, level)) = asks.recv().await {
         let dir = state_dir.clone();
-        if let Ok(Some(p)) = tokio::task::spawn_blocking(move || super::run_probes(&snapshot, level, &dir)).await {
+        if let Ok(Some(p)) =
+            tokio::task::spawn_blocking(move || super::run_probes(&snapshot, level, &dir, margin)).await
+        {
             let _ = results.send(ToSnapshotter::Probes(p));
         }
     }

@@ -21,6 +21,18 @@ pub struct Scenario {
     /// ones), `interpret` (every launch through the PTX) or `model`.
     #[serde(default)]
     pub kernels: crate::kernels::Path,
+    /// A kernel that never finishes, or a synchronisation that never returns (`hang.rs`).
+    #[serde(default)]
+    pub hang: Option<Hang>,
+}
+
+/// `{"kernel": "memtest_fill"}`: that entry, once launched, never finishes; `{"synchronize":
+/// "cuStreamSynchronize"}`: that function never returns.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hang {
+    pub kernel: Option<String>,
+    pub synchronize: Option<String>,
 }
 
 fn default_driver_version() -> i32 {
