@@ -10,7 +10,10 @@
 //!    — `service::publish`, `Published`, `http::serve`.
 //! 3. `READY=1` goes to systemd after the first publish, with a `STATUS=` line a person can read
 //!    in `systemctl status`; watchdog pings follow at half `WatchdogSec` while the service's
-//!    loops turn. — `service::run`, `service::watchdog`.
+//!    loops turn. The first snapshot's NVML part ends by `nvml.init_timeout` whatever NVML does,
+//!    so READY=1 comes by then; while an NVML call is past its deadline, `STATUS=` and /healthz
+//!    say "NVML has not answered for N s (call)". — `service::run`, `service::watchdog`,
+//!    `nvml_not_answering`.
 //! 4. SIGTERM/SIGINT: `STOPPING=1`, stop accepting, exit 0; the loops stop first, so the last
 //!    events reach the spool, then HTTP and the pusher. SIGHUP: reload config and token; an
 //!    invalid new config is logged and the old one kept. — `service::run`, `service::reload`.
@@ -24,8 +27,10 @@
 //!    — `service::events`, `XidWindow`.
 //! 7. Spool writes run on their own thread (`SpoolWriter`), never on a loop; the watchdog is
 //!    pinged by its own task for as long as the snapshotter and the event task keep turning
-//!    (`LOOP_STALL`), so a burst of events cannot starve it and a hung task still stops it.
-//!    — `SpoolWriter`, `service::watchdog`.
+//!    (`LOOP_STALL`), so a burst of events cannot starve it and a hung task still stops it. The
+//!    snapshotter counts as turning while its snapshot runs within the snapshot's bound (every
+//!    NVML phase to its deadline, plus `LOOP_STALL`), never because a worker reports in.
+//!    — `SpoolWriter`, `service::watchdog`, `service::Snapshotter::snapshot_bound`.
 //! 8. At start, Xids in this boot's kernel log after `KMSG_XID_MARK` (the last kernel log
 //!    record a running agent has seen) become events, merged per GPU and code: an Xid that NVML
 //!    delivered while the agent was being killed, before it reached the spool, or one that came

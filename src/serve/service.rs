@@ -4,12 +4,12 @@
 //! | task | owns | hears | tells |
 //! |---|---|---|---|
 //! | [`run`] (the coordinator) | signals, configuration, start and stop order | SIGTERM, SIGINT, SIGHUP | everyone, through `Config` and stop channels |
-//! | [`snapshotter`] | `Inputs`, the schedule | ticks, "snapshot now", probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the probe task |
+//! | [`snapshotter`] | `Inputs` (with the NVML session), the schedule, the Xid watcher (started once NVML answers) | ticks, "snapshot now" (an Xid, NVML answering after a deadline), probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the probe task |
 //! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, a 1 s beat | the pusher (status), the snapshotter ("now") |
 //! | `http::serve` | the listener | connections | — |
 //! | `push::Pusher::run` | the platform connection | spool wake-ups, status | — |
 //! | [`dbus`] | the bus connection | health changes | D-Bus signals |
-//! | [`probes`] | the GPUs while probing | requests | the snapshotter (results) |
+//! | [`probes`] | the probe child process (`probe::child`), killed at its deadline | requests | the snapshotter (results) |
 //! | [`watchdog`] | systemd's watchdog | the heartbeats of the snapshotter and the event task | systemd |
 //! | [`follow_sxids`] (a thread) | the kernel log read as it is written | new kernel log records | the event task (SXids) |
 
