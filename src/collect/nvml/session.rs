@@ -472,3 +472,32 @@ fn session_gone(status: &NvmlStatus) -> bool {
         NvmlStatus::NotRead(_) => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_phase_is_shortened_to_what_is_left_of_the_budget_but_never_to_nothing() {
+        let phase = Duration::from_secs(10);
+        assert_eq!(bounded(phase, None), phase);
+        assert_eq!(bounded(phase, Some(Instant::now())), Duration::from_millis(1), "a spent budget still asks once");
+        assert!(bounded(phase, Some(Instant::now() + Duration::from_secs(3))) <= Duration::from_secs(3));
+        assert_eq!(bounded(phase, Some(Instant::now() + Duration::from_secs(60))), phase);
+    }
+
+    #[test]
+    fn the_worst_case_counts_every_phase_to_its_deadline() {
+        let d =
+            Deadlines { init: Duration::from_secs(30), gpu: Duration::from_secs(10), events: Duration::from_secs(5) };
+        // init, the system calls and 8 GPUs, the NVLink matrix and the events.
+        assert_eq!(d.worst_case(8), Duration::from_secs(30 + 90 + 10));
+    }
+
+    #[test]
+    fn a_blocked_init_is_not_a_lost_session_but_a_failed_one_is() {
+        let f = |kind| NvmlStatus::Failed(NvmlFailure { kind, library: "l".into(), message: "m".into() });
+        assert!(!session_gone(&f(NvmlFailureKind::NotAnswering)), "a blocked call keeps its handle");
+        assert!(session_gone(&f(NvmlFailureKind::DriverNotLoaded)));
+    }
+}
