@@ -13,7 +13,10 @@
 //!    `probes.deadline_margin` for CUDA's start, JIT compilation and the host's own work.
 //!    — `deadline`.
 //! 4. The child takes the probe lock itself; past the deadline it is killed (SIGKILL) and
-//!    reaped, and the kernel drops a dead process's file locks, so the lock is free again.
+//!    reaped, and the kernel drops a dead process's file locks, so the lock is free again. A
+//!    child blocked inside the driver (state D) dies only when the driver lets go: it is reaped
+//!    by a thread of its own, the caller does not wait, and the lock is free when it exits.
+//!    — `reap`.
 //! 5. Then every GPU the plan had gets `probe.responsive` failing, naming the step that did not
 //!    finish; a run that ends in time gives `probe.responsive` passing on each. — `overdue`.
 
@@ -114,8 +117,8 @@ pub fn run(
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 // Rule 4: killed and reaped; its probe lock goes with it.
                 let _ = child.kill();
-                let _ = child.wait();
                 tracing::error!(deadline = ?limit, %step, "the probes did not finish within their deadline; the probe process was killed");
+                reap(child);
                 return Ok(overdue(snapshot, level, limit, &step));
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
@@ -134,6 +137,33 @@ pub fn run(
         a
     })
 }
+
+/// Reaps a killed child. One blocked inside the driver (uninterruptible sleep, state D: gpud's
+/// report of `nvidia-smi` after Xid 45, leptonai/gpud pull request #117) dies only when the
+/// driver lets go, so it is waited for briefly here, then by a thread of its own: the caller
+/// goes on, and the probe lock stays held, said once, until the process is gone.
+fn reap(mut child: std::process::Child) {
+    let until = Instant::now() + REAP_GRACE;
+    while Instant::now() < until {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = child.id();
+    tracing::error!(
+        pid,
+        "the killed probe process has not exited (blocked in the driver?); the probe lock stays held until it does"
+    );
+    let _ = std::thread::Builder::new().name("probe-child-reap".into()).spawn(move || {
+        let _ = child.wait();
+        tracing::info!(pid, "the killed probe process exited; the probe lock is free");
+    });
+}
+
+/// How long a killed child is waited for before a thread takes over (a process that is not
+/// blocked in the kernel is gone within milliseconds of SIGKILL).
+const REAP_GRACE: Duration = Duration::from_secs(2);
 
 /// The GPUs the plan probes, by PCI address.
 fn plan_gpus(snapshot: &Snapshot, level: ProbeLevel) -> Vec<String> {
