@@ -49,7 +49,7 @@ fn children(pid: u32) -> Vec<String> {
 fn a_probe_whose_kernel_never_finishes_ends_at_its_deadline_with_the_lock_free_and_the_service_alive() {
     let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
     let dir = tempfile::tempdir().unwrap();
-    let cfg = service_config(dir.path(), TOKEN, "[probes]\nat_boot = \"quick\"\ndeadline_margin = \"3s\"\n");
+    let cfg = service_config(dir.path(), TOKEN, "[probes]\nat_boot = \"quick\"\ndeadline_margin = \"15s\"\n");
     let state = dir.path().join("state");
     let notify_path = dir.path().join("notify");
     let notify = UnixDatagram::bind(&notify_path).unwrap();

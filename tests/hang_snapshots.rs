@@ -38,7 +38,8 @@ fn one_gpu_blocked_forever_leaves_seven_reported_and_one_stuck_worker_after_100_
     let state = tempfile::tempdir().unwrap();
     let mut config = phq_agent::config::Config::default();
     config.agent.state_dir = state.path().to_path_buf();
-    let deadlines = Deadlines { gpu: Duration::from_millis(300), ..Deadlines::default() };
+    // Long enough that a healthy GPU never misses it on a loaded machine; GPU 3 costs it once.
+    let deadlines = Deadlines { gpu: Duration::from_secs(2), ..Deadlines::default() };
     let inputs = Inputs {
         sysroot: repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"),
         nvml: NvmlSource::Session(Arc::new(Session::new(lib.to_str().unwrap(), deadlines))),
