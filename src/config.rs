@@ -23,6 +23,37 @@ pub struct Config {
     pub probes: ProbesConfig,
     pub metrics: MetricsConfig,
     pub install: InstallConfig,
+    pub nvml: NvmlConfig,
+}
+
+/// How long NVML may take before a call is given up on (`collect::deadline`): on a GPU that
+/// has fallen off the bus (Xid 79) or whose GSP stopped answering (Xid 119), NVML calls block
+/// rather than fail.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NvmlConfig {
+    /// `nvmlInit_v2`. The service is ready (READY=1) by then at the latest.
+    #[serde(deserialize_with = "duration")]
+    pub init_timeout: Duration,
+    /// Everything read about one GPU, and the system-wide calls.
+    #[serde(deserialize_with = "duration")]
+    pub gpu_timeout: Duration,
+    /// Xid event registration and draining, and the NVLink peer matrix.
+    #[serde(deserialize_with = "duration")]
+    pub events_timeout: Duration,
+}
+
+impl Default for NvmlConfig {
+    fn default() -> Self {
+        let d = crate::collect::nvml::Deadlines::default();
+        NvmlConfig { init_timeout: d.init, gpu_timeout: d.gpu, events_timeout: d.events }
+    }
+}
+
+impl NvmlConfig {
+    pub fn deadlines(&self) -> crate::collect::nvml::Deadlines {
+        crate::collect::nvml::Deadlines { init: self.init_timeout, gpu: self.gpu_timeout, events: self.events_timeout }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -104,11 +135,19 @@ pub struct ProbesConfig {
     /// `None` is "off".
     #[serde(deserialize_with = "duration_or_off")]
     pub when_idle: Option<Duration>,
+    /// The service's probes run in a child process, killed past twice their planned GPU time
+    /// plus this (CUDA's start, JIT compilation, the host's own work).
+    #[serde(deserialize_with = "duration")]
+    pub deadline_margin: Duration,
 }
 
 impl Default for ProbesConfig {
     fn default() -> Self {
-        ProbesConfig { at_boot: ProbeLevel::Quick, when_idle: Some(Duration::from_secs(24 * 3600)) }
+        ProbesConfig {
+            at_boot: ProbeLevel::Quick,
+            when_idle: Some(Duration::from_secs(24 * 3600)),
+            deadline_margin: Duration::from_secs(120),
+        }
     }
 }
 
@@ -197,6 +236,9 @@ pub fn restart_needed(old: &Config, new: &Config) -> Vec<&'static str> {
     check(old.http.client_ca != new.http.client_ca, "http.client_ca");
     check(old.platform.url != new.platform.url, "platform.url");
     check(old.platform.ca_file != new.platform.ca_file, "platform.ca_file");
+    check(old.nvml.init_timeout != new.nvml.init_timeout, "nvml.init_timeout");
+    check(old.nvml.gpu_timeout != new.nvml.gpu_timeout, "nvml.gpu_timeout");
+    check(old.nvml.events_timeout != new.nvml.events_timeout, "nvml.events_timeout");
     keys
 }
 
@@ -382,7 +424,21 @@ fn no_space(text: &str) -> Result<(), String> {
 }
 
 /// Checks values that parse but make no sense. Returns the dotted key and what was expected.
+/// The longest `nvml.init_timeout`: the unit's `TimeoutStartSec=90` waits for READY=1, which
+/// the service sends by the init deadline at the latest; the rest is for the non-NVML readings.
+pub const MAX_NVML_INIT_TIMEOUT: Duration = Duration::from_secs(60);
+
 fn validate(c: &Config) -> Result<(), (&'static str, String)> {
+    if c.nvml.init_timeout > MAX_NVML_INIT_TIMEOUT {
+        return Err((
+            "nvml.init_timeout",
+            format!(
+                "{} is longer than {} s: systemd (TimeoutStartSec=90) would stop the service before it is ready",
+                humantime::format_duration(c.nvml.init_timeout),
+                MAX_NVML_INIT_TIMEOUT.as_secs()
+            ),
+        ));
+    }
     if crate::facts::cuda_min_driver(&c.install.cuda).is_none() || !c.install.cuda.starts_with("12.") {
         let known: Vec<&str> =
             crate::facts::CUDA_MIN_DRIVER.iter().map(|(v, _)| *v).filter(|v| v.starts_with("12.")).collect();
@@ -456,6 +512,18 @@ mod tests {
         assert_eq!(c.http.listen.port(), 9440);
         assert_eq!(c.platform.interval, Duration::from_secs(60));
         assert_eq!(c.probes.when_idle, Some(Duration::from_secs(86400)));
+        assert_eq!(c.nvml, NvmlConfig::default(), "the shipped file says the defaults");
+        assert_eq!(c.probes, ProbesConfig::default());
+    }
+
+    #[test]
+    fn an_nvml_init_deadline_past_what_systemd_waits_for_is_refused() {
+        let c = one("[nvml]\ninit_timeout = \"5s\"\ngpu_timeout = \"2s\"\n").unwrap();
+        assert_eq!(c.nvml.deadlines().init, Duration::from_secs(5));
+        assert_eq!(c.nvml.deadlines().gpu, Duration::from_secs(2));
+        let e = one("[nvml]\ninit_timeout = \"2m\"\n").unwrap_err().to_string();
+        assert!(e.contains("nvml.init_timeout") || e.contains("TimeoutStartSec"), "{e}");
+        assert!(one("[nvml]\ngpu_timeout = \"0s\"\n").is_err(), "a zero deadline is no deadline");
     }
 
     #[test]

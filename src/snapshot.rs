@@ -84,6 +84,10 @@ pub struct Snapshot {
     pub cuda_toolkits: Fact<Vec<CudaToolkit>>,
     pub kernel_log: Fact<KernelLog>,
     pub nvml: NvmlStatus,
+    /// NVML calls that passed their deadline and had not returned when the snapshot was taken
+    /// (a driver in recovery, a GPU off the bus); empty when NVML answered everything asked.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nvml_blocked: Vec<BlockedCall>,
     /// Installed NVIDIA/CUDA packages (dpkg).
     pub packages: Fact<Vec<Package>>,
     /// systemd units of the driver's daemons, asked over D-Bus.
@@ -509,7 +513,38 @@ pub enum NvmlFailureKind {
     DriverNotLoaded,
     VersionMismatch,
     NoPermission,
+    /// `nvmlInit_v2` did not return within its deadline (see `Snapshot::nvml_blocked`).
+    NotAnswering,
     Other,
+}
+
+/// An NVML call past its deadline that had not returned when the snapshot was taken.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockedCall {
+    /// The NVML function the worker was in: `nvmlInit_v2`, `nvmlDeviceGetMemoryInfo_v2`.
+    pub call: String,
+    /// The GPU it was about (PCI address, or `nvml:<index>` before the address was read).
+    pub gpu: Option<String>,
+    /// When the call was made.
+    pub since: Timestamp,
+    /// How long it had been blocked when the snapshot was taken.
+    pub blocked_ms: u64,
+    /// The deadline it passed.
+    pub deadline_ms: u64,
+}
+
+impl BlockedCall {
+    /// `nvmlDeviceGetMemoryInfo_v2 (GPU 0000:1b:00.0) has not returned for 42 s`.
+    pub fn describe(&self) -> String {
+        let on = self.gpu.as_deref().map(|g| format!(" (GPU {g})")).unwrap_or_default();
+        format!("{}{on} has not returned for {} s", self.call, whole_seconds(self.blocked_ms))
+    }
+}
+
+/// Milliseconds as whole seconds, to the nearest: a call abandoned at a 3 s deadline has been
+/// blocked for "3 s", not "2 s", when its wait ended a millisecond early.
+pub fn whole_seconds(ms: u64) -> u64 {
+    ms.saturating_add(500) / 1000
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

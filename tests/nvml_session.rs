@@ -50,7 +50,7 @@ fn a_thousand_service_snapshots_initialise_nvml_once_and_connect_to_the_bus_once
     config.agent.state_dir = state.path().to_path_buf();
     let inputs = Inputs {
         sysroot: repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"),
-        nvml: NvmlSource::Session(Arc::new(Session::new(lib.to_str().unwrap()))),
+        nvml: NvmlSource::Session(Arc::new(Session::new(lib.to_str().unwrap(), Default::default()))),
         config,
         token: None,
         started_at: phq_agent::snapshot::Timestamp::now(),
@@ -58,6 +58,7 @@ fn a_thousand_service_snapshots_initialise_nvml_once_and_connect_to_the_bus_once
         push: Default::default(),
         events: Default::default(),
         spool: None,
+        nvml_budget: None,
     };
     let before = init_count(&lib);
     let serial_before = next_connection_serial(&bus.address);
@@ -75,7 +76,7 @@ fn a_thousand_service_snapshots_initialise_nvml_once_and_connect_to_the_bus_once
     // What the service did before: a reading of its own per snapshot, an init each.
     let before = init_count(&lib);
     for _ in 0..10 {
-        let _ = phq_agent::collect::nvml::read(lib.to_str().unwrap());
+        let _ = phq_agent::collect::nvml::read(lib.to_str().unwrap(), Default::default());
     }
     assert_eq!(init_count(&lib) - before, 10);
 }

@@ -37,6 +37,22 @@ fn unit_exposure_is_at_most_2_0() {
     }
 }
 
+/// systemd waits `TimeoutStartSec=` for READY=1, which the service sends by the longest init
+/// deadline the configuration accepts: the two agree, with room for the non-NVML readings.
+#[test]
+fn unit_start_timeout_outlasts_the_longest_nvml_init_deadline() {
+    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/systemd/phq-agent.service");
+    let text = std::fs::read_to_string(&unit).unwrap();
+    let start: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("TimeoutStartSec=")?.strip_suffix('s')?.parse().ok())
+        .expect("the unit sets TimeoutStartSec= in seconds");
+    let longest = phq_agent::config::MAX_NVML_INIT_TIMEOUT.as_secs();
+    assert!(start >= longest + 20, "TimeoutStartSec={start}s leaves too little after an init deadline of {longest} s");
+    let default = phq_agent::config::Config::default().nvml.init_timeout.as_secs();
+    assert!(default <= longest);
+}
+
 #[test]
 fn install_unit_resumes_once_and_is_measured() {
     let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/systemd/phq-agent-install.service");

@@ -1,10 +1,11 @@
-//! The blocking Xid watcher against the fake NVML: an Xid scheduled 300 ms after init arrives on
-//! the channel, from its own thread, and dropping the watcher stops that thread. (Its own test
+//! The blocking Xid watcher against the fake NVML: it starts only once the session's NVML has
+//! answered (it shares that handle), an Xid scheduled 300 ms after init arrives on the channel,
+//! from its own thread, and dropping the watcher stops that thread. (Its own test
 //! binary, since the scenario is named through the process environment.)
 
 mod common;
 
-use phq_agent::collect::nvml::XidWatcher;
+use phq_agent::collect::nvml::{Session, XidWatcher};
 use std::time::Duration;
 
 #[test]
@@ -22,7 +23,11 @@ fn xid_arrives_while_watching_and_the_watcher_stops() {
     // SAFETY (of intent): this test binary has one test, so no other thread reads the environment.
     std::env::set_var("PHQ_FAKE_NVML_SCENARIO", &scenario);
     let lib = common::fake_nvml().to_str().unwrap().to_string();
-    let (watcher, rx) = XidWatcher::start(&lib).expect("watch the fake NVML");
+    let session = Session::new(&lib, Default::default());
+    let (tx, rx) = std::sync::mpsc::channel();
+    assert!(XidWatcher::start(&session, tx.clone()).is_none(), "no watcher before NVML has answered");
+    assert!(session.read(None).blocked.is_empty());
+    let watcher = XidWatcher::start(&session, tx).expect("watch the fake NVML");
     let first = rx.recv_timeout(Duration::from_secs(5)).expect("an Xid within 5 s");
     assert_eq!((first.gpu.as_str(), first.xid), ("0000:0c:00.0", 79));
     let second = rx.recv_timeout(Duration::from_secs(5)).expect("the repeat is not lost");

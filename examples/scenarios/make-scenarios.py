@@ -104,6 +104,23 @@ def xid79():
     return s
 
 
+def xid79_init_hangs():
+    """The Xid 79 machine while the driver is still in recovery: nvmlInit_v2 blocks for the first
+    120 s (nvidia-smi hanging for minutes is what operators meet first with Xid 79 and 119:
+    NVIDIA/open-gpu-kernel-modules issue #446; the fake's `hang` cites the sources)."""
+    s = xid79()
+    s["hangs"] = [{"function": "nvmlInit_v2", "until_ms": 120000}]
+    return s
+
+
+def memory_query_hangs():
+    """Healthy, but GPU 0000:0c:00.0's memory query never returns (its GSP stopped answering):
+    the other seven GPUs must still be read."""
+    s = hgx()
+    s["hangs"] = [{"function": "nvmlDeviceGetMemoryInfo_v2", "gpu": 3}]
+    return s
+
+
 def ecc_dbe():
     """Double-bit ECC on GPU 0000:0b:00.0 with the row remap still pending."""
     s = hgx()
@@ -212,6 +229,8 @@ SCENARIOS = {
     "hgx-8gpu-healthy": healthy,
     "hgx-8gpu-fabric-not-started": fabric_not_started,
     "hgx-8gpu-xid79": xid79,
+    "hgx-8gpu-xid79-init-hangs": xid79_init_hangs,
+    "hgx-8gpu-memory-query-hangs": memory_query_hangs,
     "hgx-8gpu-ecc-dbe-remap-pending": ecc_dbe,
     "hgx-8gpu-xid154-reset-required": xid154_reset_required,
     "hgx-8gpu-pcie-degraded-thermal": pcie_thermal,
@@ -360,6 +379,14 @@ def cuda_h200_wrong_gemm_entry():
     return s
 
 
+def cuda_h200_memtest_hangs():
+    """The H200 whose memory test's first kernel never finishes (docs/fake-cuda-scenario.md,
+    `hang`): every synchronisation after its launch blocks."""
+    s = cuda_h200()
+    s["hang"] = {"kernel": "phq_mem_write"}
+    return s
+
+
 def cuda_h200_old_driver():
     """The H200 under a driver of CUDA 10.2, older than the probe kernels' PTX ISA 7.0 (which
     needs CUDA 11.0): the driver refuses the module, and the probes that need no kernel still run."""
@@ -384,6 +411,7 @@ CUDA_SCENARIOS = {
     "cuda-h200-slower-h2d": cuda_h200_slower_h2d,
     "cuda-h200-wrong-gemm-entry": cuda_h200_wrong_gemm_entry,
     "cuda-h200-old-driver": cuda_h200_old_driver,
+    "cuda-h200-memtest-hangs": cuda_h200_memtest_hangs,
     "cuda-init-not-ready": lambda: {"init_error": "CUDA_ERROR_SYSTEM_NOT_READY", "devices": []},
 }
 

@@ -138,6 +138,7 @@ pub const CATALOG: &[&str] = &[
     "driver.device-nodes",
     "driver.persistence",
     "nvml.init",
+    "nvml.responsive",
     "cuda.driver-api",
     "cuda.init",
     "cuda.toolkit",
@@ -173,6 +174,7 @@ pub const CATALOG: &[&str] = &[
     "probe.gemm-sustained",
     "probe.latency",
     "probe.baseline",
+    "probe.responsive",
     "agent.platform-reachable",
     "agent.endpoint-auth",
 ];
@@ -339,6 +341,7 @@ pub(crate) mod testutil {
                 version: Fact::Value("12.4.1".into()),
             }]),
             kernel_log: Fact::Value(KernelLog { source: "/dev/kmsg".into(), records: 100, ..Default::default() }),
+            nvml_blocked: vec![],
             nvml: NvmlStatus::Ok(NvmlInfo {
                 library: "libnvidia-ml.so.1".into(),
                 driver_version: Nv::Value("580.82.07".into()),

@@ -30,6 +30,7 @@ const PER_GPU: &[(&str, PerGpu)] = &[
 
 pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
     out.push(init(s));
+    out.extend(responsive(s));
     let no_gpu = s.gpus().is_empty();
     let Some(nvml) = s.nvml() else {
         let why = match &s.nvml {
@@ -131,9 +132,49 @@ fn init(s: &Snapshot) -> Finding {
         NvmlFailureKind::NoPermission => Finding::fail(ID, "NVML: no permission to talk to the driver")
             .detail(failure.message.clone())
             .remedy("Run as root, or check the modes of /dev/nvidiactl and /dev/nvidia* (0666 by default; `NVreg_DeviceFileMode`)."),
+        // Not a failure yet: it has not answered at all. nvml.responsive says so and fails.
+        NvmlFailureKind::NotAnswering => Finding::unknown(ID, "NVML has not answered within its deadline")
+            .detail(format!("{} (see nvml.responsive).", failure.message)),
         NvmlFailureKind::Other => Finding::fail(ID, "NVML failed to initialise").detail(failure.message.clone()).remedy("Read `dmesg | grep NVRM` for the driver's reason; restart the VM if the driver reports the GPU lost."),
     };
     f.evidence("library", &failure.library).evidence("kind", failure.kind)
+}
+
+/// nvml.responsive: every NVML call the snapshot made returned within its deadline. One
+/// failing finding per call still blocked, naming the call, the GPU and how long; a GPU that
+/// has fallen off the bus or a GSP that stopped answering (Xid 79, 119) shows here first.
+fn responsive(s: &Snapshot) -> Vec<Finding> {
+    const ID: &str = "nvml.responsive";
+    if s.nvml_blocked.is_empty() {
+        return vec![match &s.nvml {
+            NvmlStatus::NotRead(_) => Finding::pass(ID, "NVML not asked: nothing to wait for"),
+            _ => Finding::pass(ID, "NVML answered every call within its deadline"),
+        }];
+    }
+    s.nvml_blocked
+        .iter()
+        .map(|b| {
+            let mut f = Finding::fail(ID, format!("NVML is not answering: {}", b.describe()))
+                .detail(format!(
+                    "The call was made at {} and passed its {} s deadline; it cannot be cancelled, so it is \
+                     not made again until it returns, and every reading NVML would have given through it is \
+                     left out rather than shown stale. Everything read without NVML is still reported.",
+                    b.since,
+                    crate::snapshot::whole_seconds(b.deadline_ms)
+                ))
+                .remedy(
+                    "Read `dmesg | grep -E 'NVRM|Xid'`: Xid 79 (GPU fallen off the bus) or 119/120 (GSP not \
+                     answering) mean the GPU needs a reset or the VM a restart; report it to the platform \
+                     with `phq-agent doctor --bundle`.",
+                )
+                .evidence("call", &b.call)
+                .evidence("blocked_ms", b.blocked_ms)
+                .evidence("deadline_ms", b.deadline_ms)
+                .evidence("since", b.since.to_string());
+            f.gpu = b.gpu.clone();
+            f
+        })
+        .collect()
 }
 
 pub(super) fn on_off(b: bool) -> &'static str {
@@ -187,8 +228,55 @@ mod tests {
             let i = find(&f, "nvml.init")[0];
             assert_eq!(i.severity, Severity::Fail);
             assert!(i.summary.contains(words), "{kind:?}: {}", i.summary);
-            assert!(f.iter().filter(|f| f.id != "nvml.init").all(|f| f.severity == Severity::Unknown));
+            // NVML answered (with a failure), so nvml.responsive passes; the rest cannot be known.
+            assert_eq!(find(&f, "nvml.responsive")[0].severity, Severity::Pass);
+            let rest = f.iter().filter(|f| f.id != "nvml.init" && f.id != "nvml.responsive");
+            assert!(rest.into_iter().all(|f| f.severity == Severity::Unknown));
         }
+    }
+
+    #[test]
+    fn a_blocked_call_fails_nvml_responsive_naming_the_call_the_gpu_and_how_long() {
+        let mut s = healthy();
+        assert_eq!(find(&findings(&s), "nvml.responsive")[0].severity, Severity::Pass);
+        s.nvml_blocked.push(BlockedCall {
+            call: "nvmlDeviceGetMemoryInfo_v2".into(),
+            gpu: Some("0000:0b:00.0".into()),
+            since: Timestamp::from_unix_millis(1_764_000_000_000),
+            blocked_ms: 42_400,
+            deadline_ms: 5_000,
+        });
+        let f = findings(&s);
+        let r = find(&f, "nvml.responsive");
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].severity, Severity::Fail);
+        assert_eq!(r[0].gpu.as_deref(), Some("0000:0b:00.0"));
+        assert_eq!(
+            r[0].summary,
+            "NVML is not answering: nvmlDeviceGetMemoryInfo_v2 (GPU 0000:0b:00.0) has not returned for 42 s"
+        );
+    }
+
+    #[test]
+    fn an_init_that_has_not_answered_is_unknown_to_nvml_init_and_a_failure_of_nvml_responsive() {
+        let mut s = healthy();
+        s.nvml = NvmlStatus::Failed(NvmlFailure {
+            kind: NvmlFailureKind::NotAnswering,
+            library: "libnvidia-ml.so.1".into(),
+            message: "nvmlInit_v2 has not returned for 3 s (deadline 3 s)".into(),
+        });
+        s.nvml_blocked.push(BlockedCall {
+            call: "nvmlInit_v2".into(),
+            gpu: None,
+            since: Timestamp::from_unix_millis(1_764_000_000_000),
+            blocked_ms: 3_000,
+            deadline_ms: 3_000,
+        });
+        let f = findings(&s);
+        assert_eq!(find(&f, "nvml.init")[0].severity, Severity::Unknown);
+        let r = find(&f, "nvml.responsive");
+        assert_eq!((r[0].severity, r[0].gpu.as_deref()), (Severity::Fail, None));
+        assert!(r[0].summary.contains("nvmlInit_v2 has not returned for 3 s"), "{}", r[0].summary);
     }
 
     #[test]

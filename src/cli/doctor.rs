@@ -39,7 +39,8 @@ impl Doctor {
             Some(path) => bundle::read_snapshot(path)?,
             None => crate::collect::snapshot(
                 &root,
-                &crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root),
+                &crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root)
+                    .under(config.nvml.deadlines()),
             ),
         };
         let mut findings = checks::run(&snapshot, &Settings::from(&config));

@@ -105,6 +105,13 @@ pub enum Command {
     /// Print shell completions (bash, zsh, fish) to stdout; the packages install them.
     #[command(after_help = "Exit codes: 0 printed; 64 usage.")]
     Completions(Completions),
+    /// The service's probe process (probe::child): reads its request on stdin, answers on stdout.
+    #[command(hide = true)]
+    ProbeChild {
+        /// The CUDA library the service was given.
+        #[arg(long, value_name = "PATH")]
+        cuda_lib: Option<PathBuf>,
+    },
     /// Write the manual pages (phq-agent.1 and one per subcommand) into a directory; the
     /// packages install them.
     #[command(hide = true)]
@@ -148,6 +155,10 @@ impl Cli {
                 let mut out = Vec::new();
                 clap_complete::generate(c.shell, &mut <Cli as clap::CommandFactory>::command(), "phq-agent", &mut out);
                 print_out(&String::from_utf8_lossy(&out), false).map(|()| 0)
+            }
+            Command::ProbeChild { cuda_lib } => {
+                crate::cuda::use_library(cuda_lib);
+                crate::probe::child::child_main()
             }
             Command::Manpages { dir } => clap_mangen::generate_to(<Cli as clap::CommandFactory>::command(), &dir)
                 .map(|()| 0)

@@ -42,7 +42,7 @@ impl Probe {
         let root = Sysroot::new(&self.machine.sysroot);
         let snapshot = crate::collect::snapshot(
             &root,
-            &crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root),
+            &crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root).under(config.nvml.deadlines()),
         );
         let level = if self.level == ProbeLevel::None { ProbeLevel::Quick } else { self.level };
         if self.dry_run {

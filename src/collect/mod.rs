@@ -5,6 +5,7 @@
 //! of text with unit tests over real captured output.
 
 pub mod cuda;
+pub mod deadline;
 pub mod driver;
 pub mod host;
 pub mod kmsg;
@@ -19,7 +20,8 @@ use crate::sysroot::Sysroot;
 /// Where NVML comes from for a snapshot.
 #[derive(Debug, Clone)]
 pub enum NvmlSource {
-    /// Load this library (a path, or a soname for the dynamic loader) for this snapshot alone.
+    /// Load this library (a path, or a soname for the dynamic loader) for this snapshot alone,
+    /// each phase under the default deadlines.
     Library(String),
     /// Read through a session kept across snapshots (the service).
     Session(std::sync::Arc<nvml::Session>),
@@ -38,6 +40,14 @@ impl PartialEq for NvmlSource {
 }
 
 impl NvmlSource {
+    /// A library read under `deadlines` (the configuration's `[nvml]`), not the defaults.
+    pub fn under(self, deadlines: nvml::Deadlines) -> Self {
+        match self {
+            NvmlSource::Library(lib) => NvmlSource::Session(std::sync::Arc::new(nvml::Session::new(&lib, deadlines))),
+            other => other,
+        }
+    }
+
     /// `--nvml-lib` when given; else the system's NVML on a live root; else none, since a
     /// fixture or bundle root stands for another machine whose NVML this one cannot ask.
     pub fn choose(explicit: Option<&std::path::Path>, root: &Sysroot) -> Self {
@@ -54,6 +64,45 @@ impl NvmlSource {
 
 /// Reads everything a snapshot holds from `root`.
 pub fn snapshot(root: &Sysroot, nvml_source: &NvmlSource) -> Snapshot {
+    snapshot_within(root, nvml_source, None)
+}
+
+/// As `snapshot`, with NVML's phases all within `nvml_budget` when one is given (the service's
+/// first snapshot, which systemd waits for). Whatever NVML does, everything else is read: NVML
+/// on a thread of its own while the rest is read here, so a snapshot takes as long as the
+/// slower of the two, not their sum.
+pub fn snapshot_within(root: &Sysroot, nvml_source: &NvmlSource, nvml_budget: Option<std::time::Duration>) -> Snapshot {
+    std::thread::scope(|scope| {
+        let nvml = std::thread::Builder::new()
+            .name("nvml-read".into())
+            .spawn_scoped(scope, || read_nvml(nvml_source, nvml_budget));
+        let mut snapshot = read_without_nvml(root);
+        let reading = match nvml {
+            Ok(handle) => handle.join().unwrap_or_else(|_| nvml::Reading {
+                status: crate::snapshot::NvmlStatus::NotRead("the NVML reader panicked".into()),
+                blocked: vec![],
+            }),
+            // No thread to be had: read NVML here (each call still has its worker and deadline).
+            Err(_) => read_nvml(nvml_source, nvml_budget),
+        };
+        snapshot.nvml = reading.status;
+        snapshot.nvml_blocked = reading.blocked;
+        snapshot
+    })
+}
+
+fn read_nvml(source: &NvmlSource, budget: Option<std::time::Duration>) -> nvml::Reading {
+    match source {
+        NvmlSource::Library(lib) => nvml::read(lib, nvml::Deadlines::default()),
+        NvmlSource::Session(s) => s.read(budget),
+        NvmlSource::Skip(why) => {
+            nvml::Reading { status: crate::snapshot::NvmlStatus::NotRead(why.clone()), blocked: vec![] }
+        }
+    }
+}
+
+/// Everything but NVML (left `NotRead` for the caller to fill in).
+fn read_without_nvml(root: &Sysroot) -> Snapshot {
     let host = host::read(root);
     let driver =
         driver::read(root, host.kernel_release.value().map(String::as_str), host.cmdline.value().map(String::as_str));
@@ -83,11 +132,8 @@ pub fn snapshot(root: &Sysroot, nvml_source: &NvmlSource) -> Snapshot {
                 root.root().display()
             ))
         },
-        nvml: match nvml_source {
-            NvmlSource::Library(lib) => nvml::read(lib),
-            NvmlSource::Session(s) => s.read(),
-            NvmlSource::Skip(why) => crate::snapshot::NvmlStatus::NotRead(why.clone()),
-        },
+        nvml: crate::snapshot::NvmlStatus::NotRead("not read yet".into()),
+        nvml_blocked: vec![],
         host,
     }
 }

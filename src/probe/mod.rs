@@ -11,6 +11,7 @@
 
 pub mod affinity;
 pub mod baseline;
+pub mod child;
 pub mod cuda;
 pub mod judge;
 pub mod kernels;
@@ -699,7 +700,7 @@ pub fn run_here(
     backend.level = opts.level;
     let targets = targets_of(snapshot, &devices, std::process::id());
     // NVML beside CUDA, for the clocks after each measurement; without it the figures stand alone.
-    let session = snapshot.nvml().map(|n| crate::collect::nvml::Session::new(&n.library));
+    let session = snapshot.nvml().map(|n| crate::collect::nvml::Session::new(&n.library, Default::default()));
     let pcis = devices.iter().map(|d| d.pci.clone()).collect();
     let mut observed = Observed { inner: &mut backend, session, pcis, seen: Default::default() };
     Ok((run(&mut observed, &targets, opts, progress), targets))

@@ -19,6 +19,8 @@ struct Agent {
     shared: Shared,
     /// Where the probe run lock lives.
     state_dir: std::path::PathBuf,
+    /// `probes.deadline_margin`.
+    margin: std::time::Duration,
 }
 
 fn fdo(msg: impl Into<String>) -> zbus::fdo::Error {
@@ -45,27 +47,29 @@ impl Agent {
             }
         };
         let p = super::current(&self.shared).ok_or_else(|| fdo("no snapshot yet: the agent is starting"))?;
-        let answer = match crate::probe::run_here(
+        // In a child process under a deadline (probe::child): a kernel that never ends costs
+        // this call its deadline, not the service.
+        let answer = match crate::probe::child::run(
             &p.snapshot,
-            &crate::probe::Options { level, only: &[], force: false, gemm_seconds: None },
+            level,
             &self.state_dir,
             "D-Bus RunProbes",
+            self.margin,
             &mut |step| tracing::info!("probe: {step}"),
         ) {
-            Ok((report, targets)) => {
-                serde_json::json!({ "findings": crate::probe::judge_here(&report, &targets, &self.state_dir), "probes": report })
-            }
-            Err(e) => {
-                serde_json::json!({ "findings": crate::probe::unavailable(&e.to_string()), "probes": null, "error": e.to_string() })
-            }
+            Ok(a) => serde_json::json!({ "findings": a.findings, "probes": a.probes }),
+            Err(e) => serde_json::json!({ "findings": crate::probe::unavailable(&e), "probes": null, "error": e }),
         };
         Ok(answer.to_string())
     }
 }
 
 /// Owns the name and serves the interface until the returned connection is dropped.
-pub fn serve(shared: Shared, state_dir: std::path::PathBuf) -> zbus::Result<Connection> {
-    zbus::blocking::connection::Builder::system()?.name(NAME)?.serve_at(PATH, Agent { shared, state_dir })?.build()
+pub fn serve(shared: Shared, state_dir: std::path::PathBuf, margin: std::time::Duration) -> zbus::Result<Connection> {
+    zbus::blocking::connection::Builder::system()?
+        .name(NAME)?
+        .serve_at(PATH, Agent { shared, state_dir, margin })?
+        .build()
 }
 
 /// Tells listeners the health changed.

@@ -275,11 +275,11 @@ impl Admission {
     }
 }
 
-fn plain(status: StatusCode, body: &'static str) -> Response<Body> {
+fn plain(status: StatusCode, body: impl Into<Body>) -> Response<Body> {
     Response::builder()
         .status(status)
         .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
-        .body(Body::from(body))
+        .body(body.into())
         .unwrap_or_default()
 }
 
@@ -290,7 +290,10 @@ async fn healthz(State(shared): State<Shared>) -> Response<Body> {
             Health::Healthy => plain(StatusCode::OK, "ok\n"),
             // Could not check everything, or something warns: still usable, so ready.
             Health::Degraded | Health::Unknown => plain(StatusCode::OK, "degraded\n"),
-            Health::Unhealthy => plain(StatusCode::SERVICE_UNAVAILABLE, "unhealthy\n"),
+            Health::Unhealthy => match &p.reason {
+                Some(why) => plain(StatusCode::SERVICE_UNAVAILABLE, format!("unhealthy: {why}\n")),
+                None => plain(StatusCode::SERVICE_UNAVAILABLE, "unhealthy\n"),
+            },
         },
     }
 }

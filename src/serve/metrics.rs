@@ -124,6 +124,22 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     fam.gauge("phq_snapshot_timestamp_seconds", "When the snapshot these metrics come from was taken (Unix time)")
         .get_or_create(&vec![])
         .set(observed);
+    // NVML answering or not: while a call is past its deadline the GPUs it was about have no
+    // series at all (their readings are left out, never repeated from an older snapshot).
+    if !matches!(s.nvml, crate::snapshot::NvmlStatus::NotRead(_)) {
+        fam.gauge("phq_nvml_responsive", "1 when NVML answered every call of the snapshot within its deadline, else 0")
+            .get_or_create(&vec![])
+            .set(if s.nvml_blocked.is_empty() { 1.0 } else { 0.0 });
+        let blocked = fam.gauge(
+            "phq_nvml_blocked_seconds",
+            "How long each NVML call past its deadline had been blocked when the snapshot was taken",
+        );
+        for b in &s.nvml_blocked {
+            blocked
+                .get_or_create(&l(&[("call", &b.call), ("gpu", b.gpu.as_deref().unwrap_or(""))]))
+                .set(b.blocked_ms as f64 / 1000.0);
+        }
+    }
     if let crate::snapshot::NvmlStatus::Ok(n) = &s.nvml {
         let cuda =
             n.cuda_driver_version.value().map(|v| format!("{}.{}", v / 1000, (v % 1000) / 10)).unwrap_or_default();

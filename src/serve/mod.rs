@@ -10,7 +10,10 @@
 //!    — `service::publish`, `Published`, `http::serve`.
 //! 3. `READY=1` goes to systemd after the first publish, with a `STATUS=` line a person can read
 //!    in `systemctl status`; watchdog pings follow at half `WatchdogSec` while the service's
-//!    loops turn. — `service::run`, `service::watchdog`.
+//!    loops turn. The first snapshot's NVML part ends by `nvml.init_timeout` whatever NVML does,
+//!    so READY=1 comes by then; while an NVML call is past its deadline, `STATUS=` and /healthz
+//!    say "NVML has not answered for N s (call)". — `service::run`, `service::watchdog`,
+//!    `nvml_not_answering`.
 //! 4. SIGTERM/SIGINT: `STOPPING=1`, stop accepting, exit 0; the loops stop first, so the last
 //!    events reach the spool, then HTTP and the pusher. SIGHUP: reload config and token; an
 //!    invalid new config is logged and the old one kept. — `service::run`, `service::reload`.
@@ -24,8 +27,10 @@
 //!    — `service::events`, `XidWindow`.
 //! 7. Spool writes run on their own thread (`SpoolWriter`), never on a loop; the watchdog is
 //!    pinged by its own task for as long as the snapshotter and the event task keep turning
-//!    (`LOOP_STALL`), so a burst of events cannot starve it and a hung task still stops it.
-//!    — `SpoolWriter`, `service::watchdog`.
+//!    (`LOOP_STALL`), so a burst of events cannot starve it and a hung task still stops it. The
+//!    snapshotter counts as turning while its snapshot runs within the snapshot's bound (every
+//!    NVML phase to its deadline, plus `LOOP_STALL`), never because a worker reports in.
+//!    — `SpoolWriter`, `service::watchdog`, `service::Snapshotter::snapshot_bound`.
 //! 8. At start, Xids in this boot's kernel log after `KMSG_XID_MARK` (the last kernel log
 //!    record a running agent has seen) become events, merged per GPU and code: an Xid that NVML
 //!    delivered while the agent was being killed, before it reached the spool, or one that came
@@ -281,6 +286,9 @@ pub struct Published {
     /// The bearer token for `/v1/status` and `/metrics`; `None` refuses them.
     pub token: Option<String>,
     pub summary: String,
+    /// Why the service is not healthy, when it can say it without credentials (NVML not
+    /// answering): /healthz adds it to "unhealthy".
+    pub reason: Option<String>,
     /// The snapshot itself, for the probes run on request.
     pub snapshot: Arc<crate::snapshot::Snapshot>,
 }
@@ -398,12 +406,15 @@ pub struct Inputs {
     /// Event accounting and the spool, for `agent.events` in every report.
     pub events: Arc<EventCounters>,
     pub spool: Option<push::Spool>,
+    /// All of NVML's phases within this (the first snapshot, which systemd waits for: READY=1
+    /// comes by the init deadline at the latest); `None`, each phase its own deadline.
+    pub nvml_budget: Option<Duration>,
 }
 
 /// Collects, checks and renders one snapshot; the report comes back too, for the events.
 pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     let root = Sysroot::new(&inputs.sysroot);
-    let snapshot = crate::collect::snapshot(&root, &inputs.nvml);
+    let snapshot = crate::collect::snapshot_within(&root, &inputs.nvml, inputs.nvml_budget);
     let mut findings = checks::run(&snapshot, &Settings::from(&inputs.config));
     if let Some(p) = &inputs.probes {
         findings.extend(p.1.iter().cloned());
@@ -428,8 +439,10 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     report.install = crate::install::report_value();
     let m = metrics::render(&snapshot, &report, inputs.config.metrics.dcgm_compat);
     let count = |sev| report.findings.iter().filter(|f| f.severity == sev).count();
+    let not_answering = nvml_not_answering(&snapshot);
     let summary = format!(
-        "{} GPU(s), {}: {} failed, {} warning(s); snapshot {}",
+        "{}{} GPU(s), {}: {} failed, {} warning(s); snapshot {}",
+        not_answering.as_deref().map(|n| format!("{n}; ")).unwrap_or_default(),
         report.gpus.len(),
         format!("{:?}", report.health).to_lowercase(),
         count(checks::Severity::Fail),
@@ -445,9 +458,18 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         metrics_openmetrics: Bytes::from(m.openmetrics),
         token: inputs.token.clone(),
         summary,
+        reason: not_answering,
         snapshot: Arc::new(snapshot),
     };
     (published, report)
+}
+
+/// `NVML has not answered for 42 s (nvmlInit_v2)`, the longest-blocked call, when any is: for
+/// systemd's STATUS= line and /healthz, so a person sees why before reading the report.
+pub fn nvml_not_answering(s: &crate::snapshot::Snapshot) -> Option<String> {
+    let b = s.nvml_blocked.iter().max_by_key(|b| b.blocked_ms)?;
+    let gpu = b.gpu.as_deref().map(|g| format!(" on GPU {g}")).unwrap_or_default();
+    Some(format!("NVML has not answered for {} s ({}{gpu})", crate::snapshot::whole_seconds(b.blocked_ms), b.call))
 }
 
 /// Whether every GPU is idle: no compute process and no utilisation, per NVML. Unknown counts
@@ -460,20 +482,23 @@ pub fn all_gpus_idle(s: &crate::snapshot::Snapshot) -> bool {
     })
 }
 
-/// Runs the probes at `level` on this machine; `None` when they cannot run here (logged).
+/// Runs the probes at `level` on this machine, in a child process under a deadline
+/// (`probe::child`); `None` when they cannot run here (logged).
 pub fn run_probes(
     snapshot: &crate::snapshot::Snapshot,
     level: crate::config::ProbeLevel,
     state_dir: &std::path::Path,
+    margin: Duration,
 ) -> Option<(serde_json::Value, Vec<checks::Finding>)> {
-    let opts = crate::probe::Options { level, only: &[], force: false, gemm_seconds: None };
-    match crate::probe::run_here(snapshot, &opts, state_dir, "phq-agent serve (boot or idle probes)", &mut |step| {
-        tracing::info!("probe: {step}")
-    }) {
-        Ok((report, targets)) => Some((
-            serde_json::to_value(&report).unwrap_or_default(),
-            crate::probe::judge_here(&report, &targets, state_dir),
-        )),
+    match crate::probe::child::run(
+        snapshot,
+        level,
+        state_dir,
+        "phq-agent serve (boot or idle probes)",
+        margin,
+        &mut |step| tracing::info!("probe: {step}"),
+    ) {
+        Ok(a) => Some((a.probes, a.findings)),
         Err(e) => {
             tracing::warn!(error = %e, "probes cannot run");
             None

@@ -4,12 +4,12 @@
 //! | task | owns | hears | tells |
 //! |---|---|---|---|
 //! | [`run`] (the coordinator) | signals, configuration, start and stop order | SIGTERM, SIGINT, SIGHUP | everyone, through `Config` and stop channels |
-//! | [`snapshotter`] | `Inputs`, the schedule | ticks, "snapshot now", probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the probe task |
+//! | [`snapshotter`] | `Inputs` (with the NVML session), the schedule, the Xid watcher (started once NVML answers) | ticks, "snapshot now" (an Xid, NVML answering after a deadline), probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the probe task |
 //! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, a 1 s beat | the pusher (status), the snapshotter ("now") |
 //! | `http::serve` | the listener | connections | — |
 //! | `push::Pusher::run` | the platform connection | spool wake-ups, status | — |
 //! | [`dbus`] | the bus connection | health changes | D-Bus signals |
-//! | [`probes`] | the GPUs while probing | requests | the snapshotter (results) |
+//! | [`probes`] | the probe child process (`probe::child`), killed at its deadline | requests | the snapshotter (results) |
 //! | [`watchdog`] | systemd's watchdog | the heartbeats of the snapshotter and the event task | systemd |
 //! | [`follow_sxids`] (a thread) | the kernel log read as it is written | new kernel log records | the event task (SXids) |
 
@@ -100,11 +100,23 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     };
     let counters = Arc::new(EventCounters::default());
     let root = crate::sysroot::Sysroot::new(&machine.sysroot);
-    let inputs = Inputs {
+    let deadlines = config.nvml.deadlines();
+    // Asks to the snapshotter, made first: NVML answering again after a blocked call asks for
+    // a snapshot at once (collect::deadline rule 4).
+    let (to_snapshotter, snapshotter_rx) = mpsc::unbounded_channel();
+    let mut inputs = Inputs {
         sysroot: machine.sysroot.clone(),
         // One NVML session for the service's life (reopened only when a reading says it is gone).
         nvml: match NvmlSource::choose(machine.nvml_lib.as_deref(), &root) {
-            NvmlSource::Library(lib) => NvmlSource::Session(Arc::new(crate::collect::nvml::Session::new(&lib))),
+            NvmlSource::Library(lib) => {
+                let session = Arc::new(crate::collect::nvml::Session::new(&lib, deadlines));
+                let ask = to_snapshotter.clone();
+                session.on_answer(Arc::new(move || {
+                    tracing::info!("NVML answered a call that had passed its deadline; taking a snapshot now");
+                    let _ = ask.send(ToSnapshotter::Now);
+                }));
+                NvmlSource::Session(session)
+            }
             other => other,
         },
         token: settings.token.clone(),
@@ -114,6 +126,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         push: Default::default(),
         events: counters.clone(),
         spool: spool.clone(),
+        // Rule 3: READY=1 by the init deadline at the latest.
+        nvml_budget: Some(deadlines.init),
     };
 
     // HTTP from the start: /healthz answers while the first snapshot is taken.
@@ -141,6 +155,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         _ = term.recv() => return Ok(stopped_before_ready("SIGTERM")),
         _ = int.recv() => return Ok(stopped_before_ready("SIGINT")),
     };
+    inputs.nvml_budget = None;
     let first = Taken { report: Arc::new(first_report), snapshot: published.snapshot.clone() };
     let status = publish(&shared, published);
 
@@ -161,17 +176,17 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     };
 
     let (health_tx, health_rx) = mpsc::unbounded_channel();
-    let dbus = dbus(shared.clone(), state_dir.clone(), health_rx).await;
+    let margin = config.probes.deadline_margin;
+    let dbus = dbus(shared.clone(), state_dir.clone(), margin, health_rx).await;
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
     tracing::info!(%status, "ready");
 
     let (settings_tx, settings_rx) = watch::channel(settings);
-    let (to_snapshotter, snapshotter_rx) = mpsc::unbounded_channel();
     let (taken_tx, taken_rx) = mpsc::unbounded_channel();
     let (probe_tx, probe_rx) = mpsc::unbounded_channel();
     let started = Instant::now();
     let (snap_beat, event_beat) = (Heartbeat::new(started), Heartbeat::new(started));
-    let (xid_rx, _watcher) = watch_xids(&inputs.nvml)?;
+    let (xid_rx, xid_tx) = forward_xids()?;
 
     let event_task = tokio::spawn(events(Events {
         last: first.report.clone(),
@@ -188,7 +203,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         heartbeat: event_beat.clone(),
         first_snapshot: first.snapshot.clone(),
     }));
-    let probe_task = tokio::spawn(probes(probe_rx, to_snapshotter.clone(), state_dir.clone()));
+    let probe_task = tokio::spawn(probes(probe_rx, to_snapshotter.clone(), state_dir.clone(), margin));
     // Rule 1's probes at boot, before workloads start, when asked.
     let at_boot = settings_rx.borrow().config.probes.at_boot;
     if at_boot != ProbeLevel::None {
@@ -206,6 +221,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         probes: probe_tx,
         stop: stop_loops.subscribe(),
         heartbeat: snap_beat.clone(),
+        xids: xid_tx,
+        watcher: None,
     }));
     if let Some(every) = sd_notify::watchdog_enabled().filter(|d| !d.is_zero()) {
         tokio::spawn(watchdog(every / 2, vec![("snapshotter", snap_beat), ("events", event_beat)]));
@@ -312,6 +329,32 @@ struct Snapshotter {
     probes: mpsc::UnboundedSender<(Arc<Snapshot>, ProbeLevel)>,
     stop: watch::Receiver<bool>,
     heartbeat: Heartbeat,
+    /// Where the Xid watcher sends, and the watcher once NVML has answered (it shares the
+    /// session's handle, so it cannot start before).
+    xids: std::sync::mpsc::Sender<NvmlXid>,
+    watcher: Option<XidWatcher>,
+}
+
+impl Snapshotter {
+    /// Starts the Xid watcher if NVML has answered and none runs yet.
+    fn watch_xids(&mut self) {
+        if self.watcher.is_some() {
+            return;
+        }
+        if let NvmlSource::Session(session) = &self.inputs.nvml {
+            self.watcher = XidWatcher::start(session, self.xids.clone());
+            if self.watcher.is_some() {
+                tracing::info!("watching NVML for Xid events");
+            }
+        }
+    }
+
+    /// The longest a snapshot may take while the loop still counts as turning (rule 7): every
+    /// NVML phase to its deadline, and a margin for the rest.
+    fn snapshot_bound(&self) -> Duration {
+        let gpus = self.last.gpus.len().max(8) as u32;
+        self.inputs.config.nvml.deadlines().worst_case(gpus) + LOOP_STALL
+    }
 }
 
 /// Rules 1–3: a snapshot every `SNAPSHOT_INTERVAL`, at once when asked, one at a time on the
@@ -322,6 +365,7 @@ async fn snapshotter(mut s: Snapshotter) {
     ticker.tick().await; // the first tick is immediate; the first snapshot is taken already
     let mut last_probe = Instant::now();
     let mut beat = tokio::time::interval(Duration::from_secs(1));
+    s.watch_xids();
     loop {
         s.heartbeat.beat();
         tokio::select! {
@@ -344,10 +388,18 @@ async fn snapshotter(mut s: Snapshotter) {
             _ = beat.tick() => {}
             _ = ticker.tick() => {
                 let (inputs, n) = (s.inputs.clone(), take(&s.seq));
-                let taken = tokio::select! {
-                    taken = tokio::task::spawn_blocking(move || super::take_snapshot(&inputs, n)) => taken,
-                    _ = stopped(s.stop.clone()) => return,
+                // Rule 7: the loop keeps turning while a snapshot runs within its bound (every
+                // NVML call is under a deadline), and stops beating past it.
+                let (bound, began) = (s.snapshot_bound(), Instant::now());
+                let mut running = tokio::task::spawn_blocking(move || super::take_snapshot(&inputs, n));
+                let taken = loop {
+                    tokio::select! {
+                        taken = &mut running => break taken,
+                        _ = stopped(s.stop.clone()) => return,
+                        _ = beat.tick() => if began.elapsed() < bound { s.heartbeat.beat() },
+                    }
                 };
+                s.watch_xids();
                 let (p, report) = match taken {
                     Ok(t) => t,
                     Err(e) => {
@@ -520,9 +572,10 @@ async fn events(mut e: Events) {
 async fn dbus(
     shared: Shared,
     state_dir: std::path::PathBuf,
+    margin: Duration,
     mut health: mpsc::UnboundedReceiver<(String, String)>,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    let building = tokio::task::spawn_blocking(move || bus::serve(shared, state_dir));
+    let building = tokio::task::spawn_blocking(move || bus::serve(shared, state_dir, margin));
     let conn = match tokio::time::timeout(Duration::from_secs(5), building).await {
         Ok(Ok(Ok(conn))) => conn,
         Ok(Ok(Err(e))) => {
@@ -542,16 +595,20 @@ async fn dbus(
     }))
 }
 
-/// Runs the probes asked for, one run at a time, on the blocking pool; never on a GPU with a
-/// compute process (the snapshotter asks only when every GPU is idle, or at boot).
+/// Runs the probes asked for, one run at a time, each in a child process under its deadline
+/// (`probe::child`); never on a GPU with a compute process (the snapshotter asks only when every
+/// GPU is idle, or at boot).
 async fn probes(
     mut asks: mpsc::UnboundedReceiver<(Arc<Snapshot>, ProbeLevel)>,
     results: mpsc::UnboundedSender<ToSnapshotter>,
     state_dir: std::path::PathBuf,
+    margin: Duration,
 ) {
     while let Some((snapshot, level)) = asks.recv().await {
         let dir = state_dir.clone();
-        if let Ok(Some(p)) = tokio::task::spawn_blocking(move || super::run_probes(&snapshot, level, &dir)).await {
+        if let Ok(Some(p)) =
+            tokio::task::spawn_blocking(move || super::run_probes(&snapshot, level, &dir, margin)).await
+        {
             let _ = results.send(ToSnapshotter::Probes(p));
         }
     }
@@ -571,34 +628,22 @@ fn follow_sxids(root: &crate::sysroot::Sysroot) -> (mpsc::UnboundedReceiver<Sxid
     }
 }
 
-/// Xids from NVML as they happen, watched from a thread of their own (the watcher lives as long
-/// as the returned value); no NVML, no watcher.
-fn watch_xids(nvml: &NvmlSource) -> anyhow::Result<(mpsc::UnboundedReceiver<NvmlXid>, Option<XidWatcher>)> {
+/// Xids from NVML as they happen: the watcher (started by the snapshotter once NVML answers)
+/// sends on the returned std sender, and a thread forwards to the event task's channel.
+fn forward_xids() -> anyhow::Result<(mpsc::UnboundedReceiver<NvmlXid>, std::sync::mpsc::Sender<NvmlXid>)> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let lib = match nvml {
-        NvmlSource::Library(lib) => lib.clone(),
-        NvmlSource::Session(s) => s.library().to_string(),
-        NvmlSource::Skip(_) => return Ok((rx, None)),
-    };
-    match XidWatcher::start(&lib) {
-        Ok((w, from_nvml)) => {
-            std::thread::Builder::new()
-                .name("xid-forward".into())
-                .spawn(move || {
-                    for x in from_nvml {
-                        if tx.send(x).is_err() {
-                            return;
-                        }
-                    }
-                })
-                .context("cannot start the Xid forwarding thread")?;
-            Ok((rx, Some(w)))
-        }
-        Err(e) => {
-            tracing::warn!(error = %e.message, "Xid events are not watched; the kernel log still shows them at each snapshot");
-            Ok((rx, None))
-        }
-    }
+    let (from_tx, from_nvml) = std::sync::mpsc::channel::<NvmlXid>();
+    std::thread::Builder::new()
+        .name("xid-forward".into())
+        .spawn(move || {
+            for x in from_nvml {
+                if tx.send(x).is_err() {
+                    return;
+                }
+            }
+        })
+        .context("cannot start the Xid forwarding thread")?;
+    Ok((rx, from_tx))
 }
 
 /// Rule 7: pings systemd's watchdog every `every` (half `WatchdogSec`) while every looping

@@ -361,7 +361,8 @@ pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
 /// As the real one.
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
-    with(|w| match w.current_ctx() {
+    crate::hang::settle(with(|w| match w.current_ctx() {
+        Ok(_) if crate::hang::sync_blocks(&w.scenario, "cuCtxSynchronize") => crate::hang::BLOCK,
         Ok(c) => {
             kernels::settle_gates(w);
             let done = w.streams.values().filter(|s| s.ctx == c).map(|s| s.clock).fold(w.now, f64::max);
@@ -369,7 +370,7 @@ pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
             SUCCESS
         }
         Err(e) => e,
-    })
+    }))
 }
 
 /// # Safety

@@ -157,6 +157,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if threads == 0 || threads > 1024 || gx == 0 || gy == 0 || gz == 0 {
             return INVALID_VALUE;
         }
+        crate::hang::launched(&w.scenario, &name);
         kernels::launch(w, &code, &name, mctx, stream, params, [gx, gy, gz], [bx, by, bz])
     })
 }

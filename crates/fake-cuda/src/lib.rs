@@ -22,6 +22,7 @@
 
 pub mod blas;
 pub mod codes;
+mod hang;
 pub mod interp;
 pub mod kernels;
 pub(crate) mod l2;

@@ -24,6 +24,9 @@ pub struct Scenario {
     /// What the fake NCCL (`nccl`) needs beyond the peer links.
     #[serde(default)]
     pub nccl: Option<Nccl>,
+    /// A kernel that never finishes, or a synchronisation that never returns (`hang.rs`).
+    #[serde(default)]
+    pub hang: Option<Hang>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -33,6 +36,15 @@ pub struct Nccl {
     /// (the ring's slowest link sets the rate).
     #[serde(default)]
     pub nvls_busbw_gbps: Option<f64>,
+}
+
+/// `{"kernel": "memtest_fill"}`: that entry, once launched, never finishes; `{"synchronize":
+/// "cuStreamSynchronize"}`: that function never returns.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hang {
+    pub kernel: Option<String>,
+    pub synchronize: Option<String>,
 }
 
 fn default_driver_version() -> i32 {

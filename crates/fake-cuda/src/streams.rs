@@ -50,20 +50,24 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(s: Handle) -> CUresult {
 /// As the real one.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamSynchronize(s: Handle) -> CUresult {
-    with(|w| match w.stream(s) {
+    crate::hang::settle(with(|w| match w.stream(s) {
+        Ok(_) if crate::hang::sync_blocks(&w.scenario, "cuStreamSynchronize") => crate::hang::BLOCK,
         Ok(id) => {
             kernels::settle_gates(w);
             w.now = w.now.max(w.streams[&id].clock);
             SUCCESS
         }
         Err(e) => e,
-    })
+    }))
 }
 
 /// # Safety
 /// As the real one.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamQuery(s: Handle) -> CUresult {
+    if crate::hang::queries_not_ready() {
+        return NOT_READY;
+    }
     cuStreamSynchronize(s)
 }
 
@@ -147,7 +151,8 @@ pub unsafe extern "C" fn cuEventRecord(e: Handle, s: Handle) -> CUresult {
 /// As the real one.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventSynchronize(e: Handle) -> CUresult {
-    with(|w| match w.events.get(&(e as usize)).map(|ev| (ev.ctx, ev.at)) {
+    crate::hang::settle(with(|w| match w.events.get(&(e as usize)).map(|ev| (ev.ctx, ev.at)) {
+        Some(_) if crate::hang::sync_blocks(&w.scenario, "cuEventSynchronize") => crate::hang::BLOCK,
         Some((ctx, at)) => match w.contexts.get(&ctx).map(|c| c.device) {
             Some(device) => {
                 kernels::settle_gates(w);
@@ -157,13 +162,16 @@ pub unsafe extern "C" fn cuEventSynchronize(e: Handle) -> CUresult {
             None => INVALID_HANDLE,
         },
         None => INVALID_HANDLE,
-    })
+    }))
 }
 
 /// # Safety
 /// As the real one.
 #[no_mangle]
 pub unsafe extern "C" fn cuEventQuery(e: Handle) -> CUresult {
+    if crate::hang::queries_not_ready() {
+        return NOT_READY;
+    }
     cuEventSynchronize(e)
 }
 

@@ -6,7 +6,8 @@
 //! - a field that is absent makes its call return `NVML_ERROR_NOT_SUPPORTED`, never a made-up
 //!   value; so does a function named in the device's `unsupported` list;
 //! - a function named in the device's `errors` map returns that code;
-//! - Xid events are delivered through the event set `after_ms` after `nvmlInit_v2`.
+//! - Xid events are delivered through the event set `after_ms` after `nvmlInit_v2`;
+//! - a call named in `hangs` blocks, on that GPU only, until the hang's end (`hang`).
 //!
 //! Struct layouts come from `nvml-wrapper-sys`, the same bindings the agent uses, so the two
 //! sides cannot disagree about them.
@@ -104,9 +105,103 @@ fn index_of(h: nvmlDevice_t) -> usize {
     (h as usize).wrapping_sub(1)
 }
 
-/// Runs `f` on the device behind `h`, after the scenario's `errors` and `unsupported` lists
-/// for function `name` have had their say. `f` returns `None` for an absent field.
+/// The functions a scenario's `hangs` may name: those that pass through `hang`. Any other name
+/// is refused at `nvmlInit_v2`, so a typo cannot quietly test a machine that answers.
+pub const HANGABLE: &[&str] = &[
+    "nvmlInit_v2",
+    "nvmlDeviceGetCount_v2",
+    "nvmlDeviceGetHandleByIndex_v2",
+    "nvmlSystemGetDriverVersion",
+    "nvmlEventSetWait_v2",
+    "nvmlDeviceGetP2PStatus",
+    "nvmlDeviceGetBAR1MemoryInfo",
+    "nvmlDeviceGetClockInfo",
+    "nvmlDeviceGetComputeRunningProcesses_v3",
+    "nvmlDeviceGetCurrentClocksThrottleReasons",
+    "nvmlDeviceGetDecoderUtilization",
+    "nvmlDeviceGetEccMode",
+    "nvmlDeviceGetEncoderUtilization",
+    "nvmlDeviceGetEnforcedPowerLimit",
+    "nvmlDeviceGetFieldValues",
+    "nvmlDeviceGetGpuFabricInfo",
+    "nvmlDeviceGetIndex",
+    "nvmlDeviceGetMemoryInfo_v2",
+    "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetNvLinkErrorCounter",
+    "nvmlDeviceGetNvLinkRemotePciInfo_v2",
+    "nvmlDeviceGetNvLinkState",
+    "nvmlDeviceGetPciInfo_v3",
+    "nvmlDeviceGetPersistenceMode",
+    "nvmlDeviceGetPowerManagementDefaultLimit",
+    "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetRemappedRows",
+    "nvmlDeviceGetSupportedEventTypes",
+    "nvmlDeviceGetTemperature",
+    "nvmlDeviceGetTemperatureThreshold",
+    "nvmlDeviceGetTotalEccErrors",
+    "nvmlDeviceGetTotalEnergyConsumption",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceRegisterEvents",
+    "nvmlDeviceValidateInforom",
+];
+
+/// When the process first called `nvmlInit_v2`: the clock of every hang's `until_ms`.
+static FIRST_INIT: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
+/// Blocks the calling thread while the scenario says `function` on GPU `gpu` hangs.
+///
+/// The real behaviour this keeps: on a GPU that has fallen off the bus or whose GSP stopped
+/// answering, NVML calls do not fail, they block.
+/// - NVIDIA's Xid catalog (docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html):
+///   Xid 79 `ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS` and Xid 119 `GSP_RPC_TIMEOUT`, the two
+///   states an operator first meets as a hanging `nvidia-smi`.
+/// - NVIDIA/open-gpu-kernel-modules issue #446 ("Timeout waiting for RPC from GSP!"): the kernel
+///   log shows Xid 119 for `name=nvidia-smi`, one every 45 s for the same pid, each a control
+///   call that waited 45 s for the GSP; the one `nvidia-smi` stays blocked for minutes.
+/// - leptonai/gpud pull request #117: `nvidia-smi` "may get stuck forever" after Xid 45, in
+///   uninterruptible sleep (state D), which is why gpud runs it asynchronously.
+///
+/// The block is per call and per GPU: the other GPUs' calls keep answering (the state lock is
+/// not held while blocked), so a reader that gives up on one GPU can still read the others.
+fn hang(function: &str, gpu: Option<usize>) {
+    let until = {
+        let guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(s) = guard.as_ref() else { return };
+        match hang_of(&s.scenario, function, gpu) {
+            Some(until) => until,
+            None => return,
+        }
+    };
+    block_until(until);
+}
+
+/// `Some(None)`: `function` on `gpu` hangs for good; `Some(Some(t))`: until `t`; `None`: it answers.
+fn hang_of(scenario: &Scenario, function: &str, gpu: Option<usize>) -> Option<Option<Instant>> {
+    let h = scenario.hangs.iter().find(|h| h.function == function && (h.gpu.is_none() || h.gpu == gpu))?;
+    let first = *FIRST_INIT.get_or_init(Instant::now);
+    match h.until_ms {
+        None => Some(None),
+        Some(ms) => {
+            let end = first + Duration::from_millis(ms);
+            (Instant::now() < end).then_some(Some(end))
+        }
+    }
+}
+
+fn block_until(until: Option<Instant>) {
+    match until {
+        Some(t) => std::thread::sleep(t.saturating_duration_since(Instant::now())),
+        // Until the process ends, as a call stuck in the kernel does.
+        None => loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        },
+    }
+}
+
+/// Runs `f` on the device behind `h`, after the scenario's `hangs`, `errors` and `unsupported`
+/// lists for function `name` have had their say. `f` returns `None` for an absent field.
 fn device_call(h: nvmlDevice_t, name: &str, f: impl FnOnce(&Device) -> Option<Ret>) -> Ret {
+    hang(name, Some(index_of(h)));
     with_state(|s| {
         let d = s.scenario.devices.get(index_of(h)).ok_or(INVALID)?;
         if let Some(e) = d.errors.get(name) {
@@ -158,6 +253,7 @@ pub extern "C" fn phqFakeNvmlInitCount() -> u64 {
 #[no_mangle]
 pub extern "C" fn nvmlInit_v2() -> Ret {
     INIT_CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    FIRST_INIT.get_or_init(Instant::now);
     // Held throughout, so two first inits cannot both load the scenario.
     let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(s) = guard.as_mut() {
@@ -180,8 +276,17 @@ pub extern "C" fn nvmlInit_v2() -> Ret {
             return nvmlReturn_enum_NVML_ERROR_UNKNOWN;
         }
     };
+    if let Some(bad) = scenario.hangs.iter().find(|h| !HANGABLE.contains(&h.function.as_str())) {
+        eprintln!("fake-nvml: hangs: {} does not pass through the hang point (see HANGABLE)", bad.function);
+        return nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+    }
     if let Some(ms) = scenario.init_delay_ms {
         std::thread::sleep(Duration::from_millis(ms));
+    }
+    // An init that hangs holds the state lock, as the real one serialises initialisation: a
+    // second caller waits behind it.
+    if let Some(until) = hang_of(&scenario, "nvmlInit_v2", None) {
+        block_until(until);
     }
     if let Some(e) = &scenario.init_error {
         return code(e);
@@ -227,6 +332,7 @@ pub extern "C" fn nvmlErrorString(result: Ret) -> *const c_char {
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: c_uint) -> Ret {
+    hang("nvmlSystemGetDriverVersion", None);
     with_state(|s| s.scenario.driver_version.clone().ok_or(NOT_SUPPORTED))
         .map(|v| put_str(&v, buf, len))
         .unwrap_or_else(|e| e)
@@ -251,11 +357,13 @@ pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(out: *mut i32) -> Ret {
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetCount_v2(out: *mut c_uint) -> Ret {
+    hang("nvmlDeviceGetCount_v2", None);
     with_state(|s| Ok(s.scenario.devices.len() as c_uint)).map(|n| put(out, n)).unwrap_or_else(|e| e)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, out: *mut nvmlDevice_t) -> Ret {
+    hang("nvmlDeviceGetHandleByIndex_v2", Some(index as usize));
     with_state(
         |s| if (index as usize) < s.scenario.devices.len() { Ok(handle_of(index as usize)) } else { Err(INVALID) },
     )
@@ -702,6 +810,8 @@ pub unsafe extern "C" fn nvmlDeviceGetP2PStatus(
     out: *mut nvmlGpuP2PStatus_t,
 ) -> Ret {
     const NAME: &str = "nvmlDeviceGetP2PStatus";
+    hang(NAME, Some(index_of(a)));
+    hang(NAME, Some(index_of(b)));
     with_state(|s| {
         let da = s.scenario.devices.get(index_of(a)).ok_or(INVALID)?;
         let db = s.scenario.devices.get(index_of(b)).ok_or(INVALID)?;
@@ -860,6 +970,7 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
     data: *mut nvmlEventData_t,
     timeout_ms: c_uint,
 ) -> Ret {
+    hang("nvmlEventSetWait_v2", None);
     let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
     loop {
         // Deliver the earliest due event not yet delivered on this set, or learn when the next is due.

@@ -19,6 +19,24 @@ pub struct Scenario {
     pub cuda_driver_version: Option<i32>,
     #[serde(default)]
     pub devices: Vec<Device>,
+    /// NVML calls that block instead of answering, as on a GPU that has fallen off the bus
+    /// (Xid 79) or whose GSP stopped answering (Xid 119): see `hang` in lib.rs for the sources.
+    #[serde(default)]
+    pub hangs: Vec<Hang>,
+}
+
+/// One blocking call: `function` (an NVML name from `lib.rs`'s `HANGABLE`), on GPU `gpu` (an
+/// index; absent: every GPU, or a call about no GPU), until `until_ms` after the process's first
+/// `nvmlInit_v2` (a driver that recovers; absent: until the process ends). A call made after
+/// that time answers at once.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hang {
+    pub function: String,
+    #[serde(default)]
+    pub gpu: Option<usize>,
+    #[serde(default)]
+    pub until_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

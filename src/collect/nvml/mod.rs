@@ -4,10 +4,14 @@
 //! Every reading is an `Nv<T>`: a value, `NotSupported` (common inside VMs), or the error NVML
 //! gave. Two calls nvml-wrapper does not wrap (remapped rows, fabric info) go through
 //! nvml-wrapper-sys on a second handle to the same library.
+//!
+//! `session` keeps the handle and runs every call under a deadline; this file reads what NVML
+//! says and turns it into the snapshot's types.
 
+use super::deadline::Tracker;
 use crate::snapshot::{
     CurrentPending, EccCounts, FabricInfo, FabricState, MemoryInfo, Nv, NvLinkInfo, NvLinkThroughput, NvPcie,
-    NvmlFailure, NvmlFailureKind, NvmlGpu, NvmlInfo, NvmlStatus, NvmlXid, ProcessInfo, RemappedRows, Utilization,
+    NvmlFailure, NvmlFailureKind, NvmlGpu, NvmlXid, ProcessInfo, RemappedRows, Utilization,
 };
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor, TemperatureThreshold};
@@ -17,7 +21,16 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::event::EventData;
 use nvml_wrapper::{Device, EventSet, Nvml};
 use nvml_wrapper_sys::bindings::{nvmlFieldValue_t, nvmlGpuFabricInfo_t, nvmlReturn_t, NvmlLib};
-use std::ffi::OsStr;
+use std::sync::Arc;
+
+/// `ask!(tracker, "nvmlDeviceGetName", d.name())`: notes the function the worker is about to
+/// call, then calls it, so a call that never returns is named (`collect::deadline`, rule 2).
+macro_rules! ask {
+    ($t:expr, $function:literal, $call:expr) => {{
+        $t.at($function);
+        $call
+    }};
+}
 
 /// The soname the driver installs; what `dlopen` finds on a machine with the driver.
 pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
@@ -28,148 +41,8 @@ const MAX_NVLINKS: u32 = 18;
 /// At most this many Xid events are drained in one snapshot, so a storm cannot hold it up.
 const MAX_EVENTS_PER_SNAPSHOT: usize = 1024;
 
-/// One reading through a session of its own (doctor, probe, install: one snapshot each).
-pub fn read(library: &str) -> NvmlStatus {
-    Session::new(library).read()
-}
-
-/// An NVML session kept across snapshots. `nvmlInit` attaches every GPU — seconds on an 8-GPU
-/// guest, more without persistence mode (NVIDIA's driver persistence documentation: with no
-/// client holding the GPUs, each initialisation sets them up again) — so the service opens one
-/// and keeps it, and opens a new one only after a reading says the old one is gone (the driver
-/// was unloaded or upgraded underneath it).
-pub struct Session {
-    library: String,
-    held: std::sync::Mutex<Option<Held>>,
-}
-
-struct Held {
-    // Field order: `sys` (symbols only) is dropped before `nvml`, whose drop shuts NVML down.
-    sys: Option<NvmlLib>,
-    nvml: Nvml,
-}
-
-impl std::fmt::Debug for Session {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("library", &self.library).finish_non_exhaustive()
-    }
-}
-
-impl Session {
-    pub fn new(library: &str) -> Session {
-        Session { library: library.to_string(), held: std::sync::Mutex::new(None) }
-    }
-
-    pub fn library(&self) -> &str {
-        &self.library
-    }
-
-    /// The live handle, initialising NVML first if this session has none.
-    fn held(&self) -> Result<std::sync::MutexGuard<'_, Option<Held>>, NvmlFailure> {
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        if held.is_none() {
-            let nvml = Nvml::builder()
-                .lib_path(OsStr::new(&self.library))
-                .init()
-                .map_err(|e| classify_init_error(&self.library, &e))?;
-            // SAFETY: loading the library a second time returns the same handle (dlopen reference
-            // counts it); NvmlLib only resolves symbols. NVML is initialised by `nvml` and stays so
-            // while `sys` is used, since both live in `Held`, which drops `sys` first.
-            let sys = unsafe { NvmlLib::new(&self.library) }.ok();
-            *held = Some(Held { sys, nvml });
-        }
-        Ok(held)
-    }
-
-    /// What GPU `address` runs at right now: clocks, temperature, power and the clocks-event
-    /// (throttle) reasons, read beside a probe's figure so a throttled GPU is told apart from a
-    /// slow link. Each reading NVML cannot give is left out.
-    pub fn conditions(&self, address: &str) -> Result<crate::snapshot::Conditions, String> {
-        let held = self.held().map_err(|f| f.message)?;
-        let h = held.as_ref().ok_or("NVML is not initialised")?;
-        let count = h.nvml.device_count().map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
-        let d = (0..count)
-            .filter_map(|i| h.nvml.device_by_index(i).ok())
-            .find(|d| d.pci_info().ok().and_then(|p| normalize_bus_id(&p.bus_id)).as_deref() == Some(address))
-            .ok_or_else(|| format!("NVML lists no GPU at {address}"))?;
-        Ok(crate::snapshot::Conditions {
-            sm_clock_mhz: d.clock_info(Clock::SM).ok(),
-            mem_clock_mhz: d.clock_info(Clock::Memory).ok(),
-            temperature_c: d.temperature(TemperatureSensor::Gpu).ok(),
-            power_mw: d.power_usage().ok(),
-            throttle_reasons: d.current_throttle_reasons().ok().map(|r| throttle_names(r.bits())),
-            ecc_volatile: match (
-                d.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile),
-                d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile),
-            ) {
-                (Ok(corrected), Ok(uncorrected)) => Some(crate::snapshot::EccCounts { corrected, uncorrected }),
-                _ => None,
-            },
-            remapped_rows: h.sys.as_ref().and_then(|s| remapped_rows(s, &d).value().copied()),
-        })
-    }
-
-    /// Reads every GPU, initialising NVML first if this session has no live handle.
-    pub fn read(&self) -> NvmlStatus {
-        let mut held = match self.held() {
-            Ok(h) => h,
-            Err(f) => return NvmlStatus::Failed(f),
-        };
-        let Some(h) = held.as_ref() else {
-            return NvmlStatus::Failed(classify_init_error(&self.library, &NvmlError::Uninitialized));
-        };
-        let status = read_from(&self.library, &h.nvml, h.sys.as_ref());
-        if session_gone(&status) {
-            tracing::info!(library = %self.library, "NVML session lost; a new one is opened at the next snapshot");
-            *held = None;
-        }
-        status
-    }
-}
-
-/// Whether a reading says the session itself is no longer good: NVML stopped answering as a
-/// whole (not one GPU), as after a driver unload or an upgrade without a reboot.
-fn session_gone(status: &NvmlStatus) -> bool {
-    match status {
-        NvmlStatus::Failed(_) => true,
-        NvmlStatus::Ok(info) => matches!(info.driver_version, Nv::Error(_)),
-        NvmlStatus::NotRead(_) => false,
-    }
-}
-
-fn read_from(library: &str, nvml: &Nvml, sys: Option<&NvmlLib>) -> NvmlStatus {
-    let count = match nvml.device_count() {
-        Ok(c) => c,
-        Err(e) => {
-            return NvmlStatus::Failed(NvmlFailure {
-                kind: NvmlFailureKind::Other,
-                library: library.into(),
-                message: format!("nvmlDeviceGetCount: {e}"),
-            })
-        }
-    };
-    let devices: Vec<(Option<Device>, NvmlGpu)> = (0..count)
-        .map(|i| match nvml.device_by_index(i) {
-            Ok(d) => {
-                let g = read_device(i, &d, sys);
-                (Some(d), g)
-            }
-            Err(e) => (None, unreadable_device(i, &e)),
-        })
-        .collect();
-    let mut devices = devices;
-    nvlink_p2p(&mut devices);
-    let (xid_events, events_error) = drain_xid_events(nvml);
-    NvmlStatus::Ok(NvmlInfo {
-        library: library.into(),
-        driver_version: nv(nvml.sys_driver_version()),
-        nvml_version: nv(nvml.sys_nvml_version()),
-        cuda_driver_version: nv(nvml.sys_cuda_driver_version()),
-        devices: devices.into_iter().map(|(_, g)| g).collect(),
-        xid_events,
-        events_error,
-    })
-}
+mod session;
+pub use session::{read, Deadlines, Reading, Session};
 
 /// Tells apart the init failures a person fixes differently.
 pub fn classify_init_error(library: &str, e: &NvmlError) -> NvmlFailure {
@@ -197,7 +70,13 @@ fn nv<T>(r: Result<T, NvmlError>) -> Nv<T> {
 }
 
 fn unreadable_device(index: u32, e: &NvmlError) -> NvmlGpu {
-    let why: Nv<()> = Nv::Error(format!("nvmlDeviceGetHandleByIndex({index}): {e}"));
+    unreadable(index, format!("nvmlDeviceGetHandleByIndex({index}): {e}"), None)
+}
+
+/// A GPU with no reading, each field saying `why`; named by `address` when that is known (a GPU
+/// whose call blocked keeps the address an earlier reading gave), so its findings say which.
+fn unreadable(index: u32, why: String, address: Option<String>) -> NvmlGpu {
+    let why: Nv<()> = Nv::Error(why);
     macro_rules! err {
         () => {
             why.without_value()
@@ -205,7 +84,7 @@ fn unreadable_device(index: u32, e: &NvmlError) -> NvmlGpu {
     }
     NvmlGpu {
         index,
-        pci_address: err!(),
+        pci_address: address.map(Nv::Value).unwrap_or_else(|| why.without_value()),
         pci_device_id: err!(),
         name: err!(),
         uuid: err!(),
@@ -252,8 +131,8 @@ fn unreadable_device(index: u32, e: &NvmlError) -> NvmlGpu {
     }
 }
 
-fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
-    let (pci_address, pci_device_id) = match d.pci_info() {
+fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>, t: &Tracker) -> NvmlGpu {
+    let (pci_address, pci_device_id) = match ask!(t, "nvmlDeviceGetPciInfo_v3", d.pci_info()) {
         Ok(p) => (
             normalize_bus_id(&p.bus_id)
                 .map(Nv::Value)
@@ -265,7 +144,11 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
             (why.without_value(), why.without_value())
         }
     };
+    if let Nv::Value(a) = &pci_address {
+        t.set_address(a);
+    }
     let ecc = |counter| -> Nv<EccCounts> {
+        t.at("nvmlDeviceGetTotalEccErrors");
         match (
             d.total_ecc_errors(MemoryError::Corrected, counter),
             d.total_ecc_errors(MemoryError::Uncorrected, counter),
@@ -275,79 +158,125 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>) -> NvmlGpu {
         }
     };
     let Fields { memory_temperature_c, nvlink_throughput, recovery_action } =
-        sys.map(|s| field_values(s, d)).unwrap_or_default();
+        sys.map(|s| ask!(t, "nvmlDeviceGetFieldValues", field_values(s, d))).unwrap_or_default();
     NvmlGpu {
         index,
         pci_address,
         pci_device_id,
-        name: nv(d.name()),
-        uuid: nv(d.uuid()),
-        serial: nv(d.serial()),
-        board_part_number: nv(d.board_part_number()),
-        vbios_version: nv(d.vbios_version()),
-        inforom_image_version: nv(d.info_rom_image_version()),
-        inforom_valid: match d.validate_info_rom() {
+        name: ask!(t, "nvmlDeviceGetName", nv(d.name())),
+        uuid: ask!(t, "nvmlDeviceGetUUID", nv(d.uuid())),
+        serial: ask!(t, "nvmlDeviceGetSerial", nv(d.serial())),
+        board_part_number: ask!(t, "nvmlDeviceGetBoardPartNumber", nv(d.board_part_number())),
+        vbios_version: ask!(t, "nvmlDeviceGetVbiosVersion", nv(d.vbios_version())),
+        inforom_image_version: ask!(t, "nvmlDeviceGetInforomImageVersion", nv(d.info_rom_image_version())),
+        inforom_valid: match ask!(t, "nvmlDeviceValidateInforom", d.validate_info_rom()) {
             Ok(()) => Nv::Value(true),
             Err(NvmlError::CorruptedInfoROM) => Nv::Value(false),
             Err(e) => nv::<bool>(Err(e)),
         },
         // v2 memory info: `used` leaves out what the driver reserves, and `free` is what is
         // left after both, so all four are taken as NVML gives them.
-        memory: nv(d.memory_info().map(|m| MemoryInfo {
-            total_bytes: m.total,
-            used_bytes: m.used,
-            free_bytes: m.free,
-            reserved_bytes: m.reserved,
-        })),
-        bar1: nv(d.bar1_memory_info().map(|m| MemoryInfo {
-            total_bytes: m.total,
-            used_bytes: m.used,
-            free_bytes: m.free,
-            reserved_bytes: 0,
-        })),
-        temperature_c: nv(d.temperature(TemperatureSensor::Gpu)),
-        slowdown_temperature_c: nv(d.temperature_threshold(TemperatureThreshold::Slowdown)),
-        shutdown_temperature_c: nv(d.temperature_threshold(TemperatureThreshold::Shutdown)),
-        power_usage_mw: nv(d.power_usage()),
-        power_limit_mw: nv(d.enforced_power_limit()),
-        default_power_limit_mw: nv(d.power_management_limit_default()),
-        sm_clock_mhz: nv(d.clock_info(Clock::SM)),
-        mem_clock_mhz: nv(d.clock_info(Clock::Memory)),
-        throttle_reasons: nv(d.current_throttle_reasons().map(|r| throttle_names(r.bits()))),
-        ecc_mode: nv(d
-            .is_ecc_enabled()
-            .map(|m| CurrentPending { current: m.currently_enabled, pending: m.pending_enabled })),
+        memory: ask!(
+            t,
+            "nvmlDeviceGetMemoryInfo_v2",
+            nv(d.memory_info().map(|m| MemoryInfo {
+                total_bytes: m.total,
+                used_bytes: m.used,
+                free_bytes: m.free,
+                reserved_bytes: m.reserved,
+            }))
+        ),
+        bar1: ask!(
+            t,
+            "nvmlDeviceGetBAR1MemoryInfo",
+            nv(d.bar1_memory_info().map(|m| MemoryInfo {
+                total_bytes: m.total,
+                used_bytes: m.used,
+                free_bytes: m.free,
+                reserved_bytes: 0,
+            }))
+        ),
+        temperature_c: ask!(t, "nvmlDeviceGetTemperature", nv(d.temperature(TemperatureSensor::Gpu))),
+        slowdown_temperature_c: ask!(
+            t,
+            "nvmlDeviceGetTemperatureThreshold",
+            nv(d.temperature_threshold(TemperatureThreshold::Slowdown))
+        ),
+        shutdown_temperature_c: ask!(
+            t,
+            "nvmlDeviceGetTemperatureThreshold",
+            nv(d.temperature_threshold(TemperatureThreshold::Shutdown))
+        ),
+        power_usage_mw: ask!(t, "nvmlDeviceGetPowerUsage", nv(d.power_usage())),
+        power_limit_mw: ask!(t, "nvmlDeviceGetEnforcedPowerLimit", nv(d.enforced_power_limit())),
+        default_power_limit_mw: ask!(
+            t,
+            "nvmlDeviceGetPowerManagementDefaultLimit",
+            nv(d.power_management_limit_default())
+        ),
+        sm_clock_mhz: ask!(t, "nvmlDeviceGetClockInfo", nv(d.clock_info(Clock::SM))),
+        mem_clock_mhz: ask!(t, "nvmlDeviceGetClockInfo", nv(d.clock_info(Clock::Memory))),
+        throttle_reasons: ask!(
+            t,
+            "nvmlDeviceGetCurrentClocksEventReasons",
+            nv(d.current_throttle_reasons().map(|r| throttle_names(r.bits())))
+        ),
+        ecc_mode: ask!(
+            t,
+            "nvmlDeviceGetEccMode",
+            nv(d.is_ecc_enabled().map(|m| CurrentPending { current: m.currently_enabled, pending: m.pending_enabled }))
+        ),
         ecc_volatile: ecc(EccCounter::Volatile),
         ecc_aggregate: ecc(EccCounter::Aggregate),
-        remapped_rows: sys.map(|s| remapped_rows(s, d)).unwrap_or(Nv::NotSupported),
-        persistence_mode: nv(d.is_in_persistent_mode()),
-        mig_mode: nv(d.mig_mode().map(|m| CurrentPending { current: m.current != 0, pending: m.pending != 0 })),
+        remapped_rows: sys.map(|s| remapped_rows(s, d, t)).unwrap_or(Nv::NotSupported),
+        persistence_mode: ask!(t, "nvmlDeviceGetPersistenceMode", nv(d.is_in_persistent_mode())),
+        mig_mode: ask!(
+            t,
+            "nvmlDeviceGetMigMode",
+            nv(d.mig_mode().map(|m| CurrentPending { current: m.current != 0, pending: m.pending != 0 }))
+        ),
         pcie: NvPcie {
-            gen_current: nv(d.current_pcie_link_gen()),
-            gen_max: nv(d.max_pcie_link_gen()),
-            width_current: nv(d.current_pcie_link_width()),
-            width_max: nv(d.max_pcie_link_width()),
-            replay_counter: nv(d.pcie_replay_counter()),
+            gen_current: ask!(t, "nvmlDeviceGetCurrPcieLinkGeneration", nv(d.current_pcie_link_gen())),
+            gen_max: ask!(t, "nvmlDeviceGetMaxPcieLinkGeneration", nv(d.max_pcie_link_gen())),
+            width_current: ask!(t, "nvmlDeviceGetCurrPcieLinkWidth", nv(d.current_pcie_link_width())),
+            width_max: ask!(t, "nvmlDeviceGetMaxPcieLinkWidth", nv(d.max_pcie_link_width())),
+            replay_counter: ask!(t, "nvmlDeviceGetPcieReplayCounter", nv(d.pcie_replay_counter())),
         },
-        nvlinks: read_nvlinks(d),
+        nvlinks: read_nvlinks(d, t),
         nvlink_p2p: Nv::NotSupported, // per pair: filled in by nvlink_p2p once every GPU is read
-        fabric: sys.map(|s| fabric_info(s, d)).unwrap_or(Nv::NotSupported),
-        processes: nv(d.running_compute_processes().map(|ps| {
-            ps.into_iter()
-                .map(|p| ProcessInfo {
-                    pid: p.pid,
-                    used_bytes: match p.used_gpu_memory {
-                        UsedGpuMemory::Used(b) => Some(b),
-                        UsedGpuMemory::Unavailable => None,
-                    },
-                })
-                .collect()
-        })),
-        utilization: nv(d.utilization_rates().map(|u| Utilization { gpu: u.gpu, memory: u.memory })),
+        fabric: sys.map(|s| ask!(t, "nvmlDeviceGetGpuFabricInfo", fabric_info(s, d))).unwrap_or(Nv::NotSupported),
+        processes: ask!(
+            t,
+            "nvmlDeviceGetComputeRunningProcesses_v3",
+            nv(d.running_compute_processes().map(|ps| {
+                ps.into_iter()
+                    .map(|p| ProcessInfo {
+                        pid: p.pid,
+                        used_bytes: match p.used_gpu_memory {
+                            UsedGpuMemory::Used(b) => Some(b),
+                            UsedGpuMemory::Unavailable => None,
+                        },
+                    })
+                    .collect()
+            }))
+        ),
+        utilization: ask!(
+            t,
+            "nvmlDeviceGetUtilizationRates",
+            nv(d.utilization_rates().map(|u| Utilization { gpu: u.gpu, memory: u.memory }))
+        ),
         memory_temperature_c,
-        energy_mj: nv(d.total_energy_consumption()),
-        encoder_utilization: nv(d.encoder_utilization().map(|u| u.utilization)),
-        decoder_utilization: nv(d.decoder_utilization().map(|u| u.utilization)),
+        energy_mj: ask!(t, "nvmlDeviceGetTotalEnergyConsumption", nv(d.total_energy_consumption())),
+        encoder_utilization: ask!(
+            t,
+            "nvmlDeviceGetEncoderUtilization",
+            nv(d.encoder_utilization().map(|u| u.utilization))
+        ),
+        decoder_utilization: ask!(
+            t,
+            "nvmlDeviceGetDecoderUtilization",
+            nv(d.decoder_utilization().map(|u| u.utilization))
+        ),
         nvlink_throughput,
         recovery_action,
     }
@@ -452,47 +381,51 @@ fn field_u64(v: &nvmlFieldValue_t) -> Nv<u64> {
 }
 
 /// Which GPUs each GPU reaches over NVLink, as NVML says (`nvmlDeviceGetP2PStatus`, NVLink
-/// capability). NVML answers per pair; a GPU for which every pair failed to answer keeps that
-/// error, one with no NVLink peer gets an empty list.
-fn nvlink_p2p(devices: &mut [(Option<Device>, NvmlGpu)]) {
+/// capability), for the GPUs in `gpus` (index, PCI address). NVML answers per pair; a GPU for
+/// which every pair failed to answer keeps that error, one with no NVLink peer gets an empty list.
+fn nvlink_p2p(nvml: &Nvml, gpus: &[(u32, String)], t: &Tracker) -> Vec<(u32, Nv<Vec<String>>)> {
     use nvml_wrapper::enum_wrappers::device::{P2pCapabilitiesIndex, P2pStatus};
-    let addresses: Vec<Option<String>> = devices.iter().map(|(_, g)| g.pci_address.value().cloned()).collect();
-    let mut found: Vec<Nv<Vec<String>>> = Vec::with_capacity(devices.len());
-    for (i, (a, _)) in devices.iter().enumerate() {
+    let devices: Vec<(u32, Option<Device>, &String)> = gpus
+        .iter()
+        .map(|(i, a)| (*i, ask!(t, "nvmlDeviceGetHandleByIndex_v2", nvml.device_by_index(*i)).ok(), a))
+        .collect();
+    let mut found = Vec::with_capacity(devices.len());
+    for (i, a, _) in &devices {
         let Some(a) = a else {
-            found.push(Nv::NotSupported);
+            found.push((*i, Nv::NotSupported));
             continue;
         };
         let (mut peers, mut error, mut answered) = (Vec::new(), None, false);
-        for (j, (b, _)) in devices.iter().enumerate() {
-            let (Some(b), Some(addr)) = (b, &addresses[j]) else { continue };
+        for (j, b, addr) in &devices {
+            let Some(b) = b else { continue };
             if i == j {
                 continue;
             }
-            match a.p2p_status(b, P2pCapabilitiesIndex::NvLink) {
+            match ask!(t, "nvmlDeviceGetP2PStatus", a.p2p_status(b, P2pCapabilitiesIndex::NvLink)) {
                 Ok(P2pStatus::Ok) => {
                     answered = true;
-                    peers.push(addr.clone());
+                    peers.push((*addr).clone());
                 }
                 Ok(_) => answered = true,
                 Err(e) => error = Some(nv::<Vec<String>>(Err(e))),
             }
         }
-        found.push(match (answered, error) {
-            (false, Some(e)) => e,
-            _ => Nv::Value(peers),
-        });
+        found.push((
+            *i,
+            match (answered, error) {
+                (false, Some(e)) => e,
+                _ => Nv::Value(peers),
+            },
+        ));
     }
-    for ((_, g), f) in devices.iter_mut().zip(found) {
-        g.nvlink_p2p = f;
-    }
+    found
 }
 
-fn read_nvlinks(d: &Device) -> Nv<Vec<NvLinkInfo>> {
+fn read_nvlinks(d: &Device, t: &Tracker) -> Nv<Vec<NvLinkInfo>> {
     let mut links = Vec::new();
     for link in 0..MAX_NVLINKS {
         let w = d.link_wrapper_for(link);
-        let active = match w.is_active() {
+        let active = match ask!(t, "nvmlDeviceGetNvLinkState", w.is_active()) {
             Ok(a) => Nv::Value(a),
             // Past the last link NVML answers "invalid argument": the list is complete.
             Err(NvmlError::InvalidArg) => break,
@@ -504,13 +437,13 @@ fn read_nvlinks(d: &Device) -> Nv<Vec<NvLinkInfo>> {
         links.push(NvLinkInfo {
             link,
             active,
-            remote_pci: match w.remote_pci_info() {
+            remote_pci: match ask!(t, "nvmlDeviceGetNvLinkRemotePciInfo_v2", w.remote_pci_info()) {
                 Ok(p) => normalize_bus_id(&p.bus_id)
                     .map(Nv::Value)
                     .unwrap_or_else(|| Nv::Error(format!("unexpected bus id {:?}", p.bus_id))),
                 Err(e) => nv::<String>(Err(e)),
             },
-            replay_errors: nv(w.error_counter(ErrorCounter::DlReplay)),
+            replay_errors: ask!(t, "nvmlDeviceGetNvLinkErrorCounter", nv(w.error_counter(ErrorCounter::DlReplay))),
             recovery_errors: nv(w.error_counter(ErrorCounter::DlRecovery)),
             crc_flit_errors: nv(w.error_counter(ErrorCounter::DlCrcFlit)),
             crc_data_errors: nv(w.error_counter(ErrorCounter::DlCrcData)),
@@ -524,8 +457,9 @@ fn ret(code: nvmlReturn_t) -> Result<(), NvmlError> {
     nvml_wrapper::error::nvml_try(code)
 }
 
-fn remapped_rows(sys: &NvmlLib, d: &Device) -> Nv<RemappedRows> {
+fn remapped_rows(sys: &NvmlLib, d: &Device, t: &Tracker) -> Nv<RemappedRows> {
     let Ok(f) = sys.nvmlDeviceGetRemappedRows.as_ref() else { return Nv::NotSupported };
+    t.at("nvmlDeviceGetRemappedRows");
     let (mut corr, mut unc, mut pending, mut failure) = (0, 0, 0, 0);
     // SAFETY: `d.handle()` is a live device handle of an initialised NVML; the four out
     // pointers are valid, distinct locals that live across the call.
@@ -552,15 +486,24 @@ fn fabric_info(sys: &NvmlLib, d: &Device) -> Nv<FabricInfo> {
     }))
 }
 
-/// An event set with every GPU that accepts Xid events registered on it, how many did, and
-/// the last registration error.
-fn xid_event_set(nvml: &Nvml) -> Result<(EventSet<'_>, usize, Option<String>), String> {
+/// An event set with every GPU of `only` (all when `None`) that accepts Xid events registered
+/// on it, how many did, and the last registration error.
+fn xid_event_set<'n>(
+    nvml: &'n Nvml,
+    only: Option<&[u32]>,
+    t: &Tracker,
+) -> Result<(EventSet<'n>, usize, Option<String>), String> {
+    t.at("nvmlEventSetCreate");
     let mut set = nvml.create_event_set().map_err(|e| format!("nvmlEventSetCreate: {e}"))?;
     let mut registered = 0;
     let mut last_error = None;
-    for i in 0..nvml.device_count().unwrap_or(0) {
-        let Ok(d) = nvml.device_by_index(i) else { continue };
-        match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+    let indices: Vec<u32> = match only {
+        Some(o) => o.to_vec(),
+        None => (0..ask!(t, "nvmlDeviceGetCount_v2", nvml.device_count()).unwrap_or(0)).collect(),
+    };
+    for i in indices {
+        let Ok(d) = ask!(t, "nvmlDeviceGetHandleByIndex_v2", nvml.device_by_index(i)) else { continue };
+        match ask!(t, "nvmlDeviceRegisterEvents", d.register_events(EventTypes::CRITICAL_XID_ERROR, set)) {
             Ok(s) => {
                 set = s;
                 registered += 1;
@@ -568,6 +511,7 @@ fn xid_event_set(nvml: &Nvml) -> Result<(EventSet<'_>, usize, Option<String>), S
             Err(e) => {
                 last_error = Some(format!("nvmlDeviceRegisterEvents (GPU {i}): {}", e.error));
                 // A failed registration frees the set (nvml-wrapper does so); start a new one.
+                t.at("nvmlEventSetCreate");
                 set = nvml.create_event_set().map_err(|e| format!("nvmlEventSetCreate: {e}"))?;
             }
         }
@@ -587,9 +531,9 @@ fn xid_of(ev: &EventData<'_>) -> Option<NvmlXid> {
     Some(NvmlXid { gpu, xid })
 }
 
-/// Drains the Xid events NVML has now (`wait(0)`), without blocking.
-fn drain_xid_events(nvml: &Nvml) -> (Vec<NvmlXid>, Option<String>) {
-    let (set, registered, mut last_error) = match xid_event_set(nvml) {
+/// Drains the Xid events NVML has now (`wait(0)`) from the GPUs `only`, without waiting.
+fn drain_xid_events(nvml: &Nvml, only: &[u32], t: &Tracker) -> (Vec<NvmlXid>, Option<String>) {
+    let (set, registered, mut last_error) = match xid_event_set(nvml, Some(only), t) {
         Ok(v) => v,
         Err(e) => return (Vec::new(), Some(e)),
     };
@@ -598,7 +542,7 @@ fn drain_xid_events(nvml: &Nvml) -> (Vec<NvmlXid>, Option<String>) {
     }
     let mut events = Vec::new();
     while events.len() < MAX_EVENTS_PER_SNAPSHOT {
-        match set.wait(0) {
+        match ask!(t, "nvmlEventSetWait_v2", set.wait(0)) {
             Ok(ev) => events.extend(xid_of(&ev)),
             Err(NvmlError::Timeout) => break,
             Err(e) => {
@@ -702,48 +646,42 @@ fn format_uuid(b: &[u8; 16]) -> String {
 
 /// Watches NVML's event set for Xid errors in a thread of its own, blocking in
 /// `nvmlEventSetWait` so an Xid is seen the moment the driver reports it (the service's path;
-/// `doctor` drains what is pending instead). The thread owns its own NVML handle, since an
-/// event set borrows the handle it came from. Dropping the watcher stops the thread within
-/// one wait period.
+/// `doctor` drains what is pending instead). The thread shares the session's NVML handle, so
+/// it starts only once NVML has answered, and an `nvmlInit_v2` that never returns leaves no
+/// second thread behind. Dropping the watcher asks the thread to stop within one wait period;
+/// it is not waited for, since a wait that never returns must not hold the service's stop.
 pub struct XidWatcher {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How long one blocking wait lasts before the thread looks at its stop flag.
 const WATCH_WAIT_MS: u32 = 250;
 
 impl XidWatcher {
-    /// Starts watching every GPU `library` lists; events arrive on the returned channel.
-    pub fn start(library: &str) -> Result<(XidWatcher, std::sync::mpsc::Receiver<NvmlXid>), NvmlFailure> {
-        let nvml =
-            Nvml::builder().lib_path(OsStr::new(library)).init().map_err(|e| classify_init_error(library, &e))?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    /// Starts watching every GPU the session's NVML lists; events arrive on `tx`. `None`: NVML
+    /// has not answered yet (no handle), or no thread could be started (said in the log).
+    pub fn start(session: &Session, tx: std::sync::mpsc::Sender<NvmlXid>) -> Option<XidWatcher> {
+        let held = session.handle()?;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stop_flag = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("nvml-xid".into())
-            .spawn(move || watch(&nvml, &stop_flag, &tx))
-            .map_err(|e| NvmlFailure {
-            kind: NvmlFailureKind::Other,
-            library: library.into(),
-            message: format!("cannot start the Xid thread: {e}"),
-        })?;
-        Ok((XidWatcher { stop, thread: Some(thread) }, rx))
+        match std::thread::Builder::new().name("nvml-xid".into()).spawn(move || watch(&held.nvml, &stop_flag, &tx)) {
+            Ok(_) => Some(XidWatcher { stop }),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the Xid thread; the kernel log still shows Xids at each snapshot");
+                None
+            }
+        }
     }
 }
 
 impl Drop for XidWatcher {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
 fn watch(nvml: &Nvml, stop: &std::sync::atomic::AtomicBool, tx: &std::sync::mpsc::Sender<NvmlXid>) {
-    let set = match xid_event_set(nvml) {
+    let set = match xid_event_set(nvml, None, &Tracker::new("nvmlEventSetCreate")) {
         Ok((set, _, None)) => set,
         Ok((set, _, Some(e))) => {
             tracing::warn!(error = %e, "some GPUs cannot be watched for Xid events");

@@ -1,0 +1,223 @@
+//! Probes in a child process under a deadline, for the service (boot, idle and D-Bus probes).
+//!
+//! A kernel or a synchronisation that never returns cannot be cancelled from inside the process
+//! that waits on it, and on a datacenter GPU no watchdog ends it (the CUDA driver API's
+//! `CU_DEVICE_ATTRIBUTE_KERNEL_EXEC_TIMEOUT` is the run time limit, and only GPUs driving a
+//! display have one). So the rules:
+//!
+//! 1. The service never runs CUDA itself: `run` starts `phq-agent probe-child` (this binary),
+//!    hands it the snapshot and the level on stdin, and reads its stdout. — `run`, `child_main`.
+//! 2. The child says each step as it starts (`step …`) and ends with one `answer {json}` line:
+//!    the probe results and their findings, judged in the child. — `child_main`.
+//! 3. The deadline is the level's planned GPU time (`plan_here`) twice over, plus
+//!    `probes.deadline_margin` for CUDA's start, JIT compilation and the host's own work.
+//!    — `deadline`.
+//! 4. The child takes the probe lock itself; past the deadline it is killed (SIGKILL) and
+//!    reaped, and the kernel drops a dead process's file locks, so the lock is free again. A
+//!    child blocked inside the driver (state D) dies only when the driver lets go: it is reaped
+//!    by a thread of its own, the caller does not wait, and the lock is free when it exits.
+//!    — `reap`.
+//! 5. Then every GPU the plan had gets `probe.responsive` failing, naming the step that did not
+//!    finish; a run that ends in time gives `probe.responsive` passing on each. — `overdue`.
+
+use crate::checks::Finding;
+use crate::config::ProbeLevel;
+use crate::snapshot::Snapshot;
+use serde::{Deserialize, Serialize};
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// What the child is asked (rule 1).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Request {
+    pub level: ProbeLevel,
+    pub state_dir: PathBuf,
+    pub who: String,
+    pub snapshot: Snapshot,
+}
+
+/// What a run gives: the results (the `probes` of a report) and their findings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Answer {
+    pub probes: serde_json::Value,
+    pub findings: Vec<Finding>,
+}
+
+const ID: &str = "probe.responsive";
+
+/// Rule 3: how long the child may take.
+pub fn deadline(snapshot: &Snapshot, level: ProbeLevel, margin: Duration) -> Duration {
+    let plan = super::plan_here(snapshot, &super::Options { level, only: &[], force: false, gemm_seconds: None });
+    Duration::from_secs_f64(plan.total_s.max(0.0) * 2.0) + margin
+}
+
+/// Runs the probes at `level` in a child under its deadline (rules 1–5). `Err`: they could not
+/// run at all (no CUDA, the lock held, no child), said as findings by the caller.
+pub fn run(
+    snapshot: &Snapshot,
+    level: ProbeLevel,
+    state_dir: &Path,
+    who: &str,
+    margin: Duration,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Answer, String> {
+    let limit = deadline(snapshot, level, margin);
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program to run the probes: {e}"))?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("probe-child");
+    if let Some(lib) = crate::cuda::named_library() {
+        cmd.arg("--cuda-lib").arg(lib);
+    }
+    let mut child = cmd
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("cannot start the probe process: {e}"))?;
+    let request =
+        Request { level, state_dir: state_dir.to_path_buf(), who: who.to_string(), snapshot: snapshot.clone() };
+    let sent = child.stdin.take().map(|mut stdin| {
+        serde_json::to_writer(&mut stdin, &request).map_err(std::io::Error::from).and_then(|()| stdin.flush())
+    });
+    if let Some(Err(e)) = sent {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(format!("cannot hand the probe process its request: {e}"));
+    }
+    // The child's lines, read on a thread of their own so the wait below keeps its deadline.
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    if let Some(out) = child.stdout.take() {
+        std::thread::Builder::new()
+            .name("probe-child-out".into())
+            .spawn(move || {
+                for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                    if tx.send(line).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot read the probe process: {e}"))?;
+    }
+    let started = Instant::now();
+    let mut step = String::from("starting CUDA");
+    let answer = loop {
+        let left = limit.saturating_sub(started.elapsed());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                if let Some(s) = line.strip_prefix("step ") {
+                    step = s.to_string();
+                    progress(s);
+                } else if let Some(json) = line.strip_prefix("answer ") {
+                    break serde_json::from_str::<Result<Answer, String>>(json)
+                        .map_err(|e| format!("the probe process answered what is not an answer: {e}"))
+                        .and_then(|a| a);
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                // Rule 4: killed and reaped; its probe lock goes with it.
+                let _ = child.kill();
+                tracing::error!(deadline = ?limit, %step, "the probes did not finish within their deadline; the probe process was killed");
+                reap(child);
+                return Ok(overdue(snapshot, level, limit, &step));
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let status = child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+                break Err(format!("the probe process ended without an answer ({status}) during: {step}"));
+            }
+        }
+    };
+    let _ = child.wait();
+    answer.map(|mut a| {
+        a.findings.extend(plan_gpus(snapshot, level).into_iter().map(|gpu| {
+            let mut f = Finding::pass(ID, format!("the probes finished within their {} s deadline", limit.as_secs()));
+            f.gpu = Some(gpu);
+            f
+        }));
+        a
+    })
+}
+
+/// Reaps a killed child. One blocked inside the driver (uninterruptible sleep, state D: gpud's
+/// report of `nvidia-smi` after Xid 45, leptonai/gpud pull request #117) dies only when the
+/// driver lets go, so it is waited for briefly here, then by a thread of its own: the caller
+/// goes on, and the probe lock stays held, said once, until the process is gone.
+fn reap(mut child: std::process::Child) {
+    let until = Instant::now() + REAP_GRACE;
+    while Instant::now() < until {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = child.id();
+    tracing::error!(
+        pid,
+        "the killed probe process has not exited (blocked in the driver?); the probe lock stays held until it does"
+    );
+    let _ = std::thread::Builder::new().name("probe-child-reap".into()).spawn(move || {
+        let _ = child.wait();
+        tracing::info!(pid, "the killed probe process exited; the probe lock is free");
+    });
+}
+
+/// How long a killed child is waited for before a thread takes over (a process that is not
+/// blocked in the kernel is gone within milliseconds of SIGKILL).
+const REAP_GRACE: Duration = Duration::from_secs(2);
+
+/// The GPUs the plan probes, by PCI address.
+fn plan_gpus(snapshot: &Snapshot, level: ProbeLevel) -> Vec<String> {
+    let plan = super::plan_here(snapshot, &super::Options { level, only: &[], force: false, gemm_seconds: None });
+    plan.gpus.into_iter().map(|g| g.pci).collect()
+}
+
+/// Rule 5: the answer of a run killed at its deadline.
+fn overdue(snapshot: &Snapshot, level: ProbeLevel, limit: Duration, step: &str) -> Answer {
+    let findings = plan_gpus(snapshot, level)
+        .into_iter()
+        .map(|gpu| {
+            let mut f = Finding::fail(
+                ID,
+                format!("the probes did not finish within their {} s deadline, blocked at: {step}", limit.as_secs()),
+            )
+            .detail(
+                "A kernel or a synchronisation never returned (a GPU that stopped answering: Xid 79, 119, or a \
+                 kernel that never ends). The probe process was killed and the probe lock released; the \
+                 results of this run are lost.",
+            )
+            .remedy("Read `dmesg | grep -E 'NVRM|Xid'`; reset the GPU or restart the VM, then probe again.")
+            .evidence("step", step)
+            .evidence("deadline_s", limit.as_secs());
+            f.gpu = Some(gpu);
+            f
+        })
+        .collect();
+    Answer { probes: serde_json::json!({ "error": format!("killed at its deadline during: {step}") }), findings }
+}
+
+/// The child's side (rule 2): reads a `Request` on stdin, runs the probes here, prints the
+/// steps and the answer on stdout. Its exit code says nothing; the answer line does.
+pub fn child_main() -> anyhow::Result<i32> {
+    let request: Request = serde_json::from_reader(std::io::stdin().lock())
+        .map_err(|e| anyhow::anyhow!("probe-child: cannot read the request on stdin: {e}"))?;
+    let out = std::io::stdout();
+    let say = |line: String| {
+        let mut o = out.lock();
+        let _ = writeln!(o, "{line}").and_then(|()| o.flush());
+    };
+    let opts = super::Options { level: request.level, only: &[], force: false, gemm_seconds: None };
+    let answer: Result<Answer, String> =
+        match super::run_here(&request.snapshot, &opts, &request.state_dir, &request.who, &mut |step| {
+            say(format!("step {}", step.replace('\n', " ")))
+        }) {
+            Ok((report, targets)) => Ok(Answer {
+                probes: serde_json::to_value(&report).unwrap_or_default(),
+                findings: super::judge_here(&report, &targets, &request.state_dir),
+            }),
+            Err(e) => Err(e.to_string()),
+        };
+    let line = serde_json::to_string(&answer)
+        .unwrap_or_else(|e| serde_json::json!({ "Err": format!("cannot encode the answer: {e}") }).to_string());
+    say(format!("answer {line}"));
+    Ok(0)
+}
