@@ -46,9 +46,12 @@ impl Probe {
         );
         let level = if self.level == ProbeLevel::None { ProbeLevel::Quick } else { self.level };
         if self.dry_run {
+            // The GEMMs at the rate of the library the run would use: cuBLAS is looked up (its
+            // library loaded, not initialised; no GPU is touched), as the run would.
             let plan = probe::plan_here(
                 &snapshot,
                 &Options { level, only: &self.gpu, force: self.force, gemm_seconds: self.gemm_seconds },
+                crate::cuda::blas().is_ok(),
             );
             if self.json {
                 println!("{}", serde_json::to_string_pretty(&plan)?);

@@ -48,7 +48,10 @@ const ID: &str = "probe.responsive";
 
 /// Rule 3: how long the child may take.
 pub fn deadline(snapshot: &Snapshot, level: ProbeLevel, margin: Duration) -> Duration {
-    let plan = super::plan_here(snapshot, &super::Options { level, only: &[], force: false, gemm_seconds: None });
+    // Planned as if cuBLAS were missing: the agent's own GEMM kernels are the slower, so the
+    // deadline holds either way, and the service never loads a CUDA library itself (rule 1).
+    let opts = super::Options { level, only: &[], force: false, gemm_seconds: None };
+    let plan = super::plan_here(snapshot, &opts, false);
     Duration::from_secs_f64(plan.total_s.max(0.0) * 2.0) + margin
 }
 
@@ -167,7 +170,8 @@ const REAP_GRACE: Duration = Duration::from_secs(2);
 
 /// The GPUs the plan probes, by PCI address.
 fn plan_gpus(snapshot: &Snapshot, level: ProbeLevel) -> Vec<String> {
-    let plan = super::plan_here(snapshot, &super::Options { level, only: &[], force: false, gemm_seconds: None });
+    let plan =
+        super::plan_here(snapshot, &super::Options { level, only: &[], force: false, gemm_seconds: None }, false);
     plan.gpus.into_iter().map(|g| g.pci).collect()
 }
 

@@ -507,7 +507,13 @@ pub fn run(
     // bit-fade pauses are waited once for all of them, not once per GPU.
     if !chosen.is_empty() {
         let live: Vec<usize> = chosen.iter().map(|t| t.ordinal).filter(|g| !guard.0.contains_key(g)).collect();
-        progress(&format!("GPUs {live:?} at once: memory integrity"));
+        match live.as_slice() {
+            [g] => {
+                let pci = chosen.iter().find(|t| t.ordinal == *g).map(|t| t.pci.as_str()).unwrap_or("");
+                progress(&format!("GPU {g} ({pci}): memory integrity"));
+            }
+            _ => progress(&format!("GPUs {live:?} at once: memory integrity")),
+        }
         let mut tested: std::collections::BTreeMap<usize, Outcome<MemtestResult>> = Default::default();
         for (g, r) in backend.memory_integrity_all(&live, &p) {
             if let Err(e @ ProbeError::Sticky { gpu, .. }) = &r {
@@ -811,17 +817,16 @@ impl Backend for Observed<'_> {
 
 /// What a run would do here, from the snapshot alone: no CUDA driver is loaded and no GPU touched. The
 /// GPUs are the snapshot's NVIDIA GPUs in PCI order (as CUDA numbers them under
-/// `CUDA_DEVICE_ORDER=PCI_BUS_ID`).
-pub fn plan_here(snapshot: &crate::snapshot::Snapshot, opts: &Options<'_>) -> plan::Plan {
+/// `CUDA_DEVICE_ORDER=PCI_BUS_ID`). `cublas`: plan the GEMMs at cuBLAS's rates (the run will
+/// find it) rather than the agent's own kernels' slower ones.
+pub fn plan_here(snapshot: &crate::snapshot::Snapshot, opts: &Options<'_>, cublas: bool) -> plan::Plan {
     let mut pcis: Vec<String> = snapshot.gpus().iter().map(|g| g.address.clone()).collect();
     pcis.sort();
     let devices: Vec<cuda::DeviceInfo> =
         pcis.into_iter().map(|pci| cuda::DeviceInfo { pci, compute_mode: 0 }).collect();
     let targets = targets_of(snapshot, &devices, std::process::id());
     let memory = |pci: &str| snapshot.nvml_gpu(pci).and_then(|g| g.memory.value()).map(|m| m.total_bytes);
-    // The GEMM is planned at the rate of the kernel the run will use: cuBLAS is looked up (its
-    // library loaded, not initialised; no GPU is touched), as the run would.
-    plan::plan(&targets, opts, &memory, crate::cuda::blas().is_ok())
+    plan::plan(&targets, opts, &memory, cublas)
 }
 
 /// What the probes need to know of each GPU CUDA lists, from the snapshot. `own_pid` (the
