@@ -753,6 +753,19 @@ pub struct NvmlGpu {
     /// 4 drain and reset; nvml.h). Drivers before the field existed answer not supported.
     #[serde(default)]
     pub recovery_action: Nv<u32>,
+    /// Profiling metrics from NVML's GPM over two samples (Hopper and later), in DCGM's units.
+    #[serde(default)]
+    pub gpm: Nv<Gpm>,
+}
+
+/// NVML GPM metrics over the interval between two samples, converted as DCGM converts them for
+/// its `DCGM_FI_PROF_*` fields (`DcgmGpmManager.cpp`: a percentage ÷ 100 is an activity ratio;
+/// `DcgmCacheManager.cpp`: PCIe and NVLink rates come in MiB/s and are served in bytes/s), by
+/// DCGM's field name. A metric the GPU gave as NaN is left out, never 0.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Gpm {
+    pub interval_ms: u64,
+    pub values: std::collections::BTreeMap<String, f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -360,4 +360,24 @@ fn dcgm_names_carry_nvmls_own_figures() {
     assert_eq!(value("DCGM_FI_DEV_ENC_UTIL"), 0.0);
     assert_eq!(value("DCGM_FI_DEV_DEC_UTIL"), 0.0);
     assert!(metrics.contains("# TYPE DCGM_FI_DEV_PCIE_REPLAY_COUNTER counter"), "classic text, as dcgm-exporter");
+    // Profiling from NVML's GPM, converted as DCGM converts it: a percentage ÷ 100 is the
+    // activity ratio, MiB/s × 1,048,576 is bytes/s (the scenario's GPU 0: graphics 12.5 %,
+    // tensor 5 %, DRAM 7.5 %, PCIe 12 MiB/s out and 48 in, NVLink 200 out and 100 in).
+    assert_eq!(value("DCGM_FI_PROF_GR_ENGINE_ACTIVE"), 0.125);
+    assert_eq!(value("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"), 0.05);
+    assert_eq!(value("DCGM_FI_PROF_DRAM_ACTIVE"), 0.075);
+    assert_eq!(value("DCGM_FI_PROF_PCIE_TX_BYTES"), 12.0 * 1_048_576.0);
+    assert_eq!(value("DCGM_FI_PROF_PCIE_RX_BYTES"), 48.0 * 1_048_576.0);
+    assert_eq!(value("DCGM_FI_PROF_NVLINK_TX_BYTES"), 200.0 * 1_048_576.0);
+    assert_eq!(value("DCGM_FI_PROF_SM_OCCUPANCY"), 0.08);
+    // GPU 7 reported its FP16 pipe as NaN: left out, never served as 0; its other fields stay.
+    let gpu7 = |name: &str| metrics.lines().any(|l| l.starts_with(&format!("{name}{{gpu=\"7\"")));
+    assert!(!gpu7("DCGM_FI_PROF_PIPE_FP16_ACTIVE"), "a NaN is left out");
+    assert!(gpu7("DCGM_FI_PROF_PIPE_FP32_ACTIVE"));
+    // The agent's own names, and GPM's presence said per GPU.
+    assert!(
+        metrics.lines().any(|l| l.starts_with("phq_gpu_gpm_activity_ratio{") && l.contains("metric=\"tensor\"")),
+        "{metrics}"
+    );
+    assert!(metrics.lines().any(|l| l.starts_with("phq_gpu_gpm_supported{") && l.ends_with(" 1.0")), "{metrics}");
 }

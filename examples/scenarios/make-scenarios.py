@@ -62,6 +62,13 @@ def h100(i, bus):
         # H100 has video decoders and no encoders; both idle.
         "encoder_utilization": 0,
         "decoder_utilization": 0,
+        # GPM (Hopper): metric ids of nvmlGpmMetricId_t, percentages and MiB/s; a GPU under a
+        # light load. The last GPU reports its FP16 pipe as NaN (left out by the agent, never 0).
+        "gpm": {"metrics": {
+            "1": 12.5 + i, "2": 10.0, "3": 8.0, "5": 5.0 + i, "10": 7.5,
+            "11": 0.0, "12": 3.0, "13": None if i == 7 else 1.0,
+            "20": 12.0, "21": 48.0, "60": 100.0, "61": 200.0,
+        }},
     }
 
 

@@ -431,6 +431,20 @@ pub(crate) mod testutil {
             nvlink_throughput: Nv::Value(NvLinkThroughput { tx_kib: 1 << 20, rx_kib: 1 << 20 }),
             nvlink_p2p: Nv::Value((0x09..0x11u8).filter(|b| *b != bus).map(|b| format!("0000:{b:02x}:00.0")).collect()),
             recovery_action: Nv::Value(0),
+            // GPM under a light load, in DCGM's units (every field the agent reads).
+            gpm: Nv::Value(crate::snapshot::Gpm {
+                interval_ms: 100,
+                values: crate::collect::nvml::GPM_FIELDS
+                    .iter()
+                    .map(|(name, _, unit)| {
+                        let v = match unit {
+                            crate::collect::nvml::GpmUnit::Percent => 0.05,
+                            crate::collect::nvml::GpmUnit::MibPerSecond => 12.0 * 1_048_576.0,
+                        };
+                        (name.to_string(), v)
+                    })
+                    .collect(),
+            }),
         }
     }
 

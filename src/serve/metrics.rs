@@ -177,6 +177,18 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     let power = fam.gauge("phq_gpu_power_usage_watts", "Power draw");
     let power_limit = fam.gauge("phq_gpu_power_limit_watts", "Enforced power limit");
     let mem_total = fam.gauge("phq_gpu_memory_total_bytes", "Device memory");
+    let gpm_ok = fam.gauge(
+        "phq_gpu_gpm_supported",
+        "1 when NVML's GPM gives this GPU's profiling metrics (Hopper and later), 0 when it does not",
+    );
+    let gpm_ratio = fam.gauge(
+        "phq_gpu_gpm_activity_ratio",
+        "NVML GPM: the share of the last interval each unit was active (metric: gr_engine, sm, sm_occupancy, tensor, dram, fp64, fp32, fp16)",
+    );
+    let gpm_rate = fam.gauge(
+        "phq_gpu_gpm_bytes_per_second",
+        "NVML GPM: PCIe and NVLink traffic over the last interval (bus: pcie, nvlink; direction: tx, rx)",
+    );
     let mem_used =
         fam.gauge("phq_gpu_memory_used_bytes", "Device memory allocated (the driver's reservation not included)");
     let mem_free =
@@ -264,6 +276,24 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         set(&mem_temp, &base, &n.memory_temperature_c);
         if let Nv::Value(mj) = n.energy_mj {
             energy.get_or_create(&base).inc_by(mj as f64 / 1000.0);
+        }
+        match &n.gpm {
+            Nv::Value(gm) => {
+                gpm_ok.get_or_create(&base).set(1.0);
+                for (field, v) in &gm.values {
+                    match gpm_label(field) {
+                        Some(GpmLabel::Ratio(m)) => gpm_ratio.get_or_create(&plus(&base, "metric", m)).set(*v),
+                        Some(GpmLabel::Rate(bus, dir)) => {
+                            gpm_rate.get_or_create(&plus(&plus(&base, "bus", bus), "direction", dir)).set(*v)
+                        }
+                        None => 0.0,
+                    };
+                }
+            }
+            Nv::NotSupported => {
+                gpm_ok.get_or_create(&base).set(0.0);
+            }
+            Nv::Error(_) => {}
         }
         set(&enc_util, &base, &n.encoder_utilization.map_value(|u| *u as f64 / 100.0));
         set(&dec_util, &base, &n.decoder_utilization.map_value(|u| *u as f64 / 100.0));
@@ -390,6 +420,35 @@ fn sxid_counters(fam: &mut Families, s: &Snapshot) {
     }
 }
 
+/// How the agent names a GPM field (`collect::nvml::GPM_FIELDS`, by DCGM's name).
+enum GpmLabel {
+    Ratio(&'static str),
+    Rate(&'static str, &'static str),
+}
+
+fn gpm_label(field: &str) -> Option<GpmLabel> {
+    Some(match field {
+        "DCGM_FI_PROF_GR_ENGINE_ACTIVE" => GpmLabel::Ratio("gr_engine"),
+        "DCGM_FI_PROF_SM_ACTIVE" => GpmLabel::Ratio("sm"),
+        "DCGM_FI_PROF_SM_OCCUPANCY" => GpmLabel::Ratio("sm_occupancy"),
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE" => GpmLabel::Ratio("tensor"),
+        "DCGM_FI_PROF_DRAM_ACTIVE" => GpmLabel::Ratio("dram"),
+        "DCGM_FI_PROF_PIPE_FP64_ACTIVE" => GpmLabel::Ratio("fp64"),
+        "DCGM_FI_PROF_PIPE_FP32_ACTIVE" => GpmLabel::Ratio("fp32"),
+        "DCGM_FI_PROF_PIPE_FP16_ACTIVE" => GpmLabel::Ratio("fp16"),
+        "DCGM_FI_PROF_PCIE_TX_BYTES" => GpmLabel::Rate("pcie", "tx"),
+        "DCGM_FI_PROF_PCIE_RX_BYTES" => GpmLabel::Rate("pcie", "rx"),
+        "DCGM_FI_PROF_NVLINK_TX_BYTES" => GpmLabel::Rate("nvlink", "tx"),
+        "DCGM_FI_PROF_NVLINK_RX_BYTES" => GpmLabel::Rate("nvlink", "rx"),
+        _ => return None,
+    })
+}
+
+/// A GPM field's value, as DCGM serves it (`collect::nvml::GPM_FIELDS`).
+fn prof(n: &NvmlGpu, field: &str) -> Option<f64> {
+    n.gpm.value().and_then(|g| g.values.get(field).copied())
+}
+
 /// dcgm-exporter's default counters (its `etc/default-counters.csv`) and what the agent does
 /// with each: the name it serves it under with `metrics.dcgm_compat`, or why it does not.
 /// docs/metrics.md says the same for people; a test holds the two to the rendered metrics.
@@ -415,11 +474,11 @@ pub const DCGM_DEFAULT_COUNTERS: &[(&str, Result<&str, &str>)] = &[
     ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", Ok("NVML remapped rows")),
     ("DCGM_FI_DEV_ROW_REMAP_FAILURE", Ok("NVML remapped rows")),
     ("DCGM_FI_DRIVER_VERSION", Ok("a label on every DCGM_* series")),
-    ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", Err("profiling: DCGM's profiler, not NVML")),
-    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", Err("profiling: DCGM's profiler, not NVML")),
-    ("DCGM_FI_PROF_DRAM_ACTIVE", Err("profiling: DCGM's profiler, not NVML")),
-    ("DCGM_FI_PROF_PCIE_TX_BYTES", Err("profiling: DCGM's profiler, not NVML")),
-    ("DCGM_FI_PROF_PCIE_RX_BYTES", Err("profiling: DCGM's profiler, not NVML")),
+    ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", Ok("NVML GPM, as DCGM converts it")),
+    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", Ok("NVML GPM, as DCGM converts it")),
+    ("DCGM_FI_PROF_DRAM_ACTIVE", Ok("NVML GPM, as DCGM converts it")),
+    ("DCGM_FI_PROF_PCIE_TX_BYTES", Ok("NVML GPM, as DCGM converts it")),
+    ("DCGM_FI_PROF_PCIE_RX_BYTES", Ok("NVML GPM, as DCGM converts it")),
 ];
 
 /// DCGM fields served beyond dcgm-exporter's defaults: the ECC and NVLink error totals its CSV
@@ -434,6 +493,13 @@ pub const DCGM_BEYOND_DEFAULTS: &[&str] = &[
     "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
     "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
     "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+    "DCGM_FI_PROF_SM_ACTIVE",
+    "DCGM_FI_PROF_SM_OCCUPANCY",
+    "DCGM_FI_PROF_PIPE_FP64_ACTIVE",
+    "DCGM_FI_PROF_PIPE_FP32_ACTIVE",
+    "DCGM_FI_PROF_PIPE_FP16_ACTIVE",
+    "DCGM_FI_PROF_NVLINK_TX_BYTES",
+    "DCGM_FI_PROF_NVLINK_RX_BYTES",
 ];
 
 /// The dcgm-exporter names NVIDIA's Grafana dashboard (12239) reads, with its labels.
@@ -487,6 +553,28 @@ const DCGM_SERIES: &[(&str, &str, Pick)] = &[
     ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "Whether remapping of rows has failed", |n| {
         n.remapped_rows.value().map(|r| if r.failure { 1.0 } else { 0.0 })
     }),
+    // Profiling, from NVML's GPM (Hopper and later), with dcgm-exporter's help texts.
+    ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "Ratio of time the graphics engine is active.", |n| {
+        prof(n, "DCGM_FI_PROF_GR_ENGINE_ACTIVE")
+    }),
+    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "Ratio of cycles the tensor (HMMA) pipe is active.", |n| {
+        prof(n, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE")
+    }),
+    (
+        "DCGM_FI_PROF_DRAM_ACTIVE",
+        "Ratio of cycles the device memory interface is active sending or receiving data.",
+        |n| prof(n, "DCGM_FI_PROF_DRAM_ACTIVE"),
+    ),
+    (
+        "DCGM_FI_PROF_PCIE_TX_BYTES",
+        "The rate of data transmitted over the PCIe bus - including both protocol headers and data payloads - in bytes per second.",
+        |n| prof(n, "DCGM_FI_PROF_PCIE_TX_BYTES"),
+    ),
+    (
+        "DCGM_FI_PROF_PCIE_RX_BYTES",
+        "The rate of data received over the PCIe bus - including both protocol headers and data payloads - in bytes per second.",
+        |n| prof(n, "DCGM_FI_PROF_PCIE_RX_BYTES"),
+    ),
     // Beyond the defaults: the fields dcgm-exporter's CSV lists commented out, which NVML
     // feeds and which alerts are commonly built on.
     ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors.", |n| {
@@ -517,6 +605,31 @@ const DCGM_SERIES: &[(&str, &str, Pick)] = &[
         "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
         "Current clock throttle reasons (bitmask of NVML's clocks-event reasons).",
         |n| n.throttle_reasons.value().map(|names| crate::collect::nvml::throttle_bits(names) as f64),
+    ),
+    ("DCGM_FI_PROF_SM_ACTIVE", "The ratio of cycles an SM has at least 1 warp assigned.", |n| {
+        prof(n, "DCGM_FI_PROF_SM_ACTIVE")
+    }),
+    ("DCGM_FI_PROF_SM_OCCUPANCY", "The ratio of number of warps resident on an SM.", |n| {
+        prof(n, "DCGM_FI_PROF_SM_OCCUPANCY")
+    }),
+    ("DCGM_FI_PROF_PIPE_FP64_ACTIVE", "Ratio of cycles the fp64 pipes are active.", |n| {
+        prof(n, "DCGM_FI_PROF_PIPE_FP64_ACTIVE")
+    }),
+    ("DCGM_FI_PROF_PIPE_FP32_ACTIVE", "Ratio of cycles the fp32 pipes are active.", |n| {
+        prof(n, "DCGM_FI_PROF_PIPE_FP32_ACTIVE")
+    }),
+    ("DCGM_FI_PROF_PIPE_FP16_ACTIVE", "Ratio of cycles the fp16 pipes are active.", |n| {
+        prof(n, "DCGM_FI_PROF_PIPE_FP16_ACTIVE")
+    }),
+    (
+        "DCGM_FI_PROF_NVLINK_TX_BYTES",
+        "The rate of data transmitted over NVLink, not including protocol headers, in bytes per second.",
+        |n| prof(n, "DCGM_FI_PROF_NVLINK_TX_BYTES"),
+    ),
+    (
+        "DCGM_FI_PROF_NVLINK_RX_BYTES",
+        "The rate of data received over NVLink, not including protocol headers, in bytes per second.",
+        |n| prof(n, "DCGM_FI_PROF_NVLINK_RX_BYTES"),
     ),
 ];
 

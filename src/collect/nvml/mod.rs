@@ -128,6 +128,7 @@ fn unreadable(index: u32, why: String, address: Option<String>) -> NvmlGpu {
         nvlink_throughput: err!(),
         nvlink_p2p: err!(),
         recovery_action: err!(),
+        gpm: err!(),
     }
 }
 
@@ -279,6 +280,8 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>, t: &Tracker) -> Nv
         ),
         nvlink_throughput,
         recovery_action,
+        // Read for every GPU together, between two samples (`gpm`).
+        gpm: Nv::NotSupported,
     }
 }
 
@@ -378,6 +381,99 @@ fn field_u64(v: &nvmlFieldValue_t) -> Nv<u64> {
             .unwrap_or_else(|_| Nv::Error(format!("field {}: negative value {s}", v.fieldId))),
         (None, None) => Nv::Error(format!("field {}: not a number", v.fieldId)),
     }
+}
+
+/// The GPM metrics read, with DCGM's field name for each and whether NVML gives it as a
+/// percentage (÷ 100: an activity ratio) or in MiB/s (× 1,048,576: bytes/s) — DCGM's own map
+/// from field to metric (`DcgmFieldIdToNvmlGpmMetricId`, dcgm_fields.cpp) and conversions
+/// (`DcgmGpmManager.cpp`, `DcgmCacheManager.cpp`: "PCIe, NVLink, and C2C throughput fields are
+/// returned in MiB/s by NVML").
+pub const GPM_FIELDS: &[(&str, nvml_wrapper::enums::gpm::GpmMetricId, GpmUnit)] = {
+    use nvml_wrapper::enums::gpm::GpmMetricId as M;
+    &[
+        ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", M::GraphicsUtil, GpmUnit::Percent),
+        ("DCGM_FI_PROF_SM_ACTIVE", M::SmUtil, GpmUnit::Percent),
+        ("DCGM_FI_PROF_SM_OCCUPANCY", M::SmOccupancy, GpmUnit::Percent),
+        ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", M::AnyTensorUtil, GpmUnit::Percent),
+        ("DCGM_FI_PROF_DRAM_ACTIVE", M::DramBwUtil, GpmUnit::Percent),
+        ("DCGM_FI_PROF_PIPE_FP64_ACTIVE", M::Fp64Util, GpmUnit::Percent),
+        ("DCGM_FI_PROF_PIPE_FP32_ACTIVE", M::Fp32Util, GpmUnit::Percent),
+        ("DCGM_FI_PROF_PIPE_FP16_ACTIVE", M::Fp16Util, GpmUnit::Percent),
+        ("DCGM_FI_PROF_PCIE_TX_BYTES", M::PcieTxPerSec, GpmUnit::MibPerSecond),
+        ("DCGM_FI_PROF_PCIE_RX_BYTES", M::PcieRxPerSec, GpmUnit::MibPerSecond),
+        ("DCGM_FI_PROF_NVLINK_TX_BYTES", M::NvlinkTotalTxPerSec, GpmUnit::MibPerSecond),
+        ("DCGM_FI_PROF_NVLINK_RX_BYTES", M::NvlinkTotalRxPerSec, GpmUnit::MibPerSecond),
+    ]
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpmUnit {
+    Percent,
+    MibPerSecond,
+}
+
+/// Time between a GPM metric's two samples: NVML computes each metric over the interval
+/// between two samples; a tenth of a second keeps a snapshot quick and the ratio meaningful.
+pub const GPM_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// GPM metrics of the GPUs in `gpus` (index, PCI address): every GPU that has GPM sampled, one
+/// pause of `GPM_INTERVAL` for all, sampled again, each metric computed between the two. A GPU
+/// without GPM (`nvmlGpmQueryDeviceSupport`: not Hopper, or not in this driver) gets
+/// `NotSupported`.
+fn gpm(nvml: &Nvml, gpus: &[(u32, String)], t: &Tracker) -> Vec<(u32, Nv<crate::snapshot::Gpm>)> {
+    let mut first = Vec::new();
+    let mut out = Vec::new();
+    for (i, _) in gpus {
+        let d = match ask!(t, "nvmlDeviceGetHandleByIndex_v2", nvml.device_by_index(*i)) {
+            Ok(d) => d,
+            Err(e) => {
+                out.push((*i, nv(Err(e))));
+                continue;
+            }
+        };
+        match ask!(t, "nvmlGpmQueryDeviceSupport", d.gpm_support()) {
+            Ok(true) => match ask!(t, "nvmlGpmSampleGet", d.gpm_sample()) {
+                Ok(s) => first.push((*i, d, s, std::time::Instant::now())),
+                Err(e) => out.push((*i, nv(Err(e)))),
+            },
+            Ok(false) => out.push((*i, Nv::NotSupported)),
+            Err(e) => out.push((*i, nv(Err(e)))),
+        }
+    }
+    if !first.is_empty() {
+        std::thread::sleep(GPM_INTERVAL);
+    }
+    let ids: Vec<_> = GPM_FIELDS.iter().map(|(_, id, _)| id.clone()).collect();
+    for (i, d, s1, t1) in first {
+        let s2 = match ask!(t, "nvmlGpmSampleGet", d.gpm_sample()) {
+            Ok(s) => s,
+            Err(e) => {
+                out.push((i, nv(Err(e))));
+                continue;
+            }
+        };
+        let interval_ms = t1.elapsed().as_millis() as u64;
+        match ask!(t, "nvmlGpmMetricsGet", nvml_wrapper::gpm::gpm_metrics_get(nvml, &s1, &s2, &ids)) {
+            Ok(results) => {
+                let mut values = std::collections::BTreeMap::new();
+                for ((name, _, unit), r) in GPM_FIELDS.iter().zip(results) {
+                    let Ok(m) = r else { continue };
+                    // A NaN (or infinite) reading is left out, never served as a number.
+                    if !m.value.is_finite() {
+                        continue;
+                    }
+                    let v = match unit {
+                        GpmUnit::Percent => m.value / 100.0,
+                        GpmUnit::MibPerSecond => m.value * 1_048_576.0,
+                    };
+                    values.insert((*name).to_string(), v);
+                }
+                out.push((i, Nv::Value(crate::snapshot::Gpm { interval_ms, values })));
+            }
+            Err(e) => out.push((i, nv(Err(e)))),
+        }
+    }
+    out
 }
 
 /// Which GPUs each GPU reaches over NVLink, as NVML says (`nvmlDeviceGetP2PStatus`, NVLink

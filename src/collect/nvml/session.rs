@@ -35,7 +35,8 @@ pub struct Reading {
 pub struct Deadlines {
     /// `nvmlInit_v2`, which attaches every GPU.
     pub init: Duration,
-    /// Everything read about one GPU (about sixty calls), and the system-wide calls.
+    /// Everything read about one GPU (about sixty calls), the system-wide calls, and the GPM
+    /// samples of all GPUs together.
     pub gpu: Duration,
     /// Registering every GPU for Xid events and draining what is pending; also the NVLink
     /// peer matrix.
@@ -54,7 +55,9 @@ impl Default for Deadlines {
 impl Deadlines {
     /// The longest a reading of `gpus` GPUs can take when every phase runs to its deadline.
     pub fn worst_case(&self, gpus: u32) -> Duration {
-        self.init + self.gpu * (gpus + 1) + self.events * 2
+        // The system-wide calls, each GPU, and GPM for all GPUs together under `gpu`; the peer
+        // matrix and the Xid events under `events`.
+        self.init + self.gpu * (gpus + 2) + self.events * 2
     }
 }
 
@@ -65,6 +68,8 @@ enum Target {
     System,
     Gpu(u32),
     P2p,
+    /// The GPM samples and metrics of every GPU together.
+    Gpm,
     Events,
     Conditions,
 }
@@ -376,6 +381,36 @@ impl Session {
                 }
             }
         }
+        // GPM over the GPUs that answered: two samples, one pause for all (`super::gpm`).
+        if let Some(b) = p2p_blocked(st, Target::Gpm) {
+            for g in &mut devices {
+                g.gpm = Nv::Error(format!("{} (still blocked)", b.describe()));
+            }
+            blocked.push(b);
+        } else if !answering.is_empty() && !out_of_time() {
+            let (hh, asked) = (h.clone(), answering.clone());
+            match deadline::call(
+                bounded(self.deadlines.gpu, until),
+                Tracker::new("nvmlGpmQueryDeviceSupport"),
+                self.hook(),
+                move |t| super::gpm(&hh.nvml, &asked, t),
+            ) {
+                Outcome::Done(found) => {
+                    for (i, m) in found {
+                        if let Some(g) = devices.iter_mut().find(|g| g.index == i) {
+                            g.gpm = m;
+                        }
+                    }
+                }
+                Outcome::NotStarted(why) => devices.iter_mut().for_each(|g| g.gpm = Nv::Error(why.clone())),
+                Outcome::Late(late) => {
+                    let b = blocked_of(&late, None);
+                    devices.iter_mut().for_each(|g| g.gpm = Nv::Error(b.describe()));
+                    blocked.push(b);
+                    st.late.insert(Target::Gpm, forget(late));
+                }
+            }
+        }
         // Xid events pending, from the GPUs that answered.
         let (xid_events, events_error) = if let Some(b) = p2p_blocked(st, Target::Events) {
             let why = format!("{} (still blocked)", b.describe());
@@ -490,8 +525,8 @@ mod tests {
     fn the_worst_case_counts_every_phase_to_its_deadline() {
         let d =
             Deadlines { init: Duration::from_secs(30), gpu: Duration::from_secs(10), events: Duration::from_secs(5) };
-        // init, the system calls and 8 GPUs, the NVLink matrix and the events.
-        assert_eq!(d.worst_case(8), Duration::from_secs(30 + 90 + 10));
+        // init, the system calls, 8 GPUs and GPM, the NVLink matrix and the events.
+        assert_eq!(d.worst_case(8), Duration::from_secs(30 + 100 + 10));
     }
 
     #[test]
