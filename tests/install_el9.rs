@@ -22,12 +22,10 @@ mod common;
 
 use common::debian::{runnable, serve, sh, target_dir};
 use common::el9::*;
-use std::io::{BufRead, BufReader};
-use std::os::unix::process::CommandExt;
+use common::install::*;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Instant;
 
 const TOOLS: &[&str] =
     &["debootstrap", "chroot", "rpmbuild", "rpmsign", "createrepo_c", "modifyrepo_c", "gpg", "objcopy"];
@@ -164,97 +162,6 @@ fn write_config(root: &Path, url: &str, epel_url: &str, repos: &Repos) {
         ),
     )
     .unwrap();
-}
-
-struct Outcome {
-    code: Option<i32>,
-    stderr: String,
-}
-
-fn install_command(root: &Path, extra: &[&str]) -> Command {
-    let mut c = Command::new("chroot");
-    c.arg(root).arg("/usr/bin/phq-agent").arg("install");
-    if !extra.contains(&"--reboot") {
-        c.args(["--reboot", "never"]);
-    }
-    c.args(extra);
-    c.env_clear().env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin").env("LANG", "C.UTF-8");
-    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    // Its own process group: a kill reaches dnf and rpm too.
-    c.process_group(0);
-    c
-}
-
-fn install(root: &Path, extra: &[&str]) -> Outcome {
-    let out = install_command(root, extra).output().unwrap();
-    Outcome { code: out.status.code(), stderr: String::from_utf8_lossy(&out.stderr).into_owned() }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Kill {
-    Running,
-    AlreadyDone,
-    NotReached,
-}
-
-/// Starts an install and SIGKILLs its process group inside `step`: 50 ms after the step's
-/// first command starts (for the driver step, once the stand-in DKMS build in the package's
-/// %post has made its marker), or at once when the step says it is already done.
-fn install_killed_in(root: &Path, step: &str, marker: Option<&Path>) -> (String, Kill) {
-    let mut child = install_command(root, &[]).spawn().unwrap();
-    let pgid = child.id() as i32;
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let kill = |child: &mut std::process::Child| {
-        // SAFETY: kill(2) on a process group we created; no memory is touched.
-        unsafe { libc::kill(-pgid, libc::SIGKILL) };
-        let _ = child.wait();
-    };
-    let mut seen = String::new();
-    let mut in_step = false;
-    let needle = format!("] {step}: ");
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while Instant::now() < deadline {
-        let line = match rx.recv_timeout(Duration::from_secs(1)) {
-            Ok(l) => l,
-            Err(mpsc::RecvTimeoutError::Timeout) => continue,
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
-        };
-        seen.push_str(&line);
-        seen.push('\n');
-        if !in_step {
-            if line.contains(&needle) {
-                in_step = true;
-                if ["already done", "done in an earlier run", "not needed"].iter().any(|d| line.contains(d)) {
-                    kill(&mut child);
-                    return (seen, Kill::AlreadyDone);
-                }
-            }
-            continue;
-        }
-        let action = line.trim_start();
-        if action.starts_with("$ ") || action.starts_with("fetch ") || action.starts_with("write ") {
-            match marker {
-                Some(m) => {
-                    let until = Instant::now() + Duration::from_secs(120);
-                    while !m.exists() && Instant::now() < until {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                    assert!(m.exists(), "the driver's %post never ran:\n{seen}");
-                }
-                None => std::thread::sleep(Duration::from_millis(50)),
-            }
-            kill(&mut child);
-            return (seen, Kill::Running);
-        }
-    }
-    kill(&mut child);
-    (seen, Kill::NotReached)
 }
 
 fn chroot_out(root: &Path, args: &[&str]) -> (bool, String) {
@@ -417,7 +324,7 @@ fn prove(variant: Variant) -> Option<(tempfile::TempDir, PathBuf, Repos, String)
     let mut transcript = String::new();
     for (i, step) in steps.iter().enumerate() {
         let marker = killed.join(DKMS_MARKER);
-        let (seen, kill) = install_killed_in(&killed, step, (*step == "driver").then_some(marker.as_path()));
+        let (seen, kill) = install_killed_in(&killed, step, (*step == "driver").then_some(marker.as_path()), || ());
         assert_ne!(kill, Kill::NotReached, "never reached step {step}:\n{seen}");
         kills += (kill == Kill::Running) as u32;
         let when = match (kill, *step) {

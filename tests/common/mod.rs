@@ -4,6 +4,7 @@
 
 pub mod debian;
 pub mod el9;
+pub mod install;
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader};

@@ -443,7 +443,7 @@ fn gpm(nvml: &Nvml, gpus: &[(u32, String)], t: &Tracker) -> Vec<(u32, Nv<crate::
     if !first.is_empty() {
         std::thread::sleep(GPM_INTERVAL);
     }
-    let ids: Vec<_> = GPM_FIELDS.iter().map(|(_, id, _)| id.clone()).collect();
+    let ids: Vec<_> = GPM_FIELDS.iter().map(|(_, id, _)| *id).collect();
     for (i, d, s1, t1) in first {
         let s2 = match ask!(t, "nvmlGpmSampleGet", d.gpm_sample()) {
             Ok(s) => s,
