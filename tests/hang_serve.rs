@@ -8,10 +8,8 @@ mod common;
 
 use common::*;
 use serde_json::Value;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::os::unix::net::UnixDatagram;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -21,25 +19,9 @@ const TOKEN: &str = "tok-9d2e4a1c0000400080000000";
 const INIT_TIMEOUT: Duration = Duration::from_secs(3);
 const BLOCKED_FOR: Duration = Duration::from_secs(120);
 
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A raw HTTP/1.1 GET; (status, body).
+/// GET with the service's token: (status, body).
 fn get(port: u16, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nAuthorization: Bearer {TOKEN}\r\n\r\n")
-        .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+    get_with_token(port, path, TOKEN)
 }
 
 /// The value of the unlabelled series `name` in a metrics text.

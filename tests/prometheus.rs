@@ -7,19 +7,10 @@ mod common;
 use common::*;
 use serde_json::Value;
 use std::io::{Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "tok-prometheus-0123456789abcdef";
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// Waits until the Prometheus on `port` says it is ready (`/-/ready` answers 200). It listens
 /// before its storage is open and answers 503 until then — longer on a loaded machine.

@@ -392,10 +392,10 @@ pub fn debian_archive_source(guest: &Path, repo_root: &Path, url: &str) {
 
 /// A stand-in `nvidia.ko`: an ELF object whose only content is the `.modinfo` section a real
 /// module carries (`version=…`, `license=…`), which is all `modinfo` reads; made with objcopy.
-fn standin_module(dir: &Path, version: &str) -> Vec<u8> {
-    let info = dir.join("modinfo.bin");
+pub fn standin_module(dir: &Path, version: &str) -> Vec<u8> {
+    let info = dir.join(format!("modinfo-{version}.bin"));
     std::fs::write(&info, format!("version={version}\0license=Dual MIT/GPL\0name=nvidia\0")).unwrap();
-    let ko = dir.join("nvidia.ko");
+    let ko = dir.join(format!("nvidia-{version}.ko"));
     sh(
         "objcopy",
         &[

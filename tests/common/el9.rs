@@ -19,7 +19,7 @@
 //! names it `codeready-builder-for-rhel-9-x86_64-rpms` and belongs to a stand-in
 //! `subscription-manager` that rewrites it, as the real one does.
 
-use super::debian::{debootstrap_cached, sh};
+use super::debian::{debootstrap_cached, sh, standin_module};
 use super::TestKey;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -263,27 +263,6 @@ pub struct Repos {
 fn unit(desc: &str) -> Vec<u8> {
     format!("[Unit]\nDescription={desc}\n[Service]\nExecStart=/bin/true\n[Install]\nWantedBy=multi-user.target\n")
         .into_bytes()
-}
-
-/// A stand-in `nvidia.ko` (objcopy: only the `.modinfo` section `modinfo` reads).
-fn standin_module(work: &Path, version: &str) -> Vec<u8> {
-    let info = work.join(format!("modinfo-{version}.bin"));
-    std::fs::write(&info, format!("version={version}\0license=Dual MIT/GPL\0name=nvidia\0")).unwrap();
-    let ko = work.join(format!("nvidia-{version}.ko"));
-    sh(
-        "objcopy",
-        &[
-            "-I",
-            "binary",
-            "-O",
-            "elf64-x86-64",
-            "--rename-section",
-            ".data=.modinfo,contents,alloc,load,readonly,data",
-            info.to_str().unwrap(),
-            ko.to_str().unwrap(),
-        ],
-    );
-    std::fs::read(&ko).unwrap()
 }
 
 /// Where the stand-in DKMS build leaves its marker while it runs (the kill lands then).

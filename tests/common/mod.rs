@@ -413,6 +413,30 @@ pub fn yaml(text: &str) -> Option<Value> {
     Some(serde_json::from_slice(&out.stdout).unwrap())
 }
 
+/// A child process killed and reaped when the test lets go of it, pass or panic.
+pub struct Killed(pub Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A raw HTTP/1.1 GET on 127.0.0.1 with a bearer token: (status, body); status 0 when no
+/// answer could be read.
+pub fn get_with_token(port: u16, path: &str, token: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nAuthorization: Bearer {token}\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default())
+}
+
 /// A GnuPG home with a fresh Ed25519 signing key, standing for a repository's key in a test.
 pub struct TestKey {
     pub home: PathBuf,
