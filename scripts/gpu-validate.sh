@@ -64,30 +64,28 @@ for gpu in range(torch.cuda.device_count()):
     g = p.get("gemm_n", 4096)
     a = torch.randint(-8, 9, (g, g), device=f"cuda:{gpu}").float()
     b = torch.randint(-8, 9, (g, g), device=f"cuda:{gpu}").float()
-    torch.matmul(a, b); torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(5):
-        torch.matmul(a, b)
-    e.record(); torch.cuda.synchronize()
+    def tflops(x, y, reps):
+        # One untimed product, then `reps` between two events: TFLOP/s of an n×n×n GEMM.
+        torch.matmul(x, y); torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            torch.matmul(x, y)
+        e.record(); torch.cuda.synchronize()
+        return 2 * g ** 3 * reps / (s.elapsed_time(e) / 1000) / 1e12
+    gemm_fp32 = tflops(a, b, 5)
     # The same product in BF16 on the tensor cores, FP32 accumulation (cuBLAS through torch):
     # the peer of probe.gemm-tensor.
-    ab, bb = a.bfloat16(), b.bfloat16()
-    torch.matmul(ab, bb); torch.cuda.synchronize()
-    s2, e2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s2.record()
-    for _ in range(20):
-        torch.matmul(ab, bb)
-    e2.record(); torch.cuda.synchronize()
+    gemm_bf16 = tflops(a.bfloat16(), b.bfloat16(), 20)
     res[str(gpu)] = {
         "index": gpu,
-        "gemm_bf16_tflops": 2 * g ** 3 * 20 / (s2.elapsed_time(e2) / 1000) / 1e12,
+        "gemm_bf16_tflops": gemm_bf16,
         "h2d": bw(lambda: dev.copy_(host, non_blocking=True), n),
         "d2h": bw(lambda: host.copy_(dev, non_blocking=True), n),
         "d2d": bw(lambda: dev2.copy_(dev, non_blocking=True), 2 * n),
         # An elementwise kernel: every byte read and written by the SMs, as phq_copy_sm does.
         "sm_copy": bw(lambda: torch.add(dev.view(torch.float32), 0, out=dev2.view(torch.float32)), 2 * n),
-        "gemm_tflops": 2 * g ** 3 * 5 / (s.elapsed_time(e) / 1000) / 1e12,
+        "gemm_tflops": gemm_fp32,
     }
 print(json.dumps(res))
 PY

@@ -742,14 +742,35 @@ fn chase(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
 fn sgemm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     let (pa, pb, pc, n) = (a.u64(0), a.u64(1), a.u64(2), a.u32(3) as usize);
     let dev = w.ctx_dev(ctx);
-    if n == 0 || n % 16 != 0 {
-        eprintln!("fake-cuda: phq_sgemm: n = {n} is not a multiple of 16: the tiles run past the matrices");
-        w.poison(dev, ILLEGAL_ADDRESS);
+    if !tiles_fit(w, dev, "phq_sgemm", n) {
         return SUCCESS;
     }
     let spec = w.spec(dev);
     let tflops = spec.ptx_sgemm_tflops.unwrap_or(spec.sgemm_tflops / 4.0);
-    match blas::queue(w, ctx, stream, blas::Inputs::F32, (n, n, n), 1.0, (pa, n), (pb, n), 0.0, (pc, n), tflops) {
+    lazy_product(w, ctx, stream, blas::Inputs::F32, (pa, pb, pc, n), tflops)
+}
+
+/// Whether the agent's 16-wide GEMM tiles fit an n×n matrix; if not, the kernel's tiles run
+/// past the matrices and GPU `dev` is poisoned with an illegal address, as a GPU's would be.
+fn tiles_fit(w: &mut World, dev: usize, kernel: &str, n: usize) -> bool {
+    if n != 0 && n.is_multiple_of(16) {
+        return true;
+    }
+    eprintln!("fake-cuda: {kernel}: n = {n} is not a multiple of 16: the tiles run past the matrices");
+    w.poison(dev, ILLEGAL_ADDRESS);
+    false
+}
+
+/// A GEMM kernel's product as the lazy one the FP32 GEMMs leave (`blas::queue`), at `tflops`.
+fn lazy_product(
+    w: &mut World,
+    ctx: usize,
+    stream: usize,
+    inputs: blas::Inputs,
+    (pa, pb, pc, n): (u64, u64, u64, usize),
+    tflops: f64,
+) -> CUresult {
+    match blas::queue(w, ctx, stream, inputs, (n, n, n), 1.0, (pa, n), (pb, n), 0.0, (pc, n), tflops) {
         blas::Queued::Done | blas::Queued::Poisoned => SUCCESS,
         blas::Queued::Failed => 719, // CUDA_ERROR_LAUNCH_FAILED
     }
@@ -764,9 +785,7 @@ fn sgemm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
 fn mma_gemm(w: &mut World, ctx: usize, stream: usize, a: &Args, grid: [u32; 3], block: [u32; 3]) -> CUresult {
     let (pa, pb, pc, n) = (a.u64(0), a.u64(1), a.u64(2), a.u32(3) as usize);
     let dev = w.ctx_dev(ctx);
-    if n == 0 || n % 16 != 0 {
-        eprintln!("fake-cuda: phq_mma_gemm: n = {n} is not a multiple of 16: the tiles run past the matrices");
-        w.poison(dev, ILLEGAL_ADDRESS);
+    if !tiles_fit(w, dev, "phq_mma_gemm", n) {
         return SUCCESS;
     }
     let threads = block[0] * block[1] * block[2];
@@ -791,11 +810,7 @@ fn mma_gemm(w: &mut World, ctx: usize, stream: usize, a: &Args, grid: [u32; 3], 
         // Every tile has a warp: the lazy product (`blas`), as the FP32 GEMMs leave it, with the
         // scenario's GEMM faults.
         let tflops = w.spec(dev).mma_tflops;
-        let inputs = blas::Inputs::Bf16RowCol;
-        return match blas::queue(w, ctx, stream, inputs, (n, n, n), 1.0, (pa, n), (pb, n), 0.0, (pc, n), tflops) {
-            blas::Queued::Done | blas::Queued::Poisoned => SUCCESS,
-            blas::Queued::Failed => 719, // CUDA_ERROR_LAUNCH_FAILED
-        };
+        return lazy_product(w, ctx, stream, blas::Inputs::Bf16RowCol, (pa, pb, pc, n), tflops);
     }
     // A grid short of the tiles: only those with a warp are written.
     let (Ok(am), Ok(bm)) = (w.read(pa, n * n * 2), w.read(pb, n * n * 2)) else { return INVALID_VALUE };
