@@ -3,14 +3,16 @@
 //! Sources: NCCL's API reference and user guide (docs.nvidia.com/deeplearning/nccl, *NCCL*) and
 //! its source (github.com/NVIDIA/nccl, `src/`).
 //!
-//! - `ncclCommInitAll` makes one communicator per listed device, in one process: a device
-//!   listed twice is `ncclInvalidUsage` ("Duplicate GPU detected", src/init.cc); a device that
-//!   does not exist is `ncclInvalidArgument` (src/init.cc checks each against the device
-//!   count). Each communicator works in its device's primary context (NCCL calls
-//!   `cudaSetDevice`).
-//! - `ncclAllReduce` checks its arguments (src/enqueue.cc, `ArgsCheck`): a null buffer, a data
-//!   type or operation out of range, a buffer on another device than the communicator's are
-//!   `ncclInvalidArgument`. A stream of another device's context fails the kernel launch (CUDA
+//! - `ncclCommInitAll` makes one communicator per listed device, in one process. It walks the
+//!   list once (src/init.cc, `ncclCommInitAll`): a device that does not exist is
+//!   `ncclInvalidArgument` ("Invalid device %d (totalnDev=%d)"), one listed again is
+//!   `ncclInvalidUsage` (its "duplicate device check"), whichever comes first; a negative count
+//!   is `ncclInvalidArgument` ("Invalid device count requested"). Each communicator works in
+//!   its device's primary context (NCCL calls `cudaSetDevice`).
+//! - `ncclAllReduce` checks its arguments (src/misc/argcheck.cc: `PtrCheck`, `CudaPtrCheck`,
+//!   `ArgsCheck`): a null buffer, a data type or operation out of range, a buffer on another
+//!   device than the communicator's ("allocated on device %d mismatchs with NCCL device %d")
+//!   are `ncclInvalidArgument`. A stream of another device's context fails the kernel launch (CUDA
 //!   C++ Programming Guide, "Stream and Event Behavior": a kernel launch fails on a stream not
 //!   of the current device), which NCCL returns as `ncclUnhandledCudaError`.
 //! - One thread driving several devices must group their calls: "every NCCL call may have to
@@ -134,7 +136,7 @@ pub extern "C" fn ncclGetErrorString(r: NcclResult) -> *const c_char {
 /// `comms` must hold `ndev` writable handles; `devlist` is null or holds `ndev` ints.
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Handle, ndev: c_int, devlist: *const c_int) -> NcclResult {
-    if comms.is_null() || ndev <= 0 {
+    if comms.is_null() || ndev < 0 {
         return INVALID_ARGUMENT;
     }
     let ordinals: Vec<c_int> = if devlist.is_null() {
@@ -142,28 +144,27 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Handle, ndev: c_int, devlis
     } else {
         std::slice::from_raw_parts(devlist, ndev as usize).to_vec()
     };
-    for (i, o) in ordinals.iter().enumerate() {
-        if ordinals[..i].contains(o) {
-            eprintln!("fake-nccl: ncclCommInitAll: Duplicate GPU detected: CUDA device {o} listed twice");
-            return INVALID_USAGE;
-        }
-    }
+    // One walk of the list, as NCCL's: each entry checked for existence, then for a repeat.
     let mut devs = Vec::new();
     let mut bad = SUCCESS;
     with(|w| {
-        for o in &ordinals {
-            match w.device(*o) {
-                Ok(d) => devs.push(d),
-                Err(_) => {
-                    eprintln!("fake-nccl: ncclCommInitAll: invalid device {o}");
-                    bad = INVALID_ARGUMENT;
-                }
+        for (i, o) in ordinals.iter().enumerate() {
+            let Ok(d) = w.device(*o) else {
+                eprintln!("fake-nccl: ncclCommInitAll: invalid device {o}");
+                bad = INVALID_ARGUMENT;
+                return 0;
+            };
+            if ordinals[..i].contains(o) {
+                eprintln!("fake-nccl: ncclCommInitAll: CUDA device {o} is listed twice");
+                bad = INVALID_USAGE;
+                return 0;
             }
+            devs.push(d);
         }
         0
     });
-    if bad != SUCCESS || devs.len() != ordinals.len() {
-        return if bad != SUCCESS { bad } else { UNHANDLED_CUDA_ERROR };
+    if bad != SUCCESS {
+        return bad;
     }
     // Each communicator lives in its device's primary context, as cudaSetDevice makes it.
     for o in &ordinals {

@@ -360,6 +360,9 @@ unsafe fn nccl_rules() {
     let mut comms = [std::ptr::null_mut(); 2];
     assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), 2, [0, 0].as_ptr()), INVALID_USAGE, "a device twice");
     assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), 2, [0, 9].as_ptr()), INVALID_ARGUMENT, "no device 9");
+    // NCCL's one walk: a missing device met before the repeat is the argument's fault.
+    assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), 2, [9, 9].as_ptr()), INVALID_ARGUMENT, "no device 9, twice");
+    assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), -1, std::ptr::null()), INVALID_ARGUMENT, "a negative count");
     assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), 2, [0, 3].as_ptr()), UNHANDLED_CUDA_ERROR, "GPU 3 is taken");
     assert_eq!(ncclCommInitAll(comms.as_mut_ptr(), 2, [0, 1].as_ptr()), SUCCESS);
     let mut n = 0;
