@@ -139,6 +139,10 @@ pub struct ProbesConfig {
     /// plus this (CUDA's start, JIT compilation, the host's own work).
     #[serde(deserialize_with = "duration")]
     pub deadline_margin: Duration,
+    /// Each NCCL all-reduce runs in a child process, killed past twice its planned transfers
+    /// plus this (NCCL's start: topology search and a connection per pair of GPUs).
+    #[serde(deserialize_with = "duration")]
+    pub nccl_allowance: Duration,
 }
 
 impl Default for ProbesConfig {
@@ -147,6 +151,7 @@ impl Default for ProbesConfig {
             at_boot: ProbeLevel::Quick,
             when_idle: Some(Duration::from_secs(24 * 3600)),
             deadline_margin: Duration::from_secs(120),
+            nccl_allowance: crate::probe::NCCL_ALLOWANCE,
         }
     }
 }

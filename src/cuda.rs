@@ -15,7 +15,7 @@
 //!
 //! Which library: `--cuda-lib` / `PHQ_CUDA_LIB` (see `use_library`), else `libcuda.so.1`, the
 //! name the driver package installs; cuBLAS from `PHQ_CUBLAS_LIB`, else `libcublas.so.12`
-//! (CUDA 12's soname), else `libcublas.so`.
+//! (CUDA 12's soname), else `libcublas.so`; NCCL in `nccl`.
 
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -166,6 +166,8 @@ api!("cuBLAS", "cuBLAS (libcublas, part of the CUDA toolkit)", BlasApi {
         *const c_void, CUdeviceptr, c_int, c_int, c_int, c_int
     ) -> c_int;
 });
+
+pub mod nccl;
 
 /// `cudaDataType_t` (library_types.h): CUDA_R_16BF and CUDA_R_32F; `cublasComputeType_t`
 /// (cublas_api.h): CUBLAS_COMPUTE_32F; `cublasGemmAlgo_t`: CUBLAS_GEMM_DEFAULT.
@@ -363,7 +365,7 @@ impl Device {
         // SAFETY: the out pointer is a valid local.
         let r = unsafe { (self.drv.api.cuDevicePrimaryCtxRetain)(&mut h, self.handle) };
         self.drv.check("cuDevicePrimaryCtxRetain", r)?;
-        Ok(Arc::new(Ctx { drv: self.drv.clone(), device: self.handle, handle: h }))
+        Ok(Arc::new(Ctx { drv: self.drv.clone(), device: self.handle, ordinal: self.ordinal, handle: h }))
     }
 }
 
@@ -371,6 +373,8 @@ impl Device {
 pub struct Ctx {
     drv: Arc<Driver>,
     device: CUdevice,
+    /// The CUDA ordinal of its device.
+    ordinal: usize,
     handle: Handle,
 }
 

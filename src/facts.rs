@@ -236,6 +236,28 @@ pub fn probe_floors(device_id: u16) -> ProbeFloors {
     }
 }
 
+/// The message Azure's all-reduce floors are measured with: 16 GiB (nccl-tests `-b 16G -e 16G`).
+pub const ALLREDUCE_FLOOR_BYTES: u64 = 16 << 30;
+
+/// NCCL all-reduce bus bandwidth floors for a whole HGX board (8 GPUs behind NVSwitches), GB/s,
+/// from Azure's NCCL health check with 16 GiB messages (azurehpc-health-checks,
+/// `conf/nd96isr_h100_v5.conf`: `check_nccl_allreduce 460.0 1 16G`; `conf/nd96isr_h200_v5.conf`:
+/// `check_nccl_allreduce 431.0 1 16G`). Azure publishes no figure for fewer GPUs, other SKUs or
+/// smaller messages (which do not reach the plateau a 16 GiB one does): those all-reduces are
+/// measured and left to the GPUs' baseline.
+pub fn allreduce_floor(device_id: u16, gpus: usize, message_bytes: u64) -> Option<f64> {
+    if gpus != 8 || message_bytes < ALLREDUCE_FLOOR_BYTES {
+        return None;
+    }
+    match device_id {
+        // H100 SXM5 80 GB (Azure's ND H100 v5) and its variants, as the other floors take them.
+        0x2330 | 0x2339 | 0x2337 | 0x2338 => Some(460.0),
+        // H200 SXM (ND H200 v5).
+        0x2335 => Some(431.0),
+        _ => None,
+    }
+}
+
 /// NVIDIA's Debian/Ubuntu repository signing key (3bf863cc), the key inside `cuda-keyring`
 /// (`usr/share/keyrings/cuda-archive-keyring.gpg`). Source: NVIDIA's CUDA repository key
 /// rotation notice (April 2022) and the keyring package itself; docs/reference.md lists it.

@@ -24,10 +24,18 @@ struct Run {
 
 impl Run {
     fn new(sysroot: &'static str, nvml: &'static str, cuda: &'static str) -> Run {
+        Run::configured(sysroot, nvml, cuda, "")
+    }
+
+    /// With more configuration after the `[agent]` table (`[probes]` …).
+    fn configured(sysroot: &'static str, nvml: &'static str, cuda: &'static str, more: &str) -> Run {
         let dir = tempfile::tempdir().unwrap();
         let state = dir.path().join("state");
-        std::fs::write(dir.path().join("config.toml"), format!("[agent]\nstate_dir = {:?}\n", state.to_str().unwrap()))
-            .unwrap();
+        std::fs::write(
+            dir.path().join("config.toml"),
+            format!("[agent]\nstate_dir = {:?}\n{more}", state.to_str().unwrap()),
+        )
+        .unwrap();
         Run { dir, sysroot, nvml, cuda }
     }
 
@@ -50,6 +58,7 @@ impl Run {
             .env("PHQ_FAKE_NVML_SCENARIO", scenario(self.nvml))
             .env("PHQ_FAKE_CUDA_SCENARIO", scenario(self.cuda))
             .env("PHQ_CUBLAS_LIB", fake_cuda())
+            .env("PHQ_NCCL_LIB", fake_cuda())
             .env("PHQ_FAKE_CUDA_CONTEXTS", self.contexts())
             .env_remove("CUDA_DEVICE_ORDER")
             .stdout(Stdio::piped())
@@ -98,6 +107,16 @@ impl Probed {
             .iter()
             .find(|f| f["id"] == id && f["gpu"] == gpu)
             .unwrap_or_else(|| panic!("no {id} for {gpu} in {:#}", self.report["findings"]))
+    }
+
+    /// A finding of the whole run (no GPU of its own).
+    fn machine_finding(&self, id: &str) -> &Value {
+        self.report["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["id"] == id && f["gpu"].is_null())
+            .unwrap_or_else(|| panic!("no {id} of the whole run in {:#}", self.report["findings"]))
     }
 
     fn severity(&self, id: &str, gpu: &str) -> &str {
@@ -710,4 +729,110 @@ fn a_slow_sm_copy_fails_beside_a_passing_copy_engine() {
     let sm = p.finding("probe.sm-copy-bandwidth", gpu);
     assert_eq!(sm["severity"], "fail", "{sm}");
     assert!(sm["summary"].as_str().unwrap().contains("SM copy 1800.0 GB/s"), "{sm}");
+}
+
+/// NCCL's all-reduce over the 8-GPU HGX with Azure's 16 GiB messages (`--allreduce-size 16G`;
+/// the quick level runs none of its own): as NCCL chooses, NVLink SHARP at the scenario's 480
+/// GB/s bus bandwidth, above Azure's ND H100 v5 floor of 460; with NVLS off the rings at the
+/// links' 375. Every word of every GPU's result is the sum, checked on the GPU.
+#[test]
+fn the_all_reduce_over_the_hgx_passes_at_the_nvls_rate_and_shows_the_rings_with_nvls_off() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
+    let p = r.run(&["--allreduce-size", "16G"]);
+    assert_eq!(p.code, 0, "{}", p.stderr);
+    let f = p.machine_finding("probe.allreduce");
+    assert_eq!(f["severity"], "pass", "{f}");
+    assert_eq!(f["summary"], "all-reduce over 8 GPUs: 480.0 GB/s bus bandwidth; with NVLS off 375.0 (floor 460)");
+    let a = &f["evidence"]["allreduce"];
+    assert_eq!(a["gpus"].as_array().unwrap().len(), 8);
+    let nccl = &a["nccl"]["ok"];
+    assert!((nccl["busbw_gbps"]["median"].as_f64().unwrap() - 480.0).abs() < 0.01, "{a}");
+    // nccl-tests' relation: algorithm bandwidth × 2(n−1)/n is the bus bandwidth.
+    assert!((nccl["algbw_gbps"].as_f64().unwrap() * 1.75 - 480.0).abs() < 0.01, "{a}");
+    assert_eq!(nccl["bytes"], 16u64 << 30);
+    assert_eq!(nccl["checked_words"], 8 * (16u64 << 30) / 8);
+    assert_eq!(nccl["wrong_words"], 0);
+    assert!((a["nvls_off"]["ok"]["busbw_gbps"]["median"].as_f64().unwrap() - 375.0).abs() < 0.01, "{a}");
+    // Without the option the quick level runs no all-reduce.
+    let q = r.run(&["--gpu", "0", "--gpu", "1"]);
+    assert!(q.report["probes"].get("allreduce").is_none(), "{:#}", q.report["probes"]);
+}
+
+/// One degraded NVLink path (GPU 2 → 6 at 120 of 375 GB/s) slows every algorithm: NVLS's share
+/// through that GPU and the rings through that pair. The all-reduce fails its floor and says
+/// that NVLS is in use and still short, pointing at the link.
+#[test]
+fn a_slow_link_fails_the_all_reduce_under_nvls_and_the_rings() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu-slow-pair");
+    let p = r.run(&["--allreduce-size", "16G"]);
+    assert_eq!(p.code, 2, "{}", p.stderr);
+    let f = p.machine_finding("probe.allreduce");
+    assert_eq!(f["severity"], "fail", "{f}");
+    assert_eq!(
+        f["summary"],
+        "all-reduce over 8 GPUs: 153.6 GB/s bus bandwidth; with NVLS off 120.0, below the floor of 460 GB/s"
+    );
+    assert!(f["detail"].as_str().unwrap().contains("NVLS is in use and still short"), "{f}");
+}
+
+/// GPUs 2 and 6 have no peer access to each other: NCCL's rings through that pair never complete
+/// and `ncclAllReduce` never returns. The all-reduce's process is killed at its deadline (twice
+/// its planned transfers plus `nccl_allowance`), the finding names the step it blocked in and the
+/// pair, the NVLS-off run is not attempted, and no process is left behind.
+#[test]
+fn a_pair_without_peer_access_hangs_nccl_and_the_deadline_reports_it() {
+    let r = Run::configured(
+        "hgx-8gpu-healthy",
+        "hgx-8gpu-healthy",
+        "cuda-hgx-8gpu-no-peer-pair",
+        "[probes]\nnccl_allowance = \"3s\"\n",
+    );
+    let started = Instant::now();
+    let p = r.run(&["--allreduce-size", "1G"]);
+    eprintln!("probe took {:?}", started.elapsed());
+    assert_eq!(p.code, 2, "{}", p.stderr);
+    let f = p.machine_finding("probe.allreduce");
+    assert_eq!(f["severity"], "fail", "{f}");
+    let summary = f["summary"].as_str().unwrap();
+    assert!(summary.starts_with("NCCL's all-reduce over 8 GPUs did not finish within its"), "{f}");
+    assert!(summary.contains("blocked at: 5 warm-up all-reduces of 1073741824 bytes"), "{f}");
+    assert!(f["detail"].as_str().unwrap().contains("no peer access between GPUs 2↔6"), "{f}");
+    let a = &f["evidence"]["allreduce"];
+    assert!(a["nccl"]["error"]["Hung"]["deadline_s"].as_u64().unwrap() >= 3, "{a}");
+    assert!(a["nvls_off"].is_null(), "{a}");
+    assert!(p.stderr.contains("fake-nccl: a ring runs from GPU 2 to GPU 6"), "{}", p.stderr);
+    // The killed child is gone: no all-reduce process of this test's (its environment names
+    // this test's directory) remains.
+    let ours = r.dir.path().to_string_lossy().into_owned();
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let text =
+                |f: &str| std::fs::read(e.path().join(f)).map(|c| String::from_utf8_lossy(&c).replace('\0', " "));
+            Some((text("cmdline").ok()?, text("environ").ok()?))
+        })
+        .filter(|(cmd, env)| cmd.contains("allreduce-child") && env.contains(&ours))
+        .map(|(cmd, _)| cmd)
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// Without NCCL (no libnccl.so.2 where the loader looks) the all-reduce is unknown and says how
+/// to get it; the rest of the run stands.
+#[test]
+fn without_nccl_the_all_reduce_is_unknown_and_says_how_to_install_it() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
+    let p = Probed::of(
+        r.command(&["--gpu", "0", "--gpu", "1", "--allreduce-size", "64M"])
+            .env("PHQ_NCCL_LIB", r.dir.path().join("no-libnccl.so.2"))
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(p.code, 3, "{}", p.stderr);
+    let f = p.machine_finding("probe.allreduce");
+    assert_eq!(f["severity"], "unknown", "{f}");
+    let s = f["summary"].as_str().unwrap();
+    assert!(s.contains("no-libnccl.so.2") && s.contains("phq-agent install"), "{f}");
+    assert_eq!(p.severity("probe.gemm", PCI[0]), "pass");
 }

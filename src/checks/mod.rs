@@ -168,6 +168,7 @@ pub const CATALOG: &[&str] = &[
     "probe.sm-copy-bandwidth",
     "probe.p2p-bandwidth",
     "probe.nvlink-scope",
+    "probe.allreduce",
     "probe.memory-integrity",
     "probe.gemm",
     "probe.gemm-tensor",

@@ -54,10 +54,14 @@ impl Doctor {
                 )),
                 (None, true) => match super::probe::probe_with_progress(
                     &snapshot,
-                    level,
-                    &[],
-                    false,
-                    None,
+                    &crate::probe::Options {
+                        level,
+                        only: &[],
+                        force: false,
+                        gemm_seconds: None,
+                        allreduce_bytes: None,
+                        nccl_allowance: config.probes.nccl_allowance,
+                    },
                     &config.agent.state_dir,
                     "phq-agent doctor --probe",
                 ) {

@@ -112,6 +112,13 @@ pub enum Command {
         #[arg(long, value_name = "PATH")]
         cuda_lib: Option<PathBuf>,
     },
+    /// An all-reduce's process (probe::allreduce): reads its request on stdin, answers on stdout.
+    #[command(hide = true)]
+    AllreduceChild {
+        /// The CUDA library the parent was given.
+        #[arg(long, value_name = "PATH")]
+        cuda_lib: Option<PathBuf>,
+    },
     /// Write the manual pages (phq-agent.1 and one per subcommand) into a directory; the
     /// packages install them.
     #[command(hide = true)]
@@ -159,6 +166,10 @@ impl Cli {
             Command::ProbeChild { cuda_lib } => {
                 crate::cuda::use_library(cuda_lib);
                 crate::probe::child::child_main()
+            }
+            Command::AllreduceChild { cuda_lib } => {
+                crate::cuda::use_library(cuda_lib);
+                crate::probe::allreduce::child_main()
             }
             Command::Manpages { dir } => clap_mangen::generate_to(<Cli as clap::CommandFactory>::command(), &dir)
                 .map(|()| 0)

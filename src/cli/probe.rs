@@ -33,6 +33,23 @@ pub struct Probe {
     /// 60; 0 turns it off; any level runs it when given).
     #[arg(long, value_name = "SECONDS")]
     pub gemm_seconds: Option<u32>,
+    /// NCCL all-reduce message per GPU, e.g. 16G (Azure's health check), 512M or bytes; any level
+    /// runs the all-reduce when given (standard runs 1G, full 16G, quick none; 0 turns it off).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub allreduce_size: Option<usize>,
+}
+
+/// `16G`, `512M`, `64K` (powers of 1024, as nccl-tests reads `-b`) or plain bytes.
+fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, 'G' | 'g')) => (&t[..i], 30),
+        Some((i, 'M' | 'm')) => (&t[..i], 20),
+        Some((i, 'K' | 'k')) => (&t[..i], 10),
+        _ => (t, 0),
+    };
+    let n: usize = digits.parse().map_err(|_| format!("{s:?}: expected a size such as 16G, 512M or 1048576"))?;
+    n.checked_mul(1usize << shift).ok_or_else(|| format!("{s:?}: too large"))
 }
 
 impl Probe {
@@ -45,14 +62,18 @@ impl Probe {
             &crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root).under(config.nvml.deadlines()),
         );
         let level = if self.level == ProbeLevel::None { ProbeLevel::Quick } else { self.level };
+        let opts = Options {
+            level,
+            only: &self.gpu,
+            force: self.force,
+            gemm_seconds: self.gemm_seconds,
+            allreduce_bytes: self.allreduce_size,
+            nccl_allowance: config.probes.nccl_allowance,
+        };
         if self.dry_run {
             // The GEMMs at the rate of the library the run would use: cuBLAS is looked up (its
             // library loaded, not initialised; no GPU is touched), as the run would.
-            let plan = probe::plan_here(
-                &snapshot,
-                &Options { level, only: &self.gpu, force: self.force, gemm_seconds: self.gemm_seconds },
-                crate::cuda::blas().is_ok(),
-            );
+            let plan = probe::plan_here(&snapshot, &opts, crate::cuda::blas().is_ok());
             if self.json {
                 println!("{}", serde_json::to_string_pretty(&plan)?);
             } else {
@@ -64,15 +85,7 @@ impl Probe {
             .into_iter()
             .filter(|f| f.id.starts_with("cuda."))
             .collect();
-        let (probes, code) = match probe_with_progress(
-            &snapshot,
-            level,
-            &self.gpu,
-            self.force,
-            self.gemm_seconds,
-            &config.agent.state_dir,
-            "phq-agent probe",
-        ) {
+        let (probes, code) = match probe_with_progress(&snapshot, &opts, &config.agent.state_dir, "phq-agent probe") {
             Ok((report, targets)) => {
                 findings.extend(probe::judge_here(&report, &targets, &config.agent.state_dir));
                 (Some(report), None)
@@ -93,10 +106,7 @@ impl Probe {
 /// Runs the probes with a spinner on a terminal (every step named), plain otherwise.
 pub fn probe_with_progress(
     snapshot: &crate::snapshot::Snapshot,
-    level: ProbeLevel,
-    only: &[usize],
-    force: bool,
-    gemm_seconds: Option<u32>,
+    opts: &Options<'_>,
     state_dir: &std::path::Path,
     who: &str,
 ) -> Result<(probe::ProbeReport, Vec<probe::Target>), probe::NotRun> {
@@ -105,16 +115,10 @@ pub fn probe_with_progress(
         b.enable_steady_tick(std::time::Duration::from_millis(120));
         b
     });
-    let result = probe::run_here(
-        snapshot,
-        &Options { level, only, force, gemm_seconds },
-        state_dir,
-        who,
-        &mut |step| match &bar {
-            Some(b) => b.set_message(step.to_string()),
-            None => tracing::info!("probe: {step}"),
-        },
-    );
+    let result = probe::run_here(snapshot, opts, state_dir, who, &mut |step| match &bar {
+        Some(b) => b.set_message(step.to_string()),
+        None => tracing::info!("probe: {step}"),
+    });
     if let Some(b) = bar {
         b.finish_and_clear();
     }

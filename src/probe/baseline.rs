@@ -8,7 +8,7 @@
 //! runs of a healthy GPU differ by a few percent (nvbandwidth's samples do), and latency, a
 //! figure of a microsecond, moves more than bandwidth does.
 
-use super::{GpuProbes, Outcome, PeerLink, ProbeReport, Target};
+use super::{GpuProbes, Outcome, ProbeReport, Target};
 use crate::checks::{Finding, Severity};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -37,9 +37,17 @@ pub struct Baseline {
     pub figures: BTreeMap<String, f64>,
 }
 
-/// The figures of one GPU's run worth keeping.
-pub fn figures(g: &GpuProbes, peers: &[PeerLink]) -> BTreeMap<String, f64> {
+/// The figures of one GPU's run worth keeping; the all-reduce's bus bandwidth goes to each GPU
+/// that took part, named by how many did (`allreduce_8gpu_busbw_gbps`): a figure of another
+/// number of GPUs is another figure.
+pub fn figures(g: &GpuProbes, report: &ProbeReport) -> BTreeMap<String, f64> {
+    let peers = &report.peers;
     let mut m = BTreeMap::new();
+    if let Some(a) = report.allreduce.as_ref().filter(|a| a.gpus.contains(&g.pci)) {
+        if let Outcome::Ok(r) = &a.nccl {
+            m.insert(format!("allreduce_{}gpu_busbw_gbps", a.gpus.len()), r.busbw_gbps.median);
+        }
+    }
     let mut put = |name: &str, o: Option<&Outcome<super::Stat>>| {
         if let Some(Outcome::Ok(s)) = o {
             m.insert(name.to_string(), s.median);
@@ -113,6 +121,7 @@ fn label(name: &str) -> String {
         "host_latency_ns" => ("host latency", "ns"),
         "p2p_slowest_gbps" => ("slowest peer copy", "GB/s"),
         "p2p_latency_ns" => ("slowest peer latency", "ns"),
+        other if other.starts_with("allreduce_") => ("all-reduce bus bandwidth", "GB/s"),
         other => (other, ""),
     };
     format!("{what} ({unit})")
@@ -165,10 +174,13 @@ pub fn apply(state_dir: &Path, report: &ProbeReport, targets: &[Target], finding
             );
             continue;
         };
-        let figs = figures(g, &report.peers);
+        let figs = figures(g, report);
+        // Its own checks, and the all-reduce it took part in (a finding of the whole run).
+        let in_allreduce = report.allreduce.as_ref().is_some_and(|a| a.gpus.contains(&g.pci));
         let passed = findings
             .iter()
-            .filter(|f| f.id.starts_with("probe.") && f.gpu.as_deref() == Some(g.pci.as_str()))
+            .filter(|f| f.id.starts_with("probe."))
+            .filter(|f| f.gpu.as_deref() == Some(g.pci.as_str()) || (f.id == "probe.allreduce" && in_allreduce))
             .all(|f| f.severity == Severity::Pass);
         let f = match base.gpus.get(&key).and_then(|l| l.get(&level)) {
             Some(b) => {

@@ -28,6 +28,20 @@ use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// The service's limits on a probe run (`[probes]`): the margin beside the planned GPU time
+/// (rule 3), and each all-reduce's allowance for NCCL's start (`probe::allreduce`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub margin: Duration,
+    pub nccl_allowance: Duration,
+}
+
+impl From<&crate::config::ProbesConfig> for Limits {
+    fn from(c: &crate::config::ProbesConfig) -> Limits {
+        Limits { margin: c.deadline_margin, nccl_allowance: c.nccl_allowance }
+    }
+}
+
 /// What the child is asked (rule 1).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Request {
@@ -35,6 +49,13 @@ pub struct Request {
     pub state_dir: PathBuf,
     pub who: String,
     pub snapshot: Snapshot,
+    /// `[probes] nccl_allowance` of the service's configuration.
+    #[serde(default = "nccl_allowance")]
+    pub nccl_allowance: Duration,
+}
+
+fn nccl_allowance() -> Duration {
+    super::NCCL_ALLOWANCE
 }
 
 /// What a run gives: the results (the `probes` of a report) and their findings.
@@ -50,7 +71,14 @@ const ID: &str = "probe.responsive";
 pub fn deadline(snapshot: &Snapshot, level: ProbeLevel, margin: Duration) -> Duration {
     // Planned as if cuBLAS were missing: the agent's own GEMM kernels are the slower, so the
     // deadline holds either way, and the service never loads a CUDA library itself (rule 1).
-    let opts = super::Options { level, only: &[], force: false, gemm_seconds: None };
+    let opts = super::Options {
+        level,
+        only: &[],
+        force: false,
+        gemm_seconds: None,
+        allreduce_bytes: None,
+        nccl_allowance: super::NCCL_ALLOWANCE,
+    };
     let plan = super::plan_here(snapshot, &opts, false);
     Duration::from_secs_f64(plan.total_s.max(0.0) * 2.0) + margin
 }
@@ -62,27 +90,65 @@ pub fn run(
     level: ProbeLevel,
     state_dir: &Path,
     who: &str,
-    margin: Duration,
+    limits: Limits,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Answer, String> {
-    let limit = deadline(snapshot, level, margin);
+    let limit = deadline(snapshot, level, limits.margin);
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program to run the probes: {e}"))?;
     let mut cmd = std::process::Command::new(exe);
     cmd.arg("probe-child");
     if let Some(lib) = crate::cuda::named_library() {
         cmd.arg("--cuda-lib").arg(lib);
     }
+    let request = Request {
+        level,
+        state_dir: state_dir.to_path_buf(),
+        who: who.to_string(),
+        snapshot: snapshot.clone(),
+        nccl_allowance: limits.nccl_allowance,
+    };
+    let input = serde_json::to_vec(&request).map_err(|e| format!("cannot encode the probe request: {e}"))?;
+    let answer = match supervise(cmd, &input, limit, "starting CUDA", progress)? {
+        Ended::Answer(json) => serde_json::from_str::<Result<Answer, String>>(&json)
+            .map_err(|e| format!("the probe process answered what is not an answer: {e}"))
+            .and_then(|a| a),
+        Ended::Overdue { step } => return Ok(overdue(snapshot, level, limit, &step)),
+    };
+    answer.map(|mut a| {
+        a.findings.extend(plan_gpus(snapshot, level).into_iter().map(|gpu| {
+            let mut f = Finding::pass(ID, format!("the probes finished within their {} s deadline", limit.as_secs()));
+            f.gpu = Some(gpu);
+            f
+        }));
+        a
+    })
+}
+
+/// How a supervised child ended.
+pub(crate) enum Ended {
+    /// Its `answer …` line, the text after the word.
+    Answer(String),
+    /// Killed at its deadline during `step`, the last it announced.
+    Overdue { step: String },
+}
+
+/// Runs `cmd` as a child that reads `input` on stdin and says `step …` lines and one `answer …`
+/// line on stdout (rules 2 and 4): each step goes to `progress`; past `limit` the child is
+/// killed and reaped. `Err`: it could not start, or ended without an answer.
+pub(crate) fn supervise(
+    mut cmd: std::process::Command,
+    input: &[u8],
+    limit: Duration,
+    first_step: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Ended, String> {
     let mut child = cmd
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::inherit())
         .spawn()
         .map_err(|e| format!("cannot start the probe process: {e}"))?;
-    let request =
-        Request { level, state_dir: state_dir.to_path_buf(), who: who.to_string(), snapshot: snapshot.clone() };
-    let sent = child.stdin.take().map(|mut stdin| {
-        serde_json::to_writer(&mut stdin, &request).map_err(std::io::Error::from).and_then(|()| stdin.flush())
-    });
+    let sent = child.stdin.take().map(|mut stdin| stdin.write_all(input).and_then(|()| stdin.flush()));
     if let Some(Err(e)) = sent {
         let _ = child.kill();
         let _ = child.wait();
@@ -103,8 +169,8 @@ pub fn run(
             .map_err(|e| format!("cannot read the probe process: {e}"))?;
     }
     let started = Instant::now();
-    let mut step = String::from("starting CUDA");
-    let answer = loop {
+    let mut step = first_step.to_string();
+    let ended = loop {
         let left = limit.saturating_sub(started.elapsed());
         match rx.recv_timeout(left) {
             Ok(line) => {
@@ -112,17 +178,15 @@ pub fn run(
                     step = s.to_string();
                     progress(s);
                 } else if let Some(json) = line.strip_prefix("answer ") {
-                    break serde_json::from_str::<Result<Answer, String>>(json)
-                        .map_err(|e| format!("the probe process answered what is not an answer: {e}"))
-                        .and_then(|a| a);
+                    break Ok(Ended::Answer(json.to_string()));
                 }
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 // Rule 4: killed and reaped; its probe lock goes with it.
                 let _ = child.kill();
-                tracing::error!(deadline = ?limit, %step, "the probes did not finish within their deadline; the probe process was killed");
+                tracing::error!(deadline = ?limit, %step, "the probe process did not finish within its deadline and was killed");
                 reap(child);
-                return Ok(overdue(snapshot, level, limit, &step));
+                return Ok(Ended::Overdue { step });
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                 let status = child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
@@ -131,14 +195,7 @@ pub fn run(
         }
     };
     let _ = child.wait();
-    answer.map(|mut a| {
-        a.findings.extend(plan_gpus(snapshot, level).into_iter().map(|gpu| {
-            let mut f = Finding::pass(ID, format!("the probes finished within their {} s deadline", limit.as_secs()));
-            f.gpu = Some(gpu);
-            f
-        }));
-        a
-    })
+    ended
 }
 
 /// Reaps a killed child. One blocked inside the driver (uninterruptible sleep, state D: gpud's
@@ -170,8 +227,18 @@ const REAP_GRACE: Duration = Duration::from_secs(2);
 
 /// The GPUs the plan probes, by PCI address.
 fn plan_gpus(snapshot: &Snapshot, level: ProbeLevel) -> Vec<String> {
-    let plan =
-        super::plan_here(snapshot, &super::Options { level, only: &[], force: false, gemm_seconds: None }, false);
+    let plan = super::plan_here(
+        snapshot,
+        &super::Options {
+            level,
+            only: &[],
+            force: false,
+            gemm_seconds: None,
+            allreduce_bytes: None,
+            nccl_allowance: super::NCCL_ALLOWANCE,
+        },
+        false,
+    );
     plan.gpus.into_iter().map(|g| g.pci).collect()
 }
 
@@ -199,17 +266,26 @@ fn overdue(snapshot: &Snapshot, level: ProbeLevel, limit: Duration, step: &str) 
     Answer { probes: serde_json::json!({ "error": format!("killed at its deadline during: {step}") }), findings }
 }
 
+/// One line of a child's protocol on stdout, flushed at once (rule 2): the parent may kill the
+/// child at any moment and must have heard the last step.
+pub(crate) fn say(line: String) {
+    let mut o = std::io::stdout().lock();
+    let _ = writeln!(o, "{line}").and_then(|()| o.flush());
+}
+
 /// The child's side (rule 2): reads a `Request` on stdin, runs the probes here, prints the
 /// steps and the answer on stdout. Its exit code says nothing; the answer line does.
 pub fn child_main() -> anyhow::Result<i32> {
     let request: Request = serde_json::from_reader(std::io::stdin().lock())
         .map_err(|e| anyhow::anyhow!("probe-child: cannot read the request on stdin: {e}"))?;
-    let out = std::io::stdout();
-    let say = |line: String| {
-        let mut o = out.lock();
-        let _ = writeln!(o, "{line}").and_then(|()| o.flush());
+    let opts = super::Options {
+        level: request.level,
+        only: &[],
+        force: false,
+        gemm_seconds: None,
+        allreduce_bytes: None,
+        nccl_allowance: request.nccl_allowance,
     };
-    let opts = super::Options { level: request.level, only: &[], force: false, gemm_seconds: None };
     let answer: Result<Answer, String> =
         match super::run_here(&request.snapshot, &opts, &request.state_dir, &request.who, &mut |step| {
             say(format!("step {}", step.replace('\n', " ")))

@@ -1016,6 +1016,22 @@ impl Backend for CudaBackend {
         runs.into_iter().map(|(g, r)| (g, r.map(GemmRun::result))).collect()
     }
 
+    /// In a child process (`allreduce::run`). This process lets go of every GPU first: the
+    /// all-reduce is the run's last probe, and a GPU in exclusive-process compute mode admits
+    /// the child's context only once this process holds none.
+    fn allreduce(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+        nvls: bool,
+        limit: std::time::Duration,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<super::allreduce::Run, ProbeError> {
+        self.kernels.clear();
+        self.contexts.clear();
+        super::allreduce::run(gpus, p, nvls, limit, progress)
+    }
+
     fn release(&mut self, gpu: usize) {
         // The module before the context it lives in.
         self.kernels.remove(&gpu);

@@ -112,7 +112,110 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
     if let Some(n) = &report.nvlink {
         out.push(scope_finding(report, n, &floors_of));
     }
+    if let Some(a) = &report.allreduce {
+        let ids: std::collections::BTreeSet<u16> =
+            a.gpus.iter().filter_map(|pci| targets.iter().find(|t| &t.pci == pci)?.device_id).collect();
+        // One SKU throughout, or no floor: Azure's figures are for a board of one SKU, at the
+        // message that ran (smaller where the GPUs' memory was short).
+        let bytes = match &a.nccl {
+            Outcome::Ok(r) => r.bytes,
+            Outcome::Error(_) => a.bytes,
+        };
+        let floor = match (ids.len(), ids.first()) {
+            (1, Some(id)) => facts::allreduce_floor(*id, a.gpus.len(), bytes),
+            _ => None,
+        };
+        out.push(allreduce_finding(report, a, floor));
+    }
     out
+}
+
+/// `probe.allreduce`: the figure as NCCL chooses against Azure's floor for the board; the NVLS-off
+/// figure beside it says where a shortfall lies.
+pub(crate) fn allreduce_finding(report: &ProbeReport, a: &allreduce::AllReduce, floor: Option<f64>) -> Finding {
+    const ID: &str = "probe.allreduce";
+    let n = a.gpus.len();
+    let ring = match &a.nvls_off {
+        Some(Outcome::Ok(r)) => Some(r.busbw_gbps.median),
+        _ => None,
+    };
+    let no_access: Vec<String> = report
+        .peers
+        .iter()
+        .filter(|l| !l.peer_access && l.src < l.dst)
+        .map(|l| format!("{}↔{}", l.src, l.dst))
+        .collect();
+    let f = match &a.nccl {
+        Outcome::Error(ProbeError::Unavailable(why)) => {
+            Finding::unknown(ID, format!("all-reduce over {n} GPUs: {why}"))
+        }
+        Outcome::Error(e @ ProbeError::Hung { .. }) => {
+            let pairs = if no_access.is_empty() {
+                String::new()
+            } else {
+                format!(" The peer probes found no peer access between GPUs {}.", no_access.join(", "))
+            };
+            Finding::fail(ID, format!("NCCL's all-reduce over {n} GPUs {e}"))
+                .detail(format!(
+                    "NCCL waits for ever when a path between two GPUs does not carry its traffic: peer access missing \
+                    or broken by the VM's IOMMU or PCIe ACS (NVIDIA/nccl#257), or a GPU that stopped answering. The \
+                    all-reduce process was killed; a training job on these GPUs would hang the same way.{pairs}"
+                ))
+                .remedy(
+                    "Read probe.p2p-bandwidth for the pairs, and `dmesg | grep -E 'NVRM|Xid'`; ask the platform whether \
+                    P2P between these GPUs is supported in this VM (NCCL_P2P_DISABLE=1 lets a job run, slowly).",
+                )
+        }
+        Outcome::Error(e) => Finding::fail(ID, format!("NCCL's all-reduce over {n} GPUs failed: {e}"))
+            .remedy("Run with NCCL_DEBUG=WARN to see NCCL's reason; read `dmesg | grep -E 'NVRM|Xid'`."),
+        Outcome::Ok(r) if r.wrong_words > 0 => Finding::fail(
+            ID,
+            format!(
+                "NCCL's all-reduce over {n} GPUs gave a wrong sum: {} of {} words ({})",
+                r.wrong_words,
+                r.checked_words,
+                r.first_wrong.as_deref().unwrap_or("first not kept")
+            ),
+        )
+        .detail("Every element should be n(n+1)/2, exact in FP32: data was corrupted between or on the GPUs.")
+        .remedy("Check nvlink.errors and gpu.ecc; restart the VM; report the GPUs to the platform."),
+        Outcome::Ok(r) => {
+            let v = r.busbw_gbps.median;
+            let ring_text = ring.map(|g| format!("; with NVLS off {g:.1}")).unwrap_or_default();
+            let head = format!("all-reduce over {n} GPUs: {v:.1} GB/s bus bandwidth{ring_text}");
+            match floor {
+                Some(fl) if v < fl => {
+                    // NVLS that adds nothing over the rings: the NVSwitches' reductions are not
+                    // in use. NVLS in use and still short: a link or a GPU is slow.
+                    let why = match ring {
+                        Some(g) if g >= 0.95 * v => format!(
+                            "With NVLS off the rings reach {g:.1} GB/s, as much as NCCL's own choice: NVLink SHARP on \
+                            the NVSwitches is not helping, so the fabric (its multicast, the fabric manager) is \
+                            where to look, not the links."
+                        ),
+                        Some(g) => format!(
+                            "NCCL's choice beats the rings ({g:.1} GB/s with NVLS off), so NVLS is in use and still \
+                            short: a slow link or GPU holds every algorithm back (see probe.p2p-bandwidth)."
+                        ),
+                        None => String::new(),
+                    };
+                    Finding::fail(ID, format!("{head}, below the floor of {fl:.0} GB/s")).detail(why).remedy(
+                        "Check fabric.state and the fabric manager (NVSwitch SXids), nvlink.links-active and \
+                        nvlink.errors; restart the VM; report the board to the platform with these figures.",
+                    )
+                }
+                Some(fl) => Finding::pass(ID, format!("{head} (floor {fl:.0})")),
+                None => Finding::pass(
+                    ID,
+                    format!(
+                        "{head} (no published floor for {n} GPUs of this SKU at {} MiB messages: the baseline judges)",
+                        r.bytes >> 20
+                    ),
+                ),
+            }
+        }
+    };
+    f.evidence("allreduce", a).evidence("floor_gbps", floor)
 }
 
 /// The NVLink scope in one line a person reads — "8 GPUs, all-to-all over NVLink through

@@ -361,6 +361,38 @@ pub(crate) fn read_result(b: &[u8]) -> (u64, Vec<super::Mismatch>) {
     (count, kept)
 }
 
+/// Every 64-bit word of `buf` compared on the GPU with `word` (`phq_mem_check`, solid pattern, no
+/// rewrite), on `stream`: how many differ, and the first few (address, read, expected).
+pub(crate) fn check_solid(
+    stream: &Stream,
+    k: &Loaded,
+    buf: &DeviceBuffer,
+    word: u64,
+) -> cuda::Result<(u64, Vec<super::Mismatch>)> {
+    let ctx = stream.context();
+    let check = k.module.function("phq_mem_check")?;
+    let (result, host) = (ctx.alloc(256)?, ctx.pinned(256)?);
+    stream.memset_d32(&result, 0, 0, 64)?;
+    let p = Pattern::solid(word);
+    let args = [
+        Arg::U64(buf.ptr()),
+        Arg::U64((buf.len() / 8) as u64),
+        Arg::U32(p.mode),
+        Arg::U64(p.arg),
+        Arg::U32(u32::MAX),
+        Arg::U64(0),
+        Arg::U32(0),
+        Arg::U64(result.ptr()),
+    ];
+    // SAFETY: the kernel reads the live buffer's whole words and writes at most 200 bytes of the
+    // live 256-byte result buffer; the stream is synchronized before either is dropped.
+    unsafe { stream.launch(&check, k.grid, BLOCK, &args) }?;
+    // SAFETY: `host` is read only after the stream is synchronized, below.
+    unsafe { stream.copy_d2h(&host, 0, &result, 0, 200) }?;
+    stream.synchronize()?;
+    Ok(read_result(host.as_slice()))
+}
+
 fn read_pass(name: &str, b: &[u8]) -> MemtestPass {
     let (mismatches, first) = read_result(b);
     MemtestPass { name: name.to_string(), mismatches, first }

@@ -10,6 +10,7 @@
 //! events, several samples, the median reported.
 
 pub mod affinity;
+pub mod allreduce;
 pub mod baseline;
 pub mod child;
 pub mod cuda;
@@ -42,6 +43,12 @@ pub struct LevelParams {
     /// Square GEMM size.
     pub gemm_n: usize,
     pub gemm_reps: u32,
+    /// NCCL all-reduce message per GPU (0: no all-reduce at this level).
+    #[serde(default)]
+    pub allreduce_bytes: usize,
+    /// Samples of `allreduce::ITERS` all-reduces each.
+    #[serde(default)]
+    pub allreduce_samples: u32,
 }
 
 pub fn params(level: ProbeLevel) -> LevelParams {
@@ -57,6 +64,9 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             gemm_secs: 0,
             gemm_n: 4096,
             gemm_reps: 5,
+            // None: NCCL's start alone (topology search, a connection per pair) takes seconds.
+            allreduce_bytes: 0,
+            allreduce_samples: 0,
         },
         // standard and full: nvbandwidth's 512 MiB buffers and 16 copies per sample.
         ProbeLevel::Standard => LevelParams {
@@ -68,6 +78,10 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             gemm_secs: 0,
             gemm_n: 8192,
             gemm_reps: 10,
+            // 1 GiB: our choice, large enough for NVLS and the rings to reach their plateau
+            // (nccl-tests' sweeps level off from a few hundred MiB on NVSwitch systems).
+            allreduce_bytes: 1024 * MIB,
+            allreduce_samples: 3,
         },
         ProbeLevel::Full => LevelParams {
             buffer_bytes: 512 * MIB,
@@ -83,6 +97,10 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             gemm_secs: 60,
             gemm_n: 16384,
             gemm_reps: 10,
+            // 16 GiB, the message Azure's NCCL health check runs (azurehpc-health-checks,
+            // `check_nccl_allreduce … 16G` in its ND H100 v5 and ND H200 v5 configurations).
+            allreduce_bytes: 16 * 1024 * MIB,
+            allreduce_samples: 3,
         },
     }
 }
@@ -125,6 +143,10 @@ pub enum ProbeError {
     /// GPU is unusable until reset, and the run stops using it.
     #[error("{message}")]
     Sticky { gpu: usize, code: i32, message: String },
+    /// A measurement in a child process (NCCL's) did not finish within its deadline and was
+    /// killed during `step`.
+    #[error("did not finish within its {deadline_s} s deadline, blocked at: {step}")]
+    Hung { step: String, deadline_s: u64 },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -240,6 +262,18 @@ pub trait Backend {
     /// access enabled by `p2p` before).
     fn peer_latency(&mut self, _src: usize, _dst: usize, _p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         Err(ProbeError::Unavailable("this backend has no latency probe".into()))
+    }
+    /// NCCL's all-reduce across `gpus` (CUDA ordinals), as NCCL chooses or with NVLS off, under
+    /// `limit`.
+    fn allreduce(
+        &mut self,
+        _gpus: &[usize],
+        _p: &LevelParams,
+        _nvls: bool,
+        _limit: std::time::Duration,
+        _progress: &mut dyn FnMut(&str),
+    ) -> Result<allreduce::Run, ProbeError> {
+        Err(ProbeError::Unavailable("this backend has no all-reduce".into()))
     }
     /// Lets go of a GPU the run stops using (its context is poisoned).
     fn release(&mut self, _gpu: usize) {}
@@ -360,6 +394,9 @@ pub struct ProbeReport {
     /// Which probed GPUs reach which over NVLink, and how.
     #[serde(default)]
     pub nvlink: Option<NvlinkScope>,
+    /// NCCL's all-reduce across the probed GPUs, at the levels that run it with two or more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allreduce: Option<allreduce::AllReduce>,
 }
 
 /// The VM's NVLink scope: what NVML says links the probed GPUs, and what the peer copies found.
@@ -435,6 +472,11 @@ fn nvlink_scope(report: &ProbeReport, targets: &[Target]) -> NvlinkScope {
 /// Peer copies faster than this cannot have gone over PCIe Gen5 x16 (≈ 64 GB/s raw).
 const NVLINK_SCOPE_GBPS: f64 = 100.0;
 
+/// What NCCL's start is allowed by default, beyond an all-reduce's planned transfers: our choice,
+/// well above the seconds `ncclCommInitAll` takes on 8 GPUs (its topology search and a
+/// connection per pair), short enough that a hang is reported within minutes.
+pub const NCCL_ALLOWANCE: std::time::Duration = std::time::Duration::from_secs(60);
+
 pub struct Options<'a> {
     pub level: ProbeLevel,
     /// Only these GPUs, by position in PCI bus order as nvidia-smi numbers them (empty: all).
@@ -443,6 +485,24 @@ pub struct Options<'a> {
     pub force: bool,
     /// Seconds of the all-GPU GEMM instead of the level's (`--gemm-seconds`; 0: none).
     pub gemm_seconds: Option<u32>,
+    /// The all-reduce's message per GPU instead of the level's (`--allreduce-size`; 0: none).
+    pub allreduce_bytes: Option<usize>,
+    /// Time allowed for NCCL's start in each all-reduce, beyond twice its planned transfers
+    /// (`[probes] nccl_allowance`).
+    pub nccl_allowance: std::time::Duration,
+}
+
+impl Options<'_> {
+    /// The level's sizes with what the options change: a message size given runs the
+    /// all-reduce at any level (with the standard level's samples where the level has none).
+    pub fn params(&self) -> LevelParams {
+        let mut p = params(self.level);
+        if let Some(b) = self.allreduce_bytes {
+            p.allreduce_bytes = b;
+            p.allreduce_samples = p.allreduce_samples.max(params(ProbeLevel::Standard).allreduce_samples);
+        }
+        p
+    }
 }
 
 /// Runs the probes `opts` asks for. `progress` hears each step as it starts.
@@ -455,7 +515,7 @@ pub fn run(
     opts: &Options<'_>,
     progress: &mut dyn FnMut(&str),
 ) -> ProbeReport {
-    let p = params(opts.level);
+    let p = opts.params();
     let mut report = ProbeReport {
         level: opts.level,
         params: p,
@@ -463,6 +523,7 @@ pub fn run(
         peers: Vec::new(),
         skipped: Vec::new(),
         nvlink: None,
+        allreduce: None,
     };
     let (chosen, skipped) = choose(targets, opts);
     report.skipped = skipped;
@@ -609,7 +670,44 @@ pub fn run(
         .into();
     }
     report.nvlink = Some(nvlink_scope(&report, targets));
+    report.allreduce = all_reduce(backend, &chosen, &guard, opts, progress);
     report
+}
+
+/// NCCL's all-reduce over the probed GPUs that are still usable, last (it runs in child
+/// processes, and the backend lets go of its contexts first): as NCCL chooses, then with NVLS
+/// off. `None` where the level runs none or fewer than two GPUs are left.
+fn all_reduce(
+    backend: &mut dyn Backend,
+    chosen: &[&Target],
+    guard: &Poisoned,
+    opts: &Options<'_>,
+    progress: &mut dyn FnMut(&str),
+) -> Option<allreduce::AllReduce> {
+    let p = opts.params();
+    let live: Vec<&Target> = chosen.iter().copied().filter(|t| !guard.0.contains_key(&t.ordinal)).collect();
+    if p.allreduce_bytes == 0 || live.len() < 2 {
+        return None;
+    }
+    let gpus: Vec<usize> = live.iter().map(|t| t.ordinal).collect();
+    let floor = plan::allreduce_rate(&live);
+    let limit = allreduce::deadline(&p, gpus.len(), floor, opts.nccl_allowance);
+    let label = |what: &str, step: &str| format!("all-reduce ({what}): {step}");
+    progress(&format!("GPUs {gpus:?}: all-reduce as NCCL chooses"));
+    let nccl: Outcome<allreduce::Run> =
+        backend.allreduce(&gpus, &p, true, limit, &mut |s| progress(&label("as NCCL chooses", s))).into();
+    // After a failure the second run would meet the same (or wait out the same deadline).
+    let nvls_off = matches!(nccl, Outcome::Ok(_)).then(|| {
+        progress(&format!("GPUs {gpus:?}: all-reduce with NVLS off"));
+        backend.allreduce(&gpus, &p, false, limit, &mut |s| progress(&label("NVLS off", s))).into()
+    });
+    Some(allreduce::AllReduce {
+        gpus: live.iter().map(|t| t.pci.clone()).collect(),
+        bytes: p.allreduce_bytes as u64,
+        nccl,
+        nvls_off,
+        deadline_s: limit.as_secs(),
+    })
 }
 
 /// The targets a run probes, each with its index as nvidia-smi numbers it, and the ones it
@@ -803,6 +901,18 @@ impl Backend for Observed<'_> {
     }
     fn peer_latency(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         self.inner.peer_latency(src, dst, p)
+    }
+    fn allreduce(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+        nvls: bool,
+        limit: std::time::Duration,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<allreduce::Run, ProbeError> {
+        let r = self.inner.allreduce(gpus, p, nvls, limit, progress);
+        let probe = if nvls { "allreduce" } else { "allreduce_nvls_off" };
+        gpus.iter().fold(r, |r, g| self.after(*g, probe, r))
     }
     fn release(&mut self, gpu: usize) {
         self.inner.release(gpu)
@@ -1026,7 +1136,14 @@ mod tests {
     }
 
     fn opts(level: ProbeLevel) -> Options<'static> {
-        Options { level, only: &[], force: false, gemm_seconds: None }
+        Options {
+            level,
+            only: &[],
+            force: false,
+            gemm_seconds: None,
+            allreduce_bytes: None,
+            nccl_allowance: NCCL_ALLOWANCE,
+        }
     }
 
     fn sev(f: &[Finding], id: &str, gpu: &str) -> Severity {
@@ -1159,7 +1276,14 @@ mod tests {
         let forced = run(
             &mut SimGpus::hgx(),
             &t,
-            &Options { level: ProbeLevel::Quick, only: &[], force: true, gemm_seconds: None },
+            &Options {
+                level: ProbeLevel::Quick,
+                only: &[],
+                force: true,
+                gemm_seconds: None,
+                allreduce_bytes: None,
+                nccl_allowance: NCCL_ALLOWANCE,
+            },
             &mut |_| {},
         );
         assert_eq!(forced.gpus.len(), 2);
@@ -1171,7 +1295,14 @@ mod tests {
         let r = run(
             &mut b,
             &targets(8),
-            &Options { level: ProbeLevel::Quick, only: &[2, 5], force: false, gemm_seconds: None },
+            &Options {
+                level: ProbeLevel::Quick,
+                only: &[2, 5],
+                force: false,
+                gemm_seconds: None,
+                allreduce_bytes: None,
+                nccl_allowance: NCCL_ALLOWANCE,
+            },
             &mut |_| {},
         );
         assert_eq!(r.gpus.iter().map(|g| g.ordinal).collect::<Vec<_>>(), vec![2, 5]);

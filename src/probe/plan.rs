@@ -4,7 +4,7 @@
 //! host's share of the memory compare and process start are not GPU time and are not counted.
 
 use super::kernels::{self, Step};
-use super::{cuda, params, LevelParams, Options, Target};
+use super::{cuda, LevelParams, Options, Target};
 use crate::config::ProbeLevel;
 use crate::facts;
 use serde::Serialize;
@@ -91,6 +91,10 @@ pub struct Plan {
     pub gemm_sustained_s: f64,
     /// The bit-fade pauses: every GPU's memory test waits them at once, so counted once.
     pub fade_s: f64,
+    /// NCCL's all-reduce over every GPU, twice (as NCCL chooses, NVLS off), at the slowest
+    /// pair's rate; NCCL's start is not GPU time and is not counted.
+    #[serde(default)]
+    pub allreduce_s: f64,
     /// The GEMM the plan times: cuBLAS, or the agent's PTX kernel where cuBLAS is missing.
     pub gemm_library: String,
     pub total_s: f64,
@@ -102,7 +106,7 @@ pub struct Plan {
 /// part takes at the floors.
 /// `cublas`: whether the run would find cuBLAS (else it times the agent's own GEMM).
 pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) -> Option<u64>, cublas: bool) -> Plan {
-    let p = params(opts.level);
+    let p = opts.params();
     let (chosen, skipped) = super::choose(targets, opts);
     let rounds = (p.samples + 1) as f64 * p.copies_per_sample as f64; // a warm-up, then the samples
     let copy = rounds * p.buffer_bytes as f64;
@@ -173,12 +177,7 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             if ia == ib {
                 continue;
             }
-            let nvlink = match &a.nvlink_peers {
-                Some(peers) => peers.contains(&b.pci),
-                None => a.nvlinks_active > 0 && b.nvlinks_active > 0,
-            };
-            let gbps =
-                facts::probe_floors(a.device_id.unwrap_or(0)).p2p_gbps.filter(|_| nvlink).unwrap_or(FALLBACK_PCIE_GBPS);
+            let gbps = pair_rate(a, b);
             pairs.push(PairPlan { src: *ia, dst: *ib, gbps, seconds: secs(copy, gbps) + chase });
         }
     }
@@ -191,11 +190,13 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             .map(|s| if let Step::Pause(d) = s { d.as_secs_f64() } else { 0.0 })
             .sum()
     };
+    let ranked: Vec<&Target> = chosen.iter().map(|(t, _)| *t).collect();
+    let allreduce_s = 2.0 * super::allreduce::planned_s(&p, ranked.len(), allreduce_rate(&ranked));
     let total_s = gpus
         .iter()
         .map(|g| g.total_s)
         .chain(pairs.iter().map(|p| p.seconds))
-        .fold(gemm_sustained_s + fade_s, |a, b| a + b);
+        .fold(gemm_sustained_s + fade_s + allreduce_s, |a, b| a + b);
     let gemm_library = if cublas { "cuBLAS" } else { super::cuda::PTX_GEMM }.to_string();
     let budget_s = match opts.level {
         ProbeLevel::None | ProbeLevel::Quick => Some(QUICK_BUDGET_S),
@@ -210,10 +211,37 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
         skipped,
         gemm_sustained_s,
         fade_s,
+        allreduce_s,
         gemm_library,
         total_s,
         budget_s,
     }
+}
+
+/// The bus bandwidth an all-reduce over `targets` is planned at: the slowest pair's planned rate
+/// (its NVLink floor, else PCIe), what a ring reaches; NVLS, where NCCL uses it, is faster.
+pub fn allreduce_rate(targets: &[&Target]) -> f64 {
+    let mut slowest = f64::INFINITY;
+    for a in targets {
+        for b in targets.iter().filter(|b| b.pci != a.pci) {
+            slowest = slowest.min(pair_rate(a, b));
+        }
+    }
+    if slowest.is_finite() {
+        slowest
+    } else {
+        FALLBACK_PCIE_GBPS
+    }
+}
+
+/// The rate a pair's copies are planned at: its NVLink floor when NVML (or, without NVML's
+/// answer, active links on both) puts it on NVLink, else PCIe.
+fn pair_rate(a: &Target, b: &Target) -> f64 {
+    let nvlink = match &a.nvlink_peers {
+        Some(peers) => peers.contains(&b.pci),
+        None => a.nvlinks_active > 0 && b.nvlinks_active > 0,
+    };
+    facts::probe_floors(a.device_id.unwrap_or(0)).p2p_gbps.filter(|_| nvlink).unwrap_or(FALLBACK_PCIE_GBPS)
 }
 
 /// The plan as a person reads it.
@@ -267,6 +295,17 @@ pub fn render(plan: &Plan) -> String {
     if plan.fade_s > 0.0 {
         let _ = writeln!(s, "  bit fade: {:.0} s of pauses, all GPUs' memory left alone together", plan.fade_s);
     }
+    if plan.allreduce_s > 0.0 {
+        let _ = writeln!(
+            s,
+            "  all-reduce (NCCL, every GPU): {} MiB × ({} warm-up + {} × {}), as NCCL chooses and with NVLS off, {:.2} s",
+            plan.params.allreduce_bytes >> 20,
+            super::allreduce::WARMUP,
+            plan.params.allreduce_samples,
+            super::allreduce::ITERS,
+            plan.allreduce_s
+        );
+    }
     if plan.gemm_sustained_s > 0.0 {
         let _ = writeln!(s, "  all GPUs at once: GEMM for {:.0} s", plan.gemm_sustained_s);
     }
@@ -308,7 +347,19 @@ mod tests {
     }
 
     fn total(level: ProbeLevel) -> Plan {
-        plan(&hgx(8), &Options { level, only: &[], force: false, gemm_seconds: None }, &|_| Some(80 << 30), true)
+        plan(
+            &hgx(8),
+            &Options {
+                level,
+                only: &[],
+                force: false,
+                gemm_seconds: None,
+                allreduce_bytes: None,
+                nccl_allowance: super::NCCL_ALLOWANCE,
+            },
+            &|_| Some(80 << 30),
+            true,
+        )
     }
 
     #[test]
@@ -325,7 +376,14 @@ mod tests {
     fn the_plan_counts_what_the_probes_move() {
         let p = plan(
             &hgx(1),
-            &Options { level: ProbeLevel::Quick, only: &[], force: false, gemm_seconds: None },
+            &Options {
+                level: ProbeLevel::Quick,
+                only: &[],
+                force: false,
+                gemm_seconds: None,
+                allreduce_bytes: None,
+                nccl_allowance: super::NCCL_ALLOWANCE,
+            },
             &|_| Some(80 << 30),
             true,
         );
@@ -341,7 +399,14 @@ mod tests {
         assert_eq!((p.fade_s, p.gemm_library.as_str()), (0.0, "cuBLAS"));
         let small = plan(
             &hgx(1),
-            &Options { level: ProbeLevel::Full, only: &[], force: false, gemm_seconds: None },
+            &Options {
+                level: ProbeLevel::Full,
+                only: &[],
+                force: false,
+                gemm_seconds: None,
+                allreduce_bytes: None,
+                nccl_allowance: super::NCCL_ALLOWANCE,
+            },
             &|_| Some(10 << 30),
             true,
         );
@@ -363,7 +428,14 @@ mod tests {
 
     #[test]
     fn without_cublas_the_gemm_is_planned_at_the_ptx_kernels_rate() {
-        let opts = Options { level: ProbeLevel::Quick, only: &[], force: false, gemm_seconds: None };
+        let opts = Options {
+            level: ProbeLevel::Quick,
+            only: &[],
+            force: false,
+            gemm_seconds: None,
+            allreduce_bytes: None,
+            nccl_allowance: super::NCCL_ALLOWANCE,
+        };
         let with = plan(&hgx(1), &opts, &|_| Some(80 << 30), true);
         let without = plan(&hgx(1), &opts, &|_| Some(80 << 30), false);
         assert_eq!(without.gemm_library, crate::probe::cuda::PTX_GEMM);

@@ -19,8 +19,8 @@ struct Agent {
     shared: Shared,
     /// Where the probe run lock lives.
     state_dir: std::path::PathBuf,
-    /// `probes.deadline_margin`.
-    margin: std::time::Duration,
+    /// `[probes]` deadline_margin and nccl_allowance.
+    limits: crate::probe::child::Limits,
 }
 
 fn fdo(msg: impl Into<String>) -> zbus::fdo::Error {
@@ -54,7 +54,7 @@ impl Agent {
             level,
             &self.state_dir,
             "D-Bus RunProbes",
-            self.margin,
+            self.limits,
             &mut |step| tracing::info!("probe: {step}"),
         ) {
             Ok(a) => serde_json::json!({ "findings": a.findings, "probes": a.probes }),
@@ -65,10 +65,14 @@ impl Agent {
 }
 
 /// Owns the name and serves the interface until the returned connection is dropped.
-pub fn serve(shared: Shared, state_dir: std::path::PathBuf, margin: std::time::Duration) -> zbus::Result<Connection> {
+pub fn serve(
+    shared: Shared,
+    state_dir: std::path::PathBuf,
+    limits: crate::probe::child::Limits,
+) -> zbus::Result<Connection> {
     zbus::blocking::connection::Builder::system()?
         .name(NAME)?
-        .serve_at(PATH, Agent { shared, state_dir, margin })?
+        .serve_at(PATH, Agent { shared, state_dir, limits })?
         .build()
 }
 

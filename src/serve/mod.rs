@@ -488,14 +488,14 @@ pub fn run_probes(
     snapshot: &crate::snapshot::Snapshot,
     level: crate::config::ProbeLevel,
     state_dir: &std::path::Path,
-    margin: Duration,
+    limits: crate::probe::child::Limits,
 ) -> Option<(serde_json::Value, Vec<checks::Finding>)> {
     match crate::probe::child::run(
         snapshot,
         level,
         state_dir,
         "phq-agent serve (boot or idle probes)",
-        margin,
+        limits,
         &mut |step| tracing::info!("probe: {step}"),
     ) {
         Ok(a) => Some((a.probes, a.findings)),

@@ -176,7 +176,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     };
 
     let (health_tx, health_rx) = mpsc::unbounded_channel();
-    let margin = config.probes.deadline_margin;
+    let margin = crate::probe::child::Limits::from(&config.probes);
     let dbus = dbus(shared.clone(), state_dir.clone(), margin, health_rx).await;
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
     tracing::info!(%status, "ready");
@@ -572,7 +572,7 @@ async fn events(mut e: Events) {
 async fn dbus(
     shared: Shared,
     state_dir: std::path::PathBuf,
-    margin: Duration,
+    margin: crate::probe::child::Limits,
     mut health: mpsc::UnboundedReceiver<(String, String)>,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let building = tokio::task::spawn_blocking(move || bus::serve(shared, state_dir, margin));
@@ -602,7 +602,7 @@ async fn probes(
     mut asks: mpsc::UnboundedReceiver<(Arc<Snapshot>, ProbeLevel)>,
     results: mpsc::UnboundedSender<ToSnapshotter>,
     state_dir: std::path::PathBuf,
-    margin: Duration,
+    margin: crate::probe::child::Limits,
 ) {
     while let Some((snapshot, level)) = asks.recv().await {
         let dir = state_dir.clone();

@@ -28,9 +28,14 @@
 //!   word by `cuMemsetD32` stays one word, so a 16 GiB message costs no host memory.
 //! - The time is the algorithm's: a ring moves 2(n−1)/n of the message over each GPU's slowest
 //!   link (nccl-tests' bus bandwidth is then that link's rate: `src/all_reduce.cu`, "busBw =
-//!   algBw * 2(n−1)/n"); NVLink SHARP (NVLS) on the NVSwitches runs at the scenario's
-//!   `nccl.nvls_busbw_gbps` when it is set and `NCCL_NVLS_ENABLE` is not 0 at init (*NCCL*,
-//!   "Environment Variables", NCCL_NVLS_ENABLE).
+//!   algBw * 2(n−1)/n"). NCCL runs a collective over several channels, each a ring of its own
+//!   order (src/graph/search.cc searches one per channel; behind NVSwitches every GPU may follow
+//!   every other), and the collective ends with its slowest channel: the fake charges the
+//!   slowest pair of the clique, so a degraded link is seen whatever the rank order. NVLink
+//!   SHARP (NVLS) on the NVSwitches runs at the scenario's `nccl.nvls_busbw_gbps` when it is set
+//!   and `NCCL_NVLS_ENABLE` is not 0 at init (*NCCL*, "Environment Variables",
+//!   NCCL_NVLS_ENABLE); each GPU's share crosses its own NVLinks to the switches, so a link
+//!   slower than the scenario's `peers.gbps` slows NVLS by the same ratio.
 
 use crate::scenario::Scenario;
 use crate::{with, CUdeviceptr, Handle, Mem, World};
@@ -327,10 +332,13 @@ fn run(ops: Vec<Op>) -> NcclResult {
         }
         let mut hung = None;
         let r = with(|w| {
-            let ring: Vec<(usize, usize)> = (0..devs.len()).map(|i| (devs[i], devs[(i + 1) % devs.len()])).collect();
-            if let Some((a, b)) = ring.iter().find(|(a, b)| a != b && !w.scenario.peer(*a, *b).0) {
+            // Every ordered pair: the channels' rings between them pass through each (the
+            // module's rules).
+            let pairs: Vec<(usize, usize)> =
+                devs.iter().flat_map(|a| devs.iter().filter(move |b| *b != a).map(move |b| (*a, *b))).collect();
+            if let Some((a, b)) = pairs.iter().find(|(a, b)| !w.scenario.peer(*a, *b).0) {
                 hung = Some(format!(
-                    "the ring runs from GPU {} to GPU {}, which have no peer access",
+                    "a ring runs from GPU {} to GPU {}, which have no peer access",
                     w.ordinal_of(*a),
                     w.ordinal_of(*b)
                 ));
@@ -340,7 +348,7 @@ fn run(ops: Vec<Op>) -> NcclResult {
             if let Err(e) = reduce(w, &ops) {
                 return e;
             }
-            let busbw = bus_gbps(&w.scenario, &ring, nvls);
+            let busbw = bus_gbps(&w.scenario, &pairs, nvls);
             let nr = devs.len() as f64;
             let bytes = (ops[0].count * 4) as f64;
             let secs = if nr > 1.0 { bytes * 2.0 * (nr - 1.0) / nr / (busbw * 1e9) } else { 0.0 };
@@ -363,12 +371,14 @@ fn run(ops: Vec<Op>) -> NcclResult {
 }
 
 /// The bus bandwidth of the clique's all-reduce, GB/s: NVLS's where the scenario has it and it
-/// is on, else the ring's slowest link.
-fn bus_gbps(s: &Scenario, ring: &[(usize, usize)], nvls: bool) -> f64 {
-    if let Some(g) = s.nccl.as_ref().and_then(|n| n.nvls_busbw_gbps).filter(|_| nvls && ring.len() > 1) {
-        return g;
+/// is on, scaled by the slowest link's share of the nominal rate; else the slowest link's.
+fn bus_gbps(s: &Scenario, pairs: &[(usize, usize)], nvls: bool) -> f64 {
+    let slowest = pairs.iter().map(|(a, b)| s.peer(*a, *b).1).fold(f64::INFINITY, f64::min).max(1e-9);
+    match s.nccl.as_ref().and_then(|n| n.nvls_busbw_gbps).filter(|_| nvls && !pairs.is_empty()) {
+        Some(g) if s.peers.gbps > 0.0 => g * (slowest / s.peers.gbps).min(1.0),
+        Some(g) => g,
+        None => slowest,
     }
-    ring.iter().filter(|(a, b)| a != b).map(|(a, b)| s.peer(*a, *b).1).fold(f64::INFINITY, f64::min).max(1e-9)
 }
 
 /// Every rank's `recv` gets the FP32 sum of all ranks' `send`. Buffers filled with one word

@@ -1,0 +1,291 @@
+//! `probe.allreduce`: NCCL's all-reduce across the probed GPUs, as a training job runs it, and
+//! its bus bandwidth by nccl-tests' method.
+//!
+//! - NCCL is loaded at run time (`cuda::nccl`). `ncclCommInitAll` cannot be aborted and NCCL in
+//!   a VM can wait for ever on a P2P path that does not carry its traffic (NVIDIA/nccl#257), so
+//!   each measurement runs in a child process of its own (`phq-agent allreduce-child`) under a
+//!   deadline (`probe::child::supervise`): twice the planned GPU time plus an allowance for
+//!   NCCL's start (`[probes] nccl_allowance`). Past it the child is killed and the step it was
+//!   in is reported.
+//! - Twice: once as NCCL chooses, once with `NCCL_NVLS_ENABLE=0` (NCCL's environment variables:
+//!   NVLink SHARP off), so a fault of the NVSwitch fabric's reductions is told from a slow link.
+//! - Each rank sends a buffer filled with rank + 1 (FP32) and receives into a buffer filled with
+//!   a NaN; the sum, out of place, is n(n+1)/2 everywhere, exact in FP32, and every word of every
+//!   rank's result is compared on its GPU (`phq_mem_check`) after the timed runs.
+//! - Timing is nccl-tests' (src/common.cu): 5 warm-up all-reduces, then samples of 20, the time
+//!   of a sample the longest of the ranks' (CUDA events around each rank's 20); algorithm
+//!   bandwidth = bytes / time per all-reduce, bus bandwidth = algorithm bandwidth × 2(n−1)/n
+//!   (src/all_reduce.cu, `AllReduceGetBw`).
+
+use super::{kernels, LevelParams, Outcome, ProbeError, Stat};
+use crate::cuda::{self, nccl};
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// nccl-tests' defaults (src/common.cu: `warmup_iters = 5`, `iters = 20`).
+pub const WARMUP: u32 = 5;
+pub const ITERS: u32 = 20;
+
+/// What the child is asked.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Request {
+    /// CUDA ordinals (PCI order), rank by rank.
+    pub ordinals: Vec<usize>,
+    /// Message size per rank.
+    pub bytes: u64,
+    pub samples: u32,
+}
+
+/// The all-reduce part of a probe report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AllReduce {
+    /// The GPUs, rank by rank, by PCI address.
+    pub gpus: Vec<String>,
+    /// Message size asked per rank (`Run::bytes` is what ran, smaller where memory was short).
+    pub bytes: u64,
+    /// As NCCL chooses its algorithm.
+    pub nccl: Outcome<Run>,
+    /// With `NCCL_NVLS_ENABLE=0`; measured only after the first run succeeded.
+    pub nvls_off: Option<Outcome<Run>>,
+    /// Each run's deadline.
+    pub deadline_s: u64,
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Run {
+    /// Bus bandwidth per sample, GB/s.
+    pub busbw_gbps: Stat,
+    /// Algorithm bandwidth of the median sample, GB/s.
+    pub algbw_gbps: f64,
+    pub bytes: u64,
+    pub iters: u32,
+    /// NCCL's version and the file it was loaded from.
+    pub library: String,
+    /// Words (8 bytes) of results compared on the GPUs, and those that were not the sum.
+    pub checked_words: u64,
+    pub wrong_words: u64,
+    /// The first wrong word: GPU, address, what it held, what it should.
+    pub first_wrong: Option<String>,
+    /// Why the message is smaller than asked, when it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// nccl-tests' bus bandwidth of an all-reduce over `ranks` (src/all_reduce.cu): the algorithm
+/// bandwidth × 2(n−1)/n, the share of the message each rank's links carry.
+pub fn bus_bandwidth(algbw: f64, ranks: usize) -> f64 {
+    if ranks < 2 {
+        return algbw;
+    }
+    algbw * 2.0 * (ranks as f64 - 1.0) / ranks as f64
+}
+
+/// How long one configuration may take: twice its planned transfers at `busbw_gbps`, plus the
+/// allowance for NCCL's start.
+pub fn deadline(p: &LevelParams, ranks: usize, busbw_gbps: f64, allowance: Duration) -> Duration {
+    Duration::from_secs_f64(2.0 * planned_s(p, ranks, busbw_gbps)) + allowance
+}
+
+/// GPU time of one configuration's all-reduces at `busbw_gbps`.
+pub fn planned_s(p: &LevelParams, ranks: usize, busbw_gbps: f64) -> f64 {
+    if p.allreduce_bytes == 0 || ranks < 2 {
+        return 0.0;
+    }
+    let ops = (WARMUP + ITERS * p.allreduce_samples) as f64;
+    let moved = bus_bandwidth(p.allreduce_bytes as f64, ranks);
+    ops * moved / (busbw_gbps.max(1.0) * 1e9)
+}
+
+/// Runs one configuration in a child process under `limit` (the module's rules). `nvls`: false
+/// sets `NCCL_NVLS_ENABLE=0` in the child.
+pub fn run(
+    ordinals: &[usize],
+    p: &LevelParams,
+    nvls: bool,
+    limit: Duration,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Run, ProbeError> {
+    let exe = std::env::current_exe()
+        .map_err(|e| ProbeError::Cuda(format!("cannot find this program to run the all-reduce: {e}")))?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("allreduce-child");
+    if let Some(lib) = cuda::named_library() {
+        cmd.arg("--cuda-lib").arg(lib);
+    }
+    if !nvls {
+        cmd.env("NCCL_NVLS_ENABLE", "0");
+    }
+    let request =
+        Request { ordinals: ordinals.to_vec(), bytes: p.allreduce_bytes as u64, samples: p.allreduce_samples };
+    let input =
+        serde_json::to_vec(&request).map_err(|e| ProbeError::Cuda(format!("cannot encode the request: {e}")))?;
+    match super::child::supervise(cmd, &input, limit, "starting CUDA", progress).map_err(ProbeError::Cuda)? {
+        super::child::Ended::Answer(json) => serde_json::from_str::<Result<Run, ProbeError>>(&json)
+            .map_err(|e| ProbeError::Cuda(format!("the all-reduce process answered what is not an answer: {e}")))?,
+        super::child::Ended::Overdue { step } => Err(ProbeError::Hung { step, deadline_s: limit.as_secs() }),
+    }
+}
+
+/// The child's side: reads a `Request` on stdin, measures, says each step and the answer.
+pub fn child_main() -> anyhow::Result<i32> {
+    let request: Request = serde_json::from_reader(std::io::stdin().lock())
+        .map_err(|e| anyhow::anyhow!("allreduce-child: cannot read the request on stdin: {e}"))?;
+    let answer = measure(&request, &|step| super::child::say(format!("step {step}")));
+    let line = serde_json::to_string(&answer).unwrap_or_else(|e| {
+        serde_json::json!({ "Err": { "Cuda": format!("cannot encode the answer: {e}") } }).to_string()
+    });
+    super::child::say(format!("answer {line}"));
+    Ok(0)
+}
+
+/// A driver or NCCL error of rank `rank`'s GPU as a probe error (a sticky one poisons it).
+fn on(gpu: usize) -> impl Fn(cuda::CudaError) -> ProbeError {
+    move |e| {
+        if e.sticky {
+            ProbeError::Sticky { gpu, code: e.code, message: e.to_string() }
+        } else {
+            ProbeError::Cuda(format!("GPU {gpu}: {e}"))
+        }
+    }
+}
+
+/// One rank's buffers and stream.
+struct Rank {
+    gpu: usize,
+    ctx: std::sync::Arc<cuda::Ctx>,
+    send: cuda::DeviceBuffer,
+    recv: cuda::DeviceBuffer,
+    stream: cuda::Stream,
+    start: cuda::Event,
+    end: cuda::Event,
+}
+
+/// The measurement itself (in the child).
+fn measure(req: &Request, say: &dyn Fn(&str)) -> Result<Run, ProbeError> {
+    let n = req.ordinals.len();
+    if n < 2 || req.bytes < 8 || req.samples == 0 {
+        return Err(ProbeError::Unavailable(format!(
+            "an all-reduce needs two GPUs or more and a message (asked: {n} GPUs, {} bytes)",
+            req.bytes
+        )));
+    }
+    let drv = cuda::driver().map_err(|e| ProbeError::Unavailable(e.to_string()))?;
+    drv.init().map_err(|e| ProbeError::Cuda(e.to_string()))?;
+    say("loading NCCL");
+    let lib = nccl::nccl().map_err(|e| {
+        ProbeError::Unavailable(format!("{e} (`phq-agent install` installs it: NVIDIA's libnccl2 / libnccl)"))
+    })?;
+    let version = lib.version().map_err(|e| ProbeError::Cuda(e.to_string()))?;
+    let library = format!("NCCL {version} ({})", lib.file.display());
+    // The message: what was asked, halved until both buffers fit in 90% of every GPU's free memory.
+    let mut bytes = req.bytes & !7;
+    let mut ctxs = Vec::new();
+    for &gpu in &req.ordinals {
+        let ctx = drv.device(gpu).and_then(|d| d.retain_context()).map_err(on(gpu))?;
+        let (free, _) = ctx.mem_info().map_err(on(gpu))?;
+        while bytes > 64 << 20 && 2 * bytes > free as u64 / 10 * 9 {
+            bytes /= 2;
+        }
+        ctxs.push((gpu, ctx));
+    }
+    let note =
+        (bytes < req.bytes).then(|| format!("{bytes} bytes instead of {}: the GPUs' free memory is short", req.bytes));
+    let count = (bytes / 4) as usize;
+    let nan = 0x7fc0_0000u32;
+    let mut ranks = Vec::new();
+    for (rank, (gpu, ctx)) in ctxs.into_iter().enumerate() {
+        let e = on(gpu);
+        let r = Rank {
+            gpu,
+            send: ctx.alloc(bytes as usize).map_err(&e)?,
+            recv: ctx.alloc(bytes as usize).map_err(&e)?,
+            stream: ctx.stream().map_err(&e)?,
+            start: ctx.event().map_err(&e)?,
+            end: ctx.event().map_err(&e)?,
+            ctx,
+        };
+        r.stream.memset_d32(&r.send, 0, (rank as f32 + 1.0).to_bits(), count).map_err(&e)?;
+        r.stream.memset_d32(&r.recv, 0, nan, count).map_err(&e)?;
+        r.stream.synchronize().map_err(&e)?;
+        ranks.push(r);
+    }
+    let sync = |ranks: &[Rank]| ranks.iter().try_for_each(|r| r.stream.synchronize().map_err(on(r.gpu)));
+    let gpus: Vec<usize> = ranks.iter().map(|r| r.gpu).collect();
+    say(&format!("ncclCommInitAll over GPUs {gpus:?} ({library})"));
+    let comms = lib.init_all(&gpus).map_err(|e| ProbeError::Cuda(e.to_string()))?;
+    let parts: Vec<nccl::Part<'_>> =
+        ranks.iter().map(|r| nccl::Part { send: &r.send, recv: &r.recv, stream: &r.stream }).collect();
+    let all_reduce = || comms.all_reduce_sum_f32(&parts, count).map_err(|e| ProbeError::Cuda(e.to_string()));
+    say(&format!("{WARMUP} warm-up all-reduces of {bytes} bytes over GPUs {gpus:?}"));
+    for _ in 0..WARMUP {
+        all_reduce()?;
+    }
+    sync(&ranks)?;
+    let mut busbw = Vec::new();
+    let mut algbw = Vec::new();
+    for s in 0..req.samples {
+        say(&format!("all-reduce sample {} of {}: {ITERS} × {bytes} bytes over GPUs {gpus:?}", s + 1, req.samples));
+        for r in &ranks {
+            r.stream.record(&r.start).map_err(on(r.gpu))?;
+        }
+        for _ in 0..ITERS {
+            all_reduce()?;
+        }
+        for r in &ranks {
+            r.stream.record(&r.end).map_err(on(r.gpu))?;
+        }
+        sync(&ranks)?;
+        let mut longest = 0f64;
+        for r in &ranks {
+            longest = longest.max(r.start.elapsed_ms(&r.end).map_err(on(r.gpu))? as f64 / 1e3);
+        }
+        let alg = bytes as f64 / (longest / ITERS as f64).max(1e-12) / 1e9;
+        algbw.push(alg);
+        busbw.push(bus_bandwidth(alg, n));
+    }
+    drop(parts);
+    drop(comms);
+    say(&format!("checking the sum on GPUs {gpus:?}"));
+    let sum = (n * (n + 1) / 2) as f32;
+    let word = u64::from(sum.to_bits()) * 0x1_0000_0001;
+    let (mut wrong, mut first_wrong) = (0, None);
+    for r in &ranks {
+        let e = on(r.gpu);
+        let sms = drv.device(r.gpu).and_then(|d| d.attribute(cuda::attr::MULTIPROCESSOR_COUNT)).unwrap_or(132);
+        let k = kernels::Loaded::load(&r.ctx, sms.max(1) as u32, 0).map_err(&e)?;
+        let (count, kept) = kernels::check_solid(&r.stream, &k, &r.recv, word).map_err(&e)?;
+        wrong += count;
+        if first_wrong.is_none() {
+            first_wrong = kept
+                .first()
+                .map(|m| format!("GPU {}: {:#018x} at {:#x}, for {:#018x}", r.gpu, m.read, m.address, m.expected));
+        }
+    }
+    let busbw = Stat::of(busbw).ok_or_else(|| ProbeError::Cuda("no valid sample".into()))?;
+    let median_alg = Stat::of(algbw).map(|s| s.median).unwrap_or(0.0);
+    Ok(Run {
+        busbw_gbps: busbw,
+        algbw_gbps: median_alg,
+        bytes,
+        iters: ITERS,
+        library,
+        checked_words: n as u64 * bytes / 8,
+        wrong_words: wrong,
+        first_wrong,
+        note,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_bandwidth_is_nccl_tests() {
+        // 8 ranks: ×1.75; 2 ranks: ×1 (all_reduce.cu's factor 2(n−1)/n).
+        assert_eq!(bus_bandwidth(100.0, 8), 175.0);
+        assert_eq!(bus_bandwidth(100.0, 2), 100.0);
+        assert_eq!(bus_bandwidth(100.0, 1), 100.0);
+    }
+}
