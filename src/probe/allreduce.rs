@@ -279,7 +279,93 @@ fn measure(req: &Request, say: &dyn Fn(&str)) -> Result<Run, ProbeError> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::judge::allreduce_finding;
+    use super::super::{params, ProbeReport};
     use super::*;
+    use crate::checks::Severity;
+    use crate::config::ProbeLevel;
+
+    fn run(busbw: f64) -> Run {
+        Run {
+            busbw_gbps: Stat { samples: vec![busbw], median: busbw },
+            algbw_gbps: busbw / 1.75,
+            bytes: 16 << 30,
+            iters: ITERS,
+            library: "NCCL 2.27.3".into(),
+            checked_words: 8 * (2 << 30),
+            wrong_words: 0,
+            first_wrong: None,
+            note: None,
+        }
+    }
+
+    fn report(nccl: Outcome<Run>, nvls_off: Option<Outcome<Run>>) -> (ProbeReport, AllReduce) {
+        let a = AllReduce {
+            gpus: (0..8).map(|i| format!("0000:{:02x}:00.0", 9 + i)).collect(),
+            bytes: 16 << 30,
+            nccl,
+            nvls_off,
+            deadline_s: 71,
+        };
+        let level = ProbeLevel::Full;
+        let r = ProbeReport {
+            level,
+            params: params(level),
+            gpus: vec![],
+            peers: vec![],
+            skipped: vec![],
+            nvlink: None,
+            allreduce: Some(a.clone()),
+        };
+        (r, a)
+    }
+
+    /// NVLS that adds nothing over the rings (both at the links' 375) is the fabric's fault, not
+    /// a link's: the finding says so.
+    #[test]
+    fn a_shortfall_with_nvls_no_faster_than_the_rings_points_at_the_fabric() {
+        let (r, a) = report(Outcome::Ok(run(375.0)), Some(Outcome::Ok(run(374.0))));
+        let f = allreduce_finding(&r, &a, Some(460.0));
+        assert_eq!(f.severity, Severity::Fail);
+        assert!(f.detail.contains("NVLink SHARP on the NVSwitches is not helping"), "{}", f.detail);
+        let (r, a) = report(Outcome::Ok(run(470.0)), Some(Outcome::Ok(run(374.0))));
+        assert_eq!(allreduce_finding(&r, &a, Some(460.0)).severity, Severity::Pass);
+    }
+
+    #[test]
+    fn a_wrong_word_fails_whatever_the_rate() {
+        let mut bad = run(480.0);
+        bad.wrong_words = 1;
+        bad.first_wrong = Some("GPU 3: 0x4210000042100000 at 0x7f0000000000, for 0x4210000042100000".into());
+        let (r, a) = report(Outcome::Ok(bad), None);
+        let f = allreduce_finding(&r, &a, Some(460.0));
+        assert_eq!(f.severity, Severity::Fail);
+        assert!(f.summary.contains("wrong sum: 1 of"), "{}", f.summary);
+    }
+
+    /// Azure's floors hold for a board of 8 of one SKU with 16 GiB messages, and for nothing
+    /// else.
+    #[test]
+    fn the_floor_is_azures_for_8_gpus_and_16_gib_only() {
+        use crate::facts::allreduce_floor;
+        assert_eq!(allreduce_floor(0x2330, 8, 16 << 30), Some(460.0));
+        assert_eq!(allreduce_floor(0x2335, 8, 16 << 30), Some(431.0));
+        assert_eq!(allreduce_floor(0x2330, 4, 16 << 30), None);
+        assert_eq!(allreduce_floor(0x2330, 8, 1 << 30), None);
+        assert_eq!(allreduce_floor(0x2331, 8, 16 << 30), None);
+    }
+
+    /// The deadline covers twice the transfers at the planned rate, plus NCCL's start.
+    #[test]
+    fn the_deadline_is_twice_the_planned_transfers_plus_the_allowance() {
+        let p = params(ProbeLevel::Full);
+        // 65 all-reduces of 16 GiB, 1.75 of each over the links, at 335 GB/s: 5.83 s.
+        let planned = planned_s(&p, 8, 335.0);
+        assert!((planned - 65.0 * 1.75 * (16u64 << 30) as f64 / 335e9).abs() < 1e-9, "{planned}");
+        assert_eq!(deadline(&p, 8, 335.0, Duration::from_secs(60)), Duration::from_secs_f64(2.0 * planned + 60.0));
+        assert_eq!(planned_s(&params(ProbeLevel::Quick), 8, 335.0), 0.0);
+        assert_eq!(planned_s(&p, 1, 335.0), 0.0);
+    }
 
     #[test]
     fn bus_bandwidth_is_nccl_tests() {

@@ -355,7 +355,7 @@ mod tests {
                 force: false,
                 gemm_seconds: None,
                 allreduce_bytes: None,
-                nccl_allowance: super::NCCL_ALLOWANCE,
+                nccl_allowance: crate::probe::NCCL_ALLOWANCE,
             },
             &|_| Some(80 << 30),
             true,
@@ -382,7 +382,7 @@ mod tests {
                 force: false,
                 gemm_seconds: None,
                 allreduce_bytes: None,
-                nccl_allowance: super::NCCL_ALLOWANCE,
+                nccl_allowance: crate::probe::NCCL_ALLOWANCE,
             },
             &|_| Some(80 << 30),
             true,
@@ -405,7 +405,7 @@ mod tests {
                 force: false,
                 gemm_seconds: None,
                 allreduce_bytes: None,
-                nccl_allowance: super::NCCL_ALLOWANCE,
+                nccl_allowance: crate::probe::NCCL_ALLOWANCE,
             },
             &|_| Some(10 << 30),
             true,
@@ -420,10 +420,15 @@ mod tests {
         assert_eq!(full.fade_s, 40.0);
         let parts: f64 = full.gpus.iter().map(|g| g.total_s).sum::<f64>()
             + full.pairs.iter().map(|p| p.seconds).sum::<f64>()
-            + full.gemm_sustained_s;
+            + full.gemm_sustained_s
+            + full.allreduce_s;
         assert!((full.total_s - parts - 40.0).abs() < 1e-6, "{}", render(&full));
         assert!(full.gpus.iter().all(|g| g.memory_s < 20.0), "{}", render(&full));
         assert!(render(&full).contains("bit fade: 40 s of pauses"), "{}", render(&full));
+        // The all-reduce twice over the 8 GPUs, at the NVLink floor's 335 GB/s: 2 × 65 × 16 GiB ×
+        // 1.75 / 335e9.
+        assert!((full.allreduce_s - 2.0 * 65.0 * 1.75 * (16u64 << 30) as f64 / 335e9).abs() < 1e-6);
+        assert!(render(&full).contains("all-reduce (NCCL, every GPU): 16384 MiB × (5 warm-up + 3 × 20)"));
     }
 
     #[test]
@@ -434,7 +439,7 @@ mod tests {
             force: false,
             gemm_seconds: None,
             allreduce_bytes: None,
-            nccl_allowance: super::NCCL_ALLOWANCE,
+            nccl_allowance: crate::probe::NCCL_ALLOWANCE,
         };
         let with = plan(&hgx(1), &opts, &|_| Some(80 << 30), true);
         let without = plan(&hgx(1), &opts, &|_| Some(80 << 30), false);
