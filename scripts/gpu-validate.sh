@@ -4,7 +4,8 @@
 # engine, and an elementwise kernel copy beside the probe's SM copy; CUDA events, same buffer
 # size and copy count), and prints them side by side as ratios, plus each figure against the
 # link's physical limit; then the memory test's coverage and effective rate, the latency
-# chase, the NVLink scope line and a short sustained GEMM.
+# chase, the NVLink scope line, a short sustained GEMM, and with two GPUs or more NCCL's
+# all-reduce beside nccl-tests' all_reduce_perf.
 #
 #   scripts/gpu-validate.sh [path/to/phq-agent]        (default: target/release/phq-agent)
 #
@@ -155,4 +156,25 @@ for f in r.get("findings", []):
         c = (f.get("evidence") or {}).get("conditions") or {}
         print(f"{f['severity'].upper():<6}{f.get('gpu') or '':<14}{f['summary']}  [SM {c.get('sm_clock_mhz')} MHz, {c.get('power_mw')} mW, {c.get('throttle_reasons')}]")
 PY
+echo "== all-reduce (NCCL) beside nccl-tests' all_reduce_perf, the same message and GPUs"
+gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+if [ "$gpus" -lt 2 ]; then
+    echo "one GPU: no all-reduce to measure (probe.allreduce needs two or more)"
+else
+    "$bin" probe --level quick --allreduce-size 1G --json > "$out/allreduce.json" 2> "$out/allreduce.stderr"; echo "exit $?"
+    python3 - "$out/allreduce.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for f in r.get("findings", []):
+    if f["id"] == "probe.allreduce":
+        print(f"{f['severity'].upper():<8}{f['summary']}")
+PY
+    if command -v all_reduce_perf > /dev/null; then
+        # nccl-tests, one process driving every GPU (-g), as the probe does; its busbw column is
+        # the peer of the probe's figure.
+        all_reduce_perf -b 1G -e 1G -g "$gpus" -c 1 | tee "$out/all_reduce_perf.txt" | tail -6
+    else
+        echo "all_reduce_perf (nccl-tests) is not installed: no peer figure"
+    fi
+fi
 echo "== files in $out"; ls "$out"
