@@ -1121,10 +1121,16 @@ fn install_for_cuda(
         } else {
             format!("{package} built for CUDA {} only", cudas.join(", "))
         };
-        let remedy = if cudas.is_empty() {
+        // Only what install.cuda takes (a CUDA 12 toolkit it knows) is offered as a choice.
+        let choices: Vec<&str> = cudas
+            .iter()
+            .copied()
+            .filter(|c| c.starts_with("12.") && crate::facts::cuda_min_driver(c).is_some())
+            .collect();
+        let remedy = if choices.is_empty() {
             format!("Use a mirror that carries NVIDIA's NCCL packages (install.repo_url), or install NCCL built for CUDA {cuda} yourself; then rerun phq-agent install")
         } else {
-            format!("Choose an install.cuda the repository has NCCL for ({}), or install NCCL built for CUDA {cuda} yourself; then rerun phq-agent install", cudas.join(", "))
+            format!("Choose an install.cuda the repository has NCCL for ({}), or install NCCL built for CUDA {cuda} yourself; then rerun phq-agent install", choices.join(", "))
         };
         return Ok(Some(
             Finding::warn("install.nccl", format!("NCCL is not installed: the repository has no {package} built for CUDA {cuda}"))
@@ -1692,7 +1698,11 @@ mod tests {
             assert_eq!(w.severity, Severity::Warn);
             assert!(w.summary.contains("no libnccl2 built for CUDA 12.4"), "{w:?}");
             assert!(w.detail.contains("built for CUDA 12.8, 12.9, 12.40, 13.0 only"), "{w:?}");
-            assert!(w.remedy.as_deref().unwrap_or("").contains("install.cuda"), "{w:?}");
+            // Only CUDA 12 releases the installer knows are offered (not 12.40, nor 13.0).
+            assert!(
+                w.remedy.as_deref().unwrap_or("").contains("install.cuda the repository has NCCL for (12.8, 12.9)"),
+                "{w:?}"
+            );
             assert!(!st.steps.contains_key("nccl"), "{:?}", st.steps);
         };
         check(&first.state);
