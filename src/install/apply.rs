@@ -1393,7 +1393,8 @@ mod tests {
         nccl: Option<Vec<&'static str>>,
     }
 
-    /// Builds for several CUDA releases, as NVIDIA's repositories carry them, newest first.
+    /// Builds for several CUDA releases, as NVIDIA's repositories carry them (not in order: the
+    /// choice compares versions itself).
     const NCCL_BUILDS: &[&str] =
         &["2.28.3-1+cuda13.0", "2.27.3-1+cuda12.9", "2.21.5-1+cuda12.4", "2.20.5-1+cuda12.4", "2.26.5-1+cuda12.8"];
 
