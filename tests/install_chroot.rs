@@ -238,6 +238,9 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
         "hi  nvidia-fabricmanager 580.82.07-1".into(),
         "hi  nvidia-kernel-open-dkms 580.82.07-1".into(),
         "hi  nvidia-persistenced 580.82.07-1".into(),
+        // NCCL: the newest build for the toolkit's CUDA (12.9), held; not CUDA 13.0's, the
+        // newest there is, nor a newer one for 12.4.
+        format!("hi  libnccl2 {NCCL_FOR_TOOLKIT}"),
         // NVIDIA's branch lock, installed before the driver.
         "ii  nvidia-driver-pinning-580 580-1".into(),
         // From the Debian archive's contrib, which the installer enabled.
@@ -325,7 +328,7 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
 
     // --- kill -9 at every step, then a rerun converges to the same packages. ---
     let killed = guest_root(&work.path().join("killed"), &repo_dir, &url, &fpr);
-    let steps = ["repo", "headers", "nouveau", "driver", "persistenced", "fabricmanager", "toolkit", "hold"];
+    let steps = ["repo", "headers", "nouveau", "driver", "persistenced", "fabricmanager", "toolkit", "nccl", "hold"];
     let t = Instant::now();
     let mut kills = 0;
     let mut transcript = String::new();
@@ -363,6 +366,29 @@ fn installs_on_a_real_apt_is_idempotent_and_survives_kill_9_at_every_step() {
     assert_eq!(nvidia_state(&killed), installed, "killed root differs from the clean one\n{}", last.stderr);
     let again = install(&killed, &[]);
     assert!(!again.stderr.contains("$ "), "{}", again.stderr);
+
+    // --- A toolkit the repository has no NCCL build for (CUDA 12.8): everything else is
+    // installed, NCCL is not (no other CUDA's build in its place), and a warning says why. ---
+    std::fs::create_dir_all(work.path().join("no-nccl")).unwrap();
+    let no_nccl = guest_root(&work.path().join("no-nccl"), &repo_dir, &url, &fpr);
+    let skipped = install(&no_nccl, &["--cuda", "12.8"]);
+    eprintln!("--- CUDA 12.8, no NCCL build for it\n{}", skipped.stderr);
+    assert_eq!(skipped.code, Some(1), "{}", skipped.stderr);
+    assert!(
+        skipped.stderr.contains("skipped: NCCL is not installed: the repository has no libnccl2 built for CUDA 12.8"),
+        "{}",
+        skipped.stderr
+    );
+    assert!(skipped.stderr.contains("WARN install.nccl:"), "{}", skipped.stderr);
+    assert!(skipped.stderr.contains("install.cuda the repository has NCCL for (12.4, 12.9)"), "{}", skipped.stderr);
+    let state = nvidia_state(&no_nccl);
+    assert!(state.contains(&"hi  cuda-toolkit-12-8 12.8.1-1".to_string()), "{state:#?}");
+    assert!(!state.iter().any(|l| l.contains("libnccl")), "{state:#?}");
+    let j = journal(&no_nccl);
+    let findings = j["findings"].as_array().cloned().unwrap_or_default();
+    let w = findings.iter().find(|f| f["id"] == "install.nccl").expect("the NCCL warning in the journal");
+    assert!(w["detail"].as_str().unwrap_or("").contains("built for CUDA 12.4, 12.9, 13.0 only"), "{w:#}");
+    assert!(j["steps"].get("nccl").is_none(), "{j:#}");
     eprintln!(
         "timing: clean install {first_s:.1} s, idempotent rerun {second_s:.1} s, {kills} kills + converge {:.1} s, total {:.1} s",
         t.elapsed().as_secs_f64(),

@@ -20,7 +20,7 @@
 
 mod common;
 
-use common::debian::{runnable, serve, sh, target_dir};
+use common::debian::{runnable, serve, sh, target_dir, NCCL_FOR_TOOLKIT};
 use common::el9::*;
 use common::install::*;
 use std::path::{Path, PathBuf};
@@ -267,6 +267,9 @@ fn prove(variant: Variant) -> Option<(tempfile::TempDir, PathBuf, Repos, String)
         format!("libnvidia-nscq {DRIVER}-1"),
         "cuda-toolkit-12-9 12.9.1-1".into(),
         "cuda-compiler-12-9 12.9.1-1".into(),
+        // NCCL: the newest build for the toolkit's CUDA (12.9); not CUDA 13.0's, the newest
+        // there is, nor a newer one for 12.4.
+        format!("libnccl {NCCL_FOR_TOOLKIT}"),
         format!("kernel-devel {}", KERNEL.trim_end_matches(".x86_64")),
         // EPEL's dkms, whose dependency only CodeReady Builder has.
         "dkms 3.1.5-1.el9".into(),
@@ -280,11 +283,14 @@ fn prove(variant: Variant) -> Option<(tempfile::TempDir, PathBuf, Repos, String)
     assert!(!installed.iter().any(|l| l.contains(NEWER_DRIVER) || l.contains(NEWER_FM)), "{installed:#?}");
     let (_, modules) = chroot_out(&clean, &["dnf", "-q", "module", "list", "--enabled", "nvidia-driver"]);
     assert!(modules.contains("580-open [e]"), "the 580-open stream is not the enabled one:\n{modules}");
-    // Version locks: the driver, fabric manager, toolkit, and the running kernel.
+    // Version locks: the driver, fabric manager, toolkit, the running kernel, and NCCL (its own step).
     for lock in ["kmod-nvidia-open-dkms-3:580.82.07", "nvidia-fabricmanager-0:580.82.07", "cuda-toolkit-12-9-0:12.9.1"]
         .into_iter()
         .map(String::from)
-        .chain([format!("kernel-core-0:{}", KERNEL.trim_end_matches(".x86_64"))])
+        .chain([
+            format!("kernel-core-0:{}", KERNEL.trim_end_matches(".x86_64")),
+            format!("libnccl-0:{NCCL_FOR_TOOLKIT}"),
+        ])
     {
         assert!(installed.iter().any(|l| l.starts_with(&format!("lock {lock}"))), "no lock {lock}: {installed:#?}");
     }
@@ -317,8 +323,18 @@ fn prove(variant: Variant) -> Option<(tempfile::TempDir, PathBuf, Repos, String)
 
     // --- SIGKILL inside every step, then reruns converge to the same packages. ---
     let killed = guest_root(&work.path().join("killed"), &repos, &url, variant);
-    let steps =
-        ["repo", "preflight", "headers", "nouveau", "driver", "persistenced", "fabricmanager", "toolkit", "hold"];
+    let steps = [
+        "repo",
+        "preflight",
+        "headers",
+        "nouveau",
+        "driver",
+        "persistenced",
+        "fabricmanager",
+        "toolkit",
+        "nccl",
+        "hold",
+    ];
     let t = Instant::now();
     let mut kills = 0;
     let mut transcript = String::new();
@@ -356,6 +372,7 @@ fn prove(variant: Variant) -> Option<(tempfile::TempDir, PathBuf, Repos, String)
         ("driver", "kmod-nvidia-open-dkms "),
         ("fabricmanager", "nvidia-fabricmanager "),
         ("toolkit", "cuda-toolkit-12-9 "),
+        ("nccl", "lock libnccl-"),
         ("hold", "lock kmod-nvidia-open-dkms-"),
     ] {
         let finished = recorded.contains_key(step) || last.stderr.contains(&format!("] {step}: already done"));

@@ -10,6 +10,8 @@ use std::path::PathBuf;
 
 /// An R580 release: the long-term support branch `install` defaults to.
 const DRIVER: &str = "580.82.07";
+/// NCCL as NVIDIA's repositories version it, built for the toolkit the plans install (CUDA 12.9).
+const NCCL_FOR_12_9: &str = "2.27.3-1+cuda12.9";
 
 struct Guest {
     key: &'static str,
@@ -151,6 +153,12 @@ fn done_packages(g: &Guest, sb: bool, switches: bool) -> Vec<Package> {
         v.push(pkg(nscq, &format!("{DRIVER}-1"), "installed", true));
     }
     v.push(pkg("cuda-toolkit-12-9", "12.9.1-1", "installed", true));
+    if switches {
+        // NCCL for the all-reduce probe, on the 8-GPU guest only: the build for CUDA 12.9,
+        // held in its own step.
+        let nccl = if deb { "libnccl2" } else { "libnccl" };
+        v.push(pkg(nccl, NCCL_FOR_12_9, "installed", true));
+    }
     // The running kernel, held while a DKMS-built module depends on it (not on Ubuntu's signed path).
     let held = !(g.id == "ubuntu" && sb);
     v.extend(kernel_packages(g, held));
@@ -373,9 +381,11 @@ fn plan_rules() {
                     } else {
                         ["kernel", "kernel-core", "kernel-modules", "kernel-devel"].map(String::from).to_vec()
                     };
-                    let line = text.lines().find(|l| l.contains("apt-mark hold") || l.contains("versionlock add"));
+                    // Any hold line: NCCL's own step holds it with a line of its own.
+                    let lines: Vec<&str> =
+                        text.lines().filter(|l| l.contains("apt-mark hold") || l.contains("versionlock add")).collect();
                     for k in &kernel {
-                        assert!(line.is_some_and(|l| l.split(' ').any(|w| w == k)), "{k} not held: {line:?}");
+                        assert!(lines.iter().any(|l| l.split(' ').any(|w| w == k)), "{k} not held: {lines:?}");
                     }
                 }
                 // On Debian and Ubuntu the kernel is held before the driver is built for it.
@@ -457,6 +467,33 @@ fn plan_rules() {
                 assert!(text.contains(compute), "{compute}: {text}");
                 assert_eq!(fresh.steps.last().map(|s| s.id), Some("verify"));
                 assert!(fresh.steps.iter().any(|s| s.id == "hold"));
+                // NCCL after the toolkit, only where the all-reduce probe can run (2 GPUs or
+                // more), at the newest build for the toolkit's CUDA and held in its own step.
+                let ids: Vec<&str> = fresh.steps.iter().map(|s| s.id).collect();
+                let nccl = ids.iter().position(|i| *i == "nccl").expect("the NCCL step");
+                assert!(ids.iter().position(|i| *i == "toolkit").unwrap() < nccl, "{ids:?}");
+                let (pkg, pinned) = if g.id == "ubuntu" || g.id == "debian" {
+                    ("libnccl2", "install libnccl2=<its newest +cuda12.9 build>")
+                } else {
+                    ("libnccl", "install libnccl-<its newest +cuda12.9 build>")
+                };
+                let step = &fresh.steps[nccl];
+                if switches {
+                    assert!(step.done.is_none());
+                    assert!(text.contains(pinned), "{text}");
+                    assert!(
+                        text.contains(&format!("apt-mark hold {pkg}\n"))
+                            || text.contains(&format!("versionlock add {pkg}\n")),
+                        "{text}"
+                    );
+                } else {
+                    assert!(step.actions.is_empty() && step.title.contains("not needed, 1 GPU is visible"), "{text}");
+                    assert!(!text.contains(pinned), "{text}");
+                }
+                // The pre-flight leaves NCCL to its step, which skips it when there is no build
+                // for this CUDA instead of stopping the install.
+                let preflight = text.lines().find(|l| l.contains("(resolve only")).expect("the pre-flight");
+                assert!(!preflight.split(' ').any(|w| w.starts_with("libnccl")), "{preflight}");
                 // Done: nothing left to run but the reboot check and verification.
                 let done = plan::plan(&facts(g, switches, sb, Stage::Done), &settings()).unwrap();
                 let pending: Vec<&str> = done.steps.iter().filter(|s| s.done.is_none()).map(|s| s.id).collect();
@@ -464,6 +501,48 @@ fn plan_rules() {
                 assert_eq!(done.reboot_reason, None);
             }
         }
+    }
+}
+
+/// NCCL follows `install.cuda`: the build the step looks for ends with the toolkit's CUDA; a
+/// build for another CUDA installed (and held) by someone else or an earlier install is
+/// unheld and replaced, never counted as done; the matching build counts only once it is held.
+#[test]
+fn nccl_follows_the_toolkits_cuda() {
+    for g in GUESTS {
+        let deb = g.id == "ubuntu" || g.id == "debian";
+        let pkg_name = if deb { "libnccl2" } else { "libnccl" };
+        let cuda = if g.key == "ubuntu2404" { "12.6" } else { "12.4" };
+        let s = Settings { cuda: cuda.into(), ..settings() };
+        let text = plan::render(&plan::plan(&facts(g, true, false, Stage::Fresh), &s).unwrap());
+        assert!(text.contains(&format!("whose version ends +cuda{cuda} is installed")), "{text}");
+        assert!(!text.contains("+cuda12.9"), "{text}");
+
+        // Done for 12.9, with 12.8's build in place of NCCL's and held: not done, unheld first
+        // (apt refuses to change a held package; dnf's lock hides every other build), and on
+        // apt allowed to move down (the build wanted may be older than the one there).
+        let mut f = facts(g, true, false, Stage::Done);
+        let Ok(packages) = &mut f.packages else { unreachable!() };
+        let nccl = packages.iter_mut().find(|p| p.name == pkg_name).expect("NCCL in the done guest");
+        nccl.version = "2.28.3-1+cuda12.8".into();
+        let p = plan::plan(&f, &settings()).unwrap();
+        let text = plan::render(&p);
+        let step = p.steps.iter().find(|st| st.id == "nccl").unwrap();
+        assert!(step.done.is_none(), "{text}");
+        assert!(step.title.contains("in place of 2.28.3-1+cuda12.8 (built for CUDA 12.8)"), "{text}");
+        let unhold = if deb { "$ apt-mark unhold libnccl2" } else { "$ dnf versionlock delete libnccl" };
+        let unhold = text.find(unhold).expect("the old build's hold goes");
+        let install = text.find("+cuda12.9 build>").unwrap();
+        assert!(unhold < install, "{text}");
+        assert_eq!(text.contains("install --allow-downgrades libnccl2="), deb, "{text}");
+
+        // The matching build, not held: installed again (the newest for 12.9) and held.
+        let mut f = facts(g, true, false, Stage::Done);
+        let Ok(packages) = &mut f.packages else { unreachable!() };
+        packages.iter_mut().find(|p| p.name == pkg_name).unwrap().held = false;
+        let p = plan::plan(&f, &settings()).unwrap();
+        let step = p.steps.iter().find(|st| st.id == "nccl").unwrap();
+        assert!(step.done.is_none() && !plan::render(&p).contains("unhold"), "{}", plan::render(&p));
     }
 }
 

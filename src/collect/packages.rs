@@ -6,15 +6,17 @@
 use crate::snapshot::{Fact, Package};
 use crate::sysroot::Sysroot;
 
-/// Packages worth keeping: the driver, fabric manager, NSCQ, CUDA, and the kernel's (images,
-/// headers, Ubuntu's per-kernel NVIDIA modules and signatures, their flavour metas; EL's kernel
-/// packages), which the installer holds and checks for.
+/// Packages worth keeping: the driver, fabric manager, NSCQ, CUDA, NCCL (`libnccl2`, `libnccl`:
+/// the installer installs the build for the toolkit's CUDA and holds it), and the kernel's
+/// (images, headers, Ubuntu's per-kernel NVIDIA modules and signatures, their flavour metas; EL's
+/// kernel packages), which the installer holds and checks for.
 fn relevant(name: &str) -> bool {
     [
         "nvidia",
         "libnvidia",
         "cuda",
         "libcuda",
+        "libnccl",
         "kmod-nvidia",
         "linux-image-",
         "linux-headers-",
@@ -179,6 +181,9 @@ mod tests {
             "kernel\t5.14.0-427.13.1.el9_4\nkernel-core\t5.14.0-427.13.1.el9_4\nkernel-tools\t5.14.0-427.13.1.el9_4\n",
         );
         assert_eq!(k.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["kernel", "kernel-core"]);
+        // NCCL, whose version says which CUDA it was built for.
+        let n = parse_rpm_qa("libnccl\t2.27.3-1+cuda12.9\n");
+        assert_eq!((n[0].name.as_str(), n[0].version.as_str()), ("libnccl", "2.27.3-1+cuda12.9"));
     }
 
     #[test]
@@ -191,6 +196,8 @@ mod tests {
         assert_eq!(p[1].state, "half-configured");
         assert!(!p[0].held);
         assert!(parse_dpkg_status("Package: cuda-toolkit-12-4\nStatus: hold ok installed\nVersion: 1\n")[0].held);
+        let nccl = parse_dpkg_status("Package: libnccl2\nStatus: hold ok installed\nVersion: 2.27.3-1+cuda12.9\n");
+        assert!(nccl[0].held && nccl[0].version == "2.27.3-1+cuda12.9");
         assert_eq!(upstream_version("1:550.90.07-0ubuntu0.22.04.1"), "550.90.07");
     }
 

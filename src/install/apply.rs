@@ -300,7 +300,8 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
             return Ok(reboot(&mut st, o, &head, &reason));
         }
         if let Some(why) = &step.done {
-            (o.progress)(&format!("{head}: already done ({why})"));
+            let said = if step.actions.is_empty() { "not needed" } else { "already done" };
+            (o.progress)(&format!("{head}: {said} ({why})"));
             continue;
         }
         let hash = step.hash(is_deb);
@@ -348,14 +349,30 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
         }
         (o.progress)(&format!("{head}: {}", step.title));
         let started = Instant::now();
+        let mut skipped = None;
         for action in &step.actions {
-            if let Err(e) = run_action(action, plan, runner, o) {
-                st.status = Status::Failed;
-                st.error = Some(format!("step {}: {}", step.id, e.message));
-                st.findings.push(e.finding(step.id));
-                save(&o.journal_dir, &mut st)?;
-                return Ok(st);
+            match run_action(action, plan, runner, o) {
+                Ok(None) => {}
+                Ok(Some(why)) => {
+                    skipped = Some(why);
+                    break;
+                }
+                Err(e) => {
+                    st.status = Status::Failed;
+                    st.error = Some(format!("step {}: {}", step.id, e.message));
+                    st.findings.push(e.finding(step.id));
+                    save(&o.journal_dir, &mut st)?;
+                    return Ok(st);
+                }
             }
+        }
+        // Skipped with a warning (NCCL with no build for this CUDA): the install goes on, and
+        // the step is not journaled, so the next run looks at the repository again.
+        if let Some(why) = skipped {
+            (o.progress)(&format!("      skipped: {}", why.summary));
+            st.findings.push(why);
+            save(&o.journal_dir, &mut st)?;
+            continue;
         }
         let seconds = (started.elapsed().as_secs_f64() * 10.0).round() / 10.0;
         (o.progress)(&format!("      ok ({seconds} s)"));
@@ -742,7 +759,19 @@ fn err(message: impl Into<String>) -> StepError {
     StepError { message: message.into(), url: None }
 }
 
-fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<(), StepError> {
+/// Runs one action. `Ok(Some(finding))`: the action found there is nothing it may do on this
+/// guest (`Action::InstallForCuda` without a build for the CUDA); the rest of its step is
+/// skipped, and the finding says why.
+fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<Option<Finding>, StepError> {
+    match a {
+        Action::InstallForCuda { package, cuda, query, install } => {
+            install_for_cuda(package, cuda, query, install, plan, runner, o)
+        }
+        a => run_plain_action(a, plan, runner, o).map(|()| None),
+    }
+}
+
+fn run_plain_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<(), StepError> {
     match a {
         Action::Run(c) => {
             let args = resolve_args(c, plan, runner)?;
@@ -816,6 +845,7 @@ fn run_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Options)
         Action::EnrollMok { key } => enroll_mok(key, runner, o),
         Action::EnableCrb => enable_crb(runner, o),
         Action::Reboot | Action::Verify => Ok(()),
+        Action::InstallForCuda { .. } => Err(err("a package for a CUDA release is installed by run_action")),
     }
 }
 
@@ -1062,7 +1092,67 @@ pub fn parse_madison(text: &str) -> Vec<String> {
     text.lines().filter_map(|l| l.split('|').nth(1)).map(|v| v.trim().to_string()).filter(|v| !v.is_empty()).collect()
 }
 
+/// `Action::InstallForCuda`: the repository's versions of `package` from `query`, the newest
+/// built for `cuda` installed with `install`; none, a warning and nothing installed.
+fn install_for_cuda(
+    package: &str,
+    cuda: &str,
+    query: &Cmd,
+    install: &Cmd,
+    plan: &Plan,
+    runner: &mut dyn Runner,
+    o: &mut Options,
+) -> Result<Option<Finding>, StepError> {
+    let out = run_cmd_output(query, &lit_args(query), runner, o)?;
+    let text = out.stdout_text();
+    // apt-cache madison: ` libnccl2 | 2.27.3-1+cuda12.9 | <uri> Packages`, and nothing (exit 0)
+    // for a name no source has. dnf repoquery --qf: one `version-release` a line.
+    let versions: Vec<String> = if plan.distro.is_deb() {
+        parse_madison(&text)
+    } else {
+        text.lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_string).collect()
+    };
+    let Some(version) = super::plan::newest_for_cuda(&versions, cuda) else {
+        let mut cudas: Vec<&str> = versions.iter().filter_map(|v| super::plan::built_for_cuda(v)).collect();
+        cudas.sort_by(|a, b| crate::facts::version_cmp(a, b));
+        cudas.dedup();
+        let has = if versions.is_empty() {
+            format!("no {package} at all")
+        } else {
+            format!("{package} built for CUDA {} only", cudas.join(", "))
+        };
+        // Only what install.cuda takes (a CUDA 12 toolkit it knows) is offered as a choice.
+        let choices: Vec<&str> = cudas
+            .iter()
+            .copied()
+            .filter(|c| c.starts_with("12.") && crate::facts::cuda_min_driver(c).is_some())
+            .collect();
+        let remedy = if choices.is_empty() {
+            format!("Use a mirror that carries NVIDIA's NCCL packages (install.repo_url), or install NCCL built for CUDA {cuda} yourself; then rerun phq-agent install")
+        } else {
+            format!("Choose an install.cuda the repository has NCCL for ({}), or install NCCL built for CUDA {cuda} yourself; then rerun phq-agent install", choices.join(", "))
+        };
+        return Ok(Some(
+            Finding::warn("install.nccl", format!("NCCL is not installed: the repository has no {package} built for CUDA {cuda}"))
+                .detail(format!("It has {has}. A build for another CUDA is not installed in its place: NCCL must be built for the toolkit's CUDA ({cuda}). Without NCCL the all-reduce probe (probe.allreduce) cannot run; everything else is installed."))
+                .remedy(remedy)
+                .evidence("package", package)
+                .evidence("cuda", cuda)
+                .evidence("versions", &versions),
+        ));
+    };
+    let pinned = if plan.distro.is_deb() { format!("{package}={version}") } else { format!("{package}-{version}") };
+    let mut args = lit_args(install);
+    args.push(pinned);
+    run_cmd(install, &args, runner, o).map(|()| None)
+}
+
 fn run_cmd(c: &Cmd, args: &[String], runner: &mut dyn Runner, o: &mut Options) -> Result<(), StepError> {
+    run_cmd_output(c, args, runner, o).map(|_| ())
+}
+
+/// `run_cmd`, keeping what the command printed.
+fn run_cmd_output(c: &Cmd, args: &[String], runner: &mut dyn Runner, o: &mut Options) -> Result<Output, StepError> {
     let shown = super::plan::render_cmd(&Cmd { args: args.iter().cloned().map(Arg::Lit).collect(), ..c.clone() }, true);
     (o.progress)(&format!("      $ {shown}"));
     let tries = if c.retry == Retry::Network { o.network_tries.max(1) } else { 1 };
@@ -1077,7 +1167,7 @@ fn run_cmd(c: &Cmd, args: &[String], runner: &mut dyn Runner, o: &mut Options) -
             })
         })?;
         if out.ok() {
-            return Ok(());
+            return Ok(out);
         }
         let text = format!("{}\n{}", out.stdout_text(), out.stderr);
         let tail = tail_lines(&text, 6);
@@ -1298,7 +1388,15 @@ mod tests {
         deb_extra: Vec<(String, Vec<u8>)>,
         /// What a fetch serves (default: a stand-in package, "deb").
         served: Option<Vec<u8>>,
+        /// The NCCL builds the repository has, as `apt-cache madison libnccl2` and `dnf
+        /// repoquery … libnccl` list them (default: `NCCL_BUILDS`).
+        nccl: Option<Vec<&'static str>>,
     }
+
+    /// Builds for several CUDA releases, as NVIDIA's repositories carry them (not in order: the
+    /// choice compares versions itself).
+    const NCCL_BUILDS: &[&str] =
+        &["2.28.3-1+cuda13.0", "2.27.3-1+cuda12.9", "2.21.5-1+cuda12.4", "2.20.5-1+cuda12.4", "2.26.5-1+cuda12.8"];
 
     #[derive(Default, Clone, Copy, PartialEq, Debug)]
     enum FakeMok {
@@ -1361,6 +1459,16 @@ mod tests {
                 },
                 "modinfo" => ok(format!("{}\n", self.signer).as_bytes()),
                 "dpkg-query" => ok(b"550.90.07-0ubuntu1"),
+                "apt-cache" if args.iter().any(|a| a == "libnccl2") => {
+                    let builds = self.nccl.as_deref().unwrap_or(NCCL_BUILDS);
+                    let lines: String =
+                        builds.iter().map(|v| format!("  libnccl2 | {v} | http://r/ Packages\n")).collect();
+                    ok(lines.as_bytes())
+                }
+                "dnf" if args.iter().any(|a| a == "repoquery") => {
+                    let builds = self.nccl.as_deref().unwrap_or(NCCL_BUILDS);
+                    ok(builds.iter().map(|v| format!("{v}\n")).collect::<String>().as_bytes())
+                }
                 "apt-cache" => ok(b" nvidia-fabricmanager-550 | 550.127.05-1 | http://r/ Packages\n nvidia-fabricmanager-550 | 550.90.07-1 | http://r/ Packages\n"),
                 "dpkg-deb" => {
                     let mut b = tar::Builder::new(Vec::new());
@@ -1546,6 +1654,11 @@ mod tests {
             "{:#?}",
             m.ran
         );
+        // NCCL: the newest build for the toolkit's CUDA (12.4), not the newest there is (13.0's),
+        // then held.
+        let nccl = m.ran.iter().position(|l| l.ends_with("confold install libnccl2=2.21.5-1+cuda12.4"));
+        let held = m.ran.iter().position(|l| l == "apt-mark hold libnccl2");
+        assert!(nccl.is_some() && nccl < held, "{:#?}", m.ran);
         // The nouveau file landed, atomically, under the root.
         assert_eq!(
             std::fs::read_to_string(dir.path().join("root/etc/modprobe.d/blacklist-nouveau.conf")).unwrap(),
@@ -1564,6 +1677,76 @@ mod tests {
         assert_eq!(second.state.reboots, 1);
         assert!(second.state.findings.iter().any(|f| f.id == "gpu.ecc"));
         assert!(second.progress.iter().any(|l| l.contains("done in an earlier run")));
+    }
+
+    /// A repository without NCCL for the toolkit's CUDA: nothing of NCCL is installed or held
+    /// (a build for another CUDA is never taken instead), the rest of the install goes on, a
+    /// warning names the CUDA releases there are builds for, and the step is not journaled: the
+    /// run after the reboot looks again, so its journal carries the warning too.
+    #[test]
+    fn without_a_build_for_the_toolkits_cuda_nccl_is_skipped_with_a_warning() {
+        let (dir, p, mut m) = fresh_install(None);
+        m.nccl = Some(vec!["2.28.3-1+cuda13.0", "2.27.3-1+cuda12.9", "2.26.5-1+cuda12.8", "2.19.3-1+cuda12.40"]);
+        let first = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-1");
+        assert!(first.rebooted);
+        assert!(m.ran.iter().any(|l| l == "apt-cache madison libnccl2"), "{:#?}", m.ran);
+        assert!(!m.ran.iter().any(|l| l.contains("install libnccl2") || l.contains("hold libnccl2")), "{:#?}", m.ran);
+        // The later steps still ran.
+        assert!(m.ran.iter().any(|l| l.starts_with("apt-mark hold libnvidia-compute-550")), "{:#?}", m.ran);
+        assert!(first.progress.iter().any(|l| l.contains("skipped: NCCL is not installed")), "{:#?}", first.progress);
+        let check = |st: &State| {
+            let w = st.findings.iter().find(|f| f.id == "install.nccl").expect("the NCCL warning");
+            assert_eq!(w.severity, Severity::Warn);
+            assert!(w.summary.contains("no libnccl2 built for CUDA 12.4"), "{w:?}");
+            assert!(w.detail.contains("built for CUDA 12.8, 12.9, 12.40, 13.0 only"), "{w:?}");
+            // Only CUDA 12 releases the installer knows are offered (not 12.40, nor 13.0).
+            assert!(
+                w.remedy.as_deref().unwrap_or("").contains("install.cuda the repository has NCCL for (12.8, 12.9)"),
+                "{w:?}"
+            );
+            assert!(!st.steps.contains_key("nccl"), "{:?}", st.steps);
+        };
+        check(&first.state);
+        let second = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-2");
+        assert_eq!(second.state.status, Status::Done);
+        check(&second.state);
+        // A repository with no NCCL at all says so.
+        m.nccl = Some(vec![]);
+        let third = apply_once(&p, &mut m, dir.path(), RebootPolicy::Auto, "boot-3");
+        let w = third.state.findings.iter().find(|f| f.id == "install.nccl").expect("the NCCL warning");
+        assert!(w.detail.contains("It has no libnccl2 at all"), "{w:?}");
+    }
+
+    /// EL: `dnf repoquery` lists the builds, and dnf installs `libnccl-<version-release>`.
+    #[test]
+    fn el_takes_the_build_for_its_cuda_from_repoquery() {
+        let (_, fpr) = test_key();
+        let (mut f, mut s) = fresh_ubuntu_hgx("", &fpr);
+        f.os =
+            Ok(OsRelease { id: "rocky".into(), id_like: vec![], version_id: "9.4".into(), pretty_name: String::new() });
+        f.kernel = Some("5.14.0-427.13.1.el9_4.x86_64".into());
+        s.cuda = "12.9".into();
+        s.driver_branch = 580;
+        let p = plan::plan(&f, &s).unwrap();
+        let step = p.steps.iter().find(|st| st.id == "nccl").expect("the NCCL step");
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = FakeMachine::default();
+        for a in &step.actions {
+            let r = with_options(dir.path(), RebootPolicy::Never, None, 1, Duration::from_secs(1), |o| {
+                run_action(a, &p, &mut m, o).map_err(|e| e.message)
+            })
+            .0;
+            assert_eq!(r, Ok(None));
+        }
+        assert_eq!(
+            m.ran,
+            [
+                "dnf -y -q repoquery --available --qf %{version}-%{release} libnccl",
+                "dnf -y -q install libnccl-2.27.3-1+cuda12.9",
+                "dnf -y -q install python3-dnf-plugin-versionlock",
+                "dnf versionlock add libnccl",
+            ]
+        );
     }
 
     /// More than one reboot when a step needs it: Ubuntu's signed modules are per kernel, so when

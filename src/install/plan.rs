@@ -250,6 +250,20 @@ pub enum Action {
     /// cloud's RHUI (`codeready-builder-for-rhel-9-rhui-rpms`, `rhui-codeready-builder-…`), so
     /// it is read from `dnf repolist --all` when the step runs, matched to the enabled BaseOS.
     EnableCrb,
+    /// A package built for one CUDA release (NCCL: `libnccl2` / `libnccl`), whose builds differ
+    /// only in the `+cuda<major.minor>` that ends their version. When the step runs, `query`
+    /// lists the repository's versions (`apt-cache madison`, `dnf repoquery`) and `install` gets
+    /// `package` at the newest one built for `cuda` (`pkg=<version>` for apt, `pkg-<version>`
+    /// for dnf). The plan cannot name that version: on a fresh guest the repository's index is
+    /// not there until the repository step has run. When the repository has no build for
+    /// `cuda`, nothing is installed, the rest of the step is skipped and a warning says so
+    /// (`install.nccl`); a build for another CUDA is never taken in its place.
+    InstallForCuda {
+        package: String,
+        cuda: String,
+        query: Cmd,
+        install: Cmd,
+    },
 }
 
 /// Where DKMS keeps the certificate of the key it signs modules with: the dkms project's README
@@ -1019,6 +1033,8 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
             done: f.installed(&toolkit).then(|| format!("{toolkit} is installed")),
             needs_reboot: false,
         });
+        // 7b. NCCL built for that toolkit's CUDA, for the all-reduce probe.
+        steps.push(nccl_step(&distro, f, &cuda));
     }
 
     // 8. Holds, so an unattended upgrade cannot split driver, fabric manager and toolkit.
@@ -1170,6 +1186,90 @@ pub fn plan(f: &Facts, s: &Settings) -> Result<Plan, String> {
         reboot_reason,
         boot_check: (f.gpus > 0).then_some(BootCheck { secure_boot: sb_on }),
     })
+}
+
+/// NCCL's runtime built for the toolkit's CUDA (`nccl_package`), installed and held.
+///
+/// Only on a guest that sees two GPUs or more: NCCL is here for the all-reduce probe
+/// (`probe.allreduce`), which needs two ranks at least; with one GPU (or none) the step says
+/// NCCL is not needed and does nothing. A VM given more GPUs later gets it from the next
+/// `phq-agent install`.
+///
+/// The version is chosen when the step runs (`Action::InstallForCuda`), so the package is held
+/// here, once it is installed, and not in the hold step: when the repository has no build for
+/// this CUDA nothing is installed, and holding a package that is not installed would lock
+/// builds it never chose (`dnf versionlock add` of a name with nothing installed locks what the
+/// repositories have) or mark an absent package (apt-mark).
+fn nccl_step(distro: &Distro, f: &Facts, cuda: &str) -> Step {
+    let pkg = nccl_package(distro);
+    if f.gpus < 2 {
+        let seen = if f.gpus == 1 { "1 GPU is visible" } else { "no GPU is visible" };
+        return Step {
+            id: "nccl",
+            title: format!("NCCL ({pkg}): not needed, {seen}"),
+            actions: Vec::new(),
+            done: Some(format!("NCCL serves the all-reduce probe, which needs 2 GPUs or more; {seen}")),
+            needs_reboot: false,
+        };
+    }
+    let deb = distro.is_deb();
+    let installed = f.package(pkg).filter(|p| p.state == "installed");
+    let matching = installed.filter(|p| built_for_cuda(&p.version) == Some(cuda));
+    let other = installed.filter(|_| matching.is_none());
+    let mut actions = Vec::new();
+    // Another CUDA's build held by an earlier install (another install.cuda): its hold goes
+    // first, or apt refuses to change a held package and dnf's version lock hides every other
+    // build of it.
+    if other.is_some_and(|p| p.held) {
+        let names = [pkg.to_string()];
+        actions.push(Action::Run(if deb {
+            on(cmd("apt-mark", &["unhold"]), &names)
+        } else {
+            on(cmd("dnf", &["versionlock", "delete"]), &names)
+        }));
+    }
+    let (query, install) = if deb {
+        // A newer build for another CUDA in its place (CUDA 13's, say): apt-get -y moves down
+        // to this CUDA's only when allowed to ("Packages were downgraded and -y was used
+        // without --allow-downgrades").
+        let allow: Vec<String> = other.map(|_| "--allow-downgrades".to_string()).into_iter().collect();
+        (cmd("apt-cache", &["madison", pkg]), apt("install", lits(&allow)))
+    } else {
+        // dnf installs the exact version asked for whichever one is installed, and removes
+        // that one (dnf(8), "Install Command"). repoquery lists every build, version locks
+        // notwithstanding (the versionlock plugin's documentation: no excludes outside
+        // transactions).
+        (dnf(&["repoquery", "--available", "--qf", "%{version}-%{release}", pkg]), dnf(&["install"]))
+    };
+    actions.push(Action::InstallForCuda { package: pkg.into(), cuda: cuda.into(), query, install });
+    let names = [pkg.to_string()];
+    if deb {
+        actions.push(Action::Run(on(cmd("apt-mark", &["hold"]), &names)));
+    } else {
+        actions.push(Action::Run(dnf(&["install", "python3-dnf-plugin-versionlock"])));
+        actions.push(Action::Run(on(cmd("dnf", &["versionlock", "add"]), &names)));
+    }
+    let title = match other {
+        Some(p) => format!(
+            "NCCL built for CUDA {cuda} ({pkg}), held, in place of {} (built for {}): the all-reduce probe loads libnccl.so.2 ({} GPUs)",
+            p.version,
+            built_for_cuda(&p.version).map(|c| format!("CUDA {c}")).unwrap_or_else(|| "no CUDA it names".into()),
+            f.gpus
+        ),
+        None => format!(
+            "NCCL built for CUDA {cuda} ({pkg}), held: the all-reduce probe loads libnccl.so.2 ({} GPUs)",
+            f.gpus
+        ),
+    };
+    Step {
+        id: "nccl",
+        title,
+        actions,
+        done: matching
+            .filter(|p| p.held)
+            .map(|p| format!("{pkg} {} (built for CUDA {cuda}) is installed and held", p.version)),
+        needs_reboot: false,
+    }
 }
 
 fn repo_step(distro: &Distro, f: &Facts, s: &Settings, base: &str, install_dir: &str) -> Step {
@@ -1324,6 +1424,43 @@ pub fn fabric_manager_names(distro: &Distro, branch: u32) -> (String, String) {
     }
 }
 
+/// NCCL's runtime package in NVIDIA's CUDA repository, whose builds carry the CUDA release they
+/// were built for at the end of their version (`2.27.3-1+cuda12.9`): `libnccl2` on Debian and
+/// Ubuntu (NVIDIA's NCCL Installation Guide, docs.nvidia.com/deeplearning/nccl/install-guide,
+/// "Ubuntu": `sudo apt install libnccl2=2.x.y-1+cudaX.Y libnccl-dev=2.x.y-1+cudaX.Y`), `libnccl`
+/// on RHEL 9 and its rebuilds (the same guide, "RHEL/CentOS": `sudo yum install
+/// libnccl-2.x.y-1+cudaX.Y libnccl-devel-2.x.y-1+cudaX.Y …`; NVIDIA's CUDA container images
+/// install `libnccl-2.27.3-1+cuda12.9` from the rhel9 repository). Only the runtime: the
+/// all-reduce probe loads `libnccl.so.2` at run time and builds nothing against NCCL's headers,
+/// which are what `libnccl-dev` / `libnccl-devel` add.
+pub fn nccl_package(distro: &Distro) -> &'static str {
+    if distro.is_deb() {
+        "libnccl2"
+    } else {
+        "libnccl"
+    }
+}
+
+/// The CUDA release a build of NCCL was made for, from its version: `2.27.3-1+cuda12.9` →
+/// `12.9` (apt's `version` and dnf's `version-release` end alike). None without the suffix.
+pub fn built_for_cuda(version: &str) -> Option<&str> {
+    version.rsplit_once("+cuda").map(|(_, c)| c).filter(|c| !c.is_empty())
+}
+
+/// The newest of `versions` built for exactly `cuda` (`12.9` takes `+cuda12.9`, never
+/// `+cuda12.90` or `+cuda12`): NCCL's own version first (`2.27.3`), then the package revision.
+pub fn newest_for_cuda<'a>(versions: &'a [String], cuda: &str) -> Option<&'a String> {
+    fn key(v: &str) -> (&str, &str) {
+        let v = v.split_once(':').map(|(_, r)| r).unwrap_or(v);
+        let v = v.rsplit_once("+cuda").map(|(head, _)| head).unwrap_or(v);
+        v.split_once('-').unwrap_or((v, ""))
+    }
+    versions.iter().filter(|v| built_for_cuda(v) == Some(cuda)).max_by(|a, b| {
+        let ((ua, ra), (ub, rb)) = (key(a), key(b));
+        facts::version_cmp(ua, ub).then_with(|| facts::version_cmp(ra, rb))
+    })
+}
+
 /// A command as a person would type it: arguments quoted where a shell would need it.
 pub fn render_cmd(c: &Cmd, is_deb: bool) -> String {
     let mut parts: Vec<String> = c.env.iter().map(|(k, v)| format!("{k}={}", quote(v))).collect();
@@ -1384,6 +1521,10 @@ pub fn render_action(a: &Action, is_deb: bool) -> Vec<String> {
             format!("$ mokutil --test-key {key} (nothing more if it is enrolled or already queued)"),
             format!("$ mokutil --import {key} (a one-time password on stdin, kept in {DOWNLOAD_DIR}/{MOK_PASSWORD_FILE}, root-only)"),
         ],
+        Action::InstallForCuda { package, cuda, query, install } => vec![
+            format!("$ {} (the repository's builds of {package}: the newest whose version ends +cuda{cuda} is installed; none: nothing is, the rest of this step is skipped, and a warning says why)", render_cmd(query, is_deb)),
+            format!("$ {} {package}{}<its newest +cuda{cuda} build>", render_cmd(install, is_deb), if is_deb { "=" } else { "-" }),
+        ],
     }
 }
 
@@ -1415,7 +1556,8 @@ pub fn render(p: &Plan) -> String {
     for (i, s) in p.steps.iter().enumerate() {
         let _ = writeln!(out, "{:>2}/{n} {} — {}", i + 1, s.id, s.title);
         match &s.done {
-            Some(why) if s.id == "reboot" => {
+            // A step with nothing to do on this guest (NCCL on one GPU) is not needed either.
+            Some(why) if s.id == "reboot" || s.actions.is_empty() => {
                 let _ = writeln!(out, "      ✓ not needed: {why}");
             }
             Some(why) => {
@@ -1451,6 +1593,32 @@ pub fn render(p: &Plan) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// NCCL's builds differ only in the CUDA release at the end of their version; the newest
+    /// build of exactly the toolkit's release is the one, whatever is newer for another.
+    #[test]
+    fn the_newest_nccl_built_for_exactly_this_cuda() {
+        let v = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let there = v(&[
+            "2.28.3-1+cuda13.0",
+            "2.27.3-1+cuda12.9",
+            "2.27.5-1+cuda12.90",
+            "2.26.5-1+cuda12.9",
+            "2.27.3-2+cuda12.9",
+            "2.27.10-1+cuda12.8",
+            "2.9.9-1+cuda12.9",
+            "2.30.0-1",
+        ]);
+        assert_eq!(newest_for_cuda(&there, "12.9").map(String::as_str), Some("2.27.3-2+cuda12.9"));
+        assert_eq!(newest_for_cuda(&there, "12.8").map(String::as_str), Some("2.27.10-1+cuda12.8"));
+        assert_eq!(newest_for_cuda(&there, "12.4"), None);
+        assert_eq!(newest_for_cuda(&[], "12.9"), None);
+        assert_eq!(built_for_cuda("2.27.3-1+cuda12.9"), Some("12.9"));
+        assert_eq!(built_for_cuda("2.27.3-1"), None);
+        assert_eq!(built_for_cuda("2.27.3-1+cuda"), None);
+        assert_eq!(nccl_package(&Distro::Debian12), "libnccl2");
+        assert_eq!(nccl_package(&Distro::El9("rocky".into())), "libnccl");
+    }
 
     #[test]
     fn apt_names_index_files_as_it_does() {

@@ -8,7 +8,8 @@
 //! in an apt preferences file), the open DKMS driver (whose postinst takes two seconds, like a
 //! build, with a marker file while it runs), `nvidia-driver-cuda`, the persistence daemon and the
 //! fabric manager with their units, NSCQ (unversioned names from 580 on), the CUDA 12.9 toolkit,
-//! the headers. A newer branch (590) and a newer 580 fabric manager are in the repository too, to
+//! NCCL's runtime built for several CUDA releases (`libnccl2`) and a CUDA 12.8 toolkit that none
+//! is built for, the headers. A newer branch (590) and a newer 580 fabric manager are in the repository too, to
 //! prove the branch pin and the exact fabric-manager match. Beside it, a stand-in of Debian's own
 //! archive with `nvidia-support` in contrib, which the driver needs.
 
@@ -21,6 +22,11 @@ use std::time::{Duration, Instant};
 
 /// The driver version the stand-ins carry.
 pub const STANDIN_DRIVER: &str = "580.82.07";
+/// NCCL's builds in the stand-in repositories (`version-release` on EL), and the one the
+/// installer must choose for the CUDA 12.9 toolkit. None is built for CUDA 12.8, whose toolkit
+/// the Debian repository carries too.
+pub const NCCL_BUILDS: &[&str] = &["2.26.5-1+cuda12.9", "2.27.3-1+cuda12.9", "2.27.7-1+cuda12.4", "2.28.3-1+cuda13.0"];
+pub const NCCL_FOR_TOOLKIT: &str = "2.27.3-1+cuda12.9";
 
 pub fn target_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target")
@@ -254,6 +260,21 @@ pub fn build_repo(root: &Path, kernel: &str) -> String {
             postinst: "sleep 1",
         },
     ];
+    // NCCL's runtime as NVIDIA's repository versions it, one build per CUDA release: the
+    // newest of CUDA 12.9's (`NCCL_FOR_TOOLKIT`) is the one to install, not an older 12.9 one,
+    // not a newer one for CUDA 12.4, and not CUDA 13.0's, the newest there is (apt's own
+    // candidate). The CUDA 12.8 toolkit has no NCCL build here: NCCL is skipped, with a warning.
+    let debs: Vec<Deb> = debs
+        .into_iter()
+        .chain(NCCL_BUILDS.iter().map(|v| Deb {
+            name: "libnccl2",
+            version: v,
+            depends: "",
+            files: vec![],
+            postinst: "",
+        }))
+        .chain([Deb { name: "cuda-toolkit-12-8", version: "12.8.1-1", depends: "", files: vec![], postinst: "" }])
+        .collect();
     for d in &debs {
         build_deb(&repo, d);
     }

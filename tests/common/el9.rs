@@ -6,7 +6,8 @@
 //! - `rhel9/x86_64/`: NVIDIA's CUDA repository, its driver packages only in the `nvidia-driver`
 //!   module's streams as NVIDIA names them (`580-open`, `580-dkms`, `590-open`, `590-dkms`,
 //!   `open-dkms`, `latest-dkms`), the fabric manager and NSCQ at the driver's version and a newer
-//!   580 one, the CUDA 12.9 toolkit's metas; signed with the NVIDIA stand-in key;
+//!   580 one, the CUDA 12.9 toolkit's metas, NCCL's runtime (`libnccl`) built for several CUDA
+//!   releases; signed with the NVIDIA stand-in key;
 //! - `epel/`: EPEL's key and `epel-release-latest-9.noarch.rpm` (signed with a key standing for
 //!   EPEL's), and `epel/9/Everything/x86_64/` with `dkms`, which needs a package only CodeReady
 //!   Builder has (EPEL's getting-started instructions enable CRB beside EPEL on RHEL 9 and its
@@ -357,8 +358,17 @@ pub fn build_repos(root: &Path, url: &str) -> Repos {
         Rpm { arch: Some("x86_64"), ..Rpm::new("cuda-compiler-12-9", "12.9.1", "1") },
         Rpm { arch: Some("x86_64"), ..Rpm::new("cuda-libraries-12-9", "12.9.1", "1") },
     ];
+    // NCCL's runtime, outside the module streams as in NVIDIA's repository: one build per CUDA
+    // release, the CUDA release in the release field (`libnccl-2.27.3-1+cuda12.9`).
+    let nccl: Vec<Rpm> = super::debian::NCCL_BUILDS
+        .iter()
+        .map(|b| {
+            let (version, release) = b.split_once('-').unwrap();
+            Rpm { arch: Some("x86_64"), ..Rpm::new("libnccl", version, release) }
+        })
+        .collect();
     let mut signed = Vec::new();
-    for r in b580.iter().chain(&b590).chain(&fm_newer).chain(&toolkit) {
+    for r in b580.iter().chain(&b590).chain(&fm_newer).chain(&toolkit).chain(&nccl) {
         signed.push(build(&nv, r));
     }
     sign_rpms(&nvidia, &signed);
