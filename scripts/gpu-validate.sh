@@ -78,9 +78,11 @@ for gpu in range(torch.cuda.device_count()):
     # The same product in BF16 on the tensor cores, FP32 accumulation (cuBLAS through torch):
     # the peer of probe.gemm-tensor.
     gemm_bf16 = tflops(a.bfloat16(), b.bfloat16(), 20)
+    gemm_fp16 = tflops(a.half(), b.half(), 20)
     res[str(gpu)] = {
         "index": gpu,
         "gemm_bf16_tflops": gemm_bf16,
+        "gemm_fp16_tflops": gemm_fp16,
         "h2d": bw(lambda: dev.copy_(host, non_blocking=True), n),
         "d2h": bw(lambda: host.copy_(dev, non_blocking=True), n),
         "d2d": bw(lambda: dev2.copy_(dev, non_blocking=True), 2 * n),
@@ -129,6 +131,12 @@ for g in gpus:
         theirs = pe.get("gemm_bf16_tflops")
         r1 = f"{ours/theirs:.2f}" if theirs else "-"
         print(f"{g['pci']:<14}{'bf16':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s by {gt['library']}, {gt['wrong_entries']} wrong of {gt['checked_entries']}")
+    gh = (g.get("gemm_tensor_fp16") or {}).get("ok") if isinstance(g.get("gemm_tensor_fp16"), dict) else None
+    if gh:
+        ours = sorted(gh["tflops_samples"])[len(gh["tflops_samples"]) // 2]
+        theirs = pe.get("gemm_fp16_tflops")
+        r1 = f"{ours/theirs:.2f}" if theirs else "-"
+        print(f"{g['pci']:<14}{'fp16':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s by {gh['library']}, {gh['wrong_entries']} wrong of {gh['checked_entries']}")
     mt = (g.get("memory") or {}).get("ok")
     if mt:
         secs = mt.get("seconds") or 0

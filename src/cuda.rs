@@ -169,9 +169,10 @@ api!("cuBLAS", "cuBLAS (libcublas, part of the CUDA toolkit)", BlasApi {
 
 pub mod nccl;
 
-/// `cudaDataType_t` (library_types.h): CUDA_R_16BF and CUDA_R_32F; `cublasComputeType_t`
+/// `cudaDataType_t` (library_types.h): CUDA_R_16BF, CUDA_R_16F and CUDA_R_32F; `cublasComputeType_t`
 /// (cublas_api.h): CUBLAS_COMPUTE_32F; `cublasGemmAlgo_t`: CUBLAS_GEMM_DEFAULT.
 const CUDA_R_16BF: c_int = 14;
+const CUDA_R_16F: c_int = 2;
 const CUDA_R_32F: c_int = 0;
 const CUBLAS_COMPUTE_32F: c_int = 68;
 const CUBLAS_GEMM_DEFAULT: c_int = -1;
@@ -942,9 +943,11 @@ impl BlasHandle {
         blas_check("cublasSgemm", s)
     }
 
-    /// C = A·B for n×n column-major matrices, A and B BF16, C FP32, summed in FP32
-    /// (`cublasGemmEx` with CUBLAS_COMPUTE_32F: the tensor cores), queued on the handle's stream.
-    pub fn gemm_bf16(&self, n: usize, a: &DeviceBuffer, b: &DeviceBuffer, c: &DeviceBuffer) -> Result<()> {
+    /// C = A·B for n×n column-major matrices, A and B BF16 (or FP16: `fp16`), C FP32, summed in
+    /// FP32 (`cublasGemmEx` with CUBLAS_COMPUTE_32F: the tensor cores), queued on the handle's
+    /// stream.
+    pub fn gemm_half(&self, n: usize, a: &DeviceBuffer, b: &DeviceBuffer, c: &DeviceBuffer, fp16: bool) -> Result<()> {
+        let input = if fp16 { CUDA_R_16F } else { CUDA_R_16BF };
         let half = n.saturating_mul(n).saturating_mul(2);
         range_ok("cublasGemmEx", half, a.bytes)?;
         range_ok("cublasGemmEx", half, b.bytes)?;
@@ -953,7 +956,7 @@ impl BlasHandle {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let n = n as c_int;
         let (pa, pb) = (&alpha as *const f32 as *const c_void, &beta as *const f32 as *const c_void);
-        // SAFETY: A and B hold n×n BF16 values, C n×n floats (checked above) in this handle's
+        // SAFETY: A and B hold n×n 16-bit values, C n×n floats (checked above) in this handle's
         // context; alpha and beta are FP32 host scalars, as CUBLAS_COMPUTE_32F reads them.
         let s = unsafe {
             (self.blas.api.cublasGemmEx)(
@@ -965,10 +968,10 @@ impl BlasHandle {
                 n,
                 pa,
                 a.ptr,
-                CUDA_R_16BF,
+                input,
                 n,
                 b.ptr,
-                CUDA_R_16BF,
+                input,
                 n,
                 pb,
                 c.ptr,

@@ -607,6 +607,11 @@ fn without_cublas_the_ptx_gemm_gives_the_verdict() {
     assert_eq!(t["evidence"]["gemm"]["library"], "PTX tensor cores, BF16 (phq_mma_gemm)", "{t}");
     assert_eq!(t["evidence"]["gemm"]["checked_entries"], 3 * 4096 * 4096, "{t}");
     assert!((t["evidence"]["median_tflops"].as_f64().unwrap() - 200.0).abs() < 0.01, "{t}");
+    // And with FP16 inputs, the kernel's other `mma` branch.
+    let t = p.finding("probe.gemm-tensor-fp16", "0000:09:00.0");
+    assert_eq!(t["severity"], "pass", "{t}");
+    assert_eq!(t["evidence"]["gemm"]["library"], "PTX tensor cores, FP16 (phq_mma_gemm)", "{t}");
+    assert_eq!(t["evidence"]["gemm"]["wrong_entries"], 0, "{t}");
 }
 
 /// One wrong entry in a 4096×4096 product is found: the check kernel compares every entry of
@@ -626,6 +631,10 @@ fn a_single_wrong_gemm_entry_is_found_by_the_device_check() {
     assert_eq!(t["severity"], "fail", "{t}");
     assert_eq!(t["evidence"]["gemm"]["wrong_entries"], 3, "{t}");
     assert!(t["summary"].as_str().unwrap().starts_with("BF16 tensor-core GEMM"), "{t}");
+    let h = p.finding("probe.gemm-tensor-fp16", "0000:09:00.0");
+    assert_eq!(h["severity"], "fail", "{h}");
+    assert_eq!(h["evidence"]["gemm"]["wrong_entries"], 3, "{h}");
+    assert!(h["summary"].as_str().unwrap().starts_with("FP16 tensor-core GEMM"), "{h}");
 }
 
 /// The tensor-core GEMM, BF16 in and FP32 out through cuBLAS's `cublasGemmEx` (the toolkit is
@@ -649,6 +658,12 @@ fn the_tensor_core_gemm_is_checked_exactly_on_every_gpu() {
         assert_eq!(g["checked_entries"], 3 * 4096 * 4096, "{f}");
         // The fake's default cuBLAS tensor rate (700 TFLOP/s), exact.
         assert!((f["evidence"]["median_tflops"].as_f64().unwrap() - 700.0).abs() < 0.01, "{f}");
+        // FP16 inputs through CUDA_R_16F, checked the same way.
+        let h = p.finding("probe.gemm-tensor-fp16", gpu);
+        assert_eq!(h["severity"], "pass", "{h}");
+        assert_eq!(h["evidence"]["gemm"]["library"], "cuBLAS GemmEx, FP16 (tensor cores)", "{h}");
+        assert_eq!(h["evidence"]["gemm"]["checked_entries"], 3 * 4096 * 4096, "{h}");
+        assert_eq!(h["evidence"]["gemm"]["wrong_entries"], 0, "{h}");
     }
 }
 

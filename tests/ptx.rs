@@ -87,6 +87,10 @@ fn the_tensor_gemm_runs_on_the_tensor_cores() {
     let text = String::from_utf8_lossy(&dis.stdout);
     let hmma: Vec<&str> = text.lines().filter(|l| l.contains("HMMA.16816.F32.BF16")).collect();
     assert!(!hmma.is_empty(), "no BF16 HMMA in phq_mma_gemm's machine code:\n{text}");
+    // The FP16 branch: an HMMA of the same shape without the BF16 suffix (SASS names FP16 by
+    // default).
+    let f16: Vec<&str> = text.lines().filter(|l| l.contains("HMMA.16816.F32 ")).collect();
+    assert!(!f16.is_empty(), "no FP16 HMMA in phq_mma_gemm's machine code:\n{text}");
 }
 
 #[test]

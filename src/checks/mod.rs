@@ -172,6 +172,7 @@ pub const CATALOG: &[&str] = &[
     "probe.memory-integrity",
     "probe.gemm",
     "probe.gemm-tensor",
+    "probe.gemm-tensor-fp16",
     "probe.gemm-sustained",
     "probe.latency",
     "probe.baseline",

@@ -64,9 +64,11 @@ pub fn figures(g: &GpuProbes, report: &ProbeReport) -> BTreeMap<String, f64> {
             m.insert("gemm_tflops".into(), s.median);
         }
     }
-    if let Some(Outcome::Ok(gm)) = &g.gemm_tensor {
-        if let Some(s) = super::Stat::of(gm.tflops_samples.clone()) {
-            m.insert("gemm_tensor_tflops".into(), s.median);
+    for (name, o) in [("gemm_tensor_tflops", &g.gemm_tensor), ("gemm_tensor_fp16_tflops", &g.gemm_tensor_fp16)] {
+        if let Some(Outcome::Ok(gm)) = o {
+            if let Some(s) = super::Stat::of(gm.tflops_samples.clone()) {
+                m.insert(name.into(), s.median);
+            }
         }
     }
     let mine = peers.iter().filter(|l| l.src == g.ordinal);
@@ -118,6 +120,7 @@ fn label(name: &str) -> String {
         "sm_copy_gbps" => ("SM copy", "GB/s"),
         "gemm_tflops" => ("GEMM", "TFLOP/s"),
         "gemm_tensor_tflops" => ("tensor-core GEMM", "TFLOP/s"),
+        "gemm_tensor_fp16_tflops" => ("FP16 tensor-core GEMM", "TFLOP/s"),
         "host_latency_ns" => ("host latency", "ns"),
         "p2p_slowest_gbps" => ("slowest peer copy", "GB/s"),
         "p2p_latency_ns" => ("slowest peer latency", "ns"),

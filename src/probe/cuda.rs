@@ -17,7 +17,7 @@
 
 use super::affinity;
 use super::kernels::{self, Gate, Loaded};
-use super::{Backend, GemmResult, LevelParams, MemtestResult, ProbeError};
+use super::{Backend, GemmResult, Half, LevelParams, MemtestResult, ProbeError};
 use crate::cuda::{self, BlasHandle, Ctx, CudaError, Device, DeviceBuffer, Driver, Function, PinnedBuffer, Stream};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -407,16 +407,33 @@ fn upload_matrix(
     Ok(())
 }
 
-/// Fills an n×n BF16 matrix on the device: A row-major (each row contiguous), B column-major,
-/// the values of `gemm_value` — integers from −8 to 8, exact in BF16 (8 bits of mantissa) —
-/// so the product is the FP32 GEMM's, and `phq_gemm_check` checks it against the same table.
-fn upload_bf16(
+impl Half {
+    /// `v`, an integer from −8 to 8, in this format: BF16 is FP32's top half (8 bits of
+    /// mantissa); FP16 has FP32's sign, the exponent rebiased from 127 to 15 and the top ten
+    /// bits of the mantissa (IEEE 754 binary16). Both are exact for these integers, so the
+    /// product is the FP32 GEMM's either way.
+    fn bits(self, v: i64) -> u16 {
+        let b = (v as f32).to_bits();
+        match (self, v) {
+            (Half::Bf16, _) => (b >> 16) as u16,
+            (Half::Fp16, 0) => 0,
+            (Half::Fp16, _) => {
+                ((b >> 16) & 0x8000 | ((((b >> 23) & 0xff) - 127 + 15) << 10) | ((b >> 13) & 0x3ff)) as u16
+            }
+        }
+    }
+}
+
+/// Fills an n×n 16-bit matrix on the device: A row-major (each row contiguous), B column-major,
+/// the values of `gemm_value` — integers from −8 to 8, exact in BF16 and FP16 — so the product
+/// is the FP32 GEMM's, and `phq_gemm_check` checks it against the same table.
+fn upload_half(
     stream: &Stream,
     staging: &mut PinnedBuffer,
     m: &DeviceBuffer,
-    n: usize,
-    salt: usize,
+    (n, salt): (usize, usize),
     row_major: bool,
+    half: Half,
 ) -> cuda::Result<()> {
     let per = (staging.len() / (n * 2)).max(1);
     let mut line = 0;
@@ -426,8 +443,7 @@ fn upload_bf16(
             let dst = &mut staging.as_mut_slice()[l * n * 2..(l + 1) * n * 2];
             for (e, slot) in dst.chunks_exact_mut(2).enumerate() {
                 let (row, col) = if row_major { (line + l, e) } else { (e, line + l) };
-                // An integer this small is exact in BF16: FP32's top 16 bits.
-                let bits = ((gemm_value(row, col, salt) as f32).to_bits() >> 16) as u16;
+                let bits = half.bits(gemm_value(row, col, salt));
                 slot.copy_from_slice(&bits.to_ne_bytes());
             }
         }
@@ -447,38 +463,42 @@ pub(crate) const GEMM_SAMPLES: usize = 3;
 /// cuBLAS is missing (a VM with the driver only).
 enum Gemmer<'a> {
     Blas(BlasHandle),
-    /// cuBLAS's `cublasGemmEx`, BF16 in, FP32 summed: the tensor cores through the library.
-    BlasBf16(BlasHandle),
+    /// cuBLAS's `cublasGemmEx`, BF16 or FP16 in, FP32 summed: the tensor cores through the
+    /// library.
+    BlasHalf(BlasHandle, Half),
     Ptx(Function<'a>),
-    /// The agent's tensor-core kernel (`tensor.ptx`): BF16 in, FP32 accumulate.
-    Mma(Function<'a>),
+    /// The agent's tensor-core kernel (`tensor.ptx`): BF16 or FP16 in, FP32 accumulate.
+    Mma(Function<'a>, Half),
 }
 
 impl Gemmer<'_> {
     fn run(&self, stream: &Stream, n: usize, a: &DeviceBuffer, b: &DeviceBuffer, c: &DeviceBuffer) -> cuda::Result<()> {
         match self {
             Gemmer::Blas(h) => h.sgemm(n, a, b, c),
-            Gemmer::BlasBf16(h) => h.gemm_bf16(n, a, b, c),
-            Gemmer::Ptx(f) | Gemmer::Mma(f) => {
+            Gemmer::BlasHalf(h, half) => h.gemm_half(n, a, b, c, *half == Half::Fp16),
+            Gemmer::Ptx(f) | Gemmer::Mma(f, _) => {
                 // The kernel's launch contract and the bytes of an input entry: FP32 for
-                // phq_sgemm, BF16 for phq_mma_gemm; C is FP32 for both.
-                let (shape, input) = match self {
-                    Gemmer::Mma(_) => (kernels::mma_shape(n), 2),
-                    _ => (kernels::sgemm_shape(n), 4),
+                // phq_sgemm, 16 bits for phq_mma_gemm (whose last argument picks FP16 over
+                // BF16); C is FP32 for both.
+                let (shape, input, fp16) = match self {
+                    Gemmer::Mma(_, half) => (kernels::mma_shape(n), 2, Some(*half == Half::Fp16)),
+                    _ => (kernels::sgemm_shape(n), 4, None),
                 };
                 let (grid, block) = shape.map_err(|e| ctx_error(&e))?;
                 if a.len() < n * n * input || b.len() < n * n * input || c.len() < n * n * 4 {
                     return Err(ctx_error(&format!("the GEMM's matrices hold fewer than {n}×{n} entries")));
                 }
-                let args = [
+                let mut args = vec![
                     cuda::Arg::U64(a.ptr()),
                     cuda::Arg::U64(b.ptr()),
                     cuda::Arg::U64(c.ptr()),
                     cuda::Arg::U32(n as u32),
                 ];
+                args.extend(fp16.map(|h| cuda::Arg::U32(u32::from(h))));
                 // SAFETY: A and B hold n×n entries of the kernel's input type and C n×n floats
                 // (checked above), and the launch has the kernel's shape (`sgemm_shape`,
-                // `mma_shape`), so every tile it reads and writes lies inside them.
+                // `mma_shape`) and its parameters, so every tile it reads and writes lies
+                // inside them.
                 unsafe { stream.launch(f, grid, block, &args) }
             }
         }
@@ -520,40 +540,47 @@ impl<'a> GemmRun<'a> {
         k: Option<&'a Loaded>,
         n: usize,
     ) -> cuda::Result<GemmRun<'a>> {
-        GemmRun::with(ctx, blas, k, n, false)
+        GemmRun::with(ctx, blas, k, n, None)
     }
 
-    /// `tensor`: BF16 on the tensor cores (the agent's `phq_mma_gemm`), else FP32.
+    /// `tensor`: 16-bit inputs on the tensor cores (cuBLAS's GemmEx or the agent's
+    /// `phq_mma_gemm`), else FP32.
     fn with(
         ctx: &Arc<Ctx>,
         blas: Option<&Arc<cuda::Blas>>,
         k: Option<&'a Loaded>,
         n: usize,
-        tensor: bool,
+        tensor: Option<Half>,
     ) -> cuda::Result<GemmRun<'a>> {
         let bytes = n * n * 4;
-        let input = if tensor { n * n * 2 } else { bytes };
+        let input = if tensor.is_some() { n * n * 2 } else { bytes };
         let (a, b, c) = (ctx.alloc(input)?, ctx.alloc(input)?, ctx.alloc(bytes)?);
         let mut staging = ctx.pinned((16 << 20).max(n * 4).min(bytes))?;
         let stream = ctx.stream()?;
-        if tensor {
+        if let Some(half) = tensor {
             // The agent's kernel reads A by rows; cuBLAS reads column-major, as B is.
-            upload_bf16(&stream, &mut staging, &a, n, SALT_A, blas.is_none())?;
-            upload_bf16(&stream, &mut staging, &b, n, SALT_B, false)?;
+            upload_half(&stream, &mut staging, &a, (n, SALT_A), blas.is_none(), half)?;
+            upload_half(&stream, &mut staging, &b, (n, SALT_B), false, half)?;
         } else {
             upload_matrix(&stream, &mut staging, &a, n, SALT_A)?;
             upload_matrix(&stream, &mut staging, &b, n, SALT_B)?;
         }
         let reference = gemm_reference(n);
-        let (gemmer, library) = match (blas, k) {
-            (Some(blas), _) if tensor => (Gemmer::BlasBf16(BlasHandle::new(blas, &stream)?), CUBLAS_BF16_GEMM),
-            (_, Some(k)) if tensor => match &k.tensor {
-                Ok(m) => (Gemmer::Mma(m.function("phq_mma_gemm")?), PTX_MMA_GEMM),
+        let (gemmer, library) = match (blas, k, tensor) {
+            (Some(blas), _, Some(half)) => {
+                let name = if half == Half::Fp16 { CUBLAS_FP16_GEMM } else { CUBLAS_BF16_GEMM };
+                (Gemmer::BlasHalf(BlasHandle::new(blas, &stream)?, half), name)
+            }
+            (_, Some(k), Some(half)) => match &k.tensor {
+                Ok(m) => {
+                    let name = if half == Half::Fp16 { PTX_MMA_FP16_GEMM } else { PTX_MMA_GEMM };
+                    (Gemmer::Mma(m.function("phq_mma_gemm")?, half), name)
+                }
                 Err(why) => return Err(ctx_error(why)),
             },
-            (_, None) if tensor => return Err(ctx_error("the tensor-core GEMM needs the probe kernels")),
-            (Some(blas), _) => (Gemmer::Blas(BlasHandle::new(blas, &stream)?), "cuBLAS SGEMM"),
-            (None, Some(k)) if n.is_multiple_of(16) => (Gemmer::Ptx(k.module.function("phq_sgemm")?), PTX_GEMM),
+            (_, None, Some(_)) => return Err(ctx_error("the tensor-core GEMM needs the probe kernels")),
+            (Some(blas), _, None) => (Gemmer::Blas(BlasHandle::new(blas, &stream)?), "cuBLAS SGEMM"),
+            (None, Some(k), None) if n.is_multiple_of(16) => (Gemmer::Ptx(k.module.function("phq_sgemm")?), PTX_GEMM),
             _ => return Err(ctx_error("the GEMM needs cuBLAS or the probe kernels")),
         };
         let device_check = match k {
@@ -772,6 +799,9 @@ pub(crate) const PTX_GEMM: &str = "PTX fallback (phq_sgemm)";
 pub(crate) const PTX_MMA_GEMM: &str = "PTX tensor cores, BF16 (phq_mma_gemm)";
 /// … and the tensor-core GEMM through cuBLAS.
 pub(crate) const CUBLAS_BF16_GEMM: &str = "cuBLAS GemmEx, BF16 (tensor cores)";
+/// The same two with FP16 inputs.
+pub(crate) const PTX_MMA_FP16_GEMM: &str = "PTX tensor cores, FP16 (phq_mma_gemm)";
+pub(crate) const CUBLAS_FP16_GEMM: &str = "cuBLAS GemmEx, FP16 (tensor cores)";
 
 fn ctx_error(text: &str) -> CudaError {
     CudaError { call: "gemm", code: 801, name: "CUDA_ERROR_NOT_SUPPORTED".into(), text: text.into(), sticky: false }
@@ -943,10 +973,10 @@ impl Backend for CudaBackend {
         }
     }
 
-    /// BF16 on the tensor cores: cuBLAS's `cublasGemmEx` where the toolkit is there, the agent's
+    /// BF16 or FP16 on the tensor cores: cuBLAS's `cublasGemmEx` where the toolkit is there, the agent's
     /// `phq_mma_gemm` otherwise; every entry of every timed product checked on the GPU against
     /// the exact table (read back in part when the kernels cannot load).
-    fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+    fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams, half: Half) -> Result<GemmResult, ProbeError> {
         let blas = cuda::blas().ok();
         let _near = self.near(gpu);
         let ctx = self.ctx(gpu)?;
@@ -965,7 +995,7 @@ impl Backend for CudaBackend {
                 ));
             }
         }
-        let mut run = GemmRun::with(&ctx, blas.as_ref(), k, p.gemm_n, true).map_err(on(gpu))?;
+        let mut run = GemmRun::with(&ctx, blas.as_ref(), k, p.gemm_n, Some(half)).map_err(on(gpu))?;
         run.warm_up().map_err(on(gpu))?;
         for _ in 0..GEMM_SAMPLES {
             run.queue(p.gemm_reps).map_err(on(gpu))?;
@@ -1007,7 +1037,7 @@ impl Backend for CudaBackend {
                     // The tensor cores where cuBLAS or the tensor kernel can drive them: the load
                     // the GPUs are bought for, at its power and heat; FP32 otherwise.
                     let tensor = blas.is_some() || k.is_some_and(|k| k.tensor.is_ok() && p.gemm_n.is_multiple_of(16));
-                    GemmRun::with(&ctx, blas.as_ref(), k, p.gemm_n, tensor).map_err(on(g))
+                    GemmRun::with(&ctx, blas.as_ref(), k, p.gemm_n, tensor.then_some(Half::Bf16)).map_err(on(g))
                 });
                 (g, run)
             })

@@ -92,6 +92,10 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
             // does not approach; the GPU's own baseline judges the rate.
             out.push(beside(gemm_finding("probe.gemm-tensor", t, None).gpu(&g.pci), seen("gemm_tensor")));
         }
+        if let Some(t) = &g.gemm_tensor_fp16 {
+            let f = gemm_finding("probe.gemm-tensor-fp16", t, None);
+            out.push(beside(f.gpu(&g.pci), seen("gemm_tensor_fp16")));
+        }
         if let Some(s) = &g.gemm_sustained {
             let all = report.gpus.iter().filter(|x| x.gemm_sustained.is_some()).count();
             let f = gemm_finding("probe.gemm-sustained", s, f.gemm_tflops);
@@ -467,9 +471,14 @@ fn gemm_finding(id: &str, o: &Outcome<GemmResult>, floor: Option<f64>) -> Findin
             let tflops = Stat::of(g.tflops_samples.clone()).map(|s| s.median).unwrap_or(0.0);
             // DCGM's floors are cuBLAS's figures; the agent's own fallback kernel is checked for
             // right results only.
-            let fallback = g.library == cuda::PTX_GEMM || g.library == cuda::PTX_MMA_GEMM;
-            let tensor = g.library == cuda::PTX_MMA_GEMM || g.library == cuda::CUBLAS_BF16_GEMM;
-            let kind = if tensor { "BF16 tensor-core GEMM" } else { "FP32 GEMM" };
+            let fallback = [cuda::PTX_GEMM, cuda::PTX_MMA_GEMM, cuda::PTX_MMA_FP16_GEMM].contains(&g.library.as_str());
+            let fp16 = g.library == cuda::PTX_MMA_FP16_GEMM || g.library == cuda::CUBLAS_FP16_GEMM;
+            let tensor = fp16 || g.library == cuda::PTX_MMA_GEMM || g.library == cuda::CUBLAS_BF16_GEMM;
+            let kind = match (tensor, fp16) {
+                (true, true) => "FP16 tensor-core GEMM",
+                (true, false) => "BF16 tensor-core GEMM",
+                _ => "FP32 GEMM",
+            };
             // DCGM's floors are FP32 figures: a tensor-core rate has none (the baseline holds it).
             let floor = floor.filter(|_| !fallback && !tensor);
             let f = if g.wrong_entries > 0 || g.max_rel_error > GEMM_TOLERANCE {

@@ -216,6 +216,13 @@ pub struct GemmResult {
     pub seconds: f64,
 }
 
+/// The 16-bit inputs of the tensor-core GEMM (FP32 accumulation either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    Bf16,
+    Fp16,
+}
+
 /// Measures one GPU or pair. Bandwidth methods return GB/s per sample.
 pub trait Backend {
     fn h2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError>;
@@ -237,8 +244,8 @@ pub trait Backend {
         gpus.iter().map(|g| (*g, self.memory_integrity(*g, p))).collect()
     }
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError>;
-    /// A GEMM on the tensor cores (BF16 in, FP32 accumulate), every entry checked.
-    fn gemm_tensor(&mut self, _gpu: usize, _p: &LevelParams) -> Result<GemmResult, ProbeError> {
+    /// A GEMM on the tensor cores (BF16 or FP16 in, FP32 accumulate), every entry checked.
+    fn gemm_tensor(&mut self, _gpu: usize, _p: &LevelParams, _half: Half) -> Result<GemmResult, ProbeError> {
         Err(ProbeError::Unavailable("this backend has no tensor-core GEMM".into()))
     }
     /// Device-local copy by a kernel on the SMs, counting bytes read plus written.
@@ -353,6 +360,9 @@ pub struct GpuProbes {
     /// BF16 on the tensor cores, checked exactly like the FP32 GEMM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm_tensor: Option<Outcome<GemmResult>>,
+    /// The same with FP16 inputs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_tensor_fp16: Option<Outcome<GemmResult>>,
     /// Where the pinned host buffers were placed (NUMA node and CPUs, or why not).
     #[serde(default)]
     pub host_memory: Option<String>,
@@ -560,6 +570,7 @@ pub fn run(
             host_latency_ns: Some(host_latency),
             gemm_sustained: None,
             gemm_tensor: None,
+            gemm_tensor_fp16: None,
             host_memory: backend.host_placement(g),
             conditions: backend.conditions(g),
         });
@@ -597,7 +608,9 @@ pub fn run(
         progress(&format!("GPU {g} ({}): GEMM", gp.pci));
         gp.gemm = guard.call(backend, &[g], |b| b.gemm(g, &p)).into();
         progress(&format!("GPU {g} ({}): tensor-core GEMM", gp.pci));
-        gp.gemm_tensor = Some(guard.call(backend, &[g], |b| b.gemm_tensor(g, &p)).into());
+        gp.gemm_tensor = Some(guard.call(backend, &[g], |b| b.gemm_tensor(g, &p, Half::Bf16)).into());
+        progress(&format!("GPU {g} ({}): tensor-core GEMM, FP16", gp.pci));
+        gp.gemm_tensor_fp16 = Some(guard.call(backend, &[g], |b| b.gemm_tensor(g, &p, Half::Fp16)).into());
         // NVML's readings beside the memory test and the GEMM, taken since the GPU's first loop.
         gp.conditions = backend.conditions(g);
     }
@@ -876,9 +889,9 @@ impl Backend for Observed<'_> {
         let r = self.inner.gemm(gpu, p);
         self.after(gpu, "gemm", r)
     }
-    fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
-        let r = self.inner.gemm_tensor(gpu, p);
-        self.after(gpu, "gemm_tensor", r)
+    fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams, half: Half) -> Result<GemmResult, ProbeError> {
+        let r = self.inner.gemm_tensor(gpu, p, half);
+        self.after(gpu, if half == Half::Fp16 { "gemm_tensor_fp16" } else { "gemm_tensor" }, r)
     }
     fn sm_copy(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
         let r = self.inner.sm_copy(gpu, p);
@@ -1101,15 +1114,15 @@ mod tests {
                 seconds: 0.1,
             })
         }
-        fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
-            self.calls.push(format!("gemm_tensor {gpu}"));
+        fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams, half: Half) -> Result<GemmResult, ProbeError> {
+            self.calls.push(format!("gemm_tensor {gpu} {half:?}"));
             Ok(GemmResult {
                 n: p.gemm_n,
                 tflops_samples: vec![300.0, 301.0, 299.0],
                 max_rel_error: 0.0,
                 checked_entries: 3 * p.gemm_n * p.gemm_n,
                 wrong_entries: 0,
-                library: cuda::PTX_MMA_GEMM.into(),
+                library: if half == Half::Fp16 { cuda::PTX_MMA_FP16_GEMM } else { cuda::PTX_MMA_GEMM }.into(),
                 checked_on: "device".into(),
                 first_wrong: None,
                 seconds: 0.1,
@@ -1244,8 +1257,10 @@ mod tests {
         assert!(r.peers.iter().all(|l| l.scope == "nvlink"));
         let f = judge(&r, &t);
         assert!(f.iter().all(|x| x.severity == Severity::Pass), "{f:#?}");
-        // Ten checks per GPU and the run's NVLink scope.
-        assert_eq!(f.len(), 8 * 10 + 1);
+        // Eleven checks per GPU (FP32, BF16 and FP16 GEMMs among them) and the run's NVLink
+        // scope; the quick level runs no all-reduce.
+        assert_eq!(f.len(), 8 * 11 + 1);
+        assert!(f.iter().any(|x| x.id == "probe.gemm-tensor-fp16" && x.summary.starts_with("FP16 tensor-core GEMM")));
         let scope = f.iter().find(|x| x.id == "probe.nvlink-scope").unwrap();
         assert_eq!(scope.summary, "8 GPU(s), all-to-all over NVLink, 18 links each, 56/56 pairs ≥ 335 GB/s");
     }

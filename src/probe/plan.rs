@@ -64,7 +64,7 @@ pub struct GpuPlan {
     pub memory_s: f64,
     pub memory_bytes: u64,
     pub gemm_s: f64,
-    /// The tensor-core GEMM (BF16, the agent's kernel).
+    /// The tensor-core GEMMs (BF16, then FP16).
     pub gemm_tensor_s: f64,
     pub total_s: f64,
 }
@@ -143,7 +143,7 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             + secs(2.0 * n * n * 4.0, h2d);
         let products = (1 + cuda::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3);
         let tensor_tflops = if cublas { CUBLAS_BF16_TFLOPS } else { PTX_MMA_TFLOPS };
-        let gemm_tensor_s = products / (tensor_tflops * 1e12) + secs(2.0 * n * n * 2.0, h2d);
+        let gemm_tensor_s = 2.0 * (products / (tensor_tflops * 1e12) + secs(2.0 * n * n * 2.0, h2d));
         let mut g = GpuPlan {
             index: *index,
             pci: t.pci.clone(),

@@ -27,12 +27,13 @@ pub struct BlasHandle {
     pub stream: usize,
 }
 
-/// How a GEMM's A and B are stored: FP32 column-major (SGEMM), or BF16 with A row-major and B
-/// column-major (the agent's tensor-core kernel, `phq_mma_gemm`).
+/// How a GEMM's A and B are stored: FP32 column-major (SGEMM), or BF16 or FP16 with A row-major
+/// and B column-major (the agent's tensor-core kernel, `phq_mma_gemm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Inputs {
     F32,
     Bf16RowCol,
+    F16RowCol,
     /// BF16, both column-major (cublasGemmEx with CUDA_R_16BF).
     Bf16,
     /// FP16, both column-major (cublasGemmEx with CUDA_R_16F).
@@ -43,14 +44,14 @@ impl Inputs {
     fn size(self) -> usize {
         match self {
             Inputs::F32 => 4,
-            Inputs::Bf16RowCol | Inputs::Bf16 | Inputs::F16 => 2,
+            Inputs::Bf16RowCol | Inputs::F16RowCol | Inputs::Bf16 | Inputs::F16 => 2,
         }
     }
 
     /// Byte offset of element (r, c) of A (`a`) or B, leading dimension `ld`.
     fn at(self, a: bool, r: usize, c: usize, ld: usize) -> usize {
         match (self, a) {
-            (Inputs::Bf16RowCol, true) => 2 * (c + r * ld),
+            (Inputs::Bf16RowCol | Inputs::F16RowCol, true) => 2 * (c + r * ld),
             _ => self.size() * (r + c * ld),
         }
     }
@@ -60,7 +61,7 @@ impl Inputs {
         match self {
             Inputs::F32 => f32_at(bytes, off),
             Inputs::Bf16RowCol | Inputs::Bf16 => crate::ptx::Half::Bf16.to_f32(half()),
-            Inputs::F16 => crate::ptx::Half::F16.to_f32(half()),
+            Inputs::F16 | Inputs::F16RowCol => crate::ptx::Half::F16.to_f32(half()),
         }
     }
 }
@@ -574,7 +575,8 @@ pub(crate) fn queue(
     // its transpose, a cols×rows one.
     let span = |size: usize, ld: usize, rows: usize, cols: usize| (size * (ld * (cols.max(1) - 1) + rows)) as u64;
     let es = inputs.size();
-    let a_span = if inputs == Inputs::Bf16RowCol { span(es, lda, k, m) } else { span(es, lda, m, k) };
+    let row_major = matches!(inputs, Inputs::Bf16RowCol | Inputs::F16RowCol);
+    let a_span = if row_major { span(es, lda, k, m) } else { span(es, lda, m, k) };
     let regions = [(a, a_span), (b, span(es, ldb, k, n)), (c, span(4, ldc, m, n))];
     for (ptr, len) in regions {
         match w.reaches_ptr(ctx, ptr, len) {

@@ -776,14 +776,18 @@ fn lazy_product(
     }
 }
 
-/// `phq_mma_gemm(u64 a, u64 b, u64 c, u32 n)` (tensor.ptx): C = A·B with A row-major BF16, B
-/// column-major BF16, C column-major FP32, n a multiple of 16. Warp v of block b (32 threads
-/// each, the kernel counts four to a block) computes tile 4b + v of the (n/16)·(n/8) tiles,
+/// `phq_mma_gemm(u64 a, u64 b, u64 c, u32 n, u32 f16)` (tensor.ptx): C = A·B with A row-major, B
+/// column-major, both BF16 (f16 = 0) or FP16, C column-major FP32, n a multiple of 16. Warp v
+/// of block b (32 threads each, the kernel counts four to a block) computes tile 4b + v of the (n/16)·(n/8) tiles,
 /// numbered down the columns, if there is one; each entry is the sum in k order in FP32, as
 /// the interpreter's `mma.sync` adds (the ISA leaves a tensor core's order open; the agent's
 /// inputs are exact in any order).
 fn mma_gemm(w: &mut World, ctx: usize, stream: usize, a: &Args, grid: [u32; 3], block: [u32; 3]) -> CUresult {
     let (pa, pb, pc, n) = (a.u64(0), a.u64(1), a.u64(2), a.u32(3) as usize);
+    let (inputs, half) = match a.u32(4) {
+        0 => (blas::Inputs::Bf16RowCol, ptx::Half::Bf16),
+        _ => (blas::Inputs::F16RowCol, ptx::Half::F16),
+    };
     let dev = w.ctx_dev(ctx);
     if !tiles_fit(w, dev, "phq_mma_gemm", n) {
         return SUCCESS;
@@ -795,9 +799,9 @@ fn mma_gemm(w: &mut World, ctx: usize, stream: usize, a: &Args, grid: [u32; 3], 
         w.poison(dev, interp::ILLEGAL_INSTRUCTION);
         return SUCCESS;
     }
-    let (nn, half) = ((n * n) as u64, 2u64);
-    if reach(w, ctx, "phq_mma_gemm (A)", pa, nn * half).is_none()
-        || reach(w, ctx, "phq_mma_gemm (B)", pb, nn * half).is_none()
+    let (nn, bytes) = ((n * n) as u64, 2u64);
+    if reach(w, ctx, "phq_mma_gemm (A)", pa, nn * bytes).is_none()
+        || reach(w, ctx, "phq_mma_gemm (B)", pb, nn * bytes).is_none()
         || reach(w, ctx, "phq_mma_gemm (C)", pc, nn * 4).is_none()
     {
         return SUCCESS;
@@ -810,11 +814,11 @@ fn mma_gemm(w: &mut World, ctx: usize, stream: usize, a: &Args, grid: [u32; 3], 
         // Every tile has a warp: the lazy product (`blas`), as the FP32 GEMMs leave it, with the
         // scenario's GEMM faults.
         let tflops = w.spec(dev).mma_tflops;
-        return lazy_product(w, ctx, stream, blas::Inputs::Bf16RowCol, (pa, pb, pc, n), tflops);
+        return lazy_product(w, ctx, stream, inputs, (pa, pb, pc, n), tflops);
     }
     // A grid short of the tiles: only those with a warp are written.
     let (Ok(am), Ok(bm)) = (w.read(pa, n * n * 2), w.read(pb, n * n * 2)) else { return INVALID_VALUE };
-    let elem = |m: &[u8], i: usize| ptx::Half::Bf16.to_f32(u16::from_le_bytes([m[2 * i], m[2 * i + 1]]));
+    let elem = |m: &[u8], i: usize| half.to_f32(u16::from_le_bytes([m[2 * i], m[2 * i + 1]]));
     let mut done = vec![false; tiles];
     for b in 0..blocks {
         for v in 0..warps {

@@ -333,13 +333,13 @@ fn the_l2_hides_the_last_writes_until_they_are_evicted() {
 
 /// The tensor-core GEMM (`tensor.ptx`): `mma.sync` run by the interpreter with the ISA's
 /// fragment layouts, against the model and against the exact product, for n = 16, 32 and 48
-/// with integer BF16 inputs from −8 to 8 (exact in BF16, sums exact in FP32); blocks of four
+/// with integer BF16 and FP16 inputs from −8 to 8 (exact in both, sums exact in FP32); blocks of four
 /// warps as the kernel counts them, of eight (two blocks then share tiles), and a grid too
 /// small for the tiles (the rest of C is left as it was).
 #[test]
 fn the_tensor_gemm_matches_the_ptx_and_the_exact_product() {
     let mut rng = Rng(0x5eed_7e45);
-    for (case, n) in [16usize, 32, 48, 48, 32].into_iter().enumerate() {
+    for (case, n, f16) in [16usize, 32, 48, 48, 32].into_iter().enumerate().flat_map(|(c, n)| [(c, n, 0), (c, n, 1)]) {
         // The last case: a faulty GPU, one entry of every product 1.0 too large, on both paths.
         let mut p = Pair::new(if case == 4 { r#", "gemm_wrong_entries": [[3, 5]]"# } else { "" });
         for r in [&mut p.ptx, &mut p.model] {
@@ -349,11 +349,21 @@ fn the_tensor_gemm_matches_the_ptx_and_the_exact_product() {
         // A row-major, B column-major: element (i, k) of A at i·n + k, (k, j) of B at j·n + k.
         let ints = |rng: &mut Rng| -> Vec<i64> { (0..n * n).map(|_| rng.below(17) as i64 - 8).collect() };
         let (ia, ib) = (ints(&mut rng), ints(&mut rng));
-        let bf16 = |v: &[i64]| -> Vec<u8> {
-            v.iter().flat_map(|x| (((*x as f32).to_bits() >> 16) as u16).to_le_bytes()).collect()
+        // BF16: FP32's top half. FP16: sign, exponent rebiased from 127 to 15, the mantissa's top
+        // ten bits (exact for these integers).
+        let half = |x: i64| -> u16 {
+            let bits = (x as f32).to_bits();
+            match (f16, x) {
+                (0, _) => (bits >> 16) as u16,
+                (_, 0) => 0,
+                _ => {
+                    ((bits >> 16) & 0x8000 | ((((bits >> 23) & 0xff) - 127 + 15) << 10) | ((bits >> 13) & 0x3ff)) as u16
+                }
+            }
         };
-        p.write(a, &bf16(&ia));
-        p.write(b, &bf16(&ib));
+        let encode = |v: &[i64]| -> Vec<u8> { v.iter().flat_map(|x| half(*x).to_le_bytes()).collect() };
+        p.write(a, &encode(&ia));
+        p.write(b, &encode(&ib));
         p.write(c, &vec![0xAB; n * n * 4]);
         let tiles = (n * n / 128) as u32;
         let (grid, block) = match case {
@@ -361,8 +371,9 @@ fn the_tensor_gemm_matches_the_ptx_and_the_exact_product() {
             3 => (2, 128),
             _ => (tiles.div_ceil(4), 128),
         };
-        let what = format!("mma gemm n = {n}, grid {grid} × {block}");
-        p.launch(&what, "phq_mma_gemm", &[A::U64(a), A::U64(b), A::U64(c), A::U32(n as u32)], grid, block);
+        let what = format!("mma gemm n = {n}, {}, grid {grid} × {block}", ["BF16", "FP16"][f16 as usize]);
+        let args = [A::U64(a), A::U64(b), A::U64(c), A::U32(n as u32), A::U32(f16)];
+        p.launch(&what, "phq_mma_gemm", &args, grid, block);
         p.same(&what, c, n * n * 4);
         let got = p.ptx.read(c, n * n * 4);
         let rows = n / 16;
