@@ -54,14 +54,7 @@ impl Doctor {
                 )),
                 (None, true) => match super::probe::probe_with_progress(
                     &snapshot,
-                    &crate::probe::Options {
-                        level,
-                        only: &[],
-                        force: false,
-                        gemm_seconds: None,
-                        allreduce_bytes: None,
-                        nccl_allowance: config.probes.nccl_allowance,
-                    },
+                    &crate::probe::Options { nccl_allowance: config.probes.nccl_allowance, ..crate::probe::Options::at(level) },
                     &config.agent.state_dir,
                     "phq-agent doctor --probe",
                 ) {

@@ -71,14 +71,7 @@ const ID: &str = "probe.responsive";
 pub fn deadline(snapshot: &Snapshot, level: ProbeLevel, margin: Duration) -> Duration {
     // Planned as if cuBLAS were missing: the agent's own GEMM kernels are the slower, so the
     // deadline holds either way, and the service never loads a CUDA library itself (rule 1).
-    let opts = super::Options {
-        level,
-        only: &[],
-        force: false,
-        gemm_seconds: None,
-        allreduce_bytes: None,
-        nccl_allowance: super::NCCL_ALLOWANCE,
-    };
+    let opts = super::Options::at(level);
     let plan = super::plan_here(snapshot, &opts, false);
     Duration::from_secs_f64(plan.total_s.max(0.0) * 2.0) + margin
 }
@@ -227,18 +220,7 @@ const REAP_GRACE: Duration = Duration::from_secs(2);
 
 /// The GPUs the plan probes, by PCI address.
 fn plan_gpus(snapshot: &Snapshot, level: ProbeLevel) -> Vec<String> {
-    let plan = super::plan_here(
-        snapshot,
-        &super::Options {
-            level,
-            only: &[],
-            force: false,
-            gemm_seconds: None,
-            allreduce_bytes: None,
-            nccl_allowance: super::NCCL_ALLOWANCE,
-        },
-        false,
-    );
+    let plan = super::plan_here(snapshot, &super::Options::at(level), false);
     plan.gpus.into_iter().map(|g| g.pci).collect()
 }
 
@@ -278,14 +260,7 @@ pub(crate) fn say(line: String) {
 pub fn child_main() -> anyhow::Result<i32> {
     let request: Request = serde_json::from_reader(std::io::stdin().lock())
         .map_err(|e| anyhow::anyhow!("probe-child: cannot read the request on stdin: {e}"))?;
-    let opts = super::Options {
-        level: request.level,
-        only: &[],
-        force: false,
-        gemm_seconds: None,
-        allreduce_bytes: None,
-        nccl_allowance: request.nccl_allowance,
-    };
+    let opts = super::Options { nccl_allowance: request.nccl_allowance, ..super::Options::at(request.level) };
     let answer: Result<Answer, String> =
         match super::run_here(&request.snapshot, &opts, &request.state_dir, &request.who, &mut |step| {
             say(format!("step {}", step.replace('\n', " ")))

@@ -502,6 +502,21 @@ pub struct Options<'a> {
     pub nccl_allowance: std::time::Duration,
 }
 
+impl Options<'static> {
+    /// Every GPU at `level`, nothing changed: no busy GPU forced, the level's GEMM time and
+    /// all-reduce message, the default allowance for NCCL's start.
+    pub fn at(level: ProbeLevel) -> Options<'static> {
+        Options {
+            level,
+            only: &[],
+            force: false,
+            gemm_seconds: None,
+            allreduce_bytes: None,
+            nccl_allowance: NCCL_ALLOWANCE,
+        }
+    }
+}
+
 impl Options<'_> {
     /// The level's sizes with what the options change: a message size given runs the
     /// all-reduce at any level (with the standard level's samples where the level has none).
@@ -1149,14 +1164,7 @@ mod tests {
     }
 
     fn opts(level: ProbeLevel) -> Options<'static> {
-        Options {
-            level,
-            only: &[],
-            force: false,
-            gemm_seconds: None,
-            allreduce_bytes: None,
-            nccl_allowance: NCCL_ALLOWANCE,
-        }
+        Options::at(level)
     }
 
     fn sev(f: &[Finding], id: &str, gpu: &str) -> Severity {
@@ -1288,38 +1296,15 @@ mod tests {
         let f = judge(&r, &t);
         let skipped: Vec<_> = f.iter().filter(|x| x.gpu.as_deref() == Some("0000:0a:00.0")).collect();
         assert!(skipped.iter().all(|x| x.severity == Severity::Unknown && x.summary.contains("pid 4242")));
-        let forced = run(
-            &mut SimGpus::hgx(),
-            &t,
-            &Options {
-                level: ProbeLevel::Quick,
-                only: &[],
-                force: true,
-                gemm_seconds: None,
-                allreduce_bytes: None,
-                nccl_allowance: NCCL_ALLOWANCE,
-            },
-            &mut |_| {},
-        );
+        let forced =
+            run(&mut SimGpus::hgx(), &t, &Options { force: true, ..Options::at(ProbeLevel::Quick) }, &mut |_| {});
         assert_eq!(forced.gpus.len(), 2);
     }
 
     #[test]
     fn only_the_asked_gpus() {
         let mut b = SimGpus::hgx();
-        let r = run(
-            &mut b,
-            &targets(8),
-            &Options {
-                level: ProbeLevel::Quick,
-                only: &[2, 5],
-                force: false,
-                gemm_seconds: None,
-                allreduce_bytes: None,
-                nccl_allowance: NCCL_ALLOWANCE,
-            },
-            &mut |_| {},
-        );
+        let r = run(&mut b, &targets(8), &Options { only: &[2, 5], ..Options::at(ProbeLevel::Quick) }, &mut |_| {});
         assert_eq!(r.gpus.iter().map(|g| g.ordinal).collect::<Vec<_>>(), vec![2, 5]);
         assert_eq!(r.peers.len(), 2);
     }

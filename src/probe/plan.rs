@@ -347,19 +347,7 @@ mod tests {
     }
 
     fn total(level: ProbeLevel) -> Plan {
-        plan(
-            &hgx(8),
-            &Options {
-                level,
-                only: &[],
-                force: false,
-                gemm_seconds: None,
-                allreduce_bytes: None,
-                nccl_allowance: crate::probe::NCCL_ALLOWANCE,
-            },
-            &|_| Some(80 << 30),
-            true,
-        )
+        plan(&hgx(8), &Options::at(level), &|_| Some(80 << 30), true)
     }
 
     #[test]
@@ -374,19 +362,7 @@ mod tests {
 
     #[test]
     fn the_plan_counts_what_the_probes_move() {
-        let p = plan(
-            &hgx(1),
-            &Options {
-                level: ProbeLevel::Quick,
-                only: &[],
-                force: false,
-                gemm_seconds: None,
-                allreduce_bytes: None,
-                nccl_allowance: crate::probe::NCCL_ALLOWANCE,
-            },
-            &|_| Some(80 << 30),
-            true,
-        );
+        let p = plan(&hgx(1), &Options::at(ProbeLevel::Quick), &|_| Some(80 << 30), true);
         let g = &p.gpus[0];
         // 4 rounds (warm-up + 3 samples) × 8 copies × 64 MiB = 2 GiB at the 48 GB/s floor.
         assert!((g.h2d_s - (2u64 << 30) as f64 / 48e9).abs() < 1e-9, "{g:?}");
@@ -397,19 +373,7 @@ mod tests {
         let once = g.memory_bytes as f64 / 1905e9;
         assert!((g.memory_s - 6.0 * once - 3.0 * 100e6 / 1905e9).abs() < 1e-9, "{g:?}");
         assert_eq!((p.fade_s, p.gemm_library.as_str()), (0.0, "cuBLAS"));
-        let small = plan(
-            &hgx(1),
-            &Options {
-                level: ProbeLevel::Full,
-                only: &[],
-                force: false,
-                gemm_seconds: None,
-                allreduce_bytes: None,
-                nccl_allowance: crate::probe::NCCL_ALLOWANCE,
-            },
-            &|_| Some(10 << 30),
-            true,
-        );
+        let small = plan(&hgx(1), &Options::at(ProbeLevel::Full), &|_| Some(10 << 30), true);
         assert_eq!(small.gpus[0].memory_bytes, (10u64 << 30) / 10 * 9);
     }
 
@@ -433,14 +397,7 @@ mod tests {
 
     #[test]
     fn without_cublas_the_gemm_is_planned_at_the_ptx_kernels_rate() {
-        let opts = Options {
-            level: ProbeLevel::Quick,
-            only: &[],
-            force: false,
-            gemm_seconds: None,
-            allreduce_bytes: None,
-            nccl_allowance: crate::probe::NCCL_ALLOWANCE,
-        };
+        let opts = Options::at(ProbeLevel::Quick);
         let with = plan(&hgx(1), &opts, &|_| Some(80 << 30), true);
         let without = plan(&hgx(1), &opts, &|_| Some(80 << 30), false);
         assert_eq!(without.gemm_library, crate::probe::cuda::PTX_GEMM);
