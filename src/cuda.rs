@@ -43,6 +43,9 @@ pub mod attr {
     pub const COMPUTE_MODE: i32 = 20;
     pub const MULTIPROCESSOR_COUNT: i32 = 16;
     pub const L2_CACHE_SIZE: i32 = 38;
+    /// "Device supports switch multicast and reduction operations": what NVLink SHARP needs
+    /// (NCCL's src/transport/nvls.cc asks it before enabling NVLS).
+    pub const MULTICAST_SUPPORTED: i32 = 132;
 }
 
 /// Errors after which "the process is left in an inconsistent state and any further CUDA work

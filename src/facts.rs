@@ -242,7 +242,8 @@ pub const ALLREDUCE_FLOOR_BYTES: u64 = 16 << 30;
 /// NCCL all-reduce bus bandwidth floors for a whole HGX board (8 GPUs behind NVSwitches), GB/s,
 /// from Azure's NCCL health check with 16 GiB messages (azurehpc-health-checks,
 /// `conf/nd96isr_h100_v5.conf`: `check_nccl_allreduce 460.0 1 16G`; `conf/nd96isr_h200_v5.conf`:
-/// `check_nccl_allreduce 431.0 1 16G`). Azure publishes no figure for fewer GPUs, other SKUs or
+/// `check_nccl_allreduce 431.0 1 16G`; its `conf/nd96is_h200_v5.conf` says 432.0 for the same
+/// board, and the lower is taken). Azure publishes no figure for fewer GPUs, other SKUs or
 /// smaller messages (which do not reach the plateau a 16 GiB one does): those all-reduces are
 /// measured and left to the GPUs' baseline.
 pub fn allreduce_floor(device_id: u16, gpus: usize, message_bytes: u64) -> Option<f64> {

@@ -312,10 +312,21 @@ def cuda_hgx_pcie_pair():
 
 def cuda_hgx_no_peer_pair():
     """GPUs 2 and 6 report no peer access to each other (cuDeviceCanAccessPeer answers 0 both
-    ways), as a VM whose IOMMU breaks P2P between two passed-through GPUs does: NCCL's rings
-    through that pair never complete (NVIDIA/nccl#257)."""
+    ways). NCCL does not hang on it: its P2P transport declines the pair and its SHM transport
+    carries that pair's traffic through host memory (NCCL's src/transport/p2p.cc and shm.cc), so
+    the all-reduce runs at the host-staged rate."""
     s = cuda_hgx()
     s["peers"]["pairs"] = [{"src": 2, "dst": 6, "access": False}, {"src": 6, "dst": 2, "access": False}]
+    return s
+
+
+def cuda_hgx_p2p_lost():
+    """GPUs 2 and 6 report peer access to each other, but writes through it never land: PCIe ACS
+    sending P2P traffic to an IOMMU that drops it (NCCL's troubleshooting guide, "PCI Access
+    Control Services"; NVIDIA/nccl#2079 and #257). Peer copies between them leave their
+    destination unchanged, and NCCL's rings through the pair wait for ever."""
+    s = cuda_hgx()
+    s["peers"]["pairs"] = [{"src": 2, "dst": 6, "lost": True}, {"src": 6, "dst": 2, "lost": True}]
     return s
 
 
@@ -423,6 +434,7 @@ CUDA_SCENARIOS = {
     "cuda-hgx-8gpu-slow-pair": cuda_hgx_slow_pair,
     "cuda-hgx-8gpu-pcie-pair": cuda_hgx_pcie_pair,
     "cuda-hgx-8gpu-no-peer-pair": cuda_hgx_no_peer_pair,
+    "cuda-hgx-8gpu-p2p-lost": cuda_hgx_p2p_lost,
     "cuda-hgx-8gpu-gen3x8": cuda_hgx_gen3x8,
     "cuda-h100-pcie": cuda_h100_pcie,
     "cuda-h100-pcie-stuck-bit": cuda_h100_pcie_stuck_bit,

@@ -2,15 +2,20 @@
 //! `libnccl.so.2` (the soname NVIDIA's `libnccl2` / `libnccl` packages install), else
 //! `libnccl.so`. Only what the all-reduce probe calls is bound.
 //!
-//! NCCL's rules the wrappers keep (NCCL's API reference and user guide, *NCCL*):
+//! NCCL's rules the wrappers keep (NCCL's API reference and user guide, *NCCL*; its source at
+//! tag v2.27.3-1):
 //! - `ncclCommInitAll` makes one communicator per device of the list, all in this process; it
 //!   cannot be aborted, which is why the probe runs it in a child process (`probe::allreduce`);
 //! - one thread driving several communicators groups their calls between `ncclGroupStart` and
 //!   `ncclGroupEnd` ("Management Of Multiple GPUs From One Thread"), or the first call blocks
-//!   waiting for the other ranks — `Comms::all_reduce_sum_f32` always groups;
-//! - each rank's buffers and stream belong to its device (argcheck.cc refuses other devices'
-//!   buffers; a stream of another device fails the launch): the caller passes them per rank, and
-//!   each stream's context is checked against the rank's device here.
+//!   waiting for the other ranks — `Comms::all_reduce_sum_f32` always groups; a call that fails
+//!   inside a group fails the whole group at `ncclGroupEnd`, which launches nothing
+//!   (src/group.cc, `ncclGroupErrCheck`);
+//! - each rank's buffers and stream belong to its device. NCCL checks buffers only when
+//!   `NCCL_CHECK_POINTERS=1` (src/misc/argcheck.cc, `CudaPtrCheck`; off by default, src/init.cc),
+//!   otherwise its kernel meets the bad pointer; a stream of another device fails the launch at
+//!   `ncclGroupEnd`. So the wrapper checks both before NCCL sees them: each buffer's length, and
+//!   each stream's context against the rank's device.
 
 use super::{c_text, cached, Api, DeviceBuffer, LoadError, Loaded, Result, Stream};
 use super::{CudaError, Handle};
@@ -58,6 +63,8 @@ fn result_name(r: c_int) -> &'static str {
         5 => "ncclInvalidUsage",
         6 => "ncclRemoteError",
         7 => "ncclInProgress",
+        // nccl.h from 2.28 on.
+        8 => "ncclTimeout",
         _ => "ncclResult (unknown)",
     }
 }
@@ -103,11 +110,28 @@ pub struct Comms {
     ordinals: Vec<usize>,
 }
 
+impl Comms {
+    /// `ncclCommDestroy` on each communicator, every one of them whatever the others answer;
+    /// the first error is returned. The caller has synchronized their work.
+    pub fn destroy(mut self) -> Result<()> {
+        let mut first = Ok(());
+        for c in std::mem::take(&mut self.comms) {
+            // SAFETY: each live communicator is destroyed once (taken out of `self`).
+            let r = self.nccl.check("ncclCommDestroy", unsafe { (self.nccl.api.ncclCommDestroy)(c) });
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
 impl Drop for Comms {
     fn drop(&mut self) {
         for c in &self.comms {
-            // SAFETY: each live communicator destroyed once; its work was synchronized by the
-            // caller (the buffers and streams it used outlive it in the probe).
+            // SAFETY: each live communicator destroyed once (`destroy` empties the list); its
+            // work was synchronized by the caller (the buffers and streams it used outlive it in
+            // the probe).
             unsafe { (self.nccl.api.ncclCommDestroy)(*c) };
         }
     }
@@ -167,4 +191,107 @@ impl Comms {
 /// A call the wrapper refuses before NCCL sees it, named as NCCL would name it.
 fn usage(call: &'static str, text: String) -> CudaError {
     CudaError { call, code: 5, name: result_name(5).into(), text, sticky: false }
+}
+
+/// One NCCL setting a process would run with: a variable, its value, and where it came from
+/// (`environment` or a configuration file's path).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Setting {
+    pub name: String,
+    pub value: String,
+    pub from: String,
+}
+
+impl std::fmt::Display for Setting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={} ({})", self.name, self.value, self.from)
+    }
+}
+
+/// The `NCCL_*` settings NCCL would see, read as NCCL 2.27 reads them (src/misc/param.cc,
+/// `initEnvFunc`, `setEnvFile`): the environment first; then the file `NCCL_CONF_FILE` names,
+/// or else `~/.nccl.conf` of the user running; then `/etc/nccl.conf`. A file sets only what is
+/// not set yet (`setenv(name, value, 0)`); a line starting with `#` or without `=` is skipped;
+/// the name is what comes before the first `=`, the value the rest of the line.
+pub fn settings(env: &[(String, String)], files: &[PathBuf]) -> Vec<Setting> {
+    let mut out: Vec<Setting> = env
+        .iter()
+        .filter(|(k, _)| k.starts_with("NCCL_"))
+        .map(|(k, v)| Setting { name: k.clone(), value: v.clone(), from: "environment".into() })
+        .collect();
+    let mut set: std::collections::HashSet<String> = env.iter().map(|(k, _)| k.clone()).collect();
+    for file in files {
+        let Ok(text) = std::fs::read(file) else { continue };
+        for line in String::from_utf8_lossy(&text).lines() {
+            if line.starts_with('#') {
+                continue;
+            }
+            let Some((name, value)) = line.split_once('=') else { continue };
+            if set.insert(name.to_string()) && name.starts_with("NCCL_") {
+                out.push(Setting { name: name.into(), value: value.into(), from: file.display().to_string() });
+            }
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// `settings` for this process: its environment, and the files NCCL would read for its user.
+pub fn settings_here() -> Vec<Setting> {
+    let env: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.to_string_lossy().into_owned())))
+        .collect();
+    let mut files = Vec::new();
+    match std::env::var_os("NCCL_CONF_FILE").filter(|f| !f.is_empty()) {
+        Some(f) => files.push(PathBuf::from(f)),
+        None => files.extend(home_dir().map(|h| h.join(".nccl.conf"))),
+    }
+    files.push(PathBuf::from("/etc/nccl.conf"));
+    settings(&env, &files)
+}
+
+/// The home directory of the user running, from the password database as NCCL finds it
+/// (`getpwuid(getuid())->pw_dir`), not `$HOME`.
+fn home_dir() -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut buf = vec![0 as c_char; 16 * 1024];
+    // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids) for getpwuid_r to fill.
+    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: `pw`, `buf` and `found` are valid for the call; `buf`'s length is passed.
+    let r = unsafe { libc::getpwuid_r(libc::getuid(), &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
+    if r != 0 || found.is_null() || pw.pw_dir.is_null() {
+        return None;
+    }
+    // SAFETY: getpwuid_r succeeded: `pw_dir` points at a NUL-terminated string inside `buf`.
+    let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+    Some(PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NCCL's order: the environment wins, then the user's file, then /etc/nccl.conf; comments
+    /// and lines without `=` are skipped; only NCCL's own variables are kept.
+    #[test]
+    fn settings_are_read_as_nccl_reads_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let user = dir.path().join("user.conf");
+        let etc = dir.path().join("etc.conf");
+        std::fs::write(&user, "# NCCL_ALGO=Tree\nNCCL_P2P_DISABLE=1\nNCCL_DEBUG=INFO\nnonsense\nOTHER=1\n").unwrap();
+        std::fs::write(&etc, "NCCL_P2P_DISABLE=0\nNCCL_PROTO=Simple=x\nNCCL_DEBUG=WARN\n").unwrap();
+        let env = vec![("NCCL_DEBUG".to_string(), "VERSION".to_string()), ("PATH".to_string(), "/bin".to_string())];
+        let missing = dir.path().join("missing.conf");
+        let got: Vec<String> =
+            settings(&env, &[missing, user.clone(), etc.clone()]).iter().map(|s| s.to_string()).collect();
+        assert_eq!(
+            got,
+            vec![
+                "NCCL_DEBUG=VERSION (environment)".to_string(),
+                format!("NCCL_P2P_DISABLE=1 ({})", user.display()),
+                format!("NCCL_PROTO=Simple=x ({})", etc.display()),
+            ]
+        );
+    }
 }

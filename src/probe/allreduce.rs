@@ -7,22 +7,33 @@
 //!   deadline (`probe::child::supervise`): twice the planned GPU time plus an allowance for
 //!   NCCL's start (`[probes] nccl_allowance`). Past it the child is killed and the step it was
 //!   in is reported.
-//! - Twice: once as NCCL chooses, once with `NCCL_NVLS_ENABLE=0` (NCCL's environment variables:
-//!   NVLink SHARP off), so a fault of the NVSwitch fabric's reductions is told from a slow link.
+//! - Twice: once as NCCL chooses (`NCCL_NVLS_ENABLE=2`, NCCL's default, set so that a
+//!   setting of the caller's cannot decide it) and once with `NCCL_NVLS_ENABLE=0` (NCCL's
+//!   environment variables: NVLink SHARP off), so a fault of the NVSwitch fabric's reductions is
+//!   told from a slow link. The child records whether every GPU reports
+//!   `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED` (what NCCL asks before it enables NVLS,
+//!   src/transport/nvls.cc) and the `NCCL_*` settings in effect (`nccl::settings_here`), so a
+//!   finding can say why NVLS was not used.
 //! - Each rank sends a buffer filled with rank + 1 (FP32) and receives into a buffer filled with
 //!   a NaN; the sum, out of place, is n(n+1)/2 everywhere, exact in FP32, and every word of every
 //!   rank's result is compared on its GPU (`phq_mem_check`) after the timed runs.
-//! - Timing is nccl-tests' (src/common.cu): 5 warm-up all-reduces, then samples of 20, the time
-//!   of a sample the longest of the ranks' (CUDA events around each rank's 20); algorithm
-//!   bandwidth = bytes / time per all-reduce, bus bandwidth = algorithm bandwidth × 2(n−1)/n
-//!   (src/all_reduce.cu, `AllReduceGetBw`).
+//! - Timing follows nccl-tests (v2.13.8, src/common.cu): 5 warm-up all-reduces (1 since
+//!   v2.16.8), then samples of 20; algorithm bandwidth = bytes / time per all-reduce, bus
+//!   bandwidth = algorithm bandwidth × 2(n−1)/n (src/all_reduce.cu, `AllReduceGetBw`).
+//!   nccl-tests times a sample with a host clock from the first launch until every stream has
+//!   finished; the agent records CUDA events on each rank's stream around the 20 and takes the
+//!   longest rank, which leaves out the host's launch overhead (microseconds beside the
+//!   milliseconds of a 1 GiB all-reduce).
+//! - The child answers before it lets go of anything (`child` rule 8): its communicators are
+//!   destroyed (`ncclCommDestroy`, its answer checked, the step announced) before the sum is
+//!   checked, and its buffers and streams are left to the process's end.
 
 use super::{kernels, LevelParams, Outcome, ProbeError, Stat};
 use crate::cuda::{self, nccl};
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
-/// nccl-tests' defaults (src/common.cu: `warmup_iters = 5`, `iters = 20`).
+/// nccl-tests' defaults (v2.13.8, src/common.cu: `warmup_iters = 5`, `iters = 20`).
 pub const WARMUP: u32 = 5;
 pub const ITERS: u32 = 20;
 
@@ -70,6 +81,13 @@ pub struct Run {
     /// Why the message is smaller than asked, when it is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// Whether every GPU reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED` (NVLS needs it);
+    /// `None` where the driver would not say.
+    #[serde(default)]
+    pub multicast: Option<bool>,
+    /// The `NCCL_*` settings the child ran with, and where each came from.
+    #[serde(default)]
+    pub settings: Vec<nccl::Setting>,
 }
 
 /// nccl-tests' bus bandwidth of an all-reduce over `ranks` (src/all_reduce.cu): the algorithm
@@ -97,8 +115,8 @@ pub fn planned_s(p: &LevelParams, ranks: usize, busbw_gbps: f64) -> f64 {
     ops * moved / (busbw_gbps.max(1.0) * 1e9)
 }
 
-/// Runs one configuration in a child process under `limit` (the module's rules). `nvls`: false
-/// sets `NCCL_NVLS_ENABLE=0` in the child.
+/// Runs one configuration in a child process under `limit` (the module's rules). `nvls`: NCCL's
+/// default `NCCL_NVLS_ENABLE=2` in the child; false: 0.
 pub fn run(
     ordinals: &[usize],
     p: &LevelParams,
@@ -113,9 +131,7 @@ pub fn run(
     if let Some(lib) = cuda::named_library() {
         cmd.arg("--cuda-lib").arg(lib);
     }
-    if !nvls {
-        cmd.env("NCCL_NVLS_ENABLE", "0");
-    }
+    cmd.env("NCCL_NVLS_ENABLE", if nvls { "2" } else { "0" });
     let request =
         Request { ordinals: ordinals.to_vec(), bytes: p.allreduce_bytes as u64, samples: p.allreduce_samples };
     let input =
@@ -129,14 +145,30 @@ pub fn run(
 
 /// The child's side: reads a `Request` on stdin, measures, says each step and the answer.
 pub fn child_main() -> anyhow::Result<i32> {
+    super::child::private_protocol()
+        .map_err(|e| anyhow::anyhow!("allreduce-child: cannot set up its protocol descriptor: {e}"))?;
     let request: Request = serde_json::from_reader(std::io::stdin().lock())
         .map_err(|e| anyhow::anyhow!("allreduce-child: cannot read the request on stdin: {e}"))?;
-    let answer = measure(&request, &|step| super::child::say(format!("step {step}")));
+    let mut held = Held::default();
+    let answer = measure(&request, &|step| super::child::say(format!("step {step}")), &mut held);
     let line = serde_json::to_string(&answer).unwrap_or_else(|e| {
         serde_json::json!({ "Err": { "Cuda": format!("cannot encode the answer: {e}") } }).to_string()
     });
     super::child::say(format!("answer {line}"));
+    // Rule 8 of `child`: nothing is released one by one after the answer; the process's end
+    // frees the contexts, their memory and streams, and NCCL's resources with them.
+    std::mem::forget(held);
     Ok(0)
+}
+
+/// What a measurement holds until the process ends: every rank's buffers and stream, and the
+/// communicators while they live. Kept by the caller so an early error does not release them
+/// (a stream's release synchronizes it, and one that never finishes would turn the error
+/// into a hang).
+#[derive(Default)]
+struct Held {
+    ranks: Vec<Rank>,
+    comms: Option<nccl::Comms>,
 }
 
 /// A driver or NCCL error of rank `rank`'s GPU as a probe error (a sticky one poisons it).
@@ -161,8 +193,8 @@ struct Rank {
     end: cuda::Event,
 }
 
-/// The measurement itself (in the child).
-fn measure(req: &Request, say: &dyn Fn(&str)) -> Result<Run, ProbeError> {
+/// The measurement itself (in the child); what it makes is kept in `held`.
+fn measure(req: &Request, say: &dyn Fn(&str), held: &mut Held) -> Result<Run, ProbeError> {
     let n = req.ordinals.len();
     if n < 2 || req.bytes < 8 || req.samples == 0 {
         return Err(ProbeError::Unavailable(format!(
@@ -191,9 +223,18 @@ fn measure(req: &Request, say: &dyn Fn(&str)) -> Result<Run, ProbeError> {
     }
     let note =
         (bytes < req.bytes).then(|| format!("{bytes} bytes instead of {}: the GPUs' free memory is short", req.bytes));
+    // NVLS needs every GPU's multicast (nvls.cc asks the device); a driver that does not know
+    // the attribute leaves it unsaid.
+    let multicast = req
+        .ordinals
+        .iter()
+        .map(|&gpu| drv.device(gpu).and_then(|d| d.attribute(cuda::attr::MULTICAST_SUPPORTED)).ok().map(|v| v == 1))
+        .collect::<Option<Vec<bool>>>()
+        .map(|all| all.iter().all(|m| *m));
+    let settings = nccl::settings_here();
     let count = (bytes / 4) as usize;
     let nan = 0x7fc0_0000u32;
-    let mut ranks = Vec::new();
+    let Held { ranks, comms: held_comms } = held;
     for (rank, (gpu, ctx)) in ctxs.into_iter().enumerate() {
         let e = on(gpu);
         let r = Rank {
@@ -207,13 +248,15 @@ fn measure(req: &Request, say: &dyn Fn(&str)) -> Result<Run, ProbeError> {
         };
         r.stream.memset_d32(&r.send, 0, (rank as f32 + 1.0).to_bits(), count).map_err(&e)?;
         r.stream.memset_d32(&r.recv, 0, nan, count).map_err(&e)?;
-        r.stream.synchronize().map_err(&e)?;
         ranks.push(r);
+        let r = &ranks[rank];
+        r.stream.synchronize().map_err(&e)?;
     }
+    let ranks: &[Rank] = ranks;
     let sync = |ranks: &[Rank]| ranks.iter().try_for_each(|r| r.stream.synchronize().map_err(on(r.gpu)));
     let gpus: Vec<usize> = ranks.iter().map(|r| r.gpu).collect();
     say(&format!("ncclCommInitAll over GPUs {gpus:?} ({library})"));
-    let comms = lib.init_all(&gpus).map_err(|e| ProbeError::Cuda(e.to_string()))?;
+    let comms = &*held_comms.insert(lib.init_all(&gpus).map_err(|e| ProbeError::Cuda(e.to_string()))?);
     let parts: Vec<nccl::Part<'_>> =
         ranks.iter().map(|r| nccl::Part { send: &r.send, recv: &r.recv, stream: &r.stream }).collect();
     let all_reduce = || comms.all_reduce_sum_f32(&parts, count).map_err(|e| ProbeError::Cuda(e.to_string()));
@@ -221,23 +264,23 @@ fn measure(req: &Request, say: &dyn Fn(&str)) -> Result<Run, ProbeError> {
     for _ in 0..WARMUP {
         all_reduce()?;
     }
-    sync(&ranks)?;
+    sync(ranks)?;
     let mut busbw = Vec::new();
     let mut algbw = Vec::new();
     for s in 0..req.samples {
         say(&format!("all-reduce sample {} of {}: {ITERS} × {bytes} bytes over GPUs {gpus:?}", s + 1, req.samples));
-        for r in &ranks {
+        for r in ranks {
             r.stream.record(&r.start).map_err(on(r.gpu))?;
         }
         for _ in 0..ITERS {
             all_reduce()?;
         }
-        for r in &ranks {
+        for r in ranks {
             r.stream.record(&r.end).map_err(on(r.gpu))?;
         }
-        sync(&ranks)?;
+        sync(ranks)?;
         let mut longest = 0f64;
-        for r in &ranks {
+        for r in ranks {
             longest = longest.max(r.start.elapsed_ms(&r.end).map_err(on(r.gpu))? as f64 / 1e3);
         }
         let alg = bytes as f64 / (longest / ITERS as f64).max(1e-12) / 1e9;
@@ -245,12 +288,15 @@ fn measure(req: &Request, say: &dyn Fn(&str)) -> Result<Run, ProbeError> {
         busbw.push(bus_bandwidth(alg, n));
     }
     drop(parts);
-    drop(comms);
+    say(&format!("ncclCommDestroy over GPUs {gpus:?}"));
+    if let Some(comms) = held_comms.take() {
+        comms.destroy().map_err(|e| ProbeError::Cuda(e.to_string()))?;
+    }
     say(&format!("checking the sum on GPUs {gpus:?}"));
     let sum = (n * (n + 1) / 2) as f32;
     let word = u64::from(sum.to_bits()) * 0x1_0000_0001;
     let (mut wrong, mut first_wrong) = (0, None);
-    for r in &ranks {
+    for r in ranks {
         let e = on(r.gpu);
         let sms = drv.device(r.gpu).and_then(|d| d.attribute(cuda::attr::MULTIPROCESSOR_COUNT)).unwrap_or(132);
         let k = kernels::Loaded::load(&r.ctx, sms.max(1) as u32, 0).map_err(&e)?;
@@ -274,6 +320,8 @@ fn measure(req: &Request, say: &dyn Fn(&str)) -> Result<Run, ProbeError> {
         wrong_words: wrong,
         first_wrong,
         note,
+        multicast,
+        settings,
     })
 }
 
@@ -296,6 +344,8 @@ mod tests {
             wrong_words: 0,
             first_wrong: None,
             note: None,
+            multicast: Some(true),
+            settings: vec![],
         }
     }
 

@@ -38,14 +38,15 @@ pub struct Baseline {
 }
 
 /// The figures of one GPU's run worth keeping; the all-reduce's bus bandwidth goes to each GPU
-/// that took part, named by how many did (`allreduce_8gpu_busbw_gbps`): a figure of another
-/// number of GPUs is another figure.
+/// that took part, named by how many did and the message that ran
+/// (`allreduce_8gpu_16384mib_busbw_gbps`): bus bandwidth grows with the message until the links
+/// are full, so a figure of another number of GPUs or another size is another figure.
 pub fn figures(g: &GpuProbes, report: &ProbeReport) -> BTreeMap<String, f64> {
     let peers = &report.peers;
     let mut m = BTreeMap::new();
     if let Some(a) = report.allreduce.as_ref().filter(|a| a.gpus.contains(&g.pci)) {
         if let Outcome::Ok(r) = &a.nccl {
-            m.insert(format!("allreduce_{}gpu_busbw_gbps", a.gpus.len()), r.busbw_gbps.median);
+            m.insert(format!("allreduce_{}gpu_{}mib_busbw_gbps", a.gpus.len(), r.bytes >> 20), r.busbw_gbps.median);
         }
     }
     let mut put = |name: &str, o: Option<&Outcome<super::Stat>>| {

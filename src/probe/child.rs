@@ -10,8 +10,9 @@
 //! 2. The child says each step as it starts (`step …`) and ends with one `answer {json}` line:
 //!    the probe results and their findings, judged in the child. — `child_main`.
 //! 3. The deadline is the level's planned GPU time (`plan_here`) twice over, plus
-//!    `probes.deadline_margin` for CUDA's start, JIT compilation and the host's own work.
-//!    — `deadline`.
+//!    `probes.deadline_margin` for CUDA's start, JIT compilation and the host's own work, plus
+//!    `probes.nccl_allowance` for each of the two all-reduces where the plan has them (each runs
+//!    under that allowance of its own, `probe::allreduce`). — `deadline`.
 //! 4. The child takes the probe lock itself; past the deadline it is killed (SIGKILL) and
 //!    reaped, and the kernel drops a dead process's file locks, so the lock is free again. A
 //!    child blocked inside the driver (state D) dies only when the driver lets go: it is reaped
@@ -19,6 +20,17 @@
 //!    — `reap`.
 //! 5. Then every GPU the plan had gets `probe.responsive` failing, naming the step that did not
 //!    finish; a run that ends in time gives `probe.responsive` passing on each. — `overdue`.
+//! 6. A child never outlives its parent: it gets SIGKILL when the thread that started it ends
+//!    (`PR_SET_PDEATHSIG`, prctl(2)), so killing a probe child also ends the all-reduce child
+//!    it started. — `supervise`.
+//! 7. The protocol has a descriptor of its own: a child moves it off stdout and points stdout
+//!    at stderr (`private_protocol`), for libraries print there (NCCL's `NCCL_DEBUG` output
+//!    goes to stdout: its src/debug.cc opens `ncclDebugFile = stdout`).
+//! 8. After its answer a child only exits: the all-reduce child answers before it lets go of
+//!    anything and leaves its communicators, buffers and streams to the process's end (the
+//!    driver frees a process's contexts when it exits), so a teardown that blocks cannot turn a
+//!    result or an error into a hang. The parent waits `EXIT_GRACE` at most, then kills it.
+//!    — `supervise`, `allreduce::child_main`.
 
 use crate::checks::Finding;
 use crate::config::ProbeLevel;
@@ -68,12 +80,13 @@ pub struct Answer {
 const ID: &str = "probe.responsive";
 
 /// Rule 3: how long the child may take.
-pub fn deadline(snapshot: &Snapshot, level: ProbeLevel, margin: Duration) -> Duration {
+pub fn deadline(snapshot: &Snapshot, level: ProbeLevel, limits: Limits) -> Duration {
     // Planned as if cuBLAS were missing: the agent's own GEMM kernels are the slower, so the
     // deadline holds either way, and the service never loads a CUDA library itself (rule 1).
     let opts = super::Options::at(level);
     let plan = super::plan_here(snapshot, &opts, false);
-    Duration::from_secs_f64(plan.total_s.max(0.0) * 2.0) + margin
+    let nccl = if plan.allreduce_s > 0.0 { 2 * limits.nccl_allowance } else { Duration::ZERO };
+    Duration::from_secs_f64(plan.total_s.max(0.0) * 2.0) + limits.margin + nccl
 }
 
 /// Runs the probes at `level` in a child under its deadline (rules 1–5). `Err`: they could not
@@ -86,7 +99,7 @@ pub fn run(
     limits: Limits,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Answer, String> {
-    let limit = deadline(snapshot, level, limits.margin);
+    let limit = deadline(snapshot, level, limits);
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program to run the probes: {e}"))?;
     let mut cmd = std::process::Command::new(exe);
     cmd.arg("probe-child");
@@ -135,6 +148,23 @@ pub(crate) fn supervise(
     first_step: &str,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Ended, String> {
+    use std::os::unix::process::CommandExt;
+    // Rule 6. The parent's pid, taken before the fork: a parent gone before prctl took effect
+    // is seen as a new parent pid.
+    // SAFETY: getpid has no preconditions.
+    let parent = unsafe { libc::getpid() };
+    // SAFETY: between fork and exec only prctl and getppid run, both async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other("the probe's parent ended before it started"));
+            }
+            Ok(())
+        });
+    }
     let mut child = cmd
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -187,9 +217,26 @@ pub(crate) fn supervise(
             }
         }
     };
-    let _ = child.wait();
+    // Rule 8: after its answer the child only exits; one that does not is killed.
+    let until = Instant::now() + EXIT_GRACE;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) | Err(_) => break,
+            Ok(None) if Instant::now() >= until => {
+                tracing::warn!(grace = ?EXIT_GRACE, "the probe process answered but did not exit; killed");
+                let _ = child.kill();
+                reap(child);
+                break;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
     ended
 }
+
+/// How long a child that has answered may take to exit (rule 8): ending a process that held
+/// CUDA contexts frees their memory in the driver, seconds at most.
+const EXIT_GRACE: Duration = Duration::from_secs(30);
 
 /// Reaps a killed child. One blocked inside the driver (uninterruptible sleep, state D: gpud's
 /// report of `nvidia-smi` after Xid 45, leptonai/gpud pull request #117) dies only when the
@@ -248,16 +295,45 @@ fn overdue(snapshot: &Snapshot, level: ProbeLevel, limit: Duration, step: &str) 
     Answer { probes: serde_json::json!({ "error": format!("killed at its deadline during: {step}") }), findings }
 }
 
-/// One line of a child's protocol on stdout, flushed at once (rule 2): the parent may kill the
-/// child at any moment and must have heard the last step.
+/// One line of a child's protocol, flushed at once (rule 2): the parent may kill the child at
+/// any moment and must have heard the last step. On the protocol's own descriptor once
+/// `private_protocol` has made one (rule 7), else on stdout.
 pub(crate) fn say(line: String) {
+    if let Some(out) = PROTOCOL.get() {
+        let mut o = out.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = writeln!(o, "{line}").and_then(|()| o.flush());
+        return;
+    }
     let mut o = std::io::stdout().lock();
     let _ = writeln!(o, "{line}").and_then(|()| o.flush());
+}
+
+static PROTOCOL: std::sync::OnceLock<std::sync::Mutex<std::fs::File>> = std::sync::OnceLock::new();
+
+/// Rule 7: the pipe to the parent moves to a descriptor of its own (close-on-exec), and stdout
+/// becomes a copy of stderr, so what a library prints there cannot be read as the protocol.
+pub(crate) fn private_protocol() -> std::io::Result<()> {
+    use std::os::fd::FromRawFd;
+    std::io::stdout().lock().flush()?;
+    // SAFETY: F_DUPFD_CLOEXEC on fd 1 returns a new descriptor this function then owns.
+    let fd = unsafe { libc::fcntl(1, libc::F_DUPFD_CLOEXEC, 3) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just made and is owned by nothing else.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    // SAFETY: both descriptors are open; dup2 replaces fd 1 atomically.
+    if unsafe { libc::dup2(2, 1) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let _ = PROTOCOL.set(std::sync::Mutex::new(file));
+    Ok(())
 }
 
 /// The child's side (rule 2): reads a `Request` on stdin, runs the probes here, prints the
 /// steps and the answer on stdout. Its exit code says nothing; the answer line does.
 pub fn child_main() -> anyhow::Result<i32> {
+    private_protocol().map_err(|e| anyhow::anyhow!("probe-child: cannot set up its protocol descriptor: {e}"))?;
     let request: Request = serde_json::from_reader(std::io::stdin().lock())
         .map_err(|e| anyhow::anyhow!("probe-child: cannot read the request on stdin: {e}"))?;
     let opts = super::Options { nccl_allowance: request.nccl_allowance, ..super::Options::at(request.level) };

@@ -153,23 +153,20 @@ pub(crate) fn allreduce_finding(report: &ProbeReport, a: &allreduce::AllReduce, 
         Outcome::Error(ProbeError::Unavailable(why)) => {
             Finding::unknown(ID, format!("all-reduce over {n} GPUs: {why}"))
         }
-        Outcome::Error(e @ ProbeError::Hung { .. }) => {
-            let pairs = if no_access.is_empty() {
-                String::new()
-            } else {
-                format!(" The peer probes found no peer access between GPUs {}.", no_access.join(", "))
-            };
-            Finding::fail(ID, format!("NCCL's all-reduce over {n} GPUs {e}"))
-                .detail(format!(
-                    "NCCL waits for ever when a path between two GPUs does not carry its traffic: peer access missing \
-                    or broken by the VM's IOMMU or PCIe ACS (NVIDIA/nccl#257), or a GPU that stopped answering. The \
-                    all-reduce process was killed; a training job on these GPUs would hang the same way.{pairs}"
-                ))
-                .remedy(
-                    "Read probe.p2p-bandwidth for the pairs, and `dmesg | grep -E 'NVRM|Xid'`; ask the platform whether \
-                    P2P between these GPUs is supported in this VM (NCCL_P2P_DISABLE=1 lets a job run, slowly).",
-                )
-        }
+        Outcome::Error(e @ ProbeError::Hung { .. }) => Finding::fail(
+            ID,
+            format!("NCCL's all-reduce over {n} GPUs {e}"),
+        )
+        .detail(
+            "NCCL waits for ever when a path that reports peer access does not carry its traffic: PCIe ACS or the \
+                 VM's IOMMU dropping peer writes (NCCL's troubleshooting guide, \"PCI Access Control Services\"; \
+                 NVIDIA/nccl#2079, #257), or a GPU that stopped answering. The all-reduce process was killed; a \
+                 training job on these GPUs would hang the same way.",
+        )
+        .remedy(
+            "Read `dmesg | grep -E 'NVRM|Xid|DMAR|AMD-Vi'` for IOMMU faults; ask the platform whether P2P between \
+                 these GPUs is supported in this VM (NCCL_P2P_DISABLE=1 lets a job run, slowly).",
+        ),
         Outcome::Error(e) => Finding::fail(ID, format!("NCCL's all-reduce over {n} GPUs failed: {e}"))
             .remedy("Run with NCCL_DEBUG=WARN to see NCCL's reason; read `dmesg | grep -E 'NVRM|Xid'`."),
         Outcome::Ok(r) if r.wrong_words > 0 => Finding::fail(
@@ -191,22 +188,46 @@ pub(crate) fn allreduce_finding(report: &ProbeReport, a: &allreduce::AllReduce, 
                 Some(fl) if v < fl => {
                     // NVLS that adds nothing over the rings: the NVSwitches' reductions are not
                     // in use. NVLS in use and still short: a link or a GPU is slow.
+                    let multicast = if r.multicast == Some(false) {
+                        " The GPUs report no switch multicast (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED is 0), so \
+                         NCCL does not enable NVLS at all."
+                    } else {
+                        ""
+                    };
                     let why = match ring {
                         Some(g) if g >= 0.95 * v => format!(
-                            "With NVLS off the rings reach {g:.1} GB/s, as much as NCCL's own choice: NVLink SHARP on \
-                            the NVSwitches is not helping, so the fabric (its multicast, the fabric manager) is \
-                            where to look, not the links."
+                            "With NVLS off NCCL's other algorithms (ring or tree) reach {g:.1} GB/s, as much as its \
+                            own choice: NVLink SHARP on the NVSwitches is not helping, so the fabric (its multicast, \
+                            the fabric manager) is where to look, not the links.{multicast}"
                         ),
                         Some(g) => format!(
-                            "NCCL's choice beats the rings ({g:.1} GB/s with NVLS off), so NVLS is in use and still \
-                            short: a slow link or GPU holds every algorithm back (see probe.p2p-bandwidth)."
+                            "NCCL's choice beats its other algorithms ({g:.1} GB/s with NVLS off), so NVLS is in use \
+                            and still short: a slow link or GPU holds every algorithm back (see probe.p2p-bandwidth)."
                         ),
-                        None => String::new(),
+                        None => multicast.trim_start().to_string(),
                     };
-                    Finding::fail(ID, format!("{head}, below the floor of {fl:.0} GB/s")).detail(why).remedy(
-                        "Check fabric.state and the fabric manager (NVSwitch SXids), nvlink.links-active and \
+                    let set: Vec<String> =
+                        r.settings.iter().filter(|s| s.name != "NCCL_NVLS_ENABLE").map(|s| s.to_string()).collect();
+                    let why = if set.is_empty() {
+                        why
+                    } else {
+                        format!("{why} NCCL ran with these settings, which may explain it: {}.", set.join(", "))
+                    };
+                    let why = if no_access.is_empty() {
+                        why
+                    } else {
+                        format!(
+                            "GPUs {} have no peer access: NCCL carries those pairs through host memory (its SHM \
+                             transport), and the whole all-reduce runs at their rate. {why}",
+                            no_access.join(", ")
+                        )
+                    };
+                    Finding::fail(ID, format!("{head}, below the floor of {fl:.0} GB/s"))
+                        .detail(why.trim_end().to_string())
+                        .remedy(
+                            "Check fabric.state and the fabric manager (NVSwitch SXids), nvlink.links-active and \
                         nvlink.errors; restart the VM; report the board to the platform with these figures.",
-                    )
+                        )
                 }
                 Some(fl) => Finding::pass(ID, format!("{head} (floor {fl:.0})")),
                 None => Finding::pass(

@@ -221,6 +221,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(value: *mut c_int, attrib: c_int, 
             75 => 9,                                           // COMPUTE_CAPABILITY_MAJOR
             76 => 0,                                           // COMPUTE_CAPABILITY_MINOR
             115 => 1,                                          // MEMORY_POOLS_SUPPORTED
+            132 => w.scenario.multicast() as c_int,            // MULTICAST_SUPPORTED
             a if (1..=150).contains(&a) => 0,
             _ => return INVALID_VALUE,
         };

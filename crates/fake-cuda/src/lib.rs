@@ -611,27 +611,36 @@ impl World {
         if let Err(e) = self.fault(sdev, FaultOn::Memcpy) {
             return e;
         }
-        if let Err(e) = self.copy(dst, src, len) {
-            return e;
+        let ctx = self.streams[&stream].ctx;
+        let (access, gbps) = self.scenario.peer(sd, dd);
+        let other = if sdev == sd { dst_base } else { src_base };
+        let direct = sd != dd && access && gbps > 0.0 && self.reaches(ctx, other);
+        // Over a pair whose P2P writes are lost (`Pair::lost`) the copy takes its time and the
+        // destination keeps what it held.
+        if !(direct && self.scenario.lost(sd, dd)) {
+            if let Err(e) = self.copy(dst, src, len) {
+                return e;
+            }
         }
         self.l2_touch(src, len as u64, len as u64, false, false);
         self.l2_touch(dst, len as u64, len as u64, true, false);
-        let ctx = self.streams[&stream].ctx;
         let n = len as f64;
         if sd == dd {
             let secs = 2.0 * n / (self.spec(sd).hbm_gbps * 1e9);
             self.occupy(stream, &[Engine::Hbm(sd)], secs);
+        } else if direct {
+            self.occupy(stream, &[Engine::Link(sd, dd)], n / (gbps * 1e9));
         } else {
-            let (access, gbps) = self.scenario.peer(sd, dd);
-            let other = if sdev == sd { dst_base } else { src_base };
-            if access && gbps > 0.0 && self.reaches(ctx, other) {
-                self.occupy(stream, &[Engine::Link(sd, dd)], n / (gbps * 1e9));
-            } else {
-                let rate = self.spec(sd).d2h_gbps.min(self.spec(dd).h2d_gbps);
-                self.occupy(stream, &[Engine::DeviceToHost(sd), Engine::HostToDevice(dd)], n / (rate * 1e9));
-            }
+            let rate = self.staged_gbps(sd, dd);
+            self.occupy(stream, &[Engine::DeviceToHost(sd), Engine::HostToDevice(dd)], n / (rate * 1e9));
         }
         SUCCESS
+    }
+
+    /// The rate of a copy from `sd` to `dd` staged through host memory: the slower of the
+    /// source's device→host and the destination's host→device rate.
+    pub(crate) fn staged_gbps(&self, sd: usize, dd: usize) -> f64 {
+        self.spec(sd).d2h_gbps.min(self.spec(dd).h2d_gbps)
     }
 
     fn trace_context(&self, dev: usize) {

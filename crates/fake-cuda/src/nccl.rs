@@ -1,29 +1,48 @@
 //! A fake `libnccl.so.2`: the NCCL calls the agent's all-reduce probe makes, in the same library
-//! as the fake CUDA driver (a test points `PHQ_NCCL_LIB` at this file), keeping NCCL's rules.
-//! Sources: NCCL's API reference and user guide (docs.nvidia.com/deeplearning/nccl, *NCCL*) and
-//! its source (github.com/NVIDIA/nccl, `src/`).
+//! as the fake CUDA driver (a test points `PHQ_NCCL_LIB` at this file), keeping NCCL 2.27.3's
+//! rules. Sources: NCCL's API reference and user guide (docs.nvidia.com/deeplearning/nccl,
+//! *NCCL*) and its source at tag v2.27.3-1 (github.com/NVIDIA/nccl, `src/`).
 //!
 //! - `ncclCommInitAll` makes one communicator per listed device, in one process. It walks the
 //!   list once (src/init.cc, `ncclCommInitAll`): a device that does not exist is
 //!   `ncclInvalidArgument` ("Invalid device %d (totalnDev=%d)"), one listed again is
 //!   `ncclInvalidUsage` (its "duplicate device check"), whichever comes first; a negative count
 //!   is `ncclInvalidArgument` ("Invalid device count requested"). Each communicator works in
-//!   its device's primary context (NCCL calls `cudaSetDevice`).
-//! - `ncclAllReduce` checks its arguments (src/misc/argcheck.cc: `PtrCheck`, `CudaPtrCheck`,
-//!   `ArgsCheck`): a null buffer, a data type or operation out of range, a buffer on another
-//!   device than the communicator's ("allocated on device %d mismatchs with NCCL device %d")
-//!   are `ncclInvalidArgument`. A stream of another device's context fails the kernel launch (CUDA
-//!   C++ Programming Guide, "Stream and Event Behavior": a kernel launch fails on a stream not
-//!   of the current device), which NCCL returns as `ncclUnhandledCudaError`.
+//!   its device's primary context (NCCL calls `cudaSetDevice`). NVLink SHARP is set up there
+//!   (src/transport/nvls.cc, `ncclNvlsInit`): off when `NCCL_NVLS_ENABLE` is 0 or the
+//!   communicator has two GPUs or fewer; at the default (2) only where the device reports
+//!   `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
+//! - `ncclAllReduce` checks its arguments (src/misc/argcheck.cc, `ArgsCheck`): a data type
+//!   outside nccl.h's 12 or an operation outside the 5 built-in ones (no user operations are
+//!   made here) is `ncclInvalidArgument`. Its buffers are checked only when `NCCL_CHECK_POINTERS`
+//!   is 1 at init (src/init.cc, `checkPointers`; `CudaPtrCheck`): then a pointer that is not
+//!   device memory, or memory of another device ("allocated on device %d mismatchs with NCCL
+//!   device %d"), is `ncclInvalidArgument`. Unchecked, NCCL's kernel meets the bad pointer: its
+//!   context is poisoned with CUDA_ERROR_ILLEGAL_ADDRESS and the other ranks wait for it (the
+//!   fake's kernels read only their own device's memory; where a real one would reach a peer's
+//!   buffer through the P2P mapping NCCL made, the fake is stricter).
+//! - Group semantics (src/group.cc, src/include/group.h, src/enqueue.cc `ncclEnqueueCheck`): a
+//!   call inside `ncclGroupStart`/`ncclGroupEnd` only queues; a call that fails returns its
+//!   error and leaves it as the group's (`ncclGroupErrCheck`), and the outermost `ncclGroupEnd`
+//!   then returns that error and launches nothing. `ncclGroupEnd` without a `ncclGroupStart` is
+//!   `ncclInvalidUsage` ("ncclGroupEnd: not in a group call"). The kernels are launched at the
+//!   outermost `ncclGroupEnd`: a rank's stream of another device's context fails that launch
+//!   (CUDA C++ Programming Guide, "Stream and Event Behavior": a kernel launch fails on a stream
+//!   not of the current device), which NCCL returns as `ncclUnhandledCudaError`.
 //! - One thread driving several devices must group their calls: "every NCCL call may have to
 //!   block, waiting for other threads/ranks to arrive" (*NCCL*, "Management Of Multiple GPUs
 //!   From One Thread"). A collective called outside a group on a communicator of more than one
 //!   rank blocks here, for ever; so does a group in which a rank of the clique has no part (the
-//!   others wait for it), and a ring through a pair of GPUs without peer access — an
-//!   all-reduce that hangs where P2P is broken is NVIDIA/nccl#257, which `intel_iommu=off` cured.
-//!   The fake blocks in the call itself (NCCL blocks in the kernel it launched): either way the
-//!   caller never gets its answer, and a deadline must catch it. `ncclGroupEnd` without a
-//!   `ncclGroupStart` is `ncclInvalidUsage` (src/group.cc).
+//!   others wait for it), and a ring through a pair whose peer access is reported but whose P2P
+//!   writes never land (`peers.pairs[].lost`: PCIe ACS sending P2P to the IOMMU — *NCCL*,
+//!   Troubleshooting, "PCI Access Control Services (ACS)"; NVIDIA/nccl#2079 and #257). The fake
+//!   blocks in the call itself (NCCL blocks in the kernel it launched): either way the caller
+//!   never gets its answer, and a deadline must catch it.
+//! - A pair without peer access is no hang: NCCL's P2P transport declines it
+//!   (src/transport/p2p.cc, `p2pCanConnect`: `cudaDeviceCanAccessPeer` answers 0) and the SHM
+//!   transport carries it through host memory (src/transport/shm.cc, `shmCanConnect`: same host,
+//!   same /dev/shm). The fake charges such a pair at the host-staged copy rate (the slower of
+//!   the source's device→host and the destination's host→device rate).
 //! - The sum is real: FP32, out of place or in place, every element. Memory filled with one
 //!   word by `cuMemsetD32` stays one word, so a 16 GiB message costs no host memory.
 //! - The time is the algorithm's: a ring moves 2(n−1)/n of the message over each GPU's slowest
@@ -32,12 +51,10 @@
 //!   order (src/graph/search.cc searches one per channel; behind NVSwitches every GPU may follow
 //!   every other), and the collective ends with its slowest channel: the fake charges the
 //!   slowest pair of the clique, so a degraded link is seen whatever the rank order. NVLink
-//!   SHARP (NVLS) on the NVSwitches runs at the scenario's `nccl.nvls_busbw_gbps` when it is set
-//!   and `NCCL_NVLS_ENABLE` is not 0 at init (*NCCL*, "Environment Variables",
-//!   NCCL_NVLS_ENABLE); each GPU's share crosses its own NVLinks to the switches, so a link
-//!   slower than the scenario's `peers.gbps` slows NVLS by the same ratio.
+//!   SHARP (NVLS), where init enabled it, runs at the scenario's `nccl.nvls_busbw_gbps`; each
+//!   GPU's share crosses its own NVLinks to the switches, so a pair slower than the scenario's
+//!   `peers.gbps` slows NVLS by the same ratio.
 
-use crate::scenario::Scenario;
 use crate::{with, CUdeviceptr, Handle, Mem, World};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
@@ -50,10 +67,10 @@ pub const INTERNAL_ERROR: NcclResult = 3;
 pub const INVALID_ARGUMENT: NcclResult = 4;
 pub const INVALID_USAGE: NcclResult = 5;
 
-/// `ncclDataType_t` (nccl.h): ncclFloat32 is 7 of the 10 types; `ncclRedOp_t`: ncclSum is 0 of
-/// the 5 built-in operations.
+/// `ncclDataType_t` (nccl.h, 2.24 on): ncclFloat32 is 7 of the 12 types (`ncclNumTypes`);
+/// `ncclRedOp_t`: ncclSum is 0 of the 5 built-in operations (`ncclNumOps`).
 const NCCL_FLOAT32: c_int = 7;
-const NCCL_NUM_TYPES: c_int = 10;
+const NCCL_NUM_TYPES: c_int = 12;
 const NCCL_SUM: c_int = 0;
 const NCCL_NUM_OPS: c_int = 5;
 
@@ -65,6 +82,8 @@ struct Comm {
     dev: usize,
     rank: usize,
     clique: usize,
+    /// `NCCL_CHECK_POINTERS=1` at init.
+    check_pointers: bool,
 }
 
 struct Clique {
@@ -79,7 +98,15 @@ struct Op {
     send: CUdeviceptr,
     recv: CUdeviceptr,
     count: usize,
-    stream: usize,
+    /// The caller's stream handle, resolved at launch.
+    stream: Handle,
+}
+
+/// The calling thread's group: its depth, the calls queued, and the first error met.
+struct Group {
+    depth: u32,
+    ops: Vec<Op>,
+    error: NcclResult,
 }
 
 #[derive(Default)]
@@ -92,8 +119,10 @@ struct State {
 static STATE: Mutex<Option<State>> = Mutex::new(None);
 
 thread_local! {
-    /// NCCL's group is the calling thread's (src/group.cc keeps its depth thread-local).
-    static GROUP: std::cell::RefCell<(u32, Vec<Op>)> = const { std::cell::RefCell::new((0, Vec::new())) };
+    /// NCCL's group is the calling thread's (src/group.cc keeps its depth and error
+    /// thread-local).
+    static GROUP: std::cell::RefCell<Group> =
+        const { std::cell::RefCell::new(Group { depth: 0, ops: Vec::new(), error: SUCCESS }) };
 }
 
 fn state<T>(f: impl FnOnce(&mut State) -> T) -> T {
@@ -179,7 +208,23 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Handle, ndev: c_int, devlis
             return UNHANDLED_CUDA_ERROR;
         }
     }
-    let nvls = std::env::var("NCCL_NVLS_ENABLE").map(|v| v.trim() != "0").unwrap_or(true);
+    // ncclNvlsInit: NCCL_NVLS_ENABLE (default 2) 0 is off, as are two GPUs or fewer; 2 asks
+    // the device; any other value forces it on.
+    let enable = std::env::var("NCCL_NVLS_ENABLE").ok().and_then(|v| v.trim().parse::<i64>().ok()).unwrap_or(2);
+    let multicast = with(|w| w.scenario.multicast() as i32) == 1;
+    let nvls = enable != 0 && devs.len() > 2 && (enable != 2 || multicast);
+    let check_pointers = std::env::var("NCCL_CHECK_POINTERS").is_ok_and(|v| v.trim() == "1");
+    // NCCL_DEBUG=VERSION (or INFO, TRACE): NCCL's version line goes to its debug file, stdout
+    // unless NCCL_DEBUG_FILE names another, through C stdio and unflushed — block-buffered
+    // where stdout is a pipe (src/debug.cc: `ncclDebugFile = stdout`, `fwrite`; src/init.cc,
+    // VERSION_STRING).
+    let level = std::env::var("NCCL_DEBUG").unwrap_or_default().to_ascii_uppercase();
+    if matches!(level.as_str(), "VERSION" | "INFO" | "TRACE") {
+        extern "C" {
+            fn printf(format: *const c_char, ...) -> c_int;
+        }
+        printf(c"%s\n".as_ptr(), c"NCCL version 2.27.3+cuda12.9".as_ptr());
+    }
     state(|s| {
         let clique = s.next;
         s.next += 1;
@@ -187,7 +232,7 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Handle, ndev: c_int, devlis
         for (rank, dev) in devs.iter().enumerate() {
             s.next += 1;
             let h = 0x4e00_0000 + s.next;
-            s.comms.insert(h, Comm { dev: *dev, rank, clique });
+            s.comms.insert(h, Comm { dev: *dev, rank, clique, check_pointers });
             *comms.add(rank) = h as Handle;
         }
     });
@@ -217,27 +262,44 @@ pub unsafe extern "C" fn ncclCommCount(comm: Handle, count: *mut c_int) -> NcclR
 
 #[no_mangle]
 pub extern "C" fn ncclGroupStart() -> NcclResult {
-    GROUP.with(|g| g.borrow_mut().0 += 1);
+    GROUP.with(|g| g.borrow_mut().depth += 1);
     SUCCESS
 }
 
 #[no_mangle]
 pub extern "C" fn ncclGroupEnd() -> NcclResult {
-    let ops = GROUP.with(|g| {
+    let ended = GROUP.with(|g| {
         let mut g = g.borrow_mut();
-        if g.0 == 0 {
+        if g.depth == 0 {
             return None;
         }
-        g.0 -= 1;
-        Some(if g.0 == 0 { std::mem::take(&mut g.1) } else { Vec::new() })
+        g.depth -= 1;
+        if g.depth > 0 {
+            return Some((SUCCESS, Vec::new()));
+        }
+        let error = std::mem::replace(&mut g.error, SUCCESS);
+        Some((error, std::mem::take(&mut g.ops)))
     });
-    match ops {
+    match ended {
         None => {
             eprintln!("fake-nccl: ncclGroupEnd: not in a group call");
             INVALID_USAGE
         }
-        Some(ops) => run(ops),
+        // group.cc: `if ((ret = ncclGroupError) != ncclSuccess) goto fail;` — nothing launched.
+        Some((error, _)) if error != SUCCESS => error,
+        Some((_, ops)) => run(ops),
     }
+}
+
+/// A call's error, kept as its group's when it is in one (`ncclGroupErrCheck`).
+fn group_err(r: NcclResult) -> NcclResult {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 && r != SUCCESS && g.error == SUCCESS {
+            g.error = r;
+        }
+    });
+    r
 }
 
 /// # Safety
@@ -253,71 +315,70 @@ pub unsafe extern "C" fn ncclAllReduce(
     comm: Handle,
     stream: Handle,
 ) -> NcclResult {
-    let Some((dev, ranks)) = state(|s| s.comms.get(&(comm as usize)).map(|c| (c.dev, s.cliques[&c.clique].devs.len())))
+    group_err(all_reduce(send as CUdeviceptr, recv as CUdeviceptr, count, datatype, op, comm, stream))
+}
+
+fn all_reduce(
+    send: CUdeviceptr,
+    recv: CUdeviceptr,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: Handle,
+    stream: Handle,
+) -> NcclResult {
+    // CommCheck: not a live communicator.
+    let Some((dev, ranks, check_pointers)) =
+        state(|s| s.comms.get(&(comm as usize)).map(|c| (c.dev, s.cliques[&c.clique].devs.len(), c.check_pointers)))
     else {
+        eprintln!("fake-nccl: ncclAllReduce: {comm:?} is not a communicator");
         return INVALID_ARGUMENT;
     };
-    if send.is_null() || recv.is_null() || !(0..NCCL_NUM_TYPES).contains(&datatype) || !(0..NCCL_NUM_OPS).contains(&op)
-    {
+    if !(0..NCCL_NUM_TYPES).contains(&datatype) || !(0..NCCL_NUM_OPS).contains(&op) {
+        eprintln!("fake-nccl: ncclAllReduce: invalid type {datatype} or reduction operation {op}");
         return INVALID_ARGUMENT;
     }
     if datatype != NCCL_FLOAT32 || op != NCCL_SUM {
         eprintln!("fake-nccl: ncclAllReduce: only ncclFloat32 with ncclSum is modelled");
         return INTERNAL_ERROR;
     }
-    let (send, recv) = (send as CUdeviceptr, recv as CUdeviceptr);
-    let bytes = (count * 4) as u64;
-    let mut r = SUCCESS;
-    let mut sid = 0;
-    with(|w| {
-        for p in [send, recv] {
-            // A buffer on another device, or no device buffer at all (CudaPtrCheck).
-            match w.find(p, bytes) {
-                Ok((base, _)) if w.allocs[&base].device == dev => {}
-                _ => {
-                    eprintln!("fake-nccl: ncclAllReduce: {p:#x} is not {bytes} bytes of the communicator's device");
-                    r = INVALID_ARGUMENT;
-                    return 0;
-                }
-            }
+    if check_pointers {
+        let bytes = (count * 4) as u64;
+        let bad = with(|w| {
+            [send, recv]
+                .into_iter()
+                .any(|p| !matches!(w.find(p, bytes), Ok((base, _)) if w.allocs[&base].device == dev)) as i32
+        });
+        if bad != 0 {
+            eprintln!("fake-nccl: ncclAllReduce: a buffer is not {bytes} bytes of the communicator's device");
+            return INVALID_ARGUMENT;
         }
-        match w.stream(stream) {
-            Ok(id) if w.stream_device(id) == dev => sid = id,
-            _ => {
-                eprintln!("fake-nccl: ncclAllReduce: the stream is not one of the communicator's device");
-                r = UNHANDLED_CUDA_ERROR;
-            }
-        }
-        0
-    });
-    if r != SUCCESS {
-        return r;
     }
-    let op = Op { comm: comm as usize, send, recv, count, stream: sid };
-    let grouped = GROUP.with(move |g| {
+    let op = Op { comm: comm as usize, send, recv, count, stream };
+    let ungrouped = GROUP.with(move |g| {
         let mut g = g.borrow_mut();
-        if g.0 > 0 {
-            g.1.push(op);
+        if g.depth > 0 {
+            g.ops.push(op);
             None
         } else {
             Some(op)
         }
     });
-    match grouped {
+    match ungrouped {
         None => SUCCESS,
         Some(_) if ranks > 1 => hang("ncclAllReduce outside a group, one thread, several ranks"),
         Some(op) => run(vec![op]),
     }
 }
 
-/// Runs a group's collectives: each clique's ranks together.
+/// Launches a group's collectives: each clique's ranks together.
 fn run(ops: Vec<Op>) -> NcclResult {
-    let mut by_clique: HashMap<usize, Vec<(usize, Op)>> = HashMap::new();
+    let mut by_clique: HashMap<usize, Vec<(usize, usize, Op)>> = HashMap::new();
     let mut shapes = Vec::new();
     state(|s| {
         for op in ops {
             let c = &s.comms[&op.comm];
-            by_clique.entry(c.clique).or_default().push((c.rank, op));
+            by_clique.entry(c.clique).or_default().push((c.rank, c.dev, op));
         }
         for (clique, ops) in &by_clique {
             let cl = &s.cliques[clique];
@@ -326,8 +387,40 @@ fn run(ops: Vec<Op>) -> NcclResult {
     });
     for (clique, devs, nvls, n) in shapes {
         let mut ops = by_clique.remove(&clique).unwrap_or_default();
-        ops.sort_by_key(|(rank, _)| *rank);
-        if n != devs.len() || ops.iter().any(|(_, o)| o.count != ops[0].1.count) {
+        ops.sort_by_key(|(rank, _, _)| *rank);
+        // The launch: each rank's kernel on its stream, which must be of the rank's device.
+        let mut streams = Vec::new();
+        let launched = with(|w| {
+            for (_, dev, o) in &ops {
+                match w.stream(o.stream) {
+                    Ok(id) if w.stream_device(id) == *dev => streams.push(id),
+                    _ => {
+                        eprintln!("fake-nccl: ncclGroupEnd: a rank's stream is not of its device: the launch fails");
+                        return UNHANDLED_CUDA_ERROR;
+                    }
+                }
+            }
+            0
+        });
+        if launched != 0 {
+            return launched;
+        }
+        // A kernel meeting a buffer it cannot reach faults; the others wait for its rank.
+        let fault = with(|w| {
+            for (rank, dev, o) in &ops {
+                let bytes = (o.count * 4) as u64;
+                let reach = |p| matches!(w.find(p, bytes), Ok((base, _)) if w.allocs[&base].device == *dev);
+                if !reach(o.send) || !reach(o.recv) {
+                    w.poison(*dev, crate::codes::ILLEGAL_ADDRESS);
+                    return *rank as i32 + 1;
+                }
+            }
+            0
+        });
+        if fault != 0 {
+            hang(&format!("rank {}'s kernel met an illegal address", fault - 1));
+        }
+        if n != devs.len() || ops.iter().any(|(_, _, o)| o.count != ops[0].2.count) {
             hang("a rank of the clique has no part in the collective");
         }
         let mut hung = None;
@@ -336,25 +429,25 @@ fn run(ops: Vec<Op>) -> NcclResult {
             // module's rules).
             let pairs: Vec<(usize, usize)> =
                 devs.iter().flat_map(|a| devs.iter().filter(move |b| *b != a).map(move |b| (*a, *b))).collect();
-            if let Some((a, b)) = pairs.iter().find(|(a, b)| !w.scenario.peer(*a, *b).0) {
+            if let Some((a, b)) = pairs.iter().find(|(a, b)| w.scenario.peer(*a, *b).0 && w.scenario.lost(*a, *b)) {
                 hung = Some(format!(
-                    "a ring runs from GPU {} to GPU {}, which have no peer access",
+                    "a ring runs from GPU {} to GPU {}, whose P2P writes never land",
                     w.ordinal_of(*a),
                     w.ordinal_of(*b)
                 ));
                 return 0;
             }
-            let ops: Vec<&Op> = ops.iter().map(|(_, o)| o).collect();
+            let ops: Vec<&Op> = ops.iter().map(|(_, _, o)| o).collect();
             if let Err(e) = reduce(w, &ops) {
                 return e;
             }
-            let busbw = bus_gbps(&w.scenario, &pairs, nvls);
+            let busbw = bus_gbps(w, &pairs, nvls);
             let nr = devs.len() as f64;
             let bytes = (ops[0].count * 4) as f64;
             let secs = if nr > 1.0 { bytes * 2.0 * (nr - 1.0) / nr / (busbw * 1e9) } else { 0.0 };
-            let start = ops.iter().map(|o| w.stream_clock(o.stream)).fold(0.0, f64::max);
-            for o in &ops {
-                if let Some(st) = w.streams.get_mut(&o.stream) {
+            let start = streams.iter().map(|s| w.stream_clock(*s)).fold(0.0, f64::max);
+            for s in &streams {
+                if let Some(st) = w.streams.get_mut(s) {
                     st.clock = start + secs;
                 }
             }
@@ -370,10 +463,16 @@ fn run(ops: Vec<Op>) -> NcclResult {
     SUCCESS
 }
 
-/// The bus bandwidth of the clique's all-reduce, GB/s: NVLS's where the scenario has it and it
-/// is on, scaled by the slowest link's share of the nominal rate; else the slowest link's.
-fn bus_gbps(s: &Scenario, pairs: &[(usize, usize)], nvls: bool) -> f64 {
-    let slowest = pairs.iter().map(|(a, b)| s.peer(*a, *b).1).fold(f64::INFINITY, f64::min).max(1e-9);
+/// The bus bandwidth of the clique's all-reduce, GB/s: NVLS's where init enabled it, scaled by
+/// the slowest pair's share of the nominal rate; else the slowest pair's. A pair without peer
+/// access goes through host memory (SHM) at the staged rate.
+fn bus_gbps(w: &World, pairs: &[(usize, usize)], nvls: bool) -> f64 {
+    let s = &w.scenario;
+    let rate = |a: usize, b: usize| match s.peer(a, b) {
+        (true, g) if g > 0.0 => g,
+        _ => w.staged_gbps(a, b),
+    };
+    let slowest = pairs.iter().map(|(a, b)| rate(*a, *b)).fold(f64::INFINITY, f64::min).max(1e-9);
     match s.nccl.as_ref().and_then(|n| n.nvls_busbw_gbps).filter(|_| nvls && !pairs.is_empty()) {
         Some(g) if s.peers.gbps > 0.0 => g * (slowest / s.peers.gbps).min(1.0),
         Some(g) => g,

@@ -250,6 +250,14 @@ pub struct Pair {
     #[serde(default = "yes")]
     pub access: bool,
     pub gbps: Option<f64>,
+    /// Peer access is reported, but writes through the peer mapping never land: PCIe Access
+    /// Control Services redirecting P2P to an IOMMU that drops it (NCCL's troubleshooting guide,
+    /// "PCI Access Control Services (ACS)": with ACS on, P2P "can result in a hang or low
+    /// performance"; NVIDIA/nccl#2079, where P2P traffic forced through the IOMMU deadlocked
+    /// `ncclAllReduce`; NVIDIA/nccl#257, cured by `intel_iommu=off`). A copy over it leaves the
+    /// destination as it was; NCCL waits for ever on a ring through it.
+    #[serde(default)]
+    pub lost: bool,
 }
 
 fn yes() -> bool {
@@ -263,5 +271,17 @@ impl Scenario {
             Some(p) => (p.access, p.gbps.unwrap_or(self.peers.gbps)),
             None => (self.peers.access, self.peers.gbps),
         }
+    }
+
+    /// Whether writes from `src` through its peer mapping of `dst` are lost (`Pair::lost`).
+    pub fn lost(&self, src: usize, dst: usize) -> bool {
+        self.peers.pairs.iter().any(|p| p.src == src && p.dst == dst && p.lost)
+    }
+
+    /// `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED` ("Device supports switch multicast and
+    /// reduction operations", DRV, `CUdevice_attribute`): the scenario's GPUs have it where the
+    /// scenario gives NVLink SHARP a rate, for NVLS is those operations.
+    pub fn multicast(&self) -> bool {
+        self.nccl.as_ref().is_some_and(|n| n.nvls_busbw_gbps.is_some())
     }
 }

@@ -410,14 +410,47 @@ unsafe fn nccl_rules() {
     ok(cuMemcpyDtoHAsync_v2(w.as_mut_ptr() as *mut c_void, bufs[1].1, 32, bufs[1].2));
     ok(cuStreamSynchronize(bufs[1].2));
     assert_eq!(w, [0.0, 3.0, 6.0, 9.0, 12.0, 15.0, 18.0, 21.0]);
-    // Arguments NCCL refuses.
+    // Arguments NCCL refuses: 12 types (2.24 on), 5 built-in operations.
     let (s0, r0, st0) = bufs[0];
-    let (_, r1, st1) = bufs[1];
-    let s = s0 as *const c_void;
-    assert_eq!(ncclAllReduce(s, r1 as *mut c_void, 8, 7, 0, comms[0], st0), INVALID_ARGUMENT, "GPU 1's buffer");
-    assert_eq!(ncclAllReduce(s, r0 as *mut c_void, 8, 7, 0, comms[0], st1), UNHANDLED_CUDA_ERROR, "GPU 1's stream");
-    assert_eq!(ncclAllReduce(s, r0 as *mut c_void, 8, 12, 0, comms[0], st0), INVALID_ARGUMENT, "no type 12");
-    assert_eq!(ncclAllReduce(std::ptr::null(), r0 as *mut c_void, 8, 7, 0, comms[0], st0), INVALID_ARGUMENT);
+    let (s1, r1, st1) = bufs[1];
+    let (s, r) = (s0 as *const c_void, r0 as *mut c_void);
+    assert_eq!(ncclAllReduce(s, r, 8, 12, 0, comms[0], st0), INVALID_ARGUMENT, "no type 12");
+    assert_eq!(ncclAllReduce(s, r, 8, 7, 5, comms[0], st0), INVALID_ARGUMENT, "no operation 5");
+    assert_eq!(ncclAllReduce(s, r, 8, 7, 0, std::ptr::null_mut(), st0), INVALID_ARGUMENT, "no communicator");
+    // A call that fails inside a group fails the group at ncclGroupEnd, and nothing runs: rank
+    // 0's result keeps the NaN put there.
+    let nan = 0x7fc0_0000u32;
+    ok(cuCtxSetCurrent(retain(0)));
+    ok(cuMemsetD32Async(r0, nan, 8, st0));
+    ok(cuStreamSynchronize(st0));
+    let rank1 = |t: c_int, st| ncclAllReduce(s1 as *const c_void, r1 as *mut c_void, 8, t, 0, comms[1], st);
+    assert_eq!(ncclGroupStart(), SUCCESS);
+    assert_eq!(ncclAllReduce(s, r, 8, 7, 0, comms[0], st0), SUCCESS);
+    assert_eq!(rank1(12, st1), INVALID_ARGUMENT);
+    assert_eq!(ncclGroupEnd(), INVALID_ARGUMENT, "the group's error");
+    let mut w = [0u32; 2];
+    ok(cuMemcpyDtoHAsync_v2(w.as_mut_ptr() as *mut c_void, r0, 8, st0));
+    ok(cuStreamSynchronize(st0));
+    assert_eq!(w, [nan; 2], "nothing was launched");
+    // The kernels are launched at ncclGroupEnd: a rank's stream of another device fails there.
+    assert_eq!(ncclGroupStart(), SUCCESS);
+    assert_eq!(ncclAllReduce(s, r, 8, 7, 0, comms[0], st1), SUCCESS, "queued, not launched");
+    assert_eq!(rank1(7, st1), SUCCESS);
+    assert_eq!(ncclGroupEnd(), UNHANDLED_CUDA_ERROR, "GPU 1's stream for GPU 0's rank");
+    // Buffers are checked only with NCCL_CHECK_POINTERS=1 at init (argcheck.cc, init.cc).
+    std::env::set_var("NCCL_CHECK_POINTERS", "1");
+    let mut checked = [std::ptr::null_mut(); 2];
+    assert_eq!(ncclCommInitAll(checked.as_mut_ptr(), 2, [0, 1].as_ptr()), SUCCESS);
+    std::env::remove_var("NCCL_CHECK_POINTERS");
+    assert_eq!(ncclAllReduce(s, r1 as *mut c_void, 8, 7, 0, checked[0], st0), INVALID_ARGUMENT, "GPU 1's buffer");
+    assert_eq!(ncclAllReduce(std::ptr::null(), r, 8, 7, 0, checked[0], st0), INVALID_ARGUMENT, "a null buffer");
+    for c in checked {
+        assert_eq!(ncclCommDestroy(c), SUCCESS);
+    }
+    // No NVLink SHARP: two GPUs, and this scenario's GPUs report no multicast.
+    let mut mc = -1;
+    ok(cuDeviceGetAttribute(&mut mc, 132, 0));
+    assert_eq!(mc, 0);
     assert_eq!(ncclGroupEnd(), INVALID_USAGE, "not in a group");
     assert_eq!(c_str(ncclGetErrorString(INVALID_USAGE)), "invalid usage (run with NCCL_DEBUG=WARN for details)");
     for c in comms {
