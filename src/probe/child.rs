@@ -83,8 +83,11 @@ const ID: &str = "probe.responsive";
 pub fn deadline(snapshot: &Snapshot, level: ProbeLevel, limits: Limits) -> Duration {
     // Planned as if cuBLAS were missing: the agent's own GEMM kernels are the slower, so the
     // deadline holds either way, and the service never loads a CUDA library itself (rule 1).
-    let opts = super::Options::at(level);
-    let plan = super::plan_here(snapshot, &opts, false);
+    deadline_for(&super::plan_here(snapshot, &super::Options::at(level), false), limits)
+}
+
+/// Rule 3 for a plan: twice its GPU time, the margin, and an allowance per all-reduce.
+pub(crate) fn deadline_for(plan: &super::plan::Plan, limits: Limits) -> Duration {
     let nccl = if plan.allreduce_s > 0.0 { 2 * limits.nccl_allowance } else { Duration::ZERO };
     Duration::from_secs_f64(plan.total_s.max(0.0) * 2.0) + limits.margin + nccl
 }

@@ -377,6 +377,27 @@ mod tests {
         assert_eq!(small.gpus[0].memory_bytes, (10u64 << 30) / 10 * 9);
     }
 
+    /// The service's deadline for a probe child: twice the plan and the margin, and NCCL's
+    /// allowance once for each of the two all-reduces where the level runs them (each all-reduce
+    /// child may take that much beyond its transfers) — none at quick, none on one GPU.
+    #[test]
+    fn the_service_deadline_allows_for_each_all_reduce() {
+        use super::super::child::{deadline_for, Limits};
+        use std::time::Duration;
+        let limits = Limits { margin: Duration::from_secs(120), nccl_allowance: Duration::from_secs(180) };
+        let standard = total(ProbeLevel::Standard);
+        assert!(standard.allreduce_s > 0.0);
+        let want = Duration::from_secs_f64(2.0 * standard.total_s) + Duration::from_secs(120 + 2 * 180);
+        assert_eq!(deadline_for(&standard, limits), want);
+        let quick = total(ProbeLevel::Quick);
+        assert_eq!(
+            deadline_for(&quick, limits),
+            Duration::from_secs_f64(2.0 * quick.total_s) + Duration::from_secs(120)
+        );
+        let one = plan(&hgx(1), &Options::at(ProbeLevel::Standard), &|_| Some(80 << 30), true);
+        assert_eq!(deadline_for(&one, limits), Duration::from_secs_f64(2.0 * one.total_s) + Duration::from_secs(120));
+    }
+
     #[test]
     fn bit_fade_is_one_pause_for_all_gpus() {
         let full = total(ProbeLevel::Full);
