@@ -176,6 +176,10 @@ r = json.load(open(sys.argv[1]))
 for f in r.get("findings", []):
     if f["id"] == "probe.allreduce":
         print(f"{f['severity'].upper():<8}{f['summary']}")
+        ok = ((f.get("evidence") or {}).get("allreduce") or {}).get("nccl", {}).get("ok") or {}
+        print(f"        multicast reported by every GPU: {ok.get('multicast')}; {ok.get('library')}")
+        for s in ok.get("settings", []):
+            print(f"        NCCL setting: {s['name']}={s['value']} ({s['from']})")
 PY
     if command -v all_reduce_perf > /dev/null; then
         # nccl-tests, one process driving every GPU (-g), as the probe does; its busbw column is
