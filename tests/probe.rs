@@ -100,6 +100,14 @@ impl Probed {
         Probed { code: out.status.code().unwrap_or(-1), report, stderr }
     }
 
+    /// The run exited 2 and its `probe.allreduce` failed: that finding.
+    fn failed_allreduce(&self) -> &Value {
+        assert_eq!(self.code, 2, "{}", self.stderr);
+        let f = self.machine_finding("probe.allreduce");
+        assert_eq!(f["severity"], "fail", "{f}");
+        f
+    }
+
     fn finding(&self, id: &str, gpu: &str) -> &Value {
         self.report["findings"]
             .as_array()
@@ -780,9 +788,7 @@ fn the_all_reduce_over_the_hgx_passes_at_the_nvls_rate_and_shows_the_rings_with_
 fn a_slow_link_fails_the_all_reduce_under_nvls_and_the_rings() {
     let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu-slow-pair");
     let p = r.run(&["--allreduce-size", "16G"]);
-    assert_eq!(p.code, 2, "{}", p.stderr);
-    let f = p.machine_finding("probe.allreduce");
-    assert_eq!(f["severity"], "fail", "{f}");
+    let f = p.failed_allreduce();
     assert_eq!(
         f["summary"],
         "all-reduce over 8 GPUs: 153.6 GB/s bus bandwidth; with NVLS off 120.0, below the floor of 460 GB/s"
@@ -797,9 +803,7 @@ fn a_slow_link_fails_the_all_reduce_under_nvls_and_the_rings() {
 fn a_pair_without_peer_access_goes_through_host_memory_and_the_floor_fails() {
     let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu-no-peer-pair");
     let p = r.run(&["--allreduce-size", "16G"]);
-    assert_eq!(p.code, 2, "{}", p.stderr);
-    let f = p.machine_finding("probe.allreduce");
-    assert_eq!(f["severity"], "fail", "{f}");
+    let f = p.failed_allreduce();
     // The pair's staged rate is 55 GB/s (each GPU's device↔host rate): NVLS 480 × 55 / 375.
     assert_eq!(
         f["summary"],
@@ -823,9 +827,7 @@ fn lost_p2p_writes_hang_nccl_and_the_deadline_reports_it() {
     let started = Instant::now();
     let p = r.run(&["--allreduce-size", "1G"]);
     eprintln!("probe took {:?}", started.elapsed());
-    assert_eq!(p.code, 2, "{}", p.stderr);
-    let f = p.machine_finding("probe.allreduce");
-    assert_eq!(f["severity"], "fail", "{f}");
+    let f = p.failed_allreduce();
     let summary = f["summary"].as_str().unwrap();
     assert!(summary.starts_with("NCCL's all-reduce over 8 GPUs did not finish within its"), "{f}");
     assert!(summary.contains("blocked at: 5 warm-up all-reduces of 1073741824 bytes"), "{f}");

@@ -315,60 +315,53 @@ pub unsafe extern "C" fn ncclAllReduce(
     comm: Handle,
     stream: Handle,
 ) -> NcclResult {
-    group_err(all_reduce(send as CUdeviceptr, recv as CUdeviceptr, count, datatype, op, comm, stream))
-}
-
-fn all_reduce(
-    send: CUdeviceptr,
-    recv: CUdeviceptr,
-    count: usize,
-    datatype: c_int,
-    op: c_int,
-    comm: Handle,
-    stream: Handle,
-) -> NcclResult {
-    // CommCheck: not a live communicator.
-    let Some((dev, ranks, check_pointers)) =
-        state(|s| s.comms.get(&(comm as usize)).map(|c| (c.dev, s.cliques[&c.clique].devs.len(), c.check_pointers)))
-    else {
-        eprintln!("fake-nccl: ncclAllReduce: {comm:?} is not a communicator");
-        return INVALID_ARGUMENT;
-    };
-    if !(0..NCCL_NUM_TYPES).contains(&datatype) || !(0..NCCL_NUM_OPS).contains(&op) {
-        eprintln!("fake-nccl: ncclAllReduce: invalid type {datatype} or reduction operation {op}");
-        return INVALID_ARGUMENT;
-    }
-    if datatype != NCCL_FLOAT32 || op != NCCL_SUM {
-        eprintln!("fake-nccl: ncclAllReduce: only ncclFloat32 with ncclSum is modelled");
-        return INTERNAL_ERROR;
-    }
-    if check_pointers {
-        let bytes = (count * 4) as u64;
-        let bad = with(|w| {
-            [send, recv]
-                .into_iter()
-                .any(|p| !matches!(w.find(p, bytes), Ok((base, _)) if w.allocs[&base].device == dev)) as i32
+    let (send, recv) = (send as CUdeviceptr, recv as CUdeviceptr);
+    // A failed call is its group's error too (`ncclGroupErrCheck`).
+    group_err('call: {
+        // CommCheck: not a live communicator.
+        let Some((dev, ranks, check_pointers)) = state(|s| {
+            s.comms.get(&(comm as usize)).map(|c| (c.dev, s.cliques[&c.clique].devs.len(), c.check_pointers))
+        }) else {
+            eprintln!("fake-nccl: ncclAllReduce: {comm:?} is not a communicator");
+            break 'call INVALID_ARGUMENT;
+        };
+        if !(0..NCCL_NUM_TYPES).contains(&datatype) || !(0..NCCL_NUM_OPS).contains(&op) {
+            eprintln!("fake-nccl: ncclAllReduce: invalid type {datatype} or reduction operation {op}");
+            break 'call INVALID_ARGUMENT;
+        }
+        if datatype != NCCL_FLOAT32 || op != NCCL_SUM {
+            eprintln!("fake-nccl: ncclAllReduce: only ncclFloat32 with ncclSum is modelled");
+            break 'call INTERNAL_ERROR;
+        }
+        if check_pointers {
+            let bytes = (count * 4) as u64;
+            let bad = with(|w| {
+                [send, recv]
+                    .into_iter()
+                    .any(|p| !matches!(w.find(p, bytes), Ok((base, _)) if w.allocs[&base].device == dev))
+                    as i32
+            });
+            if bad != 0 {
+                eprintln!("fake-nccl: ncclAllReduce: a buffer is not {bytes} bytes of the communicator's device");
+                break 'call INVALID_ARGUMENT;
+            }
+        }
+        let op = Op { comm: comm as usize, send, recv, count, stream };
+        let ungrouped = GROUP.with(move |g| {
+            let mut g = g.borrow_mut();
+            if g.depth > 0 {
+                g.ops.push(op);
+                None
+            } else {
+                Some(op)
+            }
         });
-        if bad != 0 {
-            eprintln!("fake-nccl: ncclAllReduce: a buffer is not {bytes} bytes of the communicator's device");
-            return INVALID_ARGUMENT;
+        match ungrouped {
+            None => SUCCESS,
+            Some(_) if ranks > 1 => hang("ncclAllReduce outside a group, one thread, several ranks"),
+            Some(op) => run(vec![op]),
         }
-    }
-    let op = Op { comm: comm as usize, send, recv, count, stream };
-    let ungrouped = GROUP.with(move |g| {
-        let mut g = g.borrow_mut();
-        if g.depth > 0 {
-            g.ops.push(op);
-            None
-        } else {
-            Some(op)
-        }
-    });
-    match ungrouped {
-        None => SUCCESS,
-        Some(_) if ranks > 1 => hang("ncclAllReduce outside a group, one thread, several ranks"),
-        Some(op) => run(vec![op]),
-    }
+    })
 }
 
 /// Launches a group's collectives: each clique's ranks together.
