@@ -796,20 +796,33 @@ fn a_slow_link_fails_the_all_reduce_under_nvls_and_the_rings() {
     assert!(f["detail"].as_str().unwrap().contains("NVLS is in use and still short"), "{f}");
 }
 
-/// GPUs 2 and 6 have no peer access to each other. NCCL does not hang on that: its SHM transport
-/// carries the pair through host memory, and the whole all-reduce runs at the host-staged rate,
-/// far below the floor; the finding names the pair.
+/// GPUs 2 and 6, joined by NVLink, have no peer access to each other. NCCL refuses to start on
+/// that ("P2P is disabled between NVLINK connected GPUs": ncclUnhandledCudaError), and the
+/// finding names the pair. With NCCL_IGNORE_DISABLED_P2P=1 NCCL's SHM transport carries the pair
+/// through host memory instead: no hang, but the whole all-reduce at the host-staged rate, far
+/// below the floor, the pair and the setting named.
 #[test]
-fn a_pair_without_peer_access_goes_through_host_memory_and_the_floor_fails() {
+fn a_pair_without_peer_access_stops_nccls_start_or_goes_through_host_memory() {
     let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu-no-peer-pair");
-    let p = r.run(&["--allreduce-size", "16G"]);
+    let p = r.run(&["--allreduce-size", "1G"]);
+    let f = p.failed_allreduce();
+    assert!(f["summary"].as_str().unwrap().contains("failed: ncclCommInitAll"), "{f}");
+    assert!(f["summary"].as_str().unwrap().contains("ncclUnhandledCudaError"), "{f}");
+    let detail = f["detail"].as_str().unwrap();
+    assert!(detail.contains("GPUs 2↔6 have no peer access") && detail.contains("NVLINK connected"), "{f}");
+    assert!(p.stderr.contains("P2P is disabled between NVLINK connected GPUs"), "{}", p.stderr);
+
+    let out = r.command(&["--allreduce-size", "16G"]).env("NCCL_IGNORE_DISABLED_P2P", "1").output().unwrap();
+    let p = Probed::of(out);
     let f = p.failed_allreduce();
     // The pair's staged rate is 55 GB/s (each GPU's device↔host rate): NVLS 480 × 55 / 375.
     assert_eq!(
         f["summary"],
         "all-reduce over 8 GPUs: 70.4 GB/s bus bandwidth; with NVLS off 55.0, below the floor of 460 GB/s"
     );
-    assert!(f["detail"].as_str().unwrap().contains("GPUs 2↔6 have no peer access"), "{f}");
+    let detail = f["detail"].as_str().unwrap();
+    assert!(detail.contains("GPUs 2↔6 have no peer access"), "{f}");
+    assert!(detail.contains("NCCL_IGNORE_DISABLED_P2P=1 (environment)"), "{f}");
 }
 
 /// GPUs 2 and 6 report peer access, but their P2P writes never land: NCCL's rings through that

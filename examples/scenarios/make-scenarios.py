@@ -276,7 +276,8 @@ def cuda_hgx():
     sits under what healthy machines reach; with NVLS off the rings run at the links' 375, below
     that floor, as rings on NVLink 4 are (the floor presumes NVLS)."""
     gpus = [cuda_gpu("NVIDIA H100 80GB HBM3", b, i ^ 1, 85520809984, 55.0, 2540.0, 51.0) for i, b in enumerate(BUSES)]
-    return {"driver_version": CUDA_DRIVER_API, "devices": gpus, "peers": {"access": True, "gbps": 375.0, "pairs": []},
+    return {"driver_version": CUDA_DRIVER_API, "devices": gpus,
+            "peers": {"access": True, "gbps": 375.0, "nvlink": True, "pairs": []},
             "nccl": {"nvls_busbw_gbps": 480.0}}
 
 
@@ -305,28 +306,29 @@ def cuda_hgx_pcie_pair():
     """GPUs 2 and 6 have no NVLink path: their peer copies, to and from every GPU, run at a
     PCIe rate (55 GB/s). NVML's side of the same machine is hgx-8gpu-nvlink-p2p-off."""
     s = cuda_hgx()
-    s["peers"]["pairs"] = [{"src": a, "dst": b, "gbps": 55.0}
+    s["peers"]["pairs"] = [{"src": a, "dst": b, "gbps": 55.0, "nvlink": False}
                            for a in range(8) for b in range(8) if a != b and (a in (2, 6) or b in (2, 6))]
     return s
 
 
 def cuda_hgx_no_peer_pair():
-    """GPUs 2 and 6 report no peer access to each other (cuDeviceCanAccessPeer answers 0 both
-    ways). NCCL does not hang on it: its P2P transport declines the pair and its SHM transport
-    carries that pair's traffic through host memory (NCCL's src/transport/p2p.cc and shm.cc), so
-    the all-reduce runs at the host-staged rate."""
+    """GPUs 2 and 6, joined by NVLink through the NVSwitches, report no peer access to each other
+    (cuDeviceCanAccessPeer answers 0 both ways; NVML's P2P status likewise). NCCL refuses to
+    start on it ("P2P is disabled between NVLINK connected GPUs", NCCL's src/graph/paths.cc);
+    with NCCL_IGNORE_DISABLED_P2P=1 its SHM transport carries the pair through host memory."""
     s = cuda_hgx()
     s["peers"]["pairs"] = [{"src": 2, "dst": 6, "access": False}, {"src": 6, "dst": 2, "access": False}]
     return s
 
 
 def cuda_hgx_p2p_lost():
-    """GPUs 2 and 6 report peer access to each other, but writes through it never land: PCIe ACS
-    sending P2P traffic to an IOMMU that drops it (NCCL's troubleshooting guide, "PCI Access
-    Control Services"; NVIDIA/nccl#2079 and #257). Peer copies between them leave their
-    destination unchanged, and NCCL's rings through the pair wait for ever."""
+    """GPUs 2 and 6 without NVLink between them (55 GB/s over PCIe, behind one PCIe switch) report
+    peer access, but writes through it never land: PCIe ACS sending P2P traffic to an IOMMU that
+    drops it (NCCL's troubleshooting guide, "PCI Access Control Services"; NVIDIA/nccl#2079 and
+    #257). Peer copies between them leave their destination unchanged, and NCCL's rings through
+    the pair wait for ever."""
     s = cuda_hgx()
-    s["peers"]["pairs"] = [{"src": 2, "dst": 6, "lost": True}, {"src": 6, "dst": 2, "lost": True}]
+    s["peers"]["pairs"] = [{"src": a, "dst": b, "gbps": 55.0, "nvlink": False, "lost": True} for a, b in ((2, 6), (6, 2))]
     return s
 
 

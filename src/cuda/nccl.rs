@@ -110,28 +110,11 @@ pub struct Comms {
     ordinals: Vec<usize>,
 }
 
-impl Comms {
-    /// `ncclCommDestroy` on each communicator, every one of them whatever the others answer;
-    /// the first error is returned. The caller has synchronized their work.
-    pub fn destroy(mut self) -> Result<()> {
-        let mut first = Ok(());
-        for c in std::mem::take(&mut self.comms) {
-            // SAFETY: each live communicator is destroyed once (taken out of `self`).
-            let r = self.nccl.check("ncclCommDestroy", unsafe { (self.nccl.api.ncclCommDestroy)(c) });
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        first
-    }
-}
-
 impl Drop for Comms {
     fn drop(&mut self) {
         for c in &self.comms {
-            // SAFETY: each live communicator destroyed once (`destroy` empties the list); its
-            // work was synchronized by the caller (the buffers and streams it used outlive it in
-            // the probe).
+            // SAFETY: each live communicator destroyed once; its work was synchronized by the
+            // caller (the buffers and streams it used outlive it).
             unsafe { (self.nccl.api.ncclCommDestroy)(*c) };
         }
     }
@@ -203,17 +186,27 @@ pub struct Setting {
 }
 
 impl std::fmt::Display for Setting {
+    /// The value with its control characters escaped: a `\r` left by a CRLF file is part of
+    /// what NCCL reads.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}={} ({})", self.name, self.value, self.from)
+        write!(f, "{}={} ({})", self.name, self.value.escape_debug(), self.from)
     }
 }
 
 /// The `NCCL_*` settings NCCL would see, read as NCCL 2.27 reads them (src/misc/param.cc,
 /// `initEnvFunc`, `setEnvFile`): the environment first; then the file `NCCL_CONF_FILE` names,
 /// or else `~/.nccl.conf` of the user running; then `/etc/nccl.conf`. A file sets only what is
-/// not set yet (`setenv(name, value, 0)`); a line starting with `#` or without `=` is skipped;
-/// the name is what comes before the first `=`, the value the rest of the line.
+/// not set yet (`setenv(name, value, 0)`). A file is read line by line as `getline` splits it
+/// (on `\n` only: a `\r` stays in the value); a line starting with `#` or without `=` is
+/// skipped; the name is what comes before the first `=` and the value the rest, each cut at
+/// 1023 bytes and at a NUL (`strncpy` into 1024-byte buffers); an empty name is refused by
+/// `setenv`. A name with blanks is set but is no variable NCCL reads, so it is not reported.
 pub fn settings(env: &[(String, String)], files: &[PathBuf]) -> Vec<Setting> {
+    fn cut(b: &[u8]) -> String {
+        let b = &b[..b.len().min(1023)];
+        let b = b.split(|c| *c == 0).next().unwrap_or_default();
+        String::from_utf8_lossy(b).into_owned()
+    }
     let mut out: Vec<Setting> = env
         .iter()
         .filter(|(k, _)| k.starts_with("NCCL_"))
@@ -222,13 +215,18 @@ pub fn settings(env: &[(String, String)], files: &[PathBuf]) -> Vec<Setting> {
     let mut set: std::collections::HashSet<String> = env.iter().map(|(k, _)| k.clone()).collect();
     for file in files {
         let Ok(text) = std::fs::read(file) else { continue };
-        for line in String::from_utf8_lossy(&text).lines() {
-            if line.starts_with('#') {
+        for line in text.split_inclusive(|c| *c == b'\n') {
+            let line = line.strip_suffix(b"\n").unwrap_or(line);
+            if line.first() == Some(&b'#') {
                 continue;
             }
-            let Some((name, value)) = line.split_once('=') else { continue };
-            if set.insert(name.to_string()) && name.starts_with("NCCL_") {
-                out.push(Setting { name: name.into(), value: value.into(), from: file.display().to_string() });
+            let Some(eq) = line.iter().position(|c| *c == b'=') else { continue };
+            let (name, value) = (cut(&line[..eq]), cut(&line[eq + 1..]));
+            if name.is_empty() || !set.insert(name.clone()) {
+                continue;
+            }
+            if name.starts_with("NCCL_") && !name.contains(char::is_whitespace) {
+                out.push(Setting { name, value, from: file.display().to_string() });
             }
         }
     }
@@ -254,18 +252,26 @@ pub fn settings_here() -> Vec<Setting> {
 /// (`getpwuid(getuid())->pw_dir`), not `$HOME`.
 fn home_dir() -> Option<PathBuf> {
     use std::os::unix::ffi::OsStrExt;
-    let mut buf = vec![0 as c_char; 16 * 1024];
-    // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids) for getpwuid_r to fill.
-    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut found: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: `pw`, `buf` and `found` are valid for the call; `buf`'s length is passed.
-    let r = unsafe { libc::getpwuid_r(libc::getuid(), &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
-    if r != 0 || found.is_null() || pw.pw_dir.is_null() {
-        return None;
+    // A buffer too small is ERANGE: twice as large, up to 1 MiB.
+    let mut size = 16 * 1024;
+    loop {
+        let mut buf = vec![0 as c_char; size];
+        // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids) for getpwuid_r to fill.
+        let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut found: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: `pw`, `buf` and `found` are valid for the call; `buf`'s length is passed.
+        let r = unsafe { libc::getpwuid_r(libc::getuid(), &mut pw, buf.as_mut_ptr(), buf.len(), &mut found) };
+        if r == libc::ERANGE && size < 1 << 20 {
+            size *= 2;
+            continue;
+        }
+        if r != 0 || found.is_null() || pw.pw_dir.is_null() {
+            return None;
+        }
+        // SAFETY: getpwuid_r succeeded: `pw_dir` points at a NUL-terminated string in `buf`.
+        let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
+        return Some(PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes())));
     }
-    // SAFETY: getpwuid_r succeeded: `pw_dir` points at a NUL-terminated string inside `buf`.
-    let dir = unsafe { std::ffi::CStr::from_ptr(pw.pw_dir) };
-    Some(PathBuf::from(std::ffi::OsStr::from_bytes(dir.to_bytes())))
 }
 
 #[cfg(test)]
@@ -273,14 +279,24 @@ mod tests {
     use super::*;
 
     /// NCCL's order: the environment wins, then the user's file, then /etc/nccl.conf; comments
-    /// and lines without `=` are skipped; only NCCL's own variables are kept.
+    /// and lines without `=` are skipped; a CRLF line keeps its `\r`, a value is cut at 1023
+    /// bytes and at a NUL, a name with a blank or none at all is no setting; only NCCL's own
+    /// variables are kept.
     #[test]
     fn settings_are_read_as_nccl_reads_them() {
         let dir = tempfile::tempdir().unwrap();
         let user = dir.path().join("user.conf");
         let etc = dir.path().join("etc.conf");
         std::fs::write(&user, "# NCCL_ALGO=Tree\nNCCL_P2P_DISABLE=1\nNCCL_DEBUG=INFO\nnonsense\nOTHER=1\n").unwrap();
-        std::fs::write(&etc, "NCCL_P2P_DISABLE=0\nNCCL_PROTO=Simple=x\nNCCL_DEBUG=WARN\n").unwrap();
+        let long = "x".repeat(2000);
+        std::fs::write(
+            &etc,
+            format!(
+                "NCCL_P2P_DISABLE=0\nNCCL_PROTO=Simple=x\nNCCL_DEBUG=WARN\nNCCL_ALGO=Ring\r\nNCCL_X =1\n=NCCL_Y\n\
+                 NCCL_IB_HCA={long}\nNCCL_SOCKET_IFNAME=eth0\0junk"
+            ),
+        )
+        .unwrap();
         let env = vec![("NCCL_DEBUG".to_string(), "VERSION".to_string()), ("PATH".to_string(), "/bin".to_string())];
         let missing = dir.path().join("missing.conf");
         let got: Vec<String> =
@@ -288,9 +304,12 @@ mod tests {
         assert_eq!(
             got,
             vec![
+                format!("NCCL_ALGO=Ring\\r ({})", etc.display()),
                 "NCCL_DEBUG=VERSION (environment)".to_string(),
+                format!("NCCL_IB_HCA={} ({})", "x".repeat(1023), etc.display()),
                 format!("NCCL_P2P_DISABLE=1 ({})", user.display()),
                 format!("NCCL_PROTO=Simple=x ({})", etc.display()),
+                format!("NCCL_SOCKET_IFNAME=eth0 ({})", etc.display()),
             ]
         );
     }

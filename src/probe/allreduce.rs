@@ -24,9 +24,10 @@
 //!   finished; the agent records CUDA events on each rank's stream around the 20 and takes the
 //!   longest rank, which leaves out the host's launch overhead (microseconds beside the
 //!   milliseconds of a 1 GiB all-reduce).
-//! - The child answers before it lets go of anything (`child` rule 8): its communicators are
-//!   destroyed (`ncclCommDestroy`, its answer checked, the step announced) before the sum is
-//!   checked, and its buffers and streams are left to the process's end.
+//! - The child answers before it lets go of anything (`child` rule 8): its communicators, the
+//!   check's module, its buffers and streams are never released one by one; `_exit` after the
+//!   answer leaves them to the driver, so neither `ncclCommDestroy` (which synchronizes NCCL's
+//!   streams) nor an exit handler can turn a result into a hang.
 
 use super::{kernels, LevelParams, Outcome, ProbeError, Stat};
 use crate::cuda::{self, nccl};
@@ -145,8 +146,9 @@ pub fn run(
 
 /// The child's side: reads a `Request` on stdin, measures, says each step and the answer.
 pub fn child_main() -> anyhow::Result<i32> {
-    super::child::private_protocol()
-        .map_err(|e| anyhow::anyhow!("allreduce-child: cannot set up its protocol descriptor: {e}"))?;
+    if let Err(e) = super::child::private_protocol() {
+        tracing::warn!("allreduce-child: the protocol stays on stdout ({e})");
+    }
     let request: Request = serde_json::from_reader(std::io::stdin().lock())
         .map_err(|e| anyhow::anyhow!("allreduce-child: cannot read the request on stdin: {e}"))?;
     let mut held = Held::default();
@@ -155,20 +157,26 @@ pub fn child_main() -> anyhow::Result<i32> {
         serde_json::json!({ "Err": { "Cuda": format!("cannot encode the answer: {e}") } }).to_string()
     });
     super::child::say(format!("answer {line}"));
-    // Rule 8 of `child`: nothing is released one by one after the answer; the process's end
-    // frees the contexts, their memory and streams, and NCCL's resources with them.
+    // Rule 8 of `child`: nothing is released one by one after the answer, and no exit handler
+    // runs; what C stdio holds of NCCL's output is flushed first (to stderr, rule 7).
     std::mem::forget(held);
-    Ok(0)
+    // SAFETY: fflush(NULL) flushes every C stream; _exit ends the process at once, which is
+    // what is wanted: nothing here needs to run after the answer.
+    unsafe {
+        libc::fflush(std::ptr::null_mut());
+        libc::_exit(0)
+    }
 }
 
-/// What a measurement holds until the process ends: every rank's buffers and stream, and the
-/// communicators while they live. Kept by the caller so an early error does not release them
-/// (a stream's release synchronizes it, and one that never finishes would turn the error
+/// What a measurement holds until the process ends: every rank's buffers and stream, the
+/// communicators, the check's modules. Kept by the caller so an early error does not release
+/// them (a stream's release synchronizes it, and one that never finishes would turn the error
 /// into a hang).
 #[derive(Default)]
 struct Held {
     ranks: Vec<Rank>,
     comms: Option<nccl::Comms>,
+    modules: Vec<kernels::Loaded>,
 }
 
 /// A driver or NCCL error of rank `rank`'s GPU as a probe error (a sticky one poisons it).
@@ -234,10 +242,11 @@ fn measure(req: &Request, say: &dyn Fn(&str), held: &mut Held) -> Result<Run, Pr
     let settings = nccl::settings_here();
     let count = (bytes / 4) as usize;
     let nan = 0x7fc0_0000u32;
-    let Held { ranks, comms: held_comms } = held;
+    let Held { ranks, comms: held_comms, modules } = held;
     for (rank, (gpu, ctx)) in ctxs.into_iter().enumerate() {
         let e = on(gpu);
-        let r = Rank {
+        // Held before any work is queued on it.
+        ranks.push(Rank {
             gpu,
             send: ctx.alloc(bytes as usize).map_err(&e)?,
             recv: ctx.alloc(bytes as usize).map_err(&e)?,
@@ -245,11 +254,10 @@ fn measure(req: &Request, say: &dyn Fn(&str), held: &mut Held) -> Result<Run, Pr
             start: ctx.event().map_err(&e)?,
             end: ctx.event().map_err(&e)?,
             ctx,
-        };
+        });
+        let r = &ranks[rank];
         r.stream.memset_d32(&r.send, 0, (rank as f32 + 1.0).to_bits(), count).map_err(&e)?;
         r.stream.memset_d32(&r.recv, 0, nan, count).map_err(&e)?;
-        ranks.push(r);
-        let r = &ranks[rank];
         r.stream.synchronize().map_err(&e)?;
     }
     let ranks: &[Rank] = ranks;
@@ -288,10 +296,6 @@ fn measure(req: &Request, say: &dyn Fn(&str), held: &mut Held) -> Result<Run, Pr
         busbw.push(bus_bandwidth(alg, n));
     }
     drop(parts);
-    say(&format!("ncclCommDestroy over GPUs {gpus:?}"));
-    if let Some(comms) = held_comms.take() {
-        comms.destroy().map_err(|e| ProbeError::Cuda(e.to_string()))?;
-    }
     say(&format!("checking the sum on GPUs {gpus:?}"));
     let sum = (n * (n + 1) / 2) as f32;
     let word = u64::from(sum.to_bits()) * 0x1_0000_0001;
@@ -299,8 +303,9 @@ fn measure(req: &Request, say: &dyn Fn(&str), held: &mut Held) -> Result<Run, Pr
     for r in ranks {
         let e = on(r.gpu);
         let sms = drv.device(r.gpu).and_then(|d| d.attribute(cuda::attr::MULTIPROCESSOR_COUNT)).unwrap_or(132);
-        let k = kernels::Loaded::load(&r.ctx, sms.max(1) as u32, 0).map_err(&e)?;
-        let (count, kept) = kernels::check_solid(&r.stream, &k, &r.recv, word).map_err(&e)?;
+        modules.push(kernels::Loaded::load(&r.ctx, sms.max(1) as u32, 0).map_err(&e)?);
+        let k = modules.last().ok_or_else(|| ProbeError::Cuda("the check's module was not kept".into()))?;
+        let (count, kept) = kernels::check_solid(&r.stream, k, &r.recv, word).map_err(&e)?;
         wrong += count;
         if first_wrong.is_none() {
             first_wrong = kept

@@ -11,8 +11,9 @@
 //!    the probe results and their findings, judged in the child. — `child_main`.
 //! 3. The deadline is the level's planned GPU time (`plan_here`) twice over, plus
 //!    `probes.deadline_margin` for CUDA's start, JIT compilation and the host's own work, plus
-//!    `probes.nccl_allowance` for each of the two all-reduces where the plan has them (each runs
-//!    under that allowance of its own, `probe::allreduce`). — `deadline`.
+//!    `probes.nccl_allowance` and `EXIT_GRACE` for each of the two all-reduces where the plan
+//!    has them (each runs under that allowance of its own, `probe::allreduce`, and may take
+//!    the grace to exit). — `deadline`.
 //! 4. The child takes the probe lock itself; past the deadline it is killed (SIGKILL) and
 //!    reaped, and the kernel drops a dead process's file locks, so the lock is free again. A
 //!    child blocked inside the driver (state D) dies only when the driver lets go: it is reaped
@@ -21,16 +22,19 @@
 //! 5. Then every GPU the plan had gets `probe.responsive` failing, naming the step that did not
 //!    finish; a run that ends in time gives `probe.responsive` passing on each. — `overdue`.
 //! 6. A child never outlives its parent: it gets SIGKILL when the thread that started it ends
-//!    (`PR_SET_PDEATHSIG`, prctl(2)), so killing a probe child also ends the all-reduce child
-//!    it started. — `supervise`.
+//!    (`PR_SET_PDEATHSIG`, prctl(2): the thread, not the process — `supervise` stays on that
+//!    thread until the child has ended or been killed), so killing a probe child also ends the
+//!    all-reduce child it started. — `supervise`.
 //! 7. The protocol has a descriptor of its own: a child moves it off stdout and points stdout
 //!    at stderr (`private_protocol`), for libraries print there (NCCL's `NCCL_DEBUG` output
 //!    goes to stdout: its src/debug.cc opens `ncclDebugFile = stdout`).
 //! 8. After its answer a child only exits: the all-reduce child answers before it lets go of
-//!    anything and leaves its communicators, buffers and streams to the process's end (the
-//!    driver frees a process's contexts when it exits), so a teardown that blocks cannot turn a
-//!    result or an error into a hang. The parent waits `EXIT_GRACE` at most, then kills it.
-//!    — `supervise`, `allreduce::child_main`.
+//!    anything and then ends with `_exit`, leaving its communicators, modules, buffers and
+//!    streams to the process's end (the driver frees a process's contexts when it exits) and
+//!    running no exit handlers (NCCL's destructor joins its RAS thread), so a teardown that
+//!    blocks cannot turn a result or an error into a hang. The parent waits `EXIT_GRACE` at
+//!    most for a child that has answered or closed its output, then kills it. — `finish`,
+//!    `allreduce::child_main`.
 
 use crate::checks::Finding;
 use crate::config::ProbeLevel;
@@ -86,9 +90,10 @@ pub fn deadline(snapshot: &Snapshot, level: ProbeLevel, limits: Limits) -> Durat
     deadline_for(&super::plan_here(snapshot, &super::Options::at(level), false), limits)
 }
 
-/// Rule 3 for a plan: twice its GPU time, the margin, and an allowance per all-reduce.
+/// Rule 3 for a plan: twice its GPU time, the margin, and for each of the two all-reduces its
+/// allowance and the grace its child has to exit.
 pub(crate) fn deadline_for(plan: &super::plan::Plan, limits: Limits) -> Duration {
-    let nccl = if plan.allreduce_s > 0.0 { 2 * limits.nccl_allowance } else { Duration::ZERO };
+    let nccl = if plan.allreduce_s > 0.0 { 2 * (limits.nccl_allowance + EXIT_GRACE) } else { Duration::ZERO };
     Duration::from_secs_f64(plan.total_s.max(0.0) * 2.0) + limits.margin + nccl
 }
 
@@ -156,14 +161,15 @@ pub(crate) fn supervise(
     // is seen as a new parent pid.
     // SAFETY: getpid has no preconditions.
     let parent = unsafe { libc::getpid() };
-    // SAFETY: between fork and exec only prctl and getppid run, both async-signal-safe.
+    // SAFETY: between fork and exec only prctl, getppid and errno reads run, all
+    // async-signal-safe; nothing allocates (a parent gone already is ESRCH, for no one reads it).
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             if libc::getppid() != parent {
-                return Err(std::io::Error::other("the probe's parent ended before it started"));
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
             }
             Ok(())
         });
@@ -208,6 +214,10 @@ pub(crate) fn supervise(
                 }
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                // An answer that arrived with the deadline still counts.
+                if let Some(json) = rx.try_iter().find_map(|l| l.strip_prefix("answer ").map(str::to_string)) {
+                    break Ok(Ended::Answer(json));
+                }
                 // Rule 4: killed and reaped; its probe lock goes with it.
                 let _ = child.kill();
                 tracing::error!(deadline = ?limit, %step, "the probe process did not finish within its deadline and was killed");
@@ -215,31 +225,37 @@ pub(crate) fn supervise(
                 return Ok(Ended::Overdue { step });
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                let status = child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
-                break Err(format!("the probe process ended without an answer ({status}) during: {step}"));
+                let status = finish(child).unwrap_or_else(|| "killed after closing its output".into());
+                return Err(format!("the probe process ended without an answer ({status}) during: {step}"));
             }
         }
     };
-    // Rule 8: after its answer the child only exits; one that does not is killed.
+    finish(child);
+    ended
+}
+
+/// Rule 8: a child that has answered (or closed its output) only exits; one that has not
+/// within `EXIT_GRACE` is killed and reaped. Its exit status, when it exited by itself.
+fn finish(mut child: std::process::Child) -> Option<String> {
     let until = Instant::now() + EXIT_GRACE;
     loop {
         match child.try_wait() {
-            Ok(Some(_)) | Err(_) => break,
+            Ok(Some(status)) => return Some(status.to_string()),
+            Err(e) => return Some(e.to_string()),
             Ok(None) if Instant::now() >= until => {
-                tracing::warn!(grace = ?EXIT_GRACE, "the probe process answered but did not exit; killed");
+                tracing::warn!(grace = ?EXIT_GRACE, "the probe process is done but did not exit; killed");
                 let _ = child.kill();
                 reap(child);
-                break;
+                return None;
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(20)),
         }
     }
-    ended
 }
 
 /// How long a child that has answered may take to exit (rule 8): ending a process that held
 /// CUDA contexts frees their memory in the driver, seconds at most.
-const EXIT_GRACE: Duration = Duration::from_secs(30);
+pub(crate) const EXIT_GRACE: Duration = Duration::from_secs(30);
 
 /// Reaps a killed child. One blocked inside the driver (uninterruptible sleep, state D: gpud's
 /// report of `nvidia-smi` after Xid 45, leptonai/gpud pull request #117) dies only when the
@@ -336,7 +352,9 @@ pub(crate) fn private_protocol() -> std::io::Result<()> {
 /// The child's side (rule 2): reads a `Request` on stdin, runs the probes here, prints the
 /// steps and the answer on stdout. Its exit code says nothing; the answer line does.
 pub fn child_main() -> anyhow::Result<i32> {
-    private_protocol().map_err(|e| anyhow::anyhow!("probe-child: cannot set up its protocol descriptor: {e}"))?;
+    if let Err(e) = private_protocol() {
+        tracing::warn!("probe-child: the protocol stays on stdout ({e})");
+    }
     let request: Request = serde_json::from_reader(std::io::stdin().lock())
         .map_err(|e| anyhow::anyhow!("probe-child: cannot read the request on stdin: {e}"))?;
     let opts = super::Options { nccl_allowance: request.nccl_allowance, ..super::Options::at(request.level) };

@@ -143,32 +143,56 @@ pub(crate) fn allreduce_finding(report: &ProbeReport, a: &allreduce::AllReduce, 
         Some(Outcome::Ok(r)) => Some(r.busbw_gbps.median),
         _ => None,
     };
+    // Pairs of the all-reduce's GPUs that the peer probes found without peer access.
+    let ordinal_of = |pci: &String| report.gpus.iter().find(|g| &g.pci == pci).map(|g| g.ordinal);
+    let members: Vec<usize> = a.gpus.iter().filter_map(ordinal_of).collect();
     let no_access: Vec<String> = report
         .peers
         .iter()
-        .filter(|l| !l.peer_access && l.src < l.dst)
+        .filter(|l| !l.peer_access && l.src < l.dst && members.contains(&l.src) && members.contains(&l.dst))
         .map(|l| format!("{}↔{}", l.src, l.dst))
         .collect();
     let f = match &a.nccl {
         Outcome::Error(ProbeError::Unavailable(why)) => {
             Finding::unknown(ID, format!("all-reduce over {n} GPUs: {why}"))
         }
-        Outcome::Error(e @ ProbeError::Hung { .. }) => Finding::fail(
-            ID,
-            format!("NCCL's all-reduce over {n} GPUs {e}"),
-        )
-        .detail(
-            "NCCL waits for ever when a path that reports peer access does not carry its traffic: PCIe ACS or the \
-                 VM's IOMMU dropping peer writes (NCCL's troubleshooting guide, \"PCI Access Control Services\"; \
-                 NVIDIA/nccl#2079, #257), or a GPU that stopped answering. The all-reduce process was killed; a \
-                 training job on these GPUs would hang the same way.",
-        )
-        .remedy(
-            "Read `dmesg | grep -E 'NVRM|Xid|DMAR|AMD-Vi'` for IOMMU faults; ask the platform whether P2P between \
-                 these GPUs is supported in this VM (NCCL_P2P_DISABLE=1 lets a job run, slowly).",
-        ),
-        Outcome::Error(e) => Finding::fail(ID, format!("NCCL's all-reduce over {n} GPUs failed: {e}"))
-            .remedy("Run with NCCL_DEBUG=WARN to see NCCL's reason; read `dmesg | grep -E 'NVRM|Xid'`."),
+        Outcome::Error(e @ ProbeError::Hung { step, .. }) => {
+            let why = if step.starts_with("ncclCommInitAll") {
+                "NCCL did not finish starting: a start slower than `probes.nccl_allowance` (raise it if NCCL_DEBUG=INFO \
+                 shows it progressing), or a GPU or path that does not answer."
+            } else if step.contains("all-reduce") {
+                "NCCL waits for ever when a path that reports peer access does not carry its traffic: PCIe ACS or \
+                 the VM's IOMMU dropping peer writes (NCCL's troubleshooting guide, \"PCI Access Control Services\"; \
+                 NVIDIA/nccl#2079, #257), or a GPU that stopped answering. A training job on these GPUs would hang \
+                 the same way."
+            } else {
+                "A step of the all-reduce's process never returned: a GPU that stopped answering (Xid 79, 119) or a \
+                 synchronisation that never ends."
+            };
+            Finding::fail(ID, format!("NCCL's all-reduce over {n} GPUs {e}"))
+                .detail(format!("{why} The all-reduce process was killed."))
+                .remedy(
+                    "Read `dmesg | grep -E 'NVRM|Xid|DMAR|AMD-Vi'` for GPU and IOMMU faults; ask the platform whether \
+                     P2P between these GPUs is supported in this VM (NCCL_P2P_DISABLE=1 lets a job run, slowly).",
+                )
+        }
+        Outcome::Error(e) => {
+            let f = Finding::fail(ID, format!("NCCL's all-reduce over {n} GPUs failed: {e}"));
+            if no_access.is_empty() {
+                f.remedy("Run with NCCL_DEBUG=WARN to see NCCL's reason; read `dmesg | grep -E 'NVRM|Xid'`.")
+            } else {
+                f.detail(format!(
+                    "GPUs {} have no peer access. Between GPUs joined by NVLink NCCL refuses to start without P2P \
+                     (\"P2P is disabled between NVLINK connected GPUs\", NCCL's src/graph/paths.cc): a fault of the \
+                     links, the fabric or the VM's passthrough, not of NCCL.",
+                    no_access.join(", ")
+                ))
+                .remedy(
+                    "Check nvlink.links-active, fabric.state and the peer probes; ask the platform about P2P in this \
+                     VM. NCCL_IGNORE_DISABLED_P2P=1 lets NCCL run those pairs through host memory, slowly.",
+                )
+            }
+        }
         Outcome::Ok(r) if r.wrong_words > 0 => Finding::fail(
             ID,
             format!(
@@ -200,9 +224,13 @@ pub(crate) fn allreduce_finding(report: &ProbeReport, a: &allreduce::AllReduce, 
                             own choice: NVLink SHARP on the NVSwitches is not helping, so the fabric (its multicast, \
                             the fabric manager) is where to look, not the links.{multicast}"
                         ),
-                        Some(g) => format!(
+                        Some(g) if r.multicast != Some(false) => format!(
                             "NCCL's choice beats its other algorithms ({g:.1} GB/s with NVLS off), so NVLS is in use \
                             and still short: a slow link or GPU holds every algorithm back (see probe.p2p-bandwidth)."
+                        ),
+                        Some(g) => format!(
+                            "NCCL's choice beats its other algorithms ({g:.1} GB/s with NVLS off) and is still short: \
+                            a slow link or GPU holds every algorithm back (see probe.p2p-bandwidth).{multicast}"
                         ),
                         None => multicast.trim_start().to_string(),
                     };
@@ -218,7 +246,7 @@ pub(crate) fn allreduce_finding(report: &ProbeReport, a: &allreduce::AllReduce, 
                     } else {
                         format!(
                             "GPUs {} have no peer access: NCCL carries those pairs through host memory (its SHM \
-                             transport), and the whole all-reduce runs at their rate. {why}",
+                             transport), and every ring through them is held to that rate. {why}",
                             no_access.join(", ")
                         )
                     };

@@ -387,7 +387,8 @@ mod tests {
         let limits = Limits { margin: Duration::from_secs(120), nccl_allowance: Duration::from_secs(180) };
         let standard = total(ProbeLevel::Standard);
         assert!(standard.allreduce_s > 0.0);
-        let want = Duration::from_secs_f64(2.0 * standard.total_s) + Duration::from_secs(120 + 2 * 180);
+        // Each all-reduce child: NCCL's 180 s and 30 s to exit after its answer.
+        let want = Duration::from_secs_f64(2.0 * standard.total_s) + Duration::from_secs(120 + 2 * (180 + 30));
         assert_eq!(deadline_for(&standard, limits), want);
         let quick = total(ProbeLevel::Quick);
         assert_eq!(

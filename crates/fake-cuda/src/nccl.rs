@@ -7,11 +7,13 @@
 //!   list once (src/init.cc, `ncclCommInitAll`): a device that does not exist is
 //!   `ncclInvalidArgument` ("Invalid device %d (totalnDev=%d)"), one listed again is
 //!   `ncclInvalidUsage` (its "duplicate device check"), whichever comes first; a negative count
-//!   is `ncclInvalidArgument` ("Invalid device count requested"). Each communicator works in
+//!   is `ncclInvalidArgument` ("Invalid device count requested"); without a list NCCL takes
+//!   devices 0‥n−1 unchecked, and a missing one fails `cudaSetDevice` (`ncclUnhandledCudaError`). Each communicator works in
 //!   its device's primary context (NCCL calls `cudaSetDevice`). NVLink SHARP is set up there
 //!   (src/transport/nvls.cc, `ncclNvlsInit`): off when `NCCL_NVLS_ENABLE` is 0 or the
 //!   communicator has two GPUs or fewer; at the default (2) only where the device reports
-//!   `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
+//!   `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`. NCCL reads its integer parameters with
+//!   `strtoll(value, NULL, 0)` (src/misc/param.cc): "0x1" is 1, "abc" is 0; so does the fake.
 //! - `ncclAllReduce` checks its arguments (src/misc/argcheck.cc, `ArgsCheck`): a data type
 //!   outside nccl.h's 12 or an operation outside the 5 built-in ones (no user operations are
 //!   made here) is `ncclInvalidArgument`. Its buffers are checked only when `NCCL_CHECK_POINTERS`
@@ -23,8 +25,8 @@
 //!   buffer through the P2P mapping NCCL made, the fake is stricter).
 //! - Group semantics (src/group.cc, src/include/group.h, src/enqueue.cc `ncclEnqueueCheck`): a
 //!   call inside `ncclGroupStart`/`ncclGroupEnd` only queues; a call that fails returns its
-//!   error and leaves it as the group's (`ncclGroupErrCheck`), and the outermost `ncclGroupEnd`
-//!   then returns that error and launches nothing. `ncclGroupEnd` without a `ncclGroupStart` is
+//!   error and leaves it as the group's (`ncclGroupErrCheck`: each error replaces the one
+//!   before), and the outermost `ncclGroupEnd` then returns that error and launches nothing. `ncclGroupEnd` without a `ncclGroupStart` is
 //!   `ncclInvalidUsage` ("ncclGroupEnd: not in a group call"). The kernels are launched at the
 //!   outermost `ncclGroupEnd`: a rank's stream of another device's context fails that launch
 //!   (CUDA C++ Programming Guide, "Stream and Event Behavior": a kernel launch fails on a stream
@@ -38,11 +40,19 @@
 //!   Troubleshooting, "PCI Access Control Services (ACS)"; NVIDIA/nccl#2079 and #257). The fake
 //!   blocks in the call itself (NCCL blocks in the kernel it launched): either way the caller
 //!   never gets its answer, and a deadline must catch it.
-//! - A pair without peer access is no hang: NCCL's P2P transport declines it
+//! - A pair without peer access: NCCL asks NVML's P2P status of each pair it would join by P2P
+//!   (src/graph/paths.cc, `ncclTopoCheckP2p`), and for GPUs joined by NVLink a status that is
+//!   not OK fails the init — "P2P is disabled between NVLINK connected GPUs %d and %d … you can
+//!   set NCCL_IGNORE_DISABLED_P2P=1", `ncclUnhandledCudaError` — unless
+//!   `NCCL_IGNORE_DISABLED_P2P` is set. The fake takes the scenario's peer access for NVML's
+//!   status (a driver answers both from the same capability) and the scenario's `nvlink` for
+//!   the topology. Otherwise such a pair is no hang: NCCL's P2P transport declines it
 //!   (src/transport/p2p.cc, `p2pCanConnect`: `cudaDeviceCanAccessPeer` answers 0) and the SHM
 //!   transport carries it through host memory (src/transport/shm.cc, `shmCanConnect`: same host,
-//!   same /dev/shm). The fake charges such a pair at the host-staged copy rate (the slower of
-//!   the source's device→host and the destination's host→device rate).
+//!   same /dev/shm); the fake charges it at the host-staged copy rate (the slower of the
+//!   source's device→host and the destination's host→device rate). Not modelled: NCCL also
+//!   leaves PCIe pairs further apart than a PCIe switch (`PATH_PXB`) to SHM; the fake lets any
+//!   PCIe pair with peer access use P2P.
 //! - The sum is real: FP32, out of place or in place, every element. Memory filled with one
 //!   word by `cuMemsetD32` stays one word, so a 16 GiB message costs no host memory.
 //! - The time is the algorithm's: a ring moves 2(n−1)/n of the message over each GPU's slowest
@@ -130,6 +140,42 @@ fn state<T>(f: impl FnOnce(&mut State) -> T) -> T {
     f(g.get_or_insert_with(State::default))
 }
 
+/// NCCL's version line (src/init.cc, VERSION_STRING), for the CUDA 12.9 build.
+const VERSION_STRING: &str = "NCCL version 2.27.3+cuda12.9";
+
+/// An integer parameter as NCCL reads one from its environment (src/misc/param.cc,
+/// `ncclLoadParam`: `strtoll(str, NULL, 0)`): leading blanks and a sign, then hexadecimal after
+/// "0x", octal after "0", else decimal, up to the first character that is not a digit; no
+/// digits at all is 0. Unset or empty: `default`.
+fn param(name: &str, default: i64) -> i64 {
+    let Ok(v) = std::env::var(name) else { return default };
+    if v.is_empty() {
+        return default;
+    }
+    let t = v.trim_start();
+    let (neg, t) = match t.as_bytes().first() {
+        Some(b'-') => (true, &t[1..]),
+        Some(b'+') => (false, &t[1..]),
+        _ => (false, t),
+    };
+    let (radix, digits) = if let Some(h) = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        (16, h)
+    } else if t.starts_with('0') {
+        (8, t)
+    } else {
+        (10, t)
+    };
+    let n = digits
+        .chars()
+        .map_while(|c| c.to_digit(radix))
+        .fold(0i64, |n, d| n.saturating_mul(radix as i64).saturating_add(d as i64));
+    if neg {
+        -n
+    } else {
+        n
+    }
+}
+
 /// Blocks for ever, as NCCL does where a rank never arrives (the module's rules).
 fn hang(why: &str) -> ! {
     eprintln!("fake-nccl: {why}: blocking, as NCCL waits for a rank that never arrives");
@@ -184,8 +230,9 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Handle, ndev: c_int, devlis
     with(|w| {
         for (i, o) in ordinals.iter().enumerate() {
             let Ok(d) = w.device(*o) else {
+                // Without a list NCCL checks nothing and cudaSetDevice fails on the missing GPU.
                 eprintln!("fake-nccl: ncclCommInitAll: invalid device {o}");
-                bad = INVALID_ARGUMENT;
+                bad = if devlist.is_null() { UNHANDLED_CUDA_ERROR } else { INVALID_ARGUMENT };
                 return 0;
             };
             if ordinals[..i].contains(o) {
@@ -210,20 +257,61 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Handle, ndev: c_int, devlis
     }
     // ncclNvlsInit: NCCL_NVLS_ENABLE (default 2) 0 is off, as are two GPUs or fewer; 2 asks
     // the device; any other value forces it on.
-    let enable = std::env::var("NCCL_NVLS_ENABLE").ok().and_then(|v| v.trim().parse::<i64>().ok()).unwrap_or(2);
+    let enable = param("NCCL_NVLS_ENABLE", 2);
     let multicast = with(|w| w.scenario.multicast() as i32) == 1;
     let nvls = enable != 0 && devs.len() > 2 && (enable != 2 || multicast);
-    let check_pointers = std::env::var("NCCL_CHECK_POINTERS").is_ok_and(|v| v.trim() == "1");
-    // NCCL_DEBUG=VERSION (or INFO, TRACE): NCCL's version line goes to its debug file, stdout
-    // unless NCCL_DEBUG_FILE names another, through C stdio and unflushed — block-buffered
-    // where stdout is a pipe (src/debug.cc: `ncclDebugFile = stdout`, `fwrite`; src/init.cc,
-    // VERSION_STRING).
-    let level = std::env::var("NCCL_DEBUG").unwrap_or_default().to_ascii_uppercase();
-    if matches!(level.as_str(), "VERSION" | "INFO" | "TRACE") {
-        extern "C" {
-            fn printf(format: *const c_char, ...) -> c_int;
+    let check_pointers = param("NCCL_CHECK_POINTERS", 0) == 1;
+    // NVLink-joined GPUs must have P2P (paths.cc, ncclTopoCheckP2p).
+    if param("NCCL_IGNORE_DISABLED_P2P", 0) == 0 {
+        let mut refused = None;
+        with(|w| {
+            refused = devs.iter().enumerate().find_map(|(i, a)| {
+                devs[i + 1..]
+                    .iter()
+                    .find(|b| {
+                        (w.scenario.nvlink(*a, **b) && !w.scenario.peer(*a, **b).0)
+                            || (w.scenario.nvlink(**b, *a) && !w.scenario.peer(**b, *a).0)
+                    })
+                    .map(|b| (w.ordinal_of(*a), w.ordinal_of(*b)))
+            });
+            0
+        });
+        if let Some((a, b)) = refused {
+            eprintln!(
+                "fake-nccl: NCCL WARN P2P is disabled between NVLINK connected GPUs {a} and {b}. This should not be \
+                 the case given their connectivity, and is probably due to a hardware issue. If you still want to \
+                 proceed, you can set NCCL_IGNORE_DISABLED_P2P=1."
+            );
+            return UNHANDLED_CUDA_ERROR;
         }
-        printf(c"%s\n".as_ptr(), c"NCCL version 2.27.3+cuda12.9".as_ptr());
+    }
+    // NCCL_DEBUG: NCCL's version line, once per process, to its debug file — stdout, through C
+    // stdio and unflushed, so block-buffered where stdout is a pipe (src/debug.cc: `ncclDebugFile
+    // = stdout`, `fwrite`). At VERSION and WARN it is the bare line; above WARN (INFO, ABORT,
+    // TRACE) an INFO line with host, pid, thread and device (src/init.cc, `showVersion`,
+    // VERSION_STRING; debug.cc's line format).
+    static VERSION_SHOWN: std::sync::Once = std::sync::Once::new();
+    let level = std::env::var("NCCL_DEBUG").unwrap_or_default().to_ascii_uppercase();
+    let line = match level.as_str() {
+        "VERSION" | "WARN" => Some(format!("{VERSION_STRING}\n")),
+        "INFO" | "ABORT" | "TRACE" => Some(format!(
+            "{}:{}:{} [{}] NCCL INFO {VERSION_STRING}\n",
+            std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim(),
+            std::process::id(),
+            std::process::id(),
+            ordinals.first().copied().unwrap_or(0)
+        )),
+        _ => None,
+    };
+    if let Some(line) = line {
+        VERSION_SHOWN.call_once(|| {
+            extern "C" {
+                fn printf(format: *const c_char, ...) -> c_int;
+            }
+            if let Ok(text) = std::ffi::CString::new(line) {
+                printf(c"%s".as_ptr(), text.as_ptr());
+            }
+        });
     }
     state(|s| {
         let clique = s.next;
@@ -295,7 +383,7 @@ pub extern "C" fn ncclGroupEnd() -> NcclResult {
 fn group_err(r: NcclResult) -> NcclResult {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
-        if g.depth > 0 && r != SUCCESS && g.error == SUCCESS {
+        if g.depth > 0 && r != SUCCESS {
             g.error = r;
         }
     });
@@ -507,4 +595,18 @@ fn reduce(w: &mut World, ops: &[&Op]) -> Result<(), crate::codes::CUresult> {
         w.write(o.recv, &out)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// NCCL's integer parameters are `strtoll(value, NULL, 0)`.
+    #[test]
+    fn parameters_are_read_as_strtoll_reads_them() {
+        for (value, want) in [("0", 0), ("2", 2), ("0x1", 1), ("010", 8), (" 7x", 7), ("abc", 0), ("-1", -1), ("", 5)] {
+            std::env::set_var("PHQ_FAKE_NCCL_TEST_PARAM", value);
+            assert_eq!(super::param("PHQ_FAKE_NCCL_TEST_PARAM", 5), want, "{value:?}");
+        }
+        std::env::remove_var("PHQ_FAKE_NCCL_TEST_PARAM");
+        assert_eq!(super::param("PHQ_FAKE_NCCL_TEST_PARAM", 5), 5);
+    }
 }

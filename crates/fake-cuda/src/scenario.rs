@@ -231,13 +231,17 @@ pub struct Peers {
     /// One dependent load of a peer's memory, ns (`phq_chase`), for every pair.
     #[serde(default = "default_peer_latency_ns")]
     pub latency_ns: f64,
+    /// Whether pairs not in `pairs` are joined by NVLink (NCCL's topology: a path of type NVL),
+    /// whatever their peer access says.
+    #[serde(default)]
+    pub nvlink: bool,
     #[serde(default)]
     pub pairs: Vec<Pair>,
 }
 
 impl Default for Peers {
     fn default() -> Self {
-        Peers { access: false, gbps: 0.0, latency_ns: default_peer_latency_ns(), pairs: Vec::new() }
+        Peers { access: false, gbps: 0.0, latency_ns: default_peer_latency_ns(), nvlink: false, pairs: Vec::new() }
     }
 }
 
@@ -250,7 +254,11 @@ pub struct Pair {
     #[serde(default = "yes")]
     pub access: bool,
     pub gbps: Option<f64>,
-    /// Peer access is reported, but writes through the peer mapping never land: PCIe Access
+    /// Joined by NVLink (default: `Peers::nvlink`).
+    #[serde(default)]
+    pub nvlink: Option<bool>,
+    /// Peer access is reported, but writes through the peer mapping never land (a PCIe path:
+    /// ACS governs PCIe routing, not NVLink): PCIe Access
     /// Control Services redirecting P2P to an IOMMU that drops it (NCCL's troubleshooting guide,
     /// "PCI Access Control Services (ACS)": with ACS on, P2P "can result in a hang or low
     /// performance"; NVIDIA/nccl#2079, where P2P traffic forced through the IOMMU deadlocked
@@ -270,6 +278,14 @@ impl Scenario {
         match self.peers.pairs.iter().find(|p| p.src == src && p.dst == dst) {
             Some(p) => (p.access, p.gbps.unwrap_or(self.peers.gbps)),
             None => (self.peers.access, self.peers.gbps),
+        }
+    }
+
+    /// Whether `src` and `dst` are joined by NVLink.
+    pub fn nvlink(&self, src: usize, dst: usize) -> bool {
+        match self.peers.pairs.iter().find(|p| p.src == src && p.dst == dst) {
+            Some(Pair { nvlink: Some(n), .. }) => *n,
+            _ => self.peers.nvlink,
         }
     }
 
