@@ -854,6 +854,18 @@ fn lost_p2p_writes_hang_nccl_and_the_deadline_reports_it() {
         p.stderr
     );
     assert!(allreduce_children(&r).is_empty(), "{:?}", allreduce_children(&r));
+    // The peer copies over that pair run at their rate and deliver nothing: their data check
+    // says so, for the pair's two GPUs only.
+    let copies: Vec<&Value> = p.report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["id"] == "probe.p2p-bandwidth" && f["severity"] == "fail")
+        .collect();
+    assert_eq!(copies.len(), 2, "{copies:#?}");
+    for f in copies {
+        assert!(f["summary"].as_str().unwrap().contains("the copies' data did not arrive"), "{f}");
+    }
 }
 
 /// The all-reduce processes started by this test's runs (their environment names its directory).
@@ -882,9 +894,13 @@ fn killing_the_probe_ends_its_all_reduce_child() {
         "cuda-hgx-8gpu-p2p-lost",
         "[probes]\nnccl_allowance = \"600s\"\n",
     );
-    let mut probe = r.spawn(&["--allreduce-size", "1G"]);
-    let until = Instant::now() + Duration::from_secs(120);
+    // Nothing reads its output here: none is kept, so a full pipe cannot stop it.
+    let mut probe = r.command(&["--allreduce-size", "1G"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    // The probes before the all-reduce take minutes on a loaded 2-core machine: a bound on the
+    // wait, not a timing assertion.
+    let until = Instant::now() + Duration::from_secs(900);
     while allreduce_children(&r).is_empty() {
+        assert!(probe.try_wait().unwrap().is_none(), "the probe ended before its all-reduce child started");
         assert!(Instant::now() < until, "no all-reduce child started");
         std::thread::sleep(Duration::from_millis(50));
     }

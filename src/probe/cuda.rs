@@ -878,16 +878,43 @@ impl Backend for CudaBackend {
 
     /// GPU `src` writes into GPU `dst`'s memory: a stream, events and the source buffer in
     /// `src`'s context, the destination allocated in `dst`'s, peer access from `src` to `dst`.
+    /// Timed peer copies `src` → `dst`, and then their data checked on `dst`: a path that reports
+    /// peer access but drops the writes (PCIe ACS sending P2P to an IOMMU that discards it) copies
+    /// at full speed and delivers nothing, which only the data shows.
     fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        // What the source sends; the destination holds zeros before, so a copy that never
+        // lands is seen in every word.
+        const SENT: u32 = 0x5a5a_c3c3;
         let (a, b) = (self.ctx(src)?, self.ctx(dst)?);
         let to = b.alloc(p.buffer_bytes).map_err(on(dst))?;
+        let words = p.buffer_bytes / 4;
+        b.stream().and_then(|s| s.memset_d32(&to, 0, 0, words).and_then(|()| s.synchronize())).map_err(on(dst))?;
         a.enable_peer_access(&b).map_err(on(src))?;
         let from = a.alloc(p.buffer_bytes).map_err(on(src))?;
-        self.gated(src, |a, gate| {
+        let samples = self.gated(src, |a, gate| {
             let stream = a.stream()?;
-            stream.memset_d32(&from, 0, 0, p.buffer_bytes / 4)?;
+            stream.memset_d32(&from, 0, SENT, words)?;
             timed(&stream, gate, p, p.buffer_bytes as f64, || stream.copy_peer(&to, &from, p.buffer_bytes))
-        })
+        })?;
+        let (ctx, k) = match self.with_kernels(dst) {
+            Ok(loaded) => loaded,
+            // Without the kernels the rate stands alone.
+            Err(ProbeError::Unavailable(_)) => return Ok(samples),
+            Err(e) => return Err(e),
+        };
+        let stream = ctx.stream().map_err(on(dst))?;
+        let (wrong, kept) = kernels::check_solid(&stream, k, &to, u64::from(SENT) * 0x1_0000_0001).map_err(on(dst))?;
+        if wrong > 0 {
+            let first = kept
+                .first()
+                .map(|m| format!(" (first at {:#x}: {:#018x}, for {:#018x})", m.address, m.read, m.expected))
+                .unwrap_or_default();
+            return Err(ProbeError::Cuda(format!(
+                "the copies' data did not arrive: {wrong} of {} words on GPU {dst} are not what GPU {src} sent{first}",
+                p.buffer_bytes / 8
+            )));
+        }
+        Ok(samples)
     }
 
     /// The device-side test over 90% of free memory; the host read-back of `memtest_bytes` when
