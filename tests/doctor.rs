@@ -187,6 +187,55 @@ fn xid_79_fails_only_the_gpu_that_fell_off() {
     assert_eq!(gpu["xids"][0]["count"], 1);
 }
 
+/// Lines any unprivileged user can put into the kernel log (issue 37): a crashing program whose
+/// file is named like an Xid (the kernel logs its 15-character `comm` first, its file's name
+/// after ` in `), and records a process writes to /dev/kmsg (facility LOG_USER) in the exact
+/// shape of a fatal Xid and SXid. doctor answers as for the healthy guest; the same lines with
+/// the kernel's facility are the driver's and fail the GPU and the NVSwitch.
+#[test]
+fn forged_kernel_log_lines_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("guest");
+    let copied = Command::new("cp").arg("-a").arg(fixture("sysroots/hgx-8gpu-healthy")).arg(&root).status().unwrap();
+    assert!(copied.success());
+    let kmsg = root.join("dev/kmsg");
+    let healthy = std::fs::read_to_string(&kmsg).unwrap();
+    let xid79 = "NVRM: Xid (PCI:0000:0c:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.";
+    let sxid = "nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up";
+    let forged = format!(
+        "6,9001,9000000000,-;NVRM: Xid (PCI:[4242]: segfault at 0 ip 0000000000401000 sp 00007ffd00000000 error 4 in {xid79}[401000+1000]\n\
+         6,9002,9000000001,-;nvidia-nvswit[4243]: segfault at 0 ip 0 sp 0 error 4 in {sxid}[1+1]\n\
+         12,9003,9000000002,-;{xid79}\n\
+         14,9004,9000000003,-;{sxid}\n"
+    );
+    std::fs::write(&kmsg, format!("{healthy}{forged}")).unwrap();
+    let run = |root: &Path| {
+        let out = phq(&[
+            "doctor",
+            "--json",
+            "--sysroot",
+            root.to_str().unwrap(),
+            "--config",
+            config("expect-8").to_str().unwrap(),
+        ]);
+        let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+        validate(&report);
+        (out.status.code().unwrap(), report)
+    };
+    let (code, r) = run(&root);
+    assert_eq!(bad(&r), vec![], "forged lines raised a finding");
+    assert_eq!(code, 3, "as the healthy guest");
+    assert!(r["gpus"].as_array().unwrap().iter().all(|g| g["xids"].as_array().is_none_or(|x| x.is_empty())), "{r:#}");
+
+    // The same lines as the kernel writes them (facility 0) are the driver's.
+    std::fs::write(&kmsg, format!("{healthy}4,9003,9000000002,-;{xid79}\n3,9004,9000000003,-;{sxid}\n")).unwrap();
+    let (code, r) = run(&root);
+    assert_eq!(code, 2);
+    assert_eq!(severity_of(&r, "gpu.xid", Some("0000:0c:00.0")), "fail");
+    let sw = findings(&r, "fabric.sxid").into_iter().find(|f| f["gpu"] == "0000:11:00.0").unwrap().clone();
+    assert_eq!(sw["severity"], "fail");
+}
+
 /// The guide's two kinds of SXid, in a guest's kernel log: the fatal one fails its NVSwitch and
 /// the NVLink fabric of every GPU behind it, the non-fatal one warns its NVSwitch only; the
 /// driver's lines of detail after each report are not counted as reports.

@@ -229,6 +229,63 @@ fn sxids_reach_metrics_and_status_as_the_driver_writes_them() {
     );
 }
 
+/// Issue 37: what an unprivileged user can put into the kernel log while the service runs — a
+/// crashing program named like an Xid (the kernel logs its `comm` first), records written to
+/// /dev/kmsg with facility LOG_USER in the exact shapes of a fatal Xid and a fatal SXid — leaves
+/// /healthz at 200 and the report clean, through the snapshot that a real SXid after them asks
+/// for. The driver's own lines then still turn /healthz to 503.
+#[test]
+fn forged_kernel_log_lines_do_not_move_healthz() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("guest");
+    let copied = Command::new("cp")
+        .arg("-a")
+        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
+        .arg(&root)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let Some((a, _)) = start_on(&root, 0o600, None) else { return };
+    wait_ready(&a);
+    assert_eq!(get(a.port, "/healthz", "").0, 200);
+    let xid79 = "NVRM: Xid (PCI:0000:0c:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.";
+    let fatal = "nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up";
+    let mut kmsg = std::fs::OpenOptions::new().append(true).open(root.join("dev/kmsg")).unwrap();
+    writeln!(kmsg, "6,6001,9100000000,-;NVRM: Xid (PCI:[4242]: segfault at 0 ip 0 sp 0 error 4 in {xid79}[1+1]")
+        .unwrap();
+    writeln!(kmsg, "12,6002,9100000001,-;{xid79}").unwrap();
+    writeln!(kmsg, "14,6003,9100000002,-;{fatal}").unwrap();
+    // A real non-fatal SXid: the first of its kind asks for a snapshot at once, which reads the
+    // whole kernel log, forged lines included.
+    writeln!(kmsg, "4,6004,9200000000,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)").unwrap();
+    kmsg.flush().unwrap();
+    let started = Instant::now();
+    let report = loop {
+        let (_, r) = get(a.port, "/v1/status", &auth());
+        let report: Value = serde_json::from_str(body(&r)).unwrap();
+        let seen =
+            findings(&report, "fabric.sxid").into_iter().any(|f| f["gpu"] == "0000:14:00.0" && f["severity"] == "warn");
+        if seen {
+            break report;
+        }
+        assert!(started.elapsed() < Duration::from_secs(25), "the real SXid never reached the report");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    validate(&report);
+    assert_eq!(bad(&report), vec![row("fabric.sxid", "0000:14:00.0", "warn")], "only the real, non-fatal SXid counts");
+    assert_eq!(get(a.port, "/healthz", "").0, 200);
+
+    // The driver's lines, written by the kernel (facility 0), fail the GPU and the switch.
+    writeln!(kmsg, "4,6005,9300000000,-;{xid79}").unwrap();
+    writeln!(kmsg, "3,6006,9300000001,-;{fatal}").unwrap();
+    kmsg.flush().unwrap();
+    let started = Instant::now();
+    while get(a.port, "/healthz", "").0 != 503 {
+        assert!(started.elapsed() < Duration::from_secs(25), "a real fatal SXid did not make /healthz 503");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// The service's snapshot interval (serve rule 1).
 fn serve_interval() -> Duration {
     phq_agent::serve::SNAPSHOT_INTERVAL

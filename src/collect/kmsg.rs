@@ -50,7 +50,7 @@ impl Follower {
             // One record is at most about 8 KiB (see Sysroot::read_kmsg).
             let mut buf = vec![0u8; 16 * 1024];
             let mut hand_over = |line: &str| -> bool {
-                let Some(rec) = parse_record(line) else { return true };
+                let Some(rec) = parse_record(line).filter(Record::from_kernel) else { return true };
                 let Some(mut sxid) = parse_sxid(rec.message) else { return true };
                 sxid.usec = rec.usec;
                 sxid.seq = rec.seq;
@@ -126,12 +126,46 @@ impl Drop for Follower {
 pub struct Record<'a> {
     pub seq: Option<u64>,
     pub usec: Option<u64>,
+    /// Which of the log's forms the line has, and with it who may have written it.
+    pub form: Form,
     pub message: &'a str,
 }
 
-/// `6,3964,206764307,-;nvidia-nvswitch2: open (major=510)` → seq 3964, usec 206764307.
-/// `[Sun Feb 23 16:24:18 2025] NVRM: …` (dmesg -T) → message only. Continuation lines of
-/// kmsg (` SUBSYSTEM=pci`) are not records: `None`.
+/// The form of a kernel log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// A /dev/kmsg record, `prio,seq,usec,flags;message`, with the syslog facility of its
+    /// priority (`prio >> 3`).
+    Kmsg { facility: u64 },
+    /// A `dmesg` text line (`[…] message`): a saved capture, which carries no facility.
+    Dmesg,
+    /// Neither: not a record anyone can vouch for.
+    Raw,
+}
+
+impl Record<'_> {
+    /// Whether the kernel wrote this record, so that a line in it can speak for the driver.
+    ///
+    /// /dev/kmsg's first field is the syslog priority, `facility << 3 | level`
+    /// (Documentation/ABI/testing/dev-kmsg). The kernel's own messages have facility 0
+    /// (`LOG_KERN`); a process that writes to /dev/kmsg gets `LOG_USER` (1) unless it names a
+    /// facility, and it cannot name 0: kernel/printk/printk.c, `devkmsg_write`: "If no prefix or
+    /// no userspace facility is specified, we enforce LOG_USER, to be able to reliably
+    /// distinguish kernel-generated messages from userspace-injected ones." A `dmesg` text line
+    /// carries no facility; it only comes from a saved capture (the live log is always read from
+    /// /dev/kmsg) and is taken as the kernel's. A line of neither form is nobody's.
+    pub fn from_kernel(&self) -> bool {
+        match self.form {
+            Form::Kmsg { facility } => facility == 0,
+            Form::Dmesg => true,
+            Form::Raw => false,
+        }
+    }
+}
+
+/// `6,3964,206764307,-;nvidia-nvswitch2: open (major=510)` → seq 3964, usec 206764307,
+/// facility 0. `[Sun Feb 23 16:24:18 2025] NVRM: …` (dmesg -T) → message only. Continuation
+/// lines of kmsg (` SUBSYSTEM=pci`) are not records: `None`.
 pub fn parse_record(line: &str) -> Option<Record<'_>> {
     if line.starts_with(' ') || line.trim().is_empty() {
         return None;
@@ -139,15 +173,22 @@ pub fn parse_record(line: &str) -> Option<Record<'_>> {
     if let Some((header, message)) = line.split_once(';') {
         let fields: Vec<&str> = header.split(',').collect();
         if fields.len() >= 4 && fields[..3].iter().all(|f| !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit())) {
-            return Some(Record { seq: fields[1].parse().ok(), usec: fields[2].parse().ok(), message });
+            // An absurd priority is no facility the kernel writes: u64::MAX is not 0.
+            let facility = fields[0].parse::<u64>().map_or(u64::MAX, |p| p >> 3);
+            return Some(Record {
+                seq: fields[1].parse().ok(),
+                usec: fields[2].parse().ok(),
+                form: Form::Kmsg { facility },
+                message,
+            });
         }
     }
     if let Some(rest) = line.strip_prefix('[') {
         if let Some((_, message)) = rest.split_once("] ") {
-            return Some(Record { seq: None, usec: None, message });
+            return Some(Record { seq: None, usec: None, form: Form::Dmesg, message });
         }
     }
-    Some(Record { seq: None, usec: None, message: line })
+    Some(Record { seq: None, usec: None, form: Form::Raw, message: line })
 }
 
 pub fn parse(text: &str, source: &str) -> KernelLog {
@@ -155,8 +196,13 @@ pub fn parse(text: &str, source: &str) -> KernelLog {
     for line in text.lines() {
         let Some(rec) = parse_record(line) else { continue };
         log.records += 1;
-        if rec.seq.is_none() && !line.starts_with('[') {
+        if rec.form == Form::Raw {
             log.malformed += 1;
+        }
+        // Only the kernel's records can carry the driver's lines; what a process wrote to
+        // /dev/kmsg is not read for them at all.
+        if !rec.from_kernel() {
+            continue;
         }
         let msg = rec.message;
         if let Some((pci, raw_code, rest)) = parse_xid(msg) {
@@ -183,41 +229,99 @@ pub fn parse(text: &str, source: &str) -> KernelLog {
     log
 }
 
-/// `NVRM: Xid (PCI:0000:9b:00): 119, pid=2024380, name=nvidia-smi, Timeout …` →
-/// (`0000:9b:00`, `119`, `pid=2024380, …`). Older drivers omit `PCI:`.
-pub fn parse_xid(msg: &str) -> Option<(String, &str, &str)> {
-    let after = &msg[msg.find("NVRM: Xid (")? + "NVRM: Xid (".len()..];
-    let (addr, rest) = after.split_once("): ")?;
-    let addr = addr.strip_prefix("PCI:").unwrap_or(addr).to_ascii_lowercase();
-    let (code, rest) = rest.split_once(',').unwrap_or((rest, ""));
-    let code = code.trim();
-    if code.is_empty() || !code.bytes().all(|b| b.is_ascii_digit()) || addr.is_empty() {
-        return None;
+// The shapes below are the driver's own format strings, matched from the first character of
+// the message to the end of the part that identifies the device: a line merely *containing*
+// `NVRM: Xid (` is not one. The kernel logs text that unprivileged users choose (a crashing
+// program's name in the segfault line, its 15-character `comm` first), so a looser match lets
+// anyone write an Xid (issue 37); none of those lines can start with the whole shape.
+
+/// A little reader over the start of a message.
+struct Cursor<'a>(&'a str);
+
+impl<'a> Cursor<'a> {
+    fn tag(&mut self, t: &str) -> Option<()> {
+        self.0 = self.0.strip_prefix(t)?;
+        Some(())
     }
-    Some((addr, code, rest))
+    /// `min..=max` characters from `ok`.
+    fn run(&mut self, min: usize, max: usize, ok: impl Fn(u8) -> bool) -> Option<&'a str> {
+        let n = self.0.bytes().take(max).take_while(|b| ok(*b)).count();
+        if n < min {
+            return None;
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(head)
+    }
+    fn hex(&mut self, min: usize, max: usize) -> Option<&'a str> {
+        self.run(min, max, |b| b.is_ascii_hexdigit())
+    }
+    fn digits(&mut self) -> Option<&'a str> {
+        self.run(1, usize::MAX, |b| b.is_ascii_digit())
+    }
+    /// `%04x:%02x:%02x`, the driver's domain:bus:device (a domain wider than 16 bits prints
+    /// more digits).
+    fn pci(&mut self) -> Option<String> {
+        let start = self.0;
+        self.hex(4, 8)?;
+        self.tag(":")?;
+        self.hex(2, 2)?;
+        self.tag(":")?;
+        self.hex(2, 2)?;
+        Some(start[..start.len() - self.0.len()].to_ascii_lowercase())
+    }
+    /// `%04x:%02x:%02x.%x`, with the function.
+    fn pci_function(&mut self) -> Option<String> {
+        let start = self.0;
+        self.pci()?;
+        self.tag(".")?;
+        self.hex(1, 1)?;
+        Some(start[..start.len() - self.0.len()].to_ascii_lowercase())
+    }
+}
+
+/// `NVRM: Xid (PCI:0000:9b:00): 119, pid=2024380, name=nvidia-smi, Timeout …` →
+/// (`0000:9b:00`, `119`, ` pid=2024380, …`). The driver prints
+/// `"NVRM: Xid (PCI:%04x:%02x:%02x): %d, pid=%s, name=%s, %s\n"`, or with ` GPU-I:%02u` (and
+/// ` GPU-CI:%02u`) after the address when a MIG instance is attributed
+/// (open-gpu-kernel-modules, src/nvidia/src/kernel/gpu/rc/kernel_rc.c, `krcReportXid_IMPL`);
+/// older drivers omit `PCI:`. The message must start with it.
+pub fn parse_xid(msg: &str) -> Option<(String, &str, &str)> {
+    let mut c = Cursor(msg);
+    c.tag("NVRM: Xid (")?;
+    let _ = c.tag("PCI:");
+    let pci = c.pci()?;
+    if c.tag(" GPU-I:").is_some() {
+        c.digits()?;
+        if c.tag(" GPU-CI:").is_some() {
+            c.digits()?;
+        }
+    }
+    c.tag("): ")?;
+    let code = c.digits()?;
+    c.tag(",")?;
+    Some((pci, code, c.0))
 }
 
 /// `nvidia-nvswitch3: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV
 /// error (First)` → an SXid report. In NVIDIA/open-gpu-kernel-modules the NVSwitch driver prints
 /// `nvidia-<name>: SXid (PCI:<address>): %05d, ` before every SXid line
-/// (`src/common/nvswitch/kernel/inc/common_nvswitch.h`, `NVSWITCH_PRINT_SXID`); a report goes
-/// on with `Fatal, Link %02d …` or `Non-fatal, Link %02d …` (`inc/error_nvswitch.h`,
-/// `NVSWITCH_REPORT_FATAL`/`_NONFATAL`), and the lines of detail printed after it for the same
-/// error (`Severity %d Engine instance …`, `Data {…}`; `error_nvswitch.c`,
-/// `_nvswitch_dump_error_entry`) are not reports: `None`.
+/// (`src/common/nvswitch/kernel/inc/common_nvswitch.h`, `NVSWITCH_PRINT_SXID`, the address as
+/// `%04x:%02x:%02x.%x`, the name `nvswitch%d`); a report goes on with `Fatal, Link %02d …` or
+/// `Non-fatal, Link %02d …` (`inc/error_nvswitch.h`, `NVSWITCH_REPORT_FATAL`/`_NONFATAL`), and
+/// the lines of detail printed after it for the same error (`Severity %d Engine instance …`,
+/// `Data {…}`; `error_nvswitch.c`, `_nvswitch_dump_error_entry`) are not reports: `None`. The
+/// message must start with it.
 pub fn parse_sxid(msg: &str) -> Option<SxidEvent> {
-    let at = msg.find(": SXid (")?;
-    let device = msg[..at].rsplit(' ').next()?.trim_start_matches("nvidia-").to_string();
-    let after = &msg[at + ": SXid (".len()..];
-    let (addr, rest) = after.split_once("): ")?;
-    let pci = addr.strip_prefix("PCI:").unwrap_or(addr).to_ascii_lowercase();
-    let (code, rest) = rest.split_once(',')?;
-    let code = code.trim();
-    if code.is_empty() || !code.bytes().all(|b| b.is_ascii_digit()) || pci.is_empty() || device.is_empty() {
-        return None;
-    }
-    let rest = rest.trim_start();
-    let (word, tail) = rest.split_once(',').unwrap_or((rest, ""));
+    let mut c = Cursor(msg);
+    c.tag("nvidia-nvswitch")?;
+    let instance = c.digits()?;
+    c.tag(": SXid (PCI:")?;
+    let pci = c.pci_function()?;
+    c.tag("): ")?;
+    let code = c.digits()?;
+    c.tag(", ")?;
+    let (word, tail) = c.0.split_once(',').unwrap_or((c.0, ""));
     let fatal = match word.trim() {
         "Fatal" => true,
         "Non-fatal" => false,
@@ -226,7 +330,7 @@ pub fn parse_sxid(msg: &str) -> Option<SxidEvent> {
     let tail = tail.trim();
     let link = tail.strip_prefix("Link ").and_then(|l| l.split_whitespace().next()).and_then(|n| n.parse().ok());
     Some(SxidEvent {
-        device,
+        device: format!("nvswitch{instance}"),
         pci,
         sxid: code.parse().ok(),
         raw_code: code.to_string(),
@@ -239,28 +343,40 @@ pub fn parse_sxid(msg: &str) -> Option<SxidEvent> {
 }
 
 /// `NVRM: BAR1 is 0M @ 0x0 (PCI:0000:0a:00.0)`, printed by the driver when a BAR the GPU
-/// needs was not assigned (open-gpu-kernel-modules `nv_pci_validate_bars`).
+/// needs was not assigned (open-gpu-kernel-modules `nv_pci_validate_bars`:
+/// `"NVRM: BAR%d is %dM @ 0x%llx (PCI:%04x:%02x:%02x.%x)\n"`). The whole message is that line.
 pub fn parse_bar_error(msg: &str) -> Option<BarError> {
-    let after = &msg[msg.find("NVRM: BAR")? + "NVRM: BAR".len()..];
-    let (bar, rest) = after.split_once(" is ")?;
-    let (size, rest) = rest.split_once("M @ 0x")?;
-    let (addr, rest) = rest.split_once(" (PCI:")?;
-    let pci = rest.strip_suffix(')').unwrap_or(rest).trim().to_ascii_lowercase();
-    Some(BarError {
-        pci,
-        bar: bar.trim().parse().ok()?,
-        size_mib: size.trim().parse().ok()?,
-        address: u64::from_str_radix(addr.trim(), 16).ok()?,
-        message: msg.trim().to_string(),
-    })
+    let mut c = Cursor(msg.trim_end());
+    c.tag("NVRM: BAR")?;
+    let bar = c.digits()?.parse().ok()?;
+    c.tag(" is ")?;
+    let size_mib = c.digits()?.parse().ok()?;
+    c.tag("M @ 0x")?;
+    let address = u64::from_str_radix(c.hex(1, 16)?, 16).ok()?;
+    c.tag(" (PCI:")?;
+    let pci = c.pci_function()?;
+    c.tag(")")?;
+    c.0.is_empty().then(|| BarError { pci, bar, size_mib, address, message: msg.trim().to_string() })
 }
 
-/// `NVRM: GPU at PCI:0000:9b:00: GPU-509665ad-b600-ac93-3616-d754b23d636d`
+/// `NVRM: GPU at PCI:0000:9b:00: GPU-509665ad-b600-ac93-3616-d754b23d636d`, printed once per GPU
+/// before its first Xid (`"NVRM: GPU at PCI:%04x:%02x:%02x: %s\n"` with the GPU's ASCII GID,
+/// kernel_rc.c, `_krcLogUuidOnce`). The whole message is that line.
 pub fn parse_gpu_uuid(msg: &str) -> Option<GpuUuidLine> {
-    let after = &msg[msg.find("NVRM: GPU at PCI:")? + "NVRM: GPU at PCI:".len()..];
-    let (pci, uuid) = after.split_once(": ")?;
-    let uuid = uuid.trim();
-    uuid.starts_with("GPU-").then(|| GpuUuidLine { pci: pci.to_ascii_lowercase(), uuid: uuid.to_string() })
+    let mut c = Cursor(msg.trim_end());
+    c.tag("NVRM: GPU at PCI:")?;
+    let pci = c.pci()?;
+    c.tag(": ")?;
+    let uuid = c.0;
+    let mut u = Cursor(uuid);
+    u.tag("GPU-")?;
+    for (i, n) in [8, 4, 4, 4, 12].into_iter().enumerate() {
+        if i > 0 {
+            u.tag("-")?;
+        }
+        u.hex(n, n)?;
+    }
+    u.0.is_empty().then(|| GpuUuidLine { pci, uuid: uuid.to_string() })
 }
 
 #[cfg(test)]
@@ -339,10 +455,11 @@ mod tests {
         )
         .unwrap();
         assert_eq!((s.sxid, s.fatal, s.link), (Some(12028), false, Some(32)));
-        let s = parse_sxid(
+        let log = parse(
             "[131453.740743] nvidia-nvswitch0: SXid (PCI:0000:00:00.0): 20034, Fatal, Link 30 LTSSM Fault Up",
-        )
-        .unwrap();
+            "dmesg",
+        );
+        let s = &log.sxids[0];
         assert_eq!((s.device.as_str(), s.sxid, s.fatal), ("nvswitch0", Some(20034), true));
         let s = parse_sxid("nvidia-nvswitch0: SXid (PCI:0000:00:00.0): 99999999999, Fatal, x").unwrap();
         assert_eq!((s.sxid, s.raw_code.as_str()), (None, "99999999999"));
@@ -373,11 +490,71 @@ mod tests {
         writeln!(f, " non-posted PRIV error (First)").unwrap();
         writeln!(f, "4,3,3,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Severity 0 Engine instance 32 Sub-engine instance 00").unwrap();
         writeln!(f, "4,4,4,-;NVRM: Xid (PCI:0000:0c:00): 13, pid=1, name=x, y").unwrap();
+        // A process's record (facility LOG_USER) in the SXid's exact shape: not the driver's.
+        writeln!(f, "12,5,5,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Fatal, Link 1 forged").unwrap();
         let got = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("the appended SXid");
         assert_eq!((got.sxid, got.fatal, got.seq), (Some(12028), false, Some(2)));
         assert_eq!(got.message, "Link 32 egress non-posted PRIV error (First)");
         assert!(rx.recv_timeout(FOLLOW_POLL * 3).is_err(), "nothing else is a report");
         drop(follower);
+    }
+
+    /// What an unprivileged user can put into the kernel log (issue 37): the kernel logs a
+    /// crashing program's `comm` (15 characters) first and its file's name after ` in `, and a
+    /// process can write records of its own to /dev/kmsg (facility `LOG_USER`, `<14>`). None of
+    /// them is an Xid, an SXid, a BAR or a GPU-at line; the driver's own lines still are.
+    #[test]
+    fn forged_lines_are_not_the_drivers() {
+        let forged = "\
+4,100,1000,-;NVRM: Xid (PCI:[4242]: segfault at 0 ip 0000000000401000 sp 00007ffd00000000 error 4 in NVRM: Xid (PCI:0000:0c:00): 79, pid=1, name=x, GPU has fallen off the bus.[401000+1000]
+6,101,1001,-;a.out[4243]: segfault at 0 ip 0000000000401000 sp 00007ffd00000000 error 4 in NVRM: Xid (PCI:0000:0c:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.[401000+1000]
+6,102,1002,-;nvidia-nvswitch[4244]: segfault at 0 ip 0 sp 0 error 4 in nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up[1+1]
+12,103,1003,-;NVRM: Xid (PCI:0000:0c:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.
+14,104,1004,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up
+14,105,1005,-;NVRM: BAR1 is 0M @ 0x0 (PCI:0000:0a:00.0)
+14,106,1006,-;NVRM: GPU at PCI:0000:0c:00: GPU-7e1f0b2c-55c4-c1a4-9b33-2f1d0e4c8a71
+6,107,1007,-;systemd[1]: Started NVRM: Xid (PCI:0000:0c:00): 79, x.service.
+6,108,1008,-;NVRM: Xid (PCI:0000:0c:00)x: 79, y
+6,109,1009,-;NVRM: BAR1 is 0M @ 0x0 (PCI:0000:0a:00.0) and more
+6,110,1010,-;NVRM: GPU at PCI:0000:0c:00: GPU-not-a-uuid
+NVRM: Xid (PCI:0000:0c:00): 79, a line with no header at all
+";
+        let log = parse(forged, "/dev/kmsg");
+        assert!(log.xids.is_empty(), "{:#?}", log.xids);
+        assert!(log.sxids.is_empty(), "{:#?}", log.sxids);
+        assert!(log.bar_errors.is_empty(), "{:#?}", log.bar_errors);
+        assert!(log.gpu_uuids.is_empty(), "{:#?}", log.gpu_uuids);
+        assert_eq!(log.records, 12);
+
+        // The driver's own lines, as its format strings print them, with the kernel's facility
+        // (priority 3 and 4: LOG_KERN at err and warning).
+        let real = "\
+4,200,2000,-;NVRM: Xid (PCI:0000:0c:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.
+4,201,2001,-;NVRM: Xid (PCI:0000:0d:00 GPU-I:01): 13, pid=48211, name=python3, Graphics Exception
+4,202,2002,-;NVRM: Xid (PCI:0000:0e:00 GPU-I:02 GPU-CI:00): 43, pid=48211, name=python3, Ch 00000010
+3,203,2003,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up
+3,204,2004,-;NVRM: BAR1 is 0M @ 0x0 (PCI:0000:0a:00.0)
+4,205,2005,-;NVRM: GPU at PCI:0000:0c:00: GPU-7e1f0b2c-55c4-c1a4-9b33-2f1d0e4c8a71
+";
+        let log = parse(real, "/dev/kmsg");
+        let xids: Vec<_> = log.xids.iter().map(|x| (x.pci.as_str(), x.xid)).collect();
+        assert_eq!(xids, [("0000:0c:00", Some(79)), ("0000:0d:00", Some(13)), ("0000:0e:00", Some(43))]);
+        assert_eq!(log.sxids.len(), 1);
+        assert_eq!(log.bar_errors.len(), 1);
+        assert_eq!(log.gpu_uuids.len(), 1);
+    }
+
+    /// The follower keeps the same rule: a process's record is not handed over as an SXid.
+    #[test]
+    fn record_facility_decides_who_wrote_it() {
+        let user = parse_record("14,1,2,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30").unwrap();
+        assert_eq!(user.form, Form::Kmsg { facility: 1 });
+        assert!(!user.from_kernel());
+        let kernel = parse_record("3,1,2,-;x").unwrap();
+        assert!(kernel.from_kernel());
+        assert!(parse_record("[1.0] x").unwrap().from_kernel(), "a dmesg capture");
+        assert!(!parse_record("x").unwrap().from_kernel());
+        assert!(!parse_record("99999999999999999999999,1,2,-;x").unwrap().from_kernel());
     }
 
     #[test]

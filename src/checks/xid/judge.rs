@@ -256,9 +256,27 @@ fn judge(s: &Snapshot, address: &str, kmsg: &[&XidEvent], nvml: &[u64], sources:
     if let Some(last) = summary.iter().find(|x| !x.last_message.is_empty()) {
         detail.push(format!("Last report of Xid {}: {}", last.code, last.last_message));
     }
+    // Whose word the governing verdict rests on. NVML's event set is the driver speaking to the
+    // agent; the kernel log can be read by anyone who can read it and, for lines the agent did
+    // not see arrive, cannot be tied to a listener. A verdict that only the kernel log backs
+    // says so, for the platform to weigh (issue 37).
+    let governing = summary.iter().find(|x| who.strip_prefix("Xid ") == Some(x.code.as_str()));
+    let authority = match governing {
+        Some(x) if !x.sources.iter().any(|s| s == "nvml") => "kernel_log",
+        _ => "nvml",
+    };
+    if authority == "kernel_log" && g.severity > Severity::Pass {
+        detail.push(format!(
+            "Only the kernel log reports {who}: NVML's event set did not (it hears the Xids that come while the agent listens{}).",
+            if s.nvml().is_some_and(|n| n.events_error.is_none()) { "" } else { ", and it is not listening now" }
+        ));
+    }
     let f = Finding { severity: g.severity, ..Finding::pass(ID, line) }.detail(detail.join("\n"));
     let f = if g.severity > Severity::Pass { f.remedy(g.remedy.clone()) } else { f };
-    f.evidence("xids", &summary).evidence("governs", who).evidence("recovery_action", nv.map(|g| &g.recovery_action))
+    f.evidence("xids", &summary)
+        .evidence("governs", who)
+        .evidence("authority", authority)
+        .evidence("recovery_action", nv.map(|g| &g.recovery_action))
 }
 
 fn sev_word(s: Severity) -> &'static str {
@@ -575,6 +593,22 @@ mod tests {
             Immediate::RestartApp | Immediate::ContactSupport | Immediate::None => Severity::Warn,
             Immediate::Ignore => Severity::Pass,
         }
+    }
+
+    /// Issue 37: a verdict that only the kernel log backs says so; one NVML's event set also
+    /// reported rests on NVML.
+    #[test]
+    fn a_kernel_log_only_xid_says_so() {
+        let mut s = with_log(&xid_line(1300, "79", "pid='<unknown>', name=<unknown>, GPU has fallen off the bus."));
+        let f = on_0c(&s);
+        assert_eq!((f.severity, f.evidence["authority"].as_str()), (Severity::Fail, Some("kernel_log")));
+        assert!(f.detail.contains("Only the kernel log reports Xid 79"), "{}", f.detail);
+        if let NvmlStatus::Ok(n) = &mut s.nvml {
+            n.xid_events.push(NvmlXid { gpu: "0000:0c:00.0".into(), xid: 79 });
+        }
+        let f = on_0c(&s);
+        assert_eq!((f.severity, f.evidence["authority"].as_str()), (Severity::Fail, Some("nvml")));
+        assert!(!f.detail.contains("Only the kernel log"), "{}", f.detail);
     }
 
     /// Every code of NVIDIA's catalog, in a guest's kernel log for one GPU: the severity its
