@@ -54,6 +54,7 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
     for f in [
         "lib/systemd/system/phq-agent.service",
         "lib/systemd/system/phq-agent-install.service",
+        "lib/systemd/system/phq-agent.socket",
         "usr/lib/sysusers.d/phq-agent.conf",
         "usr/lib/tmpfiles.d/phq-agent.conf",
         "usr/share/dbus-1/system.d/ch.phoeniqs.Agent1.conf",
@@ -71,6 +72,9 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
     let wants = root.join("etc/systemd/system/multi-user.target.wants");
     assert!(link_exists(&wants.join("phq-agent.service")), "phq-agent.service is not enabled");
     assert!(link_exists(&wants.join("phq-agent-install.service")), "phq-agent-install.service is not enabled");
+    // The port is systemd's from sockets.target on (issue 37): the socket is enabled there.
+    let sockets = root.join("etc/systemd/system/sockets.target.wants");
+    assert!(link_exists(&sockets.join("phq-agent.socket")), "phq-agent.socket is not enabled");
     let passwd = std::fs::read_to_string(root.join("etc/passwd")).unwrap();
     let user = passwd.lines().find(|l| l.starts_with("phq-agent:")).expect("the phq-agent user");
     let uid: u32 = user.split(':').nth(2).unwrap().parse().unwrap();
@@ -131,6 +135,7 @@ fn rpm_carries_the_same_files_and_scripts() {
         "/usr/bin/phq-agent",
         "/usr/lib/systemd/system/phq-agent.service",
         "/usr/lib/systemd/system/phq-agent-install.service",
+        "/usr/lib/systemd/system/phq-agent.socket",
         "/usr/share/man/man1/phq-agent.1.gz",
         "/usr/share/man/man1/phq-agent-probe.1.gz",
         "/usr/share/bash-completion/completions/phq-agent",
@@ -146,7 +151,8 @@ fn rpm_carries_the_same_files_and_scripts() {
     assert_eq!(q(&["-c"]).trim(), "/etc/phq-agent/config.toml");
     let scripts = q(&["--scripts"]);
     assert!(
-        scripts.contains("systemd-sysusers phq-agent.conf") && scripts.contains("systemctl enable phq-agent.service"),
+        scripts.contains("systemd-sysusers phq-agent.conf")
+            && scripts.contains("systemctl enable phq-agent.service phq-agent.socket"),
         "{scripts}"
     );
     assert!(q(&["--requires"]).contains("systemd"));

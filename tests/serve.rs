@@ -444,30 +444,132 @@ fn dbus_api_answers_and_signals_health_changes() {
 }
 
 #[test]
-fn status_asks_dbus_then_falls_back_to_http() {
+fn status_asks_dbus_only_and_sends_no_token_to_the_port() {
     let Some((a, cfg)) = start(0o600, None) else { return };
     wait_ready(&a);
-    // `status` reaches the service at the configured address: the one the kernel gave it.
-    let text = std::fs::read_to_string(&cfg).unwrap().replace("127.0.0.1:0", &format!("127.0.0.1:{}", a.port));
-    let client_cfg = cfg.with_file_name("client.toml");
-    std::fs::write(&client_cfg, text).unwrap();
-    let status = |bus: &str| {
+    let status = |cfg: &Path, bus: &str| {
         Command::new(env!("CARGO_BIN_EXE_phq-agent"))
             .args(["status", "--json", "--config"])
-            .arg(&client_cfg)
+            .arg(cfg)
             .env("DBUS_SYSTEM_BUS_ADDRESS", bus)
             .output()
             .unwrap()
     };
-    let over_dbus = status(&a.bus.address);
+    let over_dbus = status(&cfg, &a.bus.address);
     let r: Value = serde_json::from_slice(&over_dbus.stdout)
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&over_dbus.stderr)));
     validate(&r);
-    let over_http = status("unix:path=/nonexistent/bus");
-    let r: Value = serde_json::from_slice(&over_http.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&over_http.stderr)));
     assert_eq!(r["gpus"].as_array().unwrap().len(), 8);
-    assert_eq!(over_http.status.code(), over_dbus.status.code());
+
+    // Issue 37: with the service off the bus, a squatter on the configured port gets nothing:
+    // no connection, so no token; `status` fails and says why.
+    let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    squatter.set_nonblocking(true).unwrap();
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("127.0.0.1:0", &format!("127.0.0.1:{}", squatter.local_addr().unwrap().port()));
+    let client_cfg = cfg.with_file_name("client.toml");
+    std::fs::write(&client_cfg, text).unwrap();
+    let out = status(&client_cfg, "unix:path=/nonexistent/bus");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(out.stdout.is_empty());
+    assert!(stderr.contains("did not answer on D-Bus") && stderr.contains("never sends the token"), "{stderr}");
+    match squatter.accept() {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+        other => panic!("status connected to the squatter: {other:?}"),
+    }
+}
+
+/// Issue 37: a port another process holds stops `serve` at once with who holds it and the exit
+/// code the unit does not restart on (69), instead of a restart loop that says nothing.
+#[test]
+fn a_squatter_on_the_port_stops_serve_with_who_holds_it() {
+    let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = squatter.local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = service_config(dir.path(), TOKEN, "");
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
+    std::fs::write(&cfg, text).unwrap();
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let out = serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let me = format!("process {} (", std::process::id());
+    assert!(
+        stderr.contains(&format!("port {port}")) && stderr.contains(&format!("uid {uid}")) && stderr.contains(&me),
+        "{stderr}"
+    );
+}
+
+/// Issue 37: under systemd the port is bound by PID 1 (phq-agent.socket) and `serve` takes that
+/// socket. systemd's own `systemd-socket-activate` passes it as systemd does (LISTEN_FDS,
+/// LISTEN_PID); `http.listen` names a port a squatter holds, so only the passed socket can
+/// answer — and it does.
+#[test]
+fn serve_takes_the_socket_systemd_passes() {
+    if !needs(&[("systemd-socket-activate", "systemd")]) {
+        return;
+    }
+    let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = service_config(dir.path(), TOKEN, "");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("127.0.0.1:0", &format!("127.0.0.1:{}", squatter.local_addr().unwrap().port()));
+    std::fs::write(&cfg, text).unwrap();
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let serve = serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus);
+    // A free port for systemd-socket-activate to bind (released at once; it binds it next).
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut activate = Command::new("systemd-socket-activate");
+    activate.arg(format!("--listen=127.0.0.1:{port}"));
+    // It hands the child only TERM, PATH, USER, HOME and what --setenv names.
+    for (k, v) in serve.get_envs() {
+        if let Some(v) = v {
+            activate.arg(format!("--setenv={}={}", k.to_string_lossy(), v.to_string_lossy()));
+        }
+    }
+    let mut child = activate
+        .arg(serve.get_program())
+        .args(serve.get_args())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let started = Instant::now();
+    while listening_ports(child.id()).is_empty() {
+        assert!(child.try_wait().unwrap().is_none(), "systemd-socket-activate exited");
+        assert!(started.elapsed() < Duration::from_secs(10), "systemd-socket-activate did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let child = Kill(child);
+    // The first connection starts the service, which then accepts it on the passed socket.
+    let (code, resp) = get(port, "/healthz", "");
+    assert!(code == 200 || code == 503, "{resp}");
+    // /v1/status once the first snapshot is taken.
+    loop {
+        let (code, resp) = get(port, "/v1/status", &auth());
+        if code == 200 {
+            validate(&serde_json::from_str(body(&resp)).unwrap());
+            break;
+        }
+        assert!(code == 503 && started.elapsed() < Duration::from_secs(30), "{resp}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(child);
 }
 
 #[test]

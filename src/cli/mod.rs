@@ -179,7 +179,11 @@ impl Cli {
             Ok(code) => code,
             Err(e) => {
                 eprint!("{}", error_text(&e));
-                EXIT_UNKNOWN
+                if e.downcast_ref::<crate::serve::port::PortTaken>().is_some() {
+                    crate::serve::port::EXIT_PORT_TAKEN
+                } else {
+                    EXIT_UNKNOWN
+                }
             }
         }
     }

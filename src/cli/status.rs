@@ -1,10 +1,13 @@
-//! `phq-agent status`: the running service's report, asked over D-Bus (`ch.phoeniqs.Agent1`),
-//! else over HTTP from `http.listen` with the token in `http.token_file`.
+//! `phq-agent status`: the running service's report, asked over D-Bus (`ch.phoeniqs.Agent1`).
+//!
+//! D-Bus alone: the bus policy lets only the service's user own that name, so the answer comes
+//! from the service and from nothing else. There is no fallback to the HTTP port with the token:
+//! port 9440 is unprivileged, and whoever listens there while the service is down would be handed
+//! root's token and could answer for the service (issue 37).
 
 use crate::report::{self, Report};
 use anyhow::{bail, Context};
 use clap::Args;
-use std::io::{Read, Write};
 use std::time::Duration;
 
 #[derive(Debug, Args)]
@@ -15,16 +18,12 @@ pub struct Status {
 }
 
 impl Status {
-    pub fn run(self, g: &super::Global) -> anyhow::Result<i32> {
-        let config = g.load_config()?;
-        let json = match over_dbus() {
-            Ok(j) => j,
-            Err(dbus_err) => {
-                tracing::info!(error = %dbus_err, "D-Bus did not answer; trying HTTP");
-                over_http(&config)
-                    .with_context(|| format!("the service answered neither on D-Bus ({dbus_err}) nor over HTTP"))?
-            }
-        };
+    pub fn run(self, _g: &super::Global) -> anyhow::Result<i32> {
+        let json = over_dbus().context(
+            "the service did not answer on D-Bus (ch.phoeniqs.Agent1): is it running (systemctl status phq-agent)? \
+             `status` asks the service only through the system bus, whose policy lets no other program own its name; \
+             it never sends the token to whatever listens on the HTTP port",
+        )?;
         let r: Report = serde_json::from_str(&json).context("the service's report is not a phq.status/v1 report")?;
         if self.json {
             // The service's own JSON, as it sent it.
@@ -42,30 +41,4 @@ fn over_dbus() -> anyhow::Result<String> {
         Ok(r) => Ok(r?),
         Err(why) => bail!("{why}"),
     }
-}
-
-/// A plain HTTP/1.1 GET of /v1/status on the configured port (loopback when it listens on
-/// every address).
-fn over_http(config: &crate::config::Config) -> anyhow::Result<String> {
-    let mut addr = config.http.listen;
-    if addr.ip().is_unspecified() {
-        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-    }
-    if !config.http.tls_cert.is_empty() {
-        bail!("the service serves HTTPS; the HTTP fallback of `status` speaks plain HTTP only");
-    }
-    let token = crate::serve::read_token(&config.http.token_file)?;
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3))
-        .with_context(|| format!("cannot connect to {addr} (http.listen)"))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "GET /v1/status HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n")?;
-    let mut resp = Vec::new();
-    s.read_to_end(&mut resp)?;
-    let resp = String::from_utf8_lossy(&resp);
-    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
-    let code = head.split_whitespace().nth(1).unwrap_or("");
-    if code != "200" {
-        bail!("GET http://{addr}/v1/status answered {}", head.lines().next().unwrap_or(""));
-    }
-    Ok(body.to_string())
 }

@@ -47,6 +47,7 @@ pub mod agent_checks;
 pub mod dbus;
 pub mod http;
 pub mod metrics;
+pub mod port;
 pub mod push;
 pub mod service;
 pub mod tls;

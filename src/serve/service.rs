@@ -131,9 +131,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     };
 
     // HTTP from the start: /healthz answers while the first snapshot is taken.
-    let listener = http::listen(config.http.listen)
-        .with_context(|| format!("cannot listen on {} (http.listen)", config.http.listen))?;
-    tracing::info!(listen = %config.http.listen, "serving /healthz, /v1/status, /metrics");
+    let (listener, on) = super::port::listener(config.http.listen, http::listen)?;
+    tracing::info!(listen = %on, "serving /healthz, /v1/status, /metrics");
     let shared: Shared = Arc::new(RwLock::new(None));
     // Two stops: the loops first (so the last events reach the spool), then the I/O tasks.
     let (stop_loops, _) = watch::channel(false);
