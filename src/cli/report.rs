@@ -61,6 +61,9 @@ fn read(path: &Path) -> anyhow::Result<crate::report::Report> {
     if buf.len() as u64 > MAX_REPORT_BYTES {
         anyhow::bail!("{}: more than {MAX_REPORT_BYTES} bytes; not a report", path.display());
     }
-    serde_json::from_slice(&buf)
-        .with_context(|| format!("{}: neither a bundle nor a phq.status/v1 report", path.display()))
+    let what = format!("{}: a phq.status/v1 report", path.display());
+    let r: crate::report::Report = crate::report::untrusted::parse(&buf, &what)
+        .with_context(|| format!("{}: neither a bundle nor a phq.status/v1 report", path.display()))?;
+    crate::report::untrusted::check_report(&r, &what)?;
+    Ok(r)
 }

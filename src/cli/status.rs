@@ -24,10 +24,14 @@ impl Status {
              `status` asks the service only through the system bus, whose policy lets no other program own its name; \
              it never sends the token to whatever listens on the HTTP port",
         )?;
-        let r: Report = serde_json::from_str(&json).context("the service's report is not a phq.status/v1 report")?;
+        // The service's report carries what the guest said of itself (a hostname, a process's
+        // name): bounded and printable before a terminal sees it, as a bundle's is.
+        let what = "the service's report";
+        let r: Report = report::untrusted::parse(json.as_bytes(), what)?;
+        report::untrusted::check_report(&r, what)?;
         if self.json {
-            // The service's own JSON, as it sent it.
-            super::print_out(&format!("{json}\n"), false)?;
+            let text = serde_json::to_string_pretty(&r).context("cannot encode the report")?;
+            super::print_out(&format!("{text}\n"), false)?;
         } else {
             super::print_report(&r, "phq-agent status", false)?;
         }

@@ -129,15 +129,19 @@ fn add<W: std::io::Write>(tar: &mut tar::Builder<W>, name: &str, data: &[u8]) ->
 /// Reads the snapshot out of a bundle.
 pub fn read_snapshot(path: &Path) -> Result<Snapshot> {
     let buf = read_member(path, "snapshot.json", "a snapshot")?;
-    serde_json::from_slice(&buf)
-        .with_context(|| format!("{}: snapshot.json is not a snapshot this agent can read", path.display()))
+    let what = format!("{}: snapshot.json", path.display());
+    let s: Snapshot = super::untrusted::parse(&buf, &what)?;
+    super::untrusted::check_snapshot(&s, &what)?;
+    Ok(s)
 }
 
 /// Reads the report a bundle was written with (what `doctor` printed, probes included).
 pub fn read_report(path: &Path) -> Result<super::Report> {
     let buf = read_member(path, "report.json", "a report")?;
-    serde_json::from_slice(&buf)
-        .with_context(|| format!("{}: report.json is not a report this agent can read", path.display()))
+    let what = format!("{}: report.json", path.display());
+    let r: super::Report = super::untrusted::parse(&buf, &what)?;
+    super::untrusted::check_report(&r, &what)?;
+    Ok(r)
 }
 
 /// One member of a bundle, by name, at most `MAX_SNAPSHOT_BYTES`.

@@ -63,7 +63,9 @@ impl PeerMatrix {
     /// The matrix of a report whose probes ran on two GPUs or more; `None` otherwise.
     pub fn of(r: &Report) -> Option<PeerMatrix> {
         let probes: ProbeReport = serde_json::from_value(r.probes.clone()?).ok()?;
-        if probes.gpus.len() < 2 {
+        // n × n cells, twice on the page: only for as many GPUs as a report may list
+        // (report::untrusted; a bundle with more is refused before it gets here).
+        if probes.gpus.len() < 2 || probes.gpus.len() > super::untrusted::MAX_GPUS {
             return None;
         }
         let mut gpus: Vec<(usize, String)> = probes.gpus.iter().map(|g| (g.ordinal, g.pci.clone())).collect();

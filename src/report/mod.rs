@@ -5,6 +5,7 @@ pub mod bundle;
 pub mod html;
 pub mod matrix;
 pub mod table;
+pub mod untrusted;
 
 use crate::checks::xid::{summarize, XidSummary};
 use crate::checks::{gpu_model, Finding, Severity};
