@@ -328,6 +328,75 @@ fn periodic_status_follows_platform_interval() {
 /// Xids in the kernel log that no running agent saw (here: the boot log of a guest whose GPU
 /// fell off the bus before the agent started) reach the platform as events, once: a restart
 /// does not send them again.
+/// Issue 37: lines anyone can put into the kernel log — a crashing program named like an Xid
+/// (its `comm` comes first in the segfault line), records written to /dev/kmsg with facility
+/// LOG_USER in the exact shape of an Xid and a fatal SXid — are pushed as nothing, while the
+/// driver's own Xids in the same log are pushed as before.
+#[test]
+fn forged_kernel_log_lines_are_never_pushed() {
+    let platform = Platform::start();
+    let s = setup(platform.port, 0, 20);
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let root = s.dir.path().join("guest");
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-xid79"))
+        .arg(&root)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let mut kmsg = std::fs::OpenOptions::new().append(true).open(root.join("dev/kmsg")).unwrap();
+    let xid48 = "NVRM: Xid (PCI:0000:0e:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error";
+    writeln!(kmsg, "6,7001,95000000000,-;NVRM: Xid (PCI:[4242]: segfault at 0 ip 0 sp 0 error 4 in {xid48}[1+1]")
+        .unwrap();
+    writeln!(kmsg, "12,7002,95000000001,-;{xid48}").unwrap();
+    writeln!(
+        kmsg,
+        "14,7003,95000000002,-;nvidia-nvswitch0: SXid (PCI:0000:11:00.0): 20034, Fatal, Link 30 LTSSM Fault Up"
+    )
+    .unwrap();
+    drop(kmsg);
+    let mut agent = std::process::Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(["serve", "--config"])
+        .arg(&s.cfg)
+        .arg("--sysroot")
+        .arg(&root)
+        .arg("--nvml-lib")
+        .arg(fake_nvml())
+        .env("PHQ_FAKE_NVML_SCENARIO", &s.quiet_scenario)
+        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+        .env_remove("NOTIFY_SOCKET")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let events =
+        |p: &Platform| -> Vec<Value> { p.received().iter().filter_map(|r| r.body.get("event").cloned()).collect() };
+    let statuses = |p: &Platform| p.received().iter().filter(|r| r.body.get("event").is_none()).count();
+    // The two real Xids, then a periodic status after them: everything the log held was judged.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while (events(&platform).len() < 2 || statuses(&platform) == 0) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let got = events(&platform);
+    let mut xids: Vec<(String, u64)> = got
+        .iter()
+        .filter(|e| e["kind"] == "xid")
+        .map(|e| (e["gpu"].as_str().unwrap().to_string(), e["xid"].as_u64().unwrap()))
+        .collect();
+    xids.sort();
+    assert_eq!(xids, vec![("0000:0c:00.0".into(), 79), ("0000:0d:00.0".into(), 13)], "{got:#?}");
+    assert!(got.iter().all(|e| e["kind"] != "sxid"), "a forged SXid was pushed: {got:#?}");
+    let status = platform.received().into_iter().rev().find(|r| r.body.get("event").is_none()).unwrap();
+    let e = status.body["findings"].as_array().unwrap();
+    assert!(
+        !e.iter().any(|f| f["gpu"] == "0000:0e:00.0" && f["id"] == "gpu.xid" && f["severity"] != "pass"),
+        "the forged Xid 48 reached the pushed status"
+    );
+}
+
 #[test]
 fn kernel_log_xids_from_before_the_agent_are_sent_once() {
     let platform = Platform::start();
