@@ -83,6 +83,7 @@ fn pack(dir: &Path, snapshot: &Value, report: &Value) -> PathBuf {
 
 /// The real binary with `args`, killed past `limit` of wall time; its output and the CPU time
 /// it used (what the bundle cost it, whatever else the machine is doing).
+#[allow(clippy::zombie_processes)] // reaped by wait4 below, which also gives its CPU time
 fn bounded(args: &[&str], dir: &Path, limit: Duration) -> (Output, Duration) {
     let started = Instant::now();
     let child = Command::new(env!("CARGO_BIN_EXE_phq-agent"))

@@ -96,6 +96,7 @@ fn listener_process() {
 }
 
 /// Starts a listener as `uid`/`gid` on `address`; returns it once it has subscribed.
+#[allow(clippy::zombie_processes)] // returned to the caller, which waits for it in `heard`
 fn listener(address: &str, uid: u32, gid: u32) -> (std::process::Child, BufReader<std::process::ChildStdout>) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "listener_process", "--nocapture", "--test-threads=1"])
