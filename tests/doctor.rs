@@ -727,3 +727,120 @@ fn an_rpm_guests_packages_are_read_from_its_rpm_database() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("installed packages unknown (rpm -qa could not read /var/lib/rpm"), "{text}");
 }
+
+/// Issue 39: every warn and fail finding of every guest scenario in examples/ carries the
+/// `action` and `owner` docs/checks.md's table gives its check (gpu.xid: its governing Xid's
+/// catalog resolution, by the table in the same section), and the verdict is the most urgent
+/// action of them all. The table is read from the document, not copied here.
+#[test]
+fn every_finding_routes_as_the_documented_table_says() {
+    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/checks.md")).unwrap();
+    let section = doc.split("## What to do and whose move it is").nth(1).expect("the routing section");
+    let urgency: Vec<String> = section
+        .split("least urgent\nfirst:")
+        .nth(1)
+        .expect("the order of actions")
+        .split(" (")
+        .next()
+        .unwrap()
+        .split(',')
+        .map(|w| w.trim().trim_matches('`').to_string())
+        .collect();
+    assert_eq!(urgency.len(), 10, "{urgency:?}");
+    let mut rules = std::collections::BTreeMap::new();
+    for line in section.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cells.len() > 5 && cells[1].starts_with('`') && cells[1].contains('.') {
+            let w = |i: usize| cells[i].trim_matches('`').to_string();
+            rules.insert(w(1), (w(2), w(3), w(4)));
+        }
+    }
+    assert!(rules.len() > 50, "{rules:?}");
+    let bucket = |b: &str| -> (&str, &str) {
+        match b {
+            "RESTART_APP" | "WORKFLOW_XID_45" => ("restart_app", "tenant"),
+            "RESET_GPU" | "XID_154" => ("reset_gpu", "tenant"),
+            "WORKFLOW_XID_48" => ("reset_gpu", "platform"),
+            "RESTART_VM" | "WORKFLOW_NVLINK_ERR" | "WORKFLOW_NVLINK5_ERR" => ("restart_vm", "platform"),
+            "RESTART_BM" => ("reboot_host", "platform"),
+            "CHECK_MECHANICALS" => ("inspect_hardware", "platform"),
+            "UPDATE_SWFW" | "CHECK_UVM" => ("fix_guest_software", "tenant"),
+            "IGNORE" => ("none", "none"),
+            _ => ("contact_support", "platform"),
+        }
+    };
+    // The written rule for Xids, checked against the document's sentence for the first two.
+    assert!(section.contains("`RESTART_APP` and `WORKFLOW_XID_45` → `restart_app`/tenant"));
+    assert!(section.contains("`RESTART_BM` → `reboot_host`/platform"));
+    let sysroot_of = |scenario: &str| match scenario {
+        s if s.starts_with("h100-pcie") => "h100-pcie-single",
+        s if s.starts_with("h200") => "h200-single",
+        s if s.starts_with("hgx-8gpu-xid79") => "hgx-8gpu-xid79",
+        _ => "hgx-8gpu-healthy",
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    // Short NVML deadlines, so the scenarios where NVML blocks answer in seconds.
+    std::fs::write(&config, "[nvml]\ninit_timeout = \"2s\"\ngpu_timeout = \"2s\"\n").unwrap();
+    let mut scenarios: Vec<String> = std::fs::read_dir(fixture("../../examples/scenarios"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_suffix(".json").map(str::to_string))
+        .filter(|n| !n.starts_with("cuda-"))
+        .collect();
+    scenarios.sort();
+    let mut seen = 0;
+    let runs: Vec<(String, std::thread::JoinHandle<Output>)> = scenarios
+        .iter()
+        .map(|sc| {
+            let (name, sc, config) = (sc.clone(), sc.clone(), config.clone());
+            let handle = std::thread::spawn(move || {
+                Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+                    .args(["doctor", "--json", "--sysroot"])
+                    .arg(fixture("sysroots").join(sysroot_of(&sc)))
+                    .arg("--config")
+                    .arg(&config)
+                    .arg("--nvml-lib")
+                    .arg(common::fake_nvml())
+                    .env("PHQ_FAKE_NVML_SCENARIO", fixture("../../examples/scenarios").join(format!("{sc}.json")))
+                    .env_remove("DBUS_SYSTEM_BUS_ADDRESS")
+                    .output()
+                    .unwrap()
+            });
+            (name, handle)
+        })
+        .collect();
+    for (sc, handle) in runs {
+        let out = handle.join().unwrap();
+        let r: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{sc}: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+        validate(&r);
+        let mut worst = 0;
+        for f in r["findings"].as_array().unwrap() {
+            let (id, sev) = (f["id"].as_str().unwrap(), f["severity"].as_str().unwrap());
+            let got = (f["action"].as_str().unwrap(), f["owner"].as_str().unwrap());
+            let want: (String, String) = match sev {
+                "warn" | "fail"
+                    if id == "gpu.xid" && f["evidence"]["governs"].as_str().is_some_and(|g| g.starts_with("Xid ")) =>
+                {
+                    let code = f["evidence"]["governs"].as_str().unwrap().trim_start_matches("Xid ");
+                    let x = f["evidence"]["xids"].as_array().unwrap().iter().find(|x| x["code"] == code).unwrap();
+                    let (a, o) = bucket(x["resolution"].as_str().unwrap());
+                    (a.into(), o.into())
+                }
+                "warn" | "fail" if id == "gpu.xid" => continue, // NVML's recovery action governs: unit-tested
+                "warn" | "fail" => {
+                    let (w, fl, o) =
+                        rules.get(id).unwrap_or_else(|| panic!("{sc}: {id} is not in docs/checks.md's table"));
+                    (if sev == "warn" { w.clone() } else { fl.clone() }, o.clone())
+                }
+                _ => ("none".into(), "none".into()),
+            };
+            assert_eq!((got.0, got.1), (want.0.as_str(), want.1.as_str()), "{sc}: {id} ({sev})");
+            worst = worst.max(urgency.iter().position(|a| a == got.0).unwrap());
+            seen += usize::from(sev == "warn" || sev == "fail");
+        }
+        assert_eq!(r["verdict"]["action"], urgency[worst], "{sc}: the verdict is the most urgent action");
+    }
+    assert!(seen > 30, "only {seen} warn/fail findings across the scenarios");
+}

@@ -12,6 +12,7 @@ pub mod host;
 pub mod memory;
 pub mod nvml;
 pub mod pci;
+pub mod route;
 pub mod thermal;
 pub mod xid;
 
@@ -51,6 +52,12 @@ pub struct Finding {
     pub remedy: Option<String>,
     /// The values that decided it.
     pub evidence: BTreeMap<String, serde_json::Value>,
+    /// What to do (a closed vocabulary, `route::Action`) and whose move it is; set by
+    /// `route::apply` when the report is built. Absent in reports of older agents.
+    #[serde(default)]
+    pub action: route::Action,
+    #[serde(default)]
+    pub owner: route::Owner,
 }
 
 impl Finding {
@@ -63,6 +70,8 @@ impl Finding {
             detail: String::new(),
             remedy: None,
             evidence: BTreeMap::new(),
+            action: route::Action::None,
+            owner: route::Owner::None,
         }
     }
     pub fn pass(id: &str, summary: impl Into<String>) -> Self {

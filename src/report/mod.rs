@@ -126,6 +126,77 @@ pub struct Report {
     /// Set on a pushed event report: what happened. Absent on periodic status.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub event: Option<Event>,
+    /// The one field a platform routes on: the most urgent action over all findings.
+    #[serde(default)]
+    pub verdict: Verdict,
+}
+
+/// The most urgent action over a report's findings (`route::Action`'s order), whose move it is,
+/// the findings and GPUs it comes from and what backs it. The guest's root is the tenant's, so
+/// a verdict is a claim: `basis` names its evidence for the platform to weigh.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Verdict {
+    pub action: crate::checks::route::Action,
+    pub owner: crate::checks::route::Owner,
+    /// The ids of the findings that call for this action.
+    pub findings: Vec<String>,
+    /// The GPUs (PCI addresses) those findings are about.
+    pub gpus: Vec<String>,
+    /// What backs it: `nvml` (the driver through NVML), `kernel_log` (the kernel log alone),
+    /// `probe` (a measurement through CUDA), `guest` (the guest's own files and services).
+    pub basis: Vec<String>,
+    /// Since when this verdict has stood: the report's time unless the service's fault history
+    /// knows an earlier one.
+    pub since: Option<Timestamp>,
+    /// A word for whoever acts on it, e.g. that a hardware verdict rests on the kernel log alone.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub note: String,
+}
+
+/// What backs one finding (see `Verdict::basis`).
+fn basis_of(f: &Finding) -> &'static str {
+    let area = f.id.split('.').next().unwrap_or("");
+    match area {
+        "probe" => "probe",
+        "gpu" if f.id == "gpu.xid" => {
+            if f.evidence.get("authority").and_then(serde_json::Value::as_str) == Some("kernel_log") {
+                "kernel_log"
+            } else {
+                "nvml"
+            }
+        }
+        "fabric" if f.id == "fabric.sxid" => "kernel_log",
+        "gpu" | "nvml" | "nvlink" | "fabric" => "nvml",
+        _ => "guest",
+    }
+}
+
+/// The verdict of routed findings (`route::apply` has run), at `at`.
+pub fn verdict_of(findings: &[Finding], at: Timestamp) -> Verdict {
+    use crate::checks::route::{Action, Owner};
+    let worst = findings.iter().map(|f| f.action).max().unwrap_or(Action::None);
+    if worst == Action::None {
+        return Verdict { since: Some(at), ..Verdict::default() };
+    }
+    let from: Vec<&Finding> = findings.iter().filter(|f| f.action == worst).collect();
+    // The platform's move over the tenant's when both are asked the same action.
+    let owner = from.iter().map(|f| f.owner).max().unwrap_or(Owner::None);
+    let mut ids: Vec<String> = from.iter().map(|f| f.id.clone()).collect();
+    ids.dedup();
+    let mut gpus: Vec<String> = from.iter().filter_map(|f| f.gpu.clone()).collect();
+    gpus.sort();
+    gpus.dedup();
+    let mut basis: Vec<String> = from.iter().map(|f| basis_of(f).to_string()).collect();
+    basis.sort();
+    basis.dedup();
+    let note = if owner == Owner::Platform && basis == ["kernel_log"] {
+        "Backed by the guest's kernel log alone: NVML did not report it and no probe measured it. The guest's root is \
+         the tenant's; weigh it before draining hardware."
+            .to_string()
+    } else {
+        String::new()
+    };
+    Verdict { action: worst, owner, findings: ids, gpus, basis, since: Some(at), note }
 }
 
 /// Something that happened, pushed through the spool so that it is never lost.
@@ -245,6 +316,9 @@ pub fn agent_id(configured: &str, s: &Snapshot) -> String {
 }
 
 pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at: Timestamp, seq: u64) -> Report {
+    let mut findings = findings;
+    crate::checks::route::apply(&mut findings);
+    let verdict = verdict_of(&findings, s.observed_at);
     let os = s.host.os.value();
     let gpus = s
         .gpus()
@@ -315,5 +389,6 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
         probes: None,
         install: None,
         event: None,
+        verdict,
     }
 }

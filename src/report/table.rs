@@ -90,6 +90,17 @@ pub fn render(r: &Report, title: &str, width: usize) -> String {
             if let Some(rem) = &f.remedy {
                 wrap_into(&mut o, rem, 10, width, "→ ");
             }
+            if matches!(sev, Severity::Fail | Severity::Warn) {
+                // Whose move (docs/checks.md, "What to do and whose move it is").
+                let whose = match f.owner {
+                    crate::checks::route::Owner::Tenant => "the tenant's move (the guest's software or the VM spec)",
+                    crate::checks::route::Owner::Platform => {
+                        "the platform's move (hardware, host, fabric or allocation)"
+                    }
+                    crate::checks::route::Owner::None => "nobody's move",
+                };
+                wrap_into(&mut o, &format!("{whose}: {}", f.action.word()), 10, width, "⇒ ");
+            }
         }
         for (summary, ids) in shared.iter().filter(|(_, ids)| ids.len() > 1) {
             let st = style(sev);
@@ -169,9 +180,25 @@ fn footer(r: &Report, o: &mut String) {
         super::Health::Unknown => style(Severity::Unknown),
         super::Health::Healthy => style(Severity::Pass),
     };
+    let v = &r.verdict;
+    if v.action != crate::checks::route::Action::None {
+        let gpus = if v.gpus.is_empty() { String::new() } else { format!(" on {}", v.gpus.join(", ")) };
+        let _ = writeln!(
+            o,
+            "\nverdict: {} ({}'s move) from {}{gpus}; backed by {}",
+            v.action.word(),
+            v.owner.word(),
+            v.findings.join(", "),
+            v.basis.join(" and ")
+        );
+        if !v.note.is_empty() {
+            let _ = writeln!(o, "  {}", v.note);
+        }
+    }
     let _ = writeln!(
         o,
-        "\n{s}{health}{s:#}: {f} failed, {w} warning(s), {u} unknown, {p} passed   (exit {})",
+        "{}{s}{health}{s:#}: {f} failed, {w} warning(s), {u} unknown, {p} passed   (exit {})",
+        if r.verdict.action == crate::checks::route::Action::None { "\n" } else { "" },
         super::exit_code(&r.findings)
     );
 }
