@@ -10,6 +10,7 @@ pub mod config;
 pub mod cuda;
 pub mod durable;
 pub mod facts;
+pub mod history;
 pub mod install;
 pub mod probe;
 pub mod report;

@@ -51,6 +51,7 @@ fn one_gpu_blocked_forever_leaves_seven_reported_and_one_stuck_worker_after_100_
         events: Default::default(),
         spool: None,
         nvml_budget: None,
+        history: None,
     };
     let before = settled_threads(Duration::from_millis(200));
     let mut first_since = None;

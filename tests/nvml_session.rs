@@ -59,6 +59,7 @@ fn a_thousand_service_snapshots_initialise_nvml_once_and_connect_to_the_bus_once
         events: Default::default(),
         spool: None,
         nvml_budget: None,
+        history: None,
     };
     let before = init_count(&lib);
     let serial_before = next_connection_serial(&bus.address);

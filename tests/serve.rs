@@ -286,6 +286,68 @@ fn forged_kernel_log_lines_do_not_move_healthz() {
     }
 }
 
+/// Issue 39: the fault history across boots. Xid 79 on the same GPU (the same board serial) in
+/// two boots — the boot id changed between two `serve` runs on one state directory — is
+/// `inspect_hardware`/`platform`, names the serial and both boots, and stays so after a third
+/// boot without the Xid: a reboot alone clears nothing (a passing probe does: history.rs's
+/// unit test walks that).
+#[test]
+fn an_xid_in_two_boots_escalates_to_the_platform() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("guest");
+    let copied = Command::new("cp")
+        .arg("-a")
+        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-xid79"))
+        .arg(&root)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let state = dir.path().join("state");
+    let boot_id = root.join("proc/sys/kernel/random/boot_id");
+    let xid_on_0c = |boot: &str| -> (Value, Value) {
+        std::fs::write(&boot_id, format!("{boot}\n")).unwrap();
+        let (a, _) = start_on(&root, 0o600, Some(&state)).expect("serve");
+        wait_ready(&a);
+        let (code, r) = get(a.port, "/v1/status", &auth());
+        assert_eq!(code, 200, "{r}");
+        let report: Value = serde_json::from_str(body(&r)).unwrap();
+        validate(&report);
+        let f = findings(&report, "gpu.xid").into_iter().find(|f| f["gpu"] == "0000:0c:00.0").unwrap().clone();
+        (f, report["verdict"].clone())
+    };
+    let (first, _) = xid_on_0c("boot-a");
+    assert_eq!((first["action"].as_str(), first["evidence"]["boots"].as_u64()), (Some("reboot_host"), Some(1)));
+    let serial = first["evidence"]["serial"].as_str().unwrap().to_string();
+    assert!(!serial.starts_with("pci:"), "NVML gives the board serial: {serial}");
+
+    let (second, verdict) = xid_on_0c("boot-b");
+    assert_eq!((second["action"].as_str(), second["owner"].as_str()), (Some("inspect_hardware"), Some("platform")));
+    assert_eq!(second["evidence"]["boot_ids"], serde_json::json!(["boot-a", "boot-b"]));
+    assert!(second["summary"].as_str().unwrap().contains(&format!("serial {serial}")), "{second:#}");
+    assert_eq!((verdict["action"].as_str(), verdict["owner"].as_str()), (Some("inspect_hardware"), Some("platform")));
+    assert!(verdict["gpus"].as_array().unwrap().contains(&"0000:0c:00.0".into()));
+
+    // A third boot, the same kernel log (the fixture keeps its Xid line): still open, three boots;
+    // the history file holds the fault by serial.
+    let (third, _) = xid_on_0c("boot-c");
+    assert_eq!((third["action"].as_str(), third["evidence"]["boots"].as_u64()), (Some("inspect_hardware"), Some(3)));
+    let history: Value = serde_json::from_slice(&std::fs::read(state.join("history.json")).unwrap()).unwrap();
+    let fault = history["faults"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["serial"] == serial.as_str() && f["code"] == "79")
+        .unwrap();
+    assert!(fault.get("cleared").is_none(), "a reboot alone cleared it: {fault:#}");
+    // `phq-agent history` shows it: the serial, Xid 79, three boots, open.
+    let cfg = dir.path().join("history.toml");
+    std::fs::write(&cfg, format!("[agent]\nstate_dir = \"{}\"\n", state.display())).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_phq-agent")).args(["history", "--config"]).arg(&cfg).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.contains("gpu.xid 79")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line.starts_with(&serial) && line.contains("    3  ") && line.contains("inspect_hardware"), "{line}");
+}
+
 /// The service's snapshot interval (serve rule 1).
 fn serve_interval() -> Duration {
     phq_agent::serve::SNAPSHOT_INTERVAL

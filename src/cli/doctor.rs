@@ -75,7 +75,20 @@ impl Doctor {
         let code = report::exit_code(&report.findings);
 
         if let Some(out) = &self.bundle {
-            bundle::write(out, &snapshot, &report, &root.recorded())?;
+            // The fault history across boots, when this machine's service keeps one.
+            let history = if root.is_live() && self.from.is_none() {
+                match crate::history::History::load(&config.agent.state_dir) {
+                    Ok(h) if !h.faults.is_empty() => Some(h),
+                    Ok(_) => None,
+                    Err(e) => {
+                        eprintln!("phq-agent: the bundle goes without the fault history: {e}");
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            bundle::write(out, &snapshot, &report, &root.recorded(), history.as_ref())?;
             eprintln!("phq-agent: bundle written to {}", out.display());
         }
         super::print_report(&report, "phq-agent doctor", self.json)?;

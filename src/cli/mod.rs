@@ -3,6 +3,7 @@
 //! 3 unknown or could not run); usage errors exit 64.
 
 pub mod doctor;
+pub mod history;
 pub mod install;
 pub mod probe;
 pub mod report;
@@ -93,11 +94,14 @@ pub enum Command {
     #[command(after_help = "Exit codes: 0 stopped by SIGTERM or SIGINT; 3 could not start (configuration, \
                             token, listen address); 64 usage.")]
     Serve(serve::Serve),
-    /// Ask the running service for its report (over D-Bus, else HTTP).
+    /// Ask the running service for its report (over D-Bus only).
     #[command(after_help = "Exit codes: those of the service's report, as doctor's (0 passed, 1 a warning, \
-                            2 a failure, 3 unknown); 3 when the service answers neither on D-Bus nor over \
-                            HTTP; 64 usage.")]
+                            2 a failure, 3 unknown); 3 when the service does not answer on D-Bus; 64 usage.")]
     Status(status::Status),
+    /// Show the fault history the service keeps across reboots: each GPU by serial, its faults,
+    /// the boots that saw them, and the probe run that cleared them.
+    #[command(after_help = "Exit codes: 0 shown; 3 the history could not be read; 64 usage.")]
+    History(history::History),
     /// Create the HTTP bearer token if there is none (0600, owned by the service's user).
     #[command(after_help = "Exit codes: 0 the token files exist and belong to the service's user; 3 they \
                             could not be made so (the error says which and why); 64 usage.")]
@@ -157,6 +161,7 @@ impl Cli {
             Command::Serve(c) => c.run(&self.global),
             Command::Report(c) => c.run(&self.global),
             Command::Status(c) => c.run(&self.global),
+            Command::History(c) => c.run(&self.global),
             Command::Token(c) => c.run(&self.global),
             Command::Completions(c) => {
                 let mut out = Vec::new();

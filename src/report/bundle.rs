@@ -9,6 +9,8 @@
 //!   renders it again from `report.json`
 //! - `nvrm.log`        the kernel log lines from the NVIDIA drivers (Xid, BAR, GPU UUIDs; the
 //!   NVSwitch driver's SXids)
+//! - `history.json`    the service's fault history across boots (`crate::history`), when the
+//!   machine has one
 //! - `files/…`         every raw file and link the snapshot was built from, laid out like `/`,
 //!   so `doctor --sysroot files/` re-collects from them
 //!
@@ -47,21 +49,33 @@ struct Manifest<'a> {
     sysroot: &'a str,
 }
 
-pub fn write(path: &Path, snapshot: &Snapshot, report: &super::Report, recorded: &[Recorded]) -> Result<()> {
+pub fn write(
+    path: &Path,
+    snapshot: &Snapshot,
+    report: &super::Report,
+    recorded: &[Recorded],
+    history: Option<&crate::history::History>,
+) -> Result<()> {
     // Write beside the target and rename, so a crash or a full disk never leaves a truncated
     // bundle under the name the user asked for.
     if std::fs::symlink_metadata(path).is_ok() {
         bail!("{}: already exists; give the bundle a new name", path.display());
     }
     let tmp = path.with_extension("partial");
-    let result = write_to(&tmp, snapshot, report, recorded).and_then(|()| {
+    let result = write_to(&tmp, snapshot, report, recorded, history).and_then(|()| {
         std::fs::hard_link(&tmp, path).with_context(|| format!("{}: cannot put the bundle in place", path.display()))
     });
     let _ = std::fs::remove_file(&tmp);
     result
 }
 
-fn write_to(path: &Path, snapshot: &Snapshot, report: &super::Report, recorded: &[Recorded]) -> Result<()> {
+fn write_to(
+    path: &Path,
+    snapshot: &Snapshot,
+    report: &super::Report,
+    recorded: &[Recorded],
+    history: Option<&crate::history::History>,
+) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .write(true)
@@ -112,6 +126,9 @@ fn write_to(path: &Path, snapshot: &Snapshot, report: &super::Report, recorded: 
         }
     }
     add(&mut tar, "nvrm.log", nvrm.as_bytes())?;
+    if let Some(h) = history {
+        add(&mut tar, "history.json", &serde_json::to_vec_pretty(h)?)?;
+    }
     let gz = tar.into_inner().with_context(|| format!("{}: cannot finish the archive", path.display()))?;
     let file = gz.finish().with_context(|| format!("{}: cannot finish compression", path.display()))?;
     file.sync_all().with_context(|| format!("{}: cannot flush to disk", path.display()))?;

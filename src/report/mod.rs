@@ -105,6 +105,19 @@ pub struct GpuSummary {
     /// The worst severity among the findings about this GPU.
     pub status: Severity,
     pub xids: Vec<XidSummary>,
+    /// What identifies the physical part, not the VM's view of it (issue 39): NVML's board
+    /// serial, board part number, VBIOS and InfoROM image versions. `null` where NVML did not
+    /// read them; `identity_note` then says why.
+    #[serde(default)]
+    pub serial: Option<String>,
+    #[serde(default)]
+    pub board_part_number: Option<String>,
+    #[serde(default)]
+    pub vbios_version: Option<String>,
+    #[serde(default)]
+    pub inforom_image_version: Option<String>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub identity_note: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -325,6 +338,7 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
         .into_iter()
         .map(|g| {
             let prefix = g.address_without_function();
+            let nv = s.nvml_gpu(&g.address);
             let (kmsg, nvml) = crate::checks::xid::events_for(s, &g.address);
             let xids = summarize(&kmsg, &nvml);
             let status = findings
@@ -347,6 +361,19 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
                 link: g.link.clone(),
                 status,
                 xids,
+                serial: nv.and_then(|n| n.serial.value().cloned()).filter(|v| !v.trim().is_empty()),
+                board_part_number: nv.and_then(|n| n.board_part_number.value().cloned()),
+                vbios_version: nv.and_then(|n| n.vbios_version.value().cloned()),
+                inforom_image_version: nv.and_then(|n| n.inforom_image_version.value().cloned()),
+                identity_note: match nv.map(|n| &n.serial) {
+                    None => "NVML did not read this GPU: its board serial is unknown".into(),
+                    Some(crate::snapshot::Nv::Value(v)) if !v.trim().is_empty() => String::new(),
+                    Some(crate::snapshot::Nv::Value(_)) => "NVML returned an empty board serial".into(),
+                    Some(crate::snapshot::Nv::NotSupported) => {
+                        "NVML does not support reading the board serial here".into()
+                    }
+                    Some(crate::snapshot::Nv::Error(e)) => format!("NVML could not read the board serial: {e}"),
+                },
             }
         })
         .collect();

@@ -410,6 +410,49 @@ pub struct Inputs {
     /// All of NVML's phases within this (the first snapshot, which systemd waits for: READY=1
     /// comes by the init deadline at the latest); `None`, each phase its own deadline.
     pub nvml_budget: Option<Duration>,
+    /// The fault history across boots (`crate::history`), kept in the state directory; `None`
+    /// where there is none to keep (tests of the snapshot alone).
+    pub history: Option<Arc<std::sync::Mutex<crate::history::History>>>,
+}
+
+/// The fault history of `state_dir`, for the service. One that cannot be read is moved aside
+/// (`history.json.unreadable`), said loudly, and a new one started: the service keeps running
+/// and the old bytes are kept for a person.
+pub fn open_history(state_dir: &std::path::Path) -> crate::history::History {
+    match crate::history::History::load(state_dir) {
+        Ok(h) => h,
+        Err(e) => {
+            let path = crate::history::History::path(state_dir);
+            let aside = path.with_extension("json.unreadable");
+            let moved = std::fs::rename(&path, &aside);
+            tracing::error!(error = %e, kept_as = %aside.display(), moved = moved.is_ok(), "the fault history cannot be read; starting a new one");
+            crate::history::History::default()
+        }
+    }
+}
+
+/// Rules 2–4 of `crate::history` on one report: the faults recorded for this boot, a new probe
+/// run's passes clearing what they cover, repeats across boots escalated, and the verdict
+/// taken again with what the history knows.
+fn apply_history(inputs: &Inputs, snapshot: &crate::snapshot::Snapshot, report: &mut report::Report) {
+    let Some(history) = &inputs.history else { return };
+    let mut h = history.lock().unwrap_or_else(|p| p.into_inner());
+    let boot = snapshot.host.boot_id.clone().unwrap_or_else(|| "unknown".into());
+    let mut changed = h.record(snapshot, &report.findings, &boot, snapshot.observed_at);
+    if let Some(p) = &inputs.probes {
+        let run = sha1_smol::Sha1::from(serde_json::to_vec(&p.0).unwrap_or_default()).digest().to_string();
+        changed |= h.clear_by_probes(snapshot, &run[..16], snapshot.observed_at, &p.1);
+    }
+    h.escalate(snapshot, &mut report.findings);
+    report.verdict = report::verdict_of(&report.findings, snapshot.observed_at);
+    if let Some(t) = h.since(snapshot, &report.findings, report.verdict.action) {
+        report.verdict.since = Some(t);
+    }
+    if changed {
+        if let Err(e) = h.save(&inputs.config.agent.state_dir) {
+            tracing::error!(error = %e, "the fault history is not saved; it is kept in memory and written at the next change");
+        }
+    }
 }
 
 /// Collects, checks and renders one snapshot; the report comes back too, for the events.
@@ -431,6 +474,7 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         seq,
     );
     report.probes = inputs.probes.as_ref().map(|p| p.0.clone());
+    apply_history(inputs, &snapshot, &mut report);
     report.agent.events = Some(report::EventCounts {
         merged: inputs.events.merged.load(std::sync::atomic::Ordering::Relaxed),
         dropped: inputs.events.dropped.load(std::sync::atomic::Ordering::Relaxed),

@@ -128,6 +128,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         spool: spool.clone(),
         // Rule 3: READY=1 by the init deadline at the latest.
         nvml_budget: Some(deadlines.init),
+        history: Some(Arc::new(std::sync::Mutex::new(super::open_history(&config.agent.state_dir)))),
     };
 
     // HTTP from the start: /healthz answers while the first snapshot is taken.

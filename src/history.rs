@@ -1,0 +1,376 @@
+//! The fault history (issue 39): which fault each physical GPU has shown in which boots, kept
+//! across reboots under the service's state directory, so that a VM restart does not hide a
+//! fault until the next tenant meets it.
+//!
+//! Rules:
+//! 1. A fault is a GPU's board serial (NVML's `nvmlDeviceGetSerial`; `pci:<address>` when NVML
+//!    cannot read it, which the report says) and what it showed: a check id, and for `gpu.xid`
+//!    the governing Xid code. Only warn and fail findings about one GPU are faults.
+//! 2. Each boot (`/proc/sys/kernel/random/boot_id`, read through the sysroot like every file)
+//!    that saw the fault is kept with its first and last time; an occurrence is new when the
+//!    fault was absent or cleared, or an Xid's count in the kernel log grew.
+//! 3. The same fault on the same serial in two or more boots escalates: the finding's action
+//!    becomes `inspect_hardware` and its owner `platform`, and it says how many boots it has
+//!    survived (gpud escalates an Xid seen again after reboots to hardware inspection the same
+//!    way: its `api/v1` repair actions).
+//! 4. A fault is cleared only by a probe run that passes every probe of that GPU after the
+//!    fault's last occurrence, and the history records which run; never by a reboot alone.
+//! 5. Bounded: at most `MAX_FAULTS` faults and `MAX_BOOTS` boots each (the oldest cleared go
+//!    first); written whole with `durable::write`, as the spool is.
+
+use crate::checks::route::{Action, Owner};
+use crate::checks::{Finding, Severity};
+use crate::snapshot::{Snapshot, Timestamp};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+pub const SCHEMA: &str = "phq.history/v1";
+pub const FILE: &str = "history.json";
+pub const MAX_FAULTS: usize = 1024;
+pub const MAX_BOOTS: usize = 16;
+/// Bytes read of a history file: a full one is well under 1 MiB.
+const MAX_FILE_BYTES: u64 = 8 << 20;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct History {
+    pub schema: String,
+    pub faults: Vec<Fault>,
+    /// Probe runs already applied (`rule 4`), newest last, bounded.
+    #[serde(default)]
+    pub probe_runs: Vec<String>,
+}
+
+impl Default for History {
+    fn default() -> Self {
+        History { schema: SCHEMA.into(), faults: Vec::new(), probe_runs: Vec::new() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fault {
+    /// The GPU's board serial, or `pci:<address>` when NVML could not read it.
+    pub serial: String,
+    /// Where the GPU was last seen in this VM.
+    pub gpu: String,
+    pub check: String,
+    /// The Xid code, for `gpu.xid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    pub boots: Vec<BootSeen>,
+    pub first_seen: Timestamp,
+    pub last_seen: Timestamp,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cleared: Option<Cleared>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BootSeen {
+    pub boot_id: String,
+    pub first: Timestamp,
+    pub last: Timestamp,
+    /// For an Xid: the count the kernel log held at `last` (a larger one is a new occurrence).
+    #[serde(default)]
+    pub count: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Cleared {
+    pub by_probe_run: String,
+    pub at: Timestamp,
+}
+
+impl Fault {
+    pub fn boot_count(&self) -> usize {
+        self.boots.len()
+    }
+    fn matches(&self, serial: &str, check: &str, code: Option<&str>) -> bool {
+        self.serial == serial && self.check == check && self.code.as_deref() == code
+    }
+}
+
+/// The physical identity of the GPU at `address`: its board serial, else `pci:<address>`.
+pub fn serial_of(s: &Snapshot, address: &str) -> String {
+    s.nvml_gpu(address)
+        .and_then(|g| g.serial.value().cloned())
+        .filter(|v| !v.trim().is_empty())
+        .unwrap_or_else(|| format!("pci:{address}"))
+}
+
+/// What fault a finding is, if it is one: (check, Xid code, the Xid's count).
+fn fault_key(f: &Finding) -> Option<(String, Option<String>, u64)> {
+    if !matches!(f.severity, Severity::Warn | Severity::Fail) || f.gpu.is_none() {
+        return None;
+    }
+    if f.id == "gpu.xid" {
+        let code = f.evidence.get("governs")?.as_str()?.strip_prefix("Xid ")?.to_string();
+        let count = f
+            .evidence
+            .get("xids")
+            .and_then(|x| x.as_array())
+            .and_then(|xs| xs.iter().find(|x| x["code"] == code.as_str()))
+            .and_then(|x| x["count"].as_u64())
+            .unwrap_or(1);
+        return Some((f.id.clone(), Some(code), count));
+    }
+    Some((f.id.clone(), None, 0))
+}
+
+impl History {
+    pub fn path(state_dir: &Path) -> PathBuf {
+        state_dir.join(FILE)
+    }
+
+    /// The history in `state_dir`; empty when there is none. A file that is there but cannot be
+    /// read as one is an error that names it (never silently an empty history: that would
+    /// forget faults).
+    pub fn load(state_dir: &Path) -> anyhow::Result<History> {
+        use std::io::Read;
+        let path = Self::path(state_dir);
+        let file = match crate::sysroot::open_regular(&path, false) {
+            Ok((f, _)) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(History::default()),
+            Err(e) => anyhow::bail!("{}: cannot open the fault history: {e}", path.display()),
+        };
+        let mut buf = Vec::new();
+        file.take(MAX_FILE_BYTES + 1).read_to_end(&mut buf).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        if buf.len() as u64 > MAX_FILE_BYTES {
+            anyhow::bail!("{}: more than {MAX_FILE_BYTES} bytes; not a fault history", path.display());
+        }
+        let what = format!("{}: the fault history", path.display());
+        let h: History = serde_json::from_slice(&buf).map_err(|e| anyhow::anyhow!("{what} cannot be read: {e}"))?;
+        if h.schema != SCHEMA {
+            anyhow::bail!("{what} is {:?}, not {SCHEMA}", h.schema);
+        }
+        Ok(h)
+    }
+
+    pub fn save(&self, state_dir: &Path) -> anyhow::Result<()> {
+        let path = Self::path(state_dir);
+        let bytes = serde_json::to_vec_pretty(self)?;
+        crate::durable::write(&path, &bytes, 0o600)
+            .map_err(|e| anyhow::anyhow!("{}: cannot write the fault history: {e}", path.display()))
+    }
+
+    /// Records the faults among `findings` (rules 1 and 2); true when anything changed.
+    pub fn record(&mut self, s: &Snapshot, findings: &[Finding], boot_id: &str, at: Timestamp) -> bool {
+        let mut changed = false;
+        for f in findings {
+            let Some((check, code, count)) = fault_key(f) else { continue };
+            let gpu = f.gpu.clone().unwrap_or_default();
+            let serial = serial_of(s, &gpu);
+            match self.faults.iter_mut().find(|x| x.matches(&serial, &check, code.as_deref())) {
+                Some(fault) => {
+                    let reopened = fault.cleared.is_some();
+                    let here = fault.boots.iter().position(|b| b.boot_id == boot_id);
+                    let new_occurrence = match here {
+                        None => true,
+                        // An Xid stays in the kernel log for the whole boot: only a larger count
+                        // is another one. A state (a failed remap) seen again after a clear is.
+                        Some(i) if code.is_some() => count > fault.boots[i].count,
+                        Some(_) => reopened,
+                    };
+                    let boot = here.map(|i| &mut fault.boots[i]);
+                    if !new_occurrence {
+                        continue;
+                    }
+                    match boot {
+                        Some(b) => {
+                            b.last = at;
+                            b.count = count;
+                        }
+                        None => fault.boots.push(BootSeen { boot_id: boot_id.into(), first: at, last: at, count }),
+                    }
+                    if fault.boots.len() > MAX_BOOTS {
+                        fault.boots.remove(0);
+                    }
+                    fault.last_seen = at;
+                    fault.gpu = gpu;
+                    fault.cleared = None;
+                    changed = true;
+                }
+                None => {
+                    self.faults.push(Fault {
+                        serial,
+                        gpu,
+                        check,
+                        code,
+                        boots: vec![BootSeen { boot_id: boot_id.into(), first: at, last: at, count }],
+                        first_seen: at,
+                        last_seen: at,
+                        cleared: None,
+                    });
+                    changed = true;
+                }
+            }
+        }
+        if self.faults.len() > MAX_FAULTS {
+            // The oldest cleared first, then the oldest.
+            self.faults.sort_by_key(|f| (f.cleared.is_none(), f.last_seen.0));
+            let excess = self.faults.len() - MAX_FAULTS;
+            self.faults.drain(..excess);
+        }
+        changed
+    }
+
+    /// Rule 4: a probe run (`run_id`, finished by `at`) whose findings pass every probe of a
+    /// GPU clears that GPU's open faults last seen before `at`. True when anything changed.
+    pub fn clear_by_probes(&mut self, s: &Snapshot, run_id: &str, at: Timestamp, probe_findings: &[Finding]) -> bool {
+        if self.probe_runs.iter().any(|r| r == run_id) {
+            return false;
+        }
+        self.probe_runs.push(run_id.to_string());
+        if self.probe_runs.len() > 64 {
+            self.probe_runs.remove(0);
+        }
+        let mut passed: Vec<String> = Vec::new();
+        let mut failed: Vec<String> = Vec::new();
+        for f in probe_findings.iter().filter(|f| f.id.starts_with("probe.")) {
+            let Some(gpu) = &f.gpu else { continue };
+            if matches!(f.severity, Severity::Pass) {
+                passed.push(gpu.clone());
+            } else {
+                failed.push(gpu.clone());
+            }
+        }
+        let clean: Vec<String> = passed.into_iter().filter(|g| !failed.contains(g)).map(|g| serial_of(s, &g)).collect();
+        for fault in self.faults.iter_mut().filter(|f| f.cleared.is_none() && f.last_seen.0 <= at.0) {
+            if clean.contains(&fault.serial) {
+                fault.cleared = Some(Cleared { by_probe_run: run_id.into(), at });
+            }
+        }
+        true
+    }
+
+    /// Rule 3: findings whose fault is open and was seen in two boots or more become
+    /// `inspect_hardware`/`platform` and say so.
+    pub fn escalate(&self, s: &Snapshot, findings: &mut [Finding]) {
+        for f in findings.iter_mut() {
+            let Some((check, code, _)) = fault_key(f) else { continue };
+            let serial = serial_of(s, f.gpu.as_deref().unwrap_or(""));
+            let Some(fault) =
+                self.faults.iter().find(|x| x.cleared.is_none() && x.matches(&serial, &check, code.as_deref()))
+            else {
+                continue;
+            };
+            let boots = fault.boot_count();
+            f.evidence.insert("boots".into(), boots.into());
+            f.evidence.insert("serial".into(), fault.serial.clone().into());
+            if boots < 2 {
+                continue;
+            }
+            let ids: Vec<&str> = fault.boots.iter().map(|b| b.boot_id.as_str()).collect();
+            f.evidence.insert("boot_ids".into(), serde_json::json!(ids));
+            f.summary = format!("{} — seen on this GPU (serial {}) in {boots} boots", f.summary, fault.serial);
+            f.detail = format!(
+                "{}\nThe same fault on the same physical GPU (serial {}) came back after a reboot: seen in {boots} boots ({}), first at {}. A restart does not fix it: the GPU needs a person.",
+                f.detail,
+                fault.serial,
+                ids.join(", "),
+                fault.first_seen
+            )
+            .trim_start()
+            .to_string();
+            f.action = Action::InspectHardware;
+            f.owner = Owner::Platform;
+        }
+    }
+
+    /// When the verdict's faults were first seen, if the history holds them.
+    pub fn since(&self, s: &Snapshot, findings: &[Finding], action: Action) -> Option<Timestamp> {
+        findings
+            .iter()
+            .filter(|f| f.action == action)
+            .filter_map(|f| {
+                let (check, code, _) = fault_key(f)?;
+                let serial = serial_of(s, f.gpu.as_deref()?);
+                self.faults.iter().find(|x| x.cleared.is_none() && x.matches(&serial, &check, code.as_deref()))
+            })
+            .map(|x| x.first_seen)
+            .min_by_key(|t| t.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checks::testutil::healthy;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    fn at(s: u64) -> Timestamp {
+        Timestamp(UNIX_EPOCH + Duration::from_secs(1_800_000_000 + s))
+    }
+
+    fn xid79(count: u64) -> Finding {
+        Finding::fail("gpu.xid", "Xid 79")
+            .gpu("0000:0c:00.0")
+            .evidence("governs", "Xid 79")
+            .evidence("xids", serde_json::json!([{"code": "79", "count": count, "resolution": "RESTART_BM"}]))
+    }
+
+    fn probes(sev: Severity) -> Vec<Finding> {
+        let f = Finding::pass("probe.memory-integrity", "ok").gpu("0000:0c:00.0");
+        vec![Finding { severity: sev, ..f }]
+    }
+
+    /// The issue's walk: an Xid 79 in one boot, again in the next, escalated; a reboot alone
+    /// does not clear it, a passing probe does, and it comes back as new only when it recurs.
+    #[test]
+    fn a_fault_in_two_boots_escalates_until_a_probe_passes() {
+        let s = healthy();
+        let mut h = History::default();
+        let mut f = vec![xid79(1)];
+        assert!(h.record(&s, &f, "boot-a", at(0)));
+        crate::checks::route::apply(&mut f);
+        h.escalate(&s, &mut f);
+        assert_eq!((f[0].action, f[0].evidence["boots"].as_u64()), (Action::RebootHost, Some(1)));
+        assert!(!h.record(&s, &f, "boot-a", at(30)), "the same line in the same boot is no new occurrence");
+
+        let mut f = vec![xid79(1)];
+        assert!(h.record(&s, &f, "boot-b", at(600)));
+        crate::checks::route::apply(&mut f);
+        h.escalate(&s, &mut f);
+        assert_eq!((f[0].action, f[0].owner), (Action::InspectHardware, Owner::Platform));
+        assert_eq!(f[0].evidence["boot_ids"], serde_json::json!(["boot-a", "boot-b"]));
+        let serial = f[0].evidence["serial"].as_str().unwrap().to_string();
+        assert!(
+            f[0].summary.contains(&format!("serial {serial}")) && f[0].summary.contains("2 boots"),
+            "{}",
+            f[0].summary
+        );
+
+        // A reboot alone: a third boot without the Xid changes nothing.
+        assert!(!h.record(&s, &[], "boot-c", at(1200)));
+        assert!(h.faults[0].cleared.is_none());
+        // A failing probe does not clear it; a passing one after the last occurrence does.
+        h.clear_by_probes(&s, "run-1", at(1300), &probes(Severity::Fail));
+        assert!(h.faults[0].cleared.is_none());
+        h.clear_by_probes(&s, "run-2", at(1400), &probes(Severity::Pass));
+        assert_eq!(h.faults[0].cleared.as_ref().map(|c| c.by_probe_run.as_str()), Some("run-2"));
+        let mut f = vec![xid79(1)];
+        crate::checks::route::apply(&mut f);
+        h.escalate(&s, &mut f);
+        assert_eq!(f[0].action, Action::RebootHost, "cleared: no longer escalated");
+        // The same kernel-log line later in boot-b is not a new occurrence; a second Xid is.
+        assert!(!h.record(&s, &[xid79(1)], "boot-b", at(1500)));
+        assert!(h.record(&s, &[xid79(2)], "boot-b", at(1600)));
+        assert!(h.faults[0].cleared.is_none());
+    }
+
+    #[test]
+    fn bounded_and_round_trips() {
+        let s = healthy();
+        let mut h = History::default();
+        for i in 0..(MAX_FAULTS + 10) {
+            let f = Finding::warn("gpu.temperature", "hot").gpu(format!("0000:{:02x}:00.0", i % 256));
+            let f = Finding { id: format!("gpu.t{i}"), ..f };
+            h.record(&s, &[f], "b", at(i as u64));
+        }
+        assert_eq!(h.faults.len(), MAX_FAULTS);
+        let dir = tempfile::tempdir().unwrap();
+        h.save(dir.path()).unwrap();
+        assert_eq!(History::load(dir.path()).unwrap(), h);
+        std::fs::write(History::path(dir.path()), b"{not json").unwrap();
+        let e = History::load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("history.json"), "{e}");
+    }
+}
