@@ -820,6 +820,12 @@ fn run_plain_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Op
             let target = under(&o.root, to);
             let out = if *armored { key.armored().into_bytes() } else { key.binary().to_vec() };
             crate::durable::write(&target, &out, 0o644).map_err(|e| err(format!("{}: {e}", target.display())))?;
+            for sub in &key.unbound_subkeys {
+                (o.progress)(&format!(
+                    "      left out subkey {}: the pinned key does not bind it",
+                    super::pgp::spaced(sub)
+                ));
+            }
             (o.progress)(&format!("      key {} verified and written to {to}", super::pgp::spaced(fingerprint)));
             Ok(())
         }
@@ -2326,6 +2332,23 @@ mod tests {
         assert_eq!(r.state.status, Status::Failed);
         assert!(r.state.error.as_deref().unwrap().contains("2 primary keys"), "{:?}", r.state.error);
         assert!(!dir.path().join("root").join(plan::NVIDIA_APT_KEYRING.trim_start_matches('/')).exists());
+    }
+
+    /// Issue 37: the keyring package's key file carries the pinned key and a subkey appended by
+    /// someone else, unbound: root's keyring gets the pinned key alone, and the run says what
+    /// it left out.
+    #[test]
+    fn a_foreign_subkey_never_reaches_roots_keyring() {
+        let (dir, p, mut m) = fresh_install(None);
+        let mut foreign = test_key_seeded(9).0;
+        foreign[0] = 0xce; // the same key material as a public-subkey packet (tag 14)
+        let pinned = m.key.clone();
+        m.key = [pinned.clone(), foreign].concat();
+        let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+        assert_eq!(r.state.status, Status::RebootRequired, "{:?}", r.state.error);
+        let root = dir.path().join("root");
+        assert_eq!(std::fs::read(root.join(plan::NVIDIA_APT_KEYRING.trim_start_matches('/'))).unwrap(), pinned);
+        assert!(r.progress.iter().any(|l| l.contains("left out subkey")), "{:#?}", r.progress);
     }
 
     /// RHEL: EPEL's and NVIDIA's key files each hold exactly their pinned key, or nothing is

@@ -8,6 +8,15 @@
 //! downloaded file but the packets that were read and checked, written out again by the agent
 //! (`Verified::binary` for apt's `signed-by`, `Verified::armored` for rpm). Version-4 keys are
 //! what NVIDIA and EPEL publish; other versions are reported, never guessed at.
+//!
+//! Of the subkeys, only those the pinned key binds are written: a subkey is the primary's only
+//! through a subkey binding signature (RFC 4880 §5.2.1, type 0x18) that the primary issued
+//! (§11.1: "each Subkey packet MUST be followed by one Signature packet, which should be a
+//! subkey binding signature issued by the top-level key"). A subkey packet appended by someone
+//! else, with no such signature, is dropped with whatever follows it. The agent reads who
+//! issued a binding (the Issuer and Issuer Fingerprint subpackets, §5.2.3.5, RFC 9580
+//! §5.2.3.35); apt's gpgv and rpm check the signature's mathematics themselves before they use
+//! a subkey, so what reaches them is the pinned key and what it claims as its own.
 
 use base64::Engine;
 
@@ -17,6 +26,15 @@ const TAG_TRUST: u8 = 12;
 const TAG_USER_ID: u8 = 13;
 const TAG_PUBLIC_SUBKEY: u8 = 14;
 const TAG_USER_ATTRIBUTE: u8 = 17;
+
+/// Signature types (RFC 4880 §5.2.1) a primary key issues over one of its subkeys: the binding,
+/// and its revocation.
+const SIG_SUBKEY_BINDING: u8 = 0x18;
+const SIG_SUBKEY_REVOCATION: u8 = 0x28;
+/// Signature subpackets that name the issuer (RFC 4880 §5.2.3.5: its 8-octet key id; RFC 9580
+/// §5.2.3.35: its version and fingerprint).
+const SUBPACKET_ISSUER: u8 = 16;
+const SUBPACKET_ISSUER_FINGERPRINT: u8 = 33;
 
 /// The packets a transferable public key is made of (RFC 4880 §11.1: a primary key, its
 /// revocations, user ids and attributes with their signatures, subkeys with their bindings;
@@ -32,11 +50,14 @@ pub struct Key {
     pub primary: bool,
 }
 
-/// A key file that held exactly the pinned key and nothing else: its packets, as read.
+/// A key file that held exactly the pinned key and nothing else: its packets, as read, less any
+/// subkey the pinned key does not bind.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verified {
     pub fingerprint: String,
     packets: Vec<u8>,
+    /// Fingerprints of the subkeys left out: no binding signature from the pinned key.
+    pub unbound_subkeys: Vec<String>,
 }
 
 impl Verified {
@@ -98,7 +119,10 @@ pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, String> {
         rest = next;
     }
     match primaries.as_slice() {
-        [one] if *one == pinned => Ok(Verified { fingerprint: pinned, packets }),
+        [one] if *one == pinned => {
+            let (packets, unbound_subkeys) = bound_only(&packets, &pinned)?;
+            Ok(Verified { fingerprint: pinned, packets, unbound_subkeys })
+        }
         [one] => Err(format!("its key is {} — expected {}", spaced(one), spaced(&pinned))),
         [] => Err("no OpenPGP public key in it".into()),
         many => Err(format!(
@@ -108,6 +132,102 @@ pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, String> {
             spaced(&pinned)
         )),
     }
+}
+
+/// The packets of a key whose primary has fingerprint `primary`, with each subkey kept only when
+/// a binding signature the primary issued follows it, and then with only the primary's
+/// signatures over it; the primary's own packets (user ids, their certifications, direct-key
+/// signatures) are kept as they are. Also the fingerprints of the subkeys left out.
+fn bound_only(packets: &[u8], primary: &str) -> Result<(Vec<u8>, Vec<String>), String> {
+    let mut out = Vec::new();
+    let mut unbound = Vec::new();
+    // The subkey being read, and the primary's signatures over it so far.
+    let mut subkey: Option<(String, Vec<u8>, bool)> = None;
+    let mut finish = |subkey: Option<(String, Vec<u8>, bool)>, out: &mut Vec<u8>| match subkey {
+        Some((_, raw, true)) => out.extend_from_slice(&raw),
+        Some((fpr, _, false)) => unbound.push(fpr),
+        None => {}
+    };
+    let mut rest = packets;
+    while !rest.is_empty() {
+        let (tag, body, next) = packet(rest)?;
+        let raw = &rest[..rest.len() - next.len()];
+        rest = next;
+        if tag == TAG_PUBLIC_SUBKEY {
+            finish(subkey.take(), &mut out);
+            subkey = Some((v4_fingerprint(body)?, raw.to_vec(), false));
+            continue;
+        }
+        match &mut subkey {
+            None => out.extend_from_slice(raw),
+            Some((_, kept, bound)) => {
+                let by_primary = (tag == TAG_SIGNATURE).then(|| signature_by(body, primary)).flatten();
+                if let Some(sig_type @ (SIG_SUBKEY_BINDING | SIG_SUBKEY_REVOCATION)) = by_primary {
+                    *bound |= sig_type == SIG_SUBKEY_BINDING;
+                    kept.extend_from_slice(raw);
+                }
+            }
+        }
+    }
+    finish(subkey.take(), &mut out);
+    Ok((out, unbound))
+}
+
+/// The type of a signature packet when every issuer it names is the key with fingerprint
+/// `issuer` (and it names one); None otherwise, or when it cannot be read.
+fn signature_by(body: &[u8], issuer: &str) -> Option<u8> {
+    let fpr = hex_bytes(issuer)?;
+    // A v4 key's id is the low 64 bits of its fingerprint (RFC 4880 §12.2).
+    let key_id = fpr.get(fpr.len().checked_sub(8)?..)?;
+    let (sig_type, issuers) = match body.first()? {
+        // v3 (RFC 4880 §5.2.2): version, 5, type, time (4), the issuer's key id (8), …
+        3 => (*body.get(2)?, vec![(SUBPACKET_ISSUER, body.get(7..15)?)]),
+        // v4 (§5.2.3): version, type, algorithms (2), then the hashed and the unhashed
+        // subpackets, each area after its two-octet length.
+        4 => {
+            let hashed_len = be(body.get(4..6)?);
+            let hashed = body.get(6..6 + hashed_len)?;
+            let at = 6 + hashed_len;
+            let unhashed_len = be(body.get(at..at + 2)?);
+            let unhashed = body.get(at + 2..at + 2 + unhashed_len)?;
+            let mut issuers = subpackets(hashed)?;
+            issuers.extend(subpackets(unhashed)?);
+            issuers.retain(|(t, _)| *t == SUBPACKET_ISSUER || *t == SUBPACKET_ISSUER_FINGERPRINT);
+            (*body.get(1)?, issuers)
+        }
+        _ => return None,
+    };
+    let names_issuer = |(t, data): &(u8, &[u8])| match *t {
+        SUBPACKET_ISSUER => *data == key_id,
+        // The key's version, then its fingerprint.
+        _ => data.first() == Some(&4) && data.get(1..) == Some(fpr.as_slice()),
+    };
+    (!issuers.is_empty() && issuers.iter().all(names_issuer)).then_some(sig_type)
+}
+
+/// The subpackets of one area (RFC 4880 §5.2.3.1): (type, without its critical bit; data).
+fn subpackets(mut area: &[u8]) -> Option<Vec<(u8, &[u8])>> {
+    let mut out = Vec::new();
+    while let Some(&first) = area.first() {
+        let (len, header): (usize, usize) = match first {
+            0..=191 => (first as usize, 1),
+            192..=254 => ((((first as usize) - 192) << 8) + *area.get(1)? as usize + 192, 2),
+            255 => (be(area.get(1..5)?), 5),
+        };
+        let sub = area.get(header..header.checked_add(len)?)?;
+        let (&sub_type, data) = sub.split_first()?;
+        out.push((sub_type & 0x7f, data));
+        area = &area[header + len..];
+    }
+    Some(out)
+}
+
+/// `0A1B…` → its bytes; None for anything that is not hex digits in pairs.
+fn hex_bytes(hex: &str) -> Option<Vec<u8>> {
+    if hex.len() % 2 != 0 {
+        return None;
+    }
+    (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok()).collect()
 }
 
 /// `EB693B30…` → `EB69 3B30 …`, as gpg prints fingerprints.
@@ -305,16 +425,84 @@ mod tests {
         // Its short ids are not enough, nor is any suffix.
         assert!(verified(&a, &fa[32..]).unwrap_err().contains("40 hex digits"));
         assert!(verified(&a, &fa[24..]).unwrap_err().contains("40 hex digits"));
-        // A subkey, a user id and signatures beside the pinned primary are parts of the key.
+        // A subkey (bound by the primary), a user id and signatures beside the pinned primary
+        // are parts of the key.
         let with_parts = [
             a.clone(),
             new_format(13, b"phq <k@phq.invalid>"),
             new_format(2, &[4, 0x13]),
             new_format(14, &key_body(3)),
+            signature(SIG_SUBKEY_BINDING, &fa),
         ]
         .concat();
         assert_eq!(keys(&with_parts).unwrap().len(), 2);
         assert_eq!(verified(&with_parts, &fa).unwrap().binary(), with_parts.as_slice());
+    }
+
+    /// A v4 signature packet of `sig_type` issued by the key with fingerprint `issuer`: its
+    /// Issuer Fingerprint in the hashed area and its key id in the unhashed one, as GnuPG 2.2
+    /// writes them; the hash and the signature's value are stand-ins (the agent reads who issued
+    /// a binding, apt and rpm check its value).
+    fn signature(sig_type: u8, issuer: &str) -> Vec<u8> {
+        let fpr = hex_bytes(issuer).unwrap();
+        let mut hashed = vec![22, SUBPACKET_ISSUER_FINGERPRINT, 4];
+        hashed.extend(&fpr);
+        hashed.extend([5, 2, 0x5f, 0, 0, 0]); // creation time
+        let unhashed = [vec![9, SUBPACKET_ISSUER], fpr[12..].to_vec()].concat();
+        let mut b = vec![4, sig_type, 22, 8];
+        b.extend((hashed.len() as u16).to_be_bytes());
+        b.extend(&hashed);
+        b.extend((unhashed.len() as u16).to_be_bytes());
+        b.extend(&unhashed);
+        b.extend([0xab, 0xcd, 0, 8, 0xff]);
+        new_format(2, &b)
+    }
+
+    /// Issue 37: a subkey appended to the pinned key without the primary's binding signature
+    /// (or with one another key issued) is not written to root's keyring; the key still
+    /// verifies, and its own bound subkey stays, with only the primary's signatures over it.
+    #[test]
+    fn a_foreign_subkey_is_stripped_and_a_bound_one_kept() {
+        let a = new_format(6, &key_body(1));
+        let fa = keys(&a).unwrap()[0].fingerprint.clone();
+        let evil = new_format(6, &key_body(8));
+        let fevil = keys(&evil).unwrap()[0].fingerprint.clone();
+        let uid = new_format(13, b"phq <k@phq.invalid>");
+        let own = [new_format(14, &key_body(3)), signature(SIG_SUBKEY_BINDING, &fa)].concat();
+        let own_fpr = keys(&own).unwrap()[0].fingerprint.clone();
+        let pinned = [a.clone(), uid.clone(), own.clone()].concat();
+        let foreign = new_format(14, &key_body(4));
+        let foreign_fpr = keys(&foreign).unwrap()[0].fingerprint.clone();
+        for (what, appended) in [
+            ("bare", foreign.clone()),
+            ("bound by another key", [foreign.clone(), signature(SIG_SUBKEY_BINDING, &fevil)].concat()),
+            ("with a certification, not a binding", [foreign.clone(), signature(0x13, &fa)].concat()),
+        ] {
+            for file in
+                [[pinned.clone(), appended.clone()].concat(), armor(&[pinned.clone(), appended].concat()).into_bytes()]
+            {
+                let v = verified(&file, &fa).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(v.binary(), pinned.as_slice(), "{what}");
+                assert_eq!(v.unbound_subkeys, [foreign_fpr.clone()], "{what}");
+                let written: Vec<String> = keys(v.binary()).unwrap().into_iter().map(|k| k.fingerprint).collect();
+                assert_eq!(written, [fa.clone(), own_fpr.clone()], "{what}");
+                assert!(verified(v.binary(), &fa).is_ok(), "{what}");
+                assert!(verified(v.armored().as_bytes(), &fa).unwrap().unbound_subkeys.is_empty(), "{what}");
+            }
+        }
+        // Its own subkey with another key's signature beside the binding: the subkey stays, the
+        // other signature goes.
+        let file = [a.clone(), uid.clone(), own.clone(), signature(SIG_SUBKEY_BINDING, &fevil)].concat();
+        assert_eq!(verified(&file, &fa).unwrap().binary(), pinned.as_slice());
+        // A subkey whose only signature is its revocation by the primary is not bound.
+        let revoked_only = [a.clone(), new_format(14, &key_body(5)), signature(SIG_SUBKEY_REVOCATION, &fa)].concat();
+        assert_eq!(verified(&revoked_only, &fa).unwrap().binary(), a.as_slice());
+        // A binding that names the primary and another issuer at once is not the primary's.
+        let mut two = signature(SIG_SUBKEY_BINDING, &fa);
+        let unhashed_at = two.len() - 5 - 10;
+        two[unhashed_at + 2..unhashed_at + 10].copy_from_slice(&hex_bytes(&fevil).unwrap()[12..]);
+        let file = [a.clone(), new_format(14, &key_body(6)), two].concat();
+        assert_eq!(verified(&file, &fa).unwrap().binary(), a.as_slice());
     }
 
     #[test]
