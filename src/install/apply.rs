@@ -17,7 +17,7 @@ use crate::checks::{Finding, Severity};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -48,6 +48,17 @@ pub trait Runner {
     /// `run` with `input` on the program's stdin: for a secret (a password) that must not be
     /// an argument, where any user could read it in /proc. Never logged.
     fn run_input(&mut self, program: &str, args: &[String], input: &[u8]) -> std::io::Result<Output>;
+    /// `run` with the program's stdout handed to `read` as it is written, never kept whole: for
+    /// output with no bound of its own (`dpkg-deb --fsys-tarfile` unpacks whatever a mirror's
+    /// package holds). When `read` returns, the pipe is closed, which stops a program still
+    /// writing as `head` stops its writer (its next write fails: SIGPIPE, or EPIPE where it
+    /// ignores the signal), and its exit is waited for. The `Output` has no stdout.
+    fn run_reading(
+        &mut self,
+        program: &str,
+        args: &[String],
+        read: &mut dyn FnMut(&mut dyn Read),
+    ) -> std::io::Result<Output>;
     /// One download attempt of `url` to `to`.
     fn fetch(&mut self, url: &str, to: &Path) -> Result<(), String>;
     fn sleep(&mut self, d: Duration);
@@ -1016,28 +1027,108 @@ fn under(root: &Path, abs: &str) -> PathBuf {
     root.join(abs.trim_start_matches('/'))
 }
 
+/// The keyring package is a few KiB: its key (about 2 KiB), a source list and its docs. A
+/// member past this is not a keyring.
+pub const MAX_DEB_MEMBER_BYTES: u64 = 1 << 20;
+/// How much of the package's unpacked tar stream is read at most. A mirror's package may
+/// unpack without end (a compression bomb): past this the reading stops, and with it dpkg-deb.
+pub const MAX_DEB_TAR_BYTES: u64 = 16 << 20;
+
 /// `dpkg-deb --fsys-tarfile` unpacks whatever compression the .deb uses; the member is read
-/// from that tar stream without writing anything to disk.
+/// from that tar stream as dpkg-deb writes it, without writing anything to disk and without
+/// keeping more than the member (`MAX_DEB_MEMBER_BYTES`) or reading more than
+/// `MAX_DEB_TAR_BYTES` of the stream.
 fn deb_member_bytes(deb: &Path, member: &str, runner: &mut dyn Runner) -> Result<Vec<u8>, StepError> {
     let deb_s = deb.display().to_string();
+    let mut found = TarMember::Missing;
     let out = runner
-        .run("dpkg-deb", &["--fsys-tarfile".into(), deb_s.clone()], &[])
+        .run_reading("dpkg-deb", &["--fsys-tarfile".into(), deb_s.clone()], &mut |stdout| {
+            found = tar_member(stdout, member, MAX_DEB_TAR_BYTES, MAX_DEB_MEMBER_BYTES);
+        })
         .map_err(|e| err(format!("dpkg-deb: {e}")))?;
-    if !out.ok() {
-        return Err(err(format!("{deb_s} is not a valid .deb: {}", out.stderr.trim())));
+    match found {
+        // Stopped by the cap: dpkg-deb's exit (a broken pipe) says nothing about the package.
+        TarMember::StreamTooLong => Err(err(format!(
+            "{deb_s}: its contents run past {MAX_DEB_TAR_BYTES} bytes unpacked (dpkg-deb --fsys-tarfile); refused, and dpkg-deb stopped: a keyring package is a few KiB"
+        ))),
+        TarMember::TooLarge(n) => Err(err(format!(
+            "{deb_s}: {member} is {n} bytes, past the {MAX_DEB_MEMBER_BYTES}-byte cap for a keyring; refused"
+        ))),
+        _ if !out.ok() => Err(err(format!("{deb_s} is not a valid .deb: {}", out.stderr.trim()))),
+        TarMember::Found(bytes) => Ok(bytes),
+        TarMember::Missing => Err(err(format!("{deb_s} holds no {member}"))),
+        TarMember::Unreadable(e) => Err(err(format!("{deb_s}: {e}"))),
     }
-    let mut archive = tar::Archive::new(out.stdout.as_slice());
-    let entries = archive.entries().map_err(|e| err(format!("{deb_s}: {e}")))?;
-    for entry in entries {
-        let mut entry = entry.map_err(|e| err(format!("{deb_s}: {e}")))?;
-        let path = entry.path().map(|p| p.display().to_string()).unwrap_or_default();
-        if path.trim_start_matches("./") == member {
+}
+
+/// What a bounded read of a tar stream found of one member.
+#[derive(Debug)]
+enum TarMember {
+    Found(Vec<u8>),
+    Missing,
+    /// The member's size, past the cap.
+    TooLarge(u64),
+    /// The stream ran past its cap.
+    StreamTooLong,
+    Unreadable(std::io::Error),
+}
+
+/// Reads the tar stream `input` to its end, or to `max_stream` bytes, keeping only `member`
+/// (`./` or not) when it is at most `max_member` bytes.
+fn tar_member(input: &mut dyn Read, member: &str, max_stream: u64, max_member: u64) -> TarMember {
+    let mut capped = Capped { inner: input, left: max_stream, over: false };
+    let read = |archive: &mut tar::Archive<&mut Capped<'_>>| -> std::io::Result<TarMember> {
+        for entry in archive.entries()? {
+            let mut entry = entry?;
+            let path = entry.path().map(|p| p.display().to_string()).unwrap_or_default();
+            if path.trim_start_matches("./") != member {
+                continue;
+            }
+            let size = entry.header().size()?;
+            if size > max_member {
+                return Ok(TarMember::TooLarge(size));
+            }
             let mut buf = Vec::new();
-            std::io::Read::read_to_end(&mut entry, &mut buf).map_err(|e| err(format!("{deb_s}: {e}")))?;
-            return Ok(buf);
+            (&mut entry).take(max_member).read_to_end(&mut buf)?;
+            return Ok(TarMember::Found(buf));
         }
+        Ok(TarMember::Missing)
+    };
+    let found = read(&mut tar::Archive::new(&mut capped)).unwrap_or_else(TarMember::Unreadable);
+    // The rest of the stream, so dpkg-deb ends on its own and its exit status tells.
+    if !matches!(found, TarMember::TooLarge(_)) {
+        let _ = std::io::copy(&mut capped, &mut std::io::sink());
     }
-    Err(err(format!("{deb_s} holds no {member}")))
+    if capped.over {
+        TarMember::StreamTooLong
+    } else {
+        found
+    }
+}
+
+/// A reader that gives at most `left` bytes and then fails, noting in `over` that there was
+/// more (a stream that ends exactly at the cap is not over it).
+struct Capped<'a> {
+    inner: &'a mut dyn Read,
+    left: u64,
+    over: bool,
+}
+
+impl Read for Capped<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.left == 0 {
+            let mut one = [0u8; 1];
+            if self.inner.read(&mut one)? == 0 {
+                return Ok(0);
+            }
+            self.over = true;
+            return Err(std::io::Error::other("past the cap"));
+        }
+        let want = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        self.left -= n as u64;
+        Ok(n)
+    }
 }
 
 /// `Arg::AtDriverVersion` becomes `pkg=<the repository's version of pkg whose upstream part is
@@ -1209,6 +1300,9 @@ fn tail_lines(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join(" / ")
 }
 
+/// What is kept of a program's stderr when its stdout is streamed (`Runner::run_reading`).
+const MAX_STDERR_BYTES: usize = 64 << 10;
+
 /// The real world: programs run with stdin closed and their output appended to `log`.
 pub struct SystemRunner {
     pub log: Option<File>,
@@ -1238,9 +1332,7 @@ impl Runner for SystemRunner {
             .output()?;
         if let Some(log) = &mut self.log {
             let _ = writeln!(log, "$ {program} {}", args.join(" "));
-            if program != "dpkg-deb" {
-                let _ = log.write_all(&out.stdout);
-            }
+            let _ = log.write_all(&out.stdout);
             let _ = log.write_all(&out.stderr);
             let _ = writeln!(log, "(exit {:?})", out.status.code());
         }
@@ -1273,6 +1365,43 @@ impl Runner for SystemRunner {
             let _ = writeln!(log, "(exit {:?})", out.status.code());
         }
         Ok(Output { code: out.status.code(), stdout: out.stdout, stderr: String::from_utf8_lossy(&out.stderr).into() })
+    }
+
+    fn run_reading(
+        &mut self,
+        program: &str,
+        args: &[String],
+        read: &mut dyn FnMut(&mut dyn Read),
+    ) -> std::io::Result<Output> {
+        let mut child = std::process::Command::new(program)
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        // stderr is read to its end on another thread, so a program that writes much of it never
+        // blocks on a full pipe, and only its first `MAX_STDERR_BYTES` are kept.
+        let stderr = child.stderr.take().map(|mut e| {
+            std::thread::spawn(move || {
+                let (mut kept, mut chunk) = (Vec::new(), [0u8; 8192]);
+                while let Ok(n @ 1..) = e.read(&mut chunk) {
+                    let room = MAX_STDERR_BYTES.saturating_sub(kept.len());
+                    kept.extend_from_slice(&chunk[..n.min(room)]);
+                }
+                kept
+            })
+        });
+        if let Some(mut stdout) = child.stdout.take() {
+            read(&mut stdout);
+        } // the pipe closes here
+        let status = child.wait()?;
+        let stderr = stderr.and_then(|t| t.join().ok()).unwrap_or_default();
+        if let Some(log) = &mut self.log {
+            let _ = writeln!(log, "$ {program} {} (stdout read, not logged)", args.join(" "));
+            let _ = log.write_all(&stderr);
+            let _ = writeln!(log, "(exit {:?})", status.code());
+        }
+        Ok(Output { code: status.code(), stdout: Vec::new(), stderr: String::from_utf8_lossy(&stderr).into() })
     }
 
     fn fetch(&mut self, url: &str, to: &Path) -> Result<(), String> {
@@ -1397,6 +1526,42 @@ mod tests {
         /// The NCCL builds the repository has, as `apt-cache madison libnccl2` and `dnf
         /// repoquery … libnccl` list them (default: `NCCL_BUILDS`).
         nccl: Option<Vec<&'static str>>,
+        /// The keyring package unpacks without end (a compression bomb from a mirror).
+        deb_bomb: Option<DebBomb>,
+        /// How many bytes of dpkg-deb's stream the installer read.
+        deb_read: u64,
+    }
+
+    #[derive(Clone, Copy, PartialEq, Debug)]
+    enum DebBomb {
+        /// The key file itself claims 8 GiB, and its data never ends.
+        HugeMember,
+        /// Another member before the key claims 8 GiB, and its data never ends.
+        EndlessBefore,
+    }
+
+    /// A tar member's header for `path` claiming 8 GiB, followed by zeros without end.
+    fn endless_tar(path: &str) -> impl Read {
+        let mut h = tar::Header::new_gnu();
+        h.set_path(path).unwrap();
+        h.set_size(8 << 30);
+        h.set_mode(0o644);
+        h.set_cksum();
+        std::io::Cursor::new(h.as_bytes().to_vec()).chain(std::io::repeat(0))
+    }
+
+    /// Counts what passes through it.
+    struct Counting<'a, R> {
+        inner: R,
+        read: &'a mut u64,
+    }
+
+    impl<R: Read> Read for Counting<'_, R> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            *self.read += n as u64;
+            Ok(n)
+        }
     }
 
     /// Builds for several CUDA releases, as NVIDIA's repositories carry them (not in order: the
@@ -1509,6 +1674,29 @@ mod tests {
                 }
             }
             Ok(out)
+        }
+        fn run_reading(
+            &mut self,
+            program: &str,
+            args: &[String],
+            read: &mut dyn FnMut(&mut dyn Read),
+        ) -> std::io::Result<Output> {
+            let out = self.run(program, args, &[])?;
+            let mut counted = 0;
+            match self.deb_bomb {
+                None => read(&mut Counting { inner: out.stdout.as_slice(), read: &mut counted }),
+                Some(DebBomb::HugeMember) => read(&mut Counting {
+                    inner: endless_tar("./usr/share/keyrings/cuda-archive-keyring.gpg"),
+                    read: &mut counted,
+                }),
+                Some(DebBomb::EndlessBefore) => {
+                    read(&mut Counting { inner: endless_tar("./usr/share/doc/bomb"), read: &mut counted })
+                }
+            }
+            self.deb_read += counted;
+            // A writer whose reader stopped early dies of SIGPIPE.
+            let code = if self.deb_bomb.is_some() { None } else { out.code };
+            Ok(Output { code, stdout: Vec::new(), ..out })
         }
         fn fetch(&mut self, url: &str, to: &Path) -> Result<(), String> {
             self.fetched += 1;
@@ -2332,6 +2520,48 @@ mod tests {
         assert_eq!(r.state.status, Status::Failed);
         assert!(r.state.error.as_deref().unwrap().contains("2 primary keys"), "{:?}", r.state.error);
         assert!(!dir.path().join("root").join(plan::NVIDIA_APT_KEYRING.trim_start_matches('/')).exists());
+    }
+
+    /// Issue 37: a keyring package from a mirror that unpacks without end (a compression bomb)
+    /// is read only up to the cap, and dpkg-deb stopped; a key file that claims more than a
+    /// keyring could be is refused without reading it. Either way nothing is trusted, and the
+    /// error names the package and the cap.
+    #[test]
+    fn a_keyring_package_that_unpacks_without_end_is_refused_at_the_cap() {
+        for (bomb, says) in [
+            (DebBomb::EndlessBefore, format!("run past {MAX_DEB_TAR_BYTES} bytes unpacked")),
+            (DebBomb::HugeMember, format!("is 8589934592 bytes, past the {MAX_DEB_MEMBER_BYTES}-byte cap")),
+        ] {
+            let (dir, p, mut m) = fresh_install(None);
+            m.deb_bomb = Some(bomb);
+            let r = apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
+            assert_eq!(r.state.status, Status::Failed, "{bomb:?}");
+            let e = r.state.error.as_deref().unwrap();
+            assert!(e.contains(plan::CUDA_KEYRING_DEB) && e.contains(&says), "{bomb:?}: {e}");
+            assert!(m.deb_read <= MAX_DEB_TAR_BYTES + 64 * 1024, "{bomb:?}: read {} bytes", m.deb_read);
+            assert!(!dir.path().join("root").join(plan::NVIDIA_APT_KEYRING.trim_start_matches('/')).exists());
+            assert!(!m.ran.iter().any(|l| l.starts_with("apt-get")), "{:#?}", m.ran);
+        }
+    }
+
+    /// The real runner stops reading when told, and the writer with it: `yes` writes without
+    /// end, and the call returns once the reader has had 1 MiB.
+    #[test]
+    fn the_system_runner_stops_a_writer_whose_output_is_no_longer_read() {
+        let mut r = SystemRunner { log: None };
+        let mut got = 0u64;
+        let started = Instant::now();
+        let out = r
+            .run_reading("yes", &[], &mut |stdout| {
+                got = std::io::copy(&mut stdout.take(1 << 20), &mut std::io::sink()).unwrap();
+            })
+            .unwrap();
+        assert_eq!(got, 1 << 20);
+        assert!(!out.ok(), "yes ends on the closed pipe: {out:?}");
+        assert!(started.elapsed() < Duration::from_secs(30));
+        // A program that ends on its own keeps its status and stderr.
+        let out = r.run_reading("ls", &["/nonexistent-phq".into()], &mut |_| {}).unwrap();
+        assert!(!out.ok() && out.stderr.contains("nonexistent-phq"), "{out:?}");
     }
 
     /// Issue 37: the keyring package's key file carries the pinned key and a subkey appended by
