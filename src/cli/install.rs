@@ -162,7 +162,7 @@ fn make_plan(root: &Sysroot, settings: &plan::Settings) -> Result<(plan::Plan, O
     let nvml = crate::collect::NvmlSource::Skip("not needed to plan".into());
     let snapshot = crate::collect::snapshot(root, &nvml);
     let facts = install::gather(root, &snapshot);
-    Ok((plan::plan(&facts, settings)?, snapshot.host.boot_id.clone()))
+    Ok((plan::plan(&facts, settings).map_err(|e| e.to_string())?, snapshot.host.boot_id.clone()))
 }
 
 fn verify_now(

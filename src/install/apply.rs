@@ -12,7 +12,7 @@
 //! journal holds it with the same hash. A step killed half-way is not journaled, so it runs
 //! again — each is idempotent.
 
-use super::plan::{Action, Arg, Cmd, Plan, Retry, DKMS_MOK, DOWNLOAD_DIR, MOK_PASSWORD_FILE};
+use super::plan::{Action, Arg, Cmd, Plan, Retry, StepId, DKMS_MOK, DOWNLOAD_DIR, MOK_PASSWORD_FILE};
 use crate::checks::{Finding, Severity};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -318,7 +318,7 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
         let hash = step.hash(is_deb);
         // The repair is planned only when dpkg is half-done now, so a repair finished in an
         // earlier run says nothing about this one (a later kill can leave dpkg half-done again).
-        if step.id != "repair" && st.steps.get(step.id).is_some_and(|r| r.hash == hash) {
+        if step.id != StepId::Repair && st.steps.get(step.id.as_str()).is_some_and(|r| r.hash == hash) {
             (o.progress)(&format!("{head}: done in an earlier run"));
             continue;
         }
@@ -354,8 +354,8 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
         // the hold done). Their records go, so they are judged afresh. Not for the dpkg repair,
         // which finishes earlier work rather than changing it, nor for the pre-flight, which
         // runs whenever anything is left and only resolves.
-        if !matches!(step.id, "repair" | "preflight") {
-            let later: Vec<&str> = plan.steps[i + 1..].iter().map(|s| s.id).collect();
+        if !matches!(step.id, StepId::Repair | StepId::Preflight) {
+            let later: Vec<&str> = plan.steps[i + 1..].iter().map(|s| s.id.as_str()).collect();
             st.steps.retain(|id, _| !later.contains(&id.as_str()));
         }
         (o.progress)(&format!("{head}: {}", step.title));
@@ -371,7 +371,7 @@ pub fn apply(plan: &Plan, runner: &mut dyn Runner, o: &mut Options) -> Result<St
                 Err(e) => {
                     st.status = Status::Failed;
                     st.error = Some(format!("step {}: {}", step.id, e.message));
-                    st.findings.push(e.finding(step.id));
+                    st.findings.push(e.finding(step.id.as_str()));
                     save(&o.journal_dir, &mut st)?;
                     return Ok(st);
                 }
@@ -1780,7 +1780,7 @@ mod tests {
         let (mut f, s) = fresh_ubuntu_hgx(dir.path().to_str().unwrap(), &fpr);
         f.dpkg_interrupted = true;
         let p = plan::plan(&f, &s).unwrap();
-        assert_eq!(p.steps[0].id, "repair");
+        assert_eq!(p.steps[0].id.as_str(), "repair");
         (dir, p, FakeMachine { key, ..Default::default() })
     }
 
@@ -1922,7 +1922,7 @@ mod tests {
         s.cuda = "12.9".into();
         s.driver_branch = 580;
         let p = plan::plan(&f, &s).unwrap();
-        let step = p.steps.iter().find(|st| st.id == "nccl").expect("the NCCL step");
+        let step = p.steps.iter().find(|st| st.id.as_str() == "nccl").expect("the NCCL step");
         let dir = tempfile::tempdir().unwrap();
         let mut m = FakeMachine::default();
         for a in &step.actions {
@@ -2097,7 +2097,7 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let (p, mut m) = fresh_debian_sb(dir.path());
-        let ids: Vec<&str> = p.steps.iter().map(|s| s.id).collect();
+        let ids: Vec<&str> = p.steps.iter().map(|s| s.id.as_str()).collect();
         let (driver, mok) = (ids.iter().position(|i| *i == "driver"), ids.iter().position(|i| *i == "mok"));
         assert!(driver.is_some() && mok > driver, "{ids:?}");
         assert!(!p.findings.iter().any(|f| f.severity == Severity::Fail), "{:#?}", p.findings);
@@ -2330,7 +2330,7 @@ mod tests {
         assert!(r.state.steps.contains_key("persistenced"), "{:?}", r.state.steps.keys());
         m.fail_when = None;
         m.ran.clear();
-        let driver = p.steps.iter_mut().find(|s| s.id == "driver").unwrap();
+        let driver = p.steps.iter_mut().find(|s| s.id.as_str() == "driver").unwrap();
         driver.actions.push(Action::Run(super::super::plan::cmd("true", &[])));
         apply_once(&p, &mut m, dir.path(), RebootPolicy::Never, "b");
         let at = |needle: &str| m.ran.iter().position(|l| l.contains(needle));
@@ -2348,7 +2348,7 @@ mod tests {
         p.steps.insert(
             0,
             plan::Step {
-                id: "repair",
+                id: StepId::Repair,
                 title: "finish what dpkg left half-done (dpkg was interrupted)".into(),
                 actions: vec![Action::RepairDpkg {
                     configure: plan::Cmd {
@@ -2412,7 +2412,7 @@ mod tests {
     #[test]
     fn a_package_the_repositories_lack_stops_the_install_before_any_is_installed() {
         let (dir, p, mut m) = fresh_install(None);
-        let steps: Vec<&str> = p.steps.iter().map(|s| s.id).collect();
+        let steps: Vec<&str> = p.steps.iter().map(|s| s.id.as_str()).collect();
         let at = |id| steps.iter().position(|s| *s == id).unwrap();
         assert!(at("repo") < at("preflight") && at("preflight") < at("headers"), "{steps:?}");
         m.missing = Some("nvidia-fabricmanager-550".into());
