@@ -36,11 +36,7 @@ pub(super) struct Choices {
     pub dkms_under_sb: bool,
     /// NVIDIA's branch lock package (`nvidia-driver-pinning-<branch>`), where it applies.
     pub pinning: Option<String>,
-    /// Debian: the kernel flavour and its meta packages, which bring the headers.
-    pub flavour_metas: Option<(String, Vec<String>)>,
-    /// The headers' packages, and why nothing needs doing when they are there.
-    pub headers: Vec<String>,
-    pub headers_done: Option<String>,
+    pub headers: Headers,
     /// The kernel packages held while a DKMS-built driver is installed (`kernel_hold`).
     pub kernel_hold: Vec<String>,
     /// The driver's packages, and the one whose version is "the driver's version".
@@ -52,6 +48,16 @@ pub(super) struct Choices {
     pub toolkit: String,
     /// Some CUDA 12 runs on the driver that stays: the toolkit and NCCL are installed.
     pub cuda_runs: bool,
+}
+
+/// The kernel headers DKMS builds against.
+pub(super) struct Headers {
+    /// Debian: the kernel's flavour, and its meta packages, which bring its newest kernel and
+    /// that kernel's headers.
+    pub flavour_metas: Option<(String, Vec<String>)>,
+    pub packages: Vec<String>,
+    /// Why nothing needs doing, when they are there.
+    pub done: Option<String>,
 }
 
 impl Choices {
@@ -101,14 +107,14 @@ impl Choices {
         let pinning = (distro.is_deb() && b >= 580 && !signed_by_distro && kept.is_none())
             .then(|| format!("nvidia-driver-pinning-{b}"));
 
-        let (flavour_metas, headers, headers_done) = headers(f, &distro, &kernel);
-        let headers_planned: &[String] = if headers_done.is_none() { &headers } else { &[] };
+        let headers = headers(f, &distro, &kernel);
+        let headers_planned: &[String] = if headers.done.is_none() { &headers.packages } else { &[] };
         // Ubuntu's signed path brings each new kernel's module through the flavour's meta
         // package instead: nothing to hold there.
         let kernel_hold = if distro.is_deb() && signed_by_distro {
             Vec::new()
         } else {
-            kernel_hold(&distro, &kernel, packages, headers_planned, flavour_metas.is_some())
+            kernel_hold(&distro, &kernel, packages, headers_planned, headers.flavour_metas.is_some())
         };
 
         let (driver_packages, driver_package) =
@@ -117,7 +123,7 @@ impl Choices {
         Ok(Choices {
             fabric_manager: fabric_manager_names(&distro, branch_of_fm),
             toolkit: format!("cuda-toolkit-{}", cuda.replace('.', "-")),
-            cuda_runs: !kept.as_ref().and_then(|d| d.branch).is_some_and(|kb| kb < facts::MIN_DRIVER_BRANCH),
+            cuda_runs: kept.as_ref().and_then(|d| d.branch).is_none_or(|kb| kb >= facts::MIN_DRIVER_BRANCH),
             dkms_under_sb: secure_boot && !signed_by_distro && kept.is_none(),
             distro,
             kernel,
@@ -132,9 +138,7 @@ impl Choices {
             replacing,
             matching,
             pinning,
-            flavour_metas,
             headers,
-            headers_done,
             kernel_hold,
             driver_packages,
             driver_package,
@@ -187,16 +191,15 @@ impl Choices {
 /// kernel of the flavour and its headers, which DKMS builds the module for and the next boot
 /// starts (Google's GPU installer installs the newest cloud-amd64 kernel and its headers and
 /// reboots, for the same reason). Ubuntu's archive keeps each ABI's headers; EL installs the
-/// running kernel's own devel package. Returns Debian's flavour and metas, the packages, and
-/// why nothing needs doing when they are there.
-fn headers(f: &Facts, distro: &Distro, kernel: &str) -> (Option<(String, Vec<String>)>, Vec<String>, Option<String>) {
+/// running kernel's own devel package.
+fn headers(f: &Facts, distro: &Distro, kernel: &str) -> Headers {
     let flavour_metas = match (distro, kernel_flavour(kernel)) {
         (Distro::Debian12, Some(fl)) => {
             Some((fl.to_string(), vec![format!("linux-headers-{fl}"), format!("linux-image-{fl}")]))
         }
         _ => None,
     };
-    let (headers, headers_done) = match &flavour_metas {
+    let (packages, done) = match &flavour_metas {
         Some((_, metas)) => {
             let done = metas.iter().all(|m| f.installed(m)).then(|| format!("{} are installed", metas.join(" and ")));
             (metas.clone(), done)
@@ -210,7 +213,7 @@ fn headers(f: &Facts, distro: &Distro, kernel: &str) -> (Option<(String, Vec<Str
             f.headers_present.then(|| format!("/lib/modules/{kernel}/build is there")),
         ),
     };
-    (flavour_metas, headers, headers_done)
+    Headers { flavour_metas, packages, done }
 }
 
 /// The driver's packages, and the one whose version is "the driver's version": none of a kept

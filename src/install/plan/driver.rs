@@ -101,23 +101,23 @@ pub(super) fn add(d: &mut Draft, f: &Facts, c: &Choices) {
 /// The headers DKMS builds against: Debian's flavour metas, else the running kernel's own.
 fn headers_step(c: &Choices) -> Step {
     let (distro, kernel) = (&c.distro, &c.kernel);
-    match &c.flavour_metas {
+    match &c.headers.flavour_metas {
         Some((fl, metas)) => Step {
             id: StepId::Headers,
             title: format!("kernel headers of the {fl} flavour: its newest kernel and headers ({})", metas.join(", ")),
             actions: vec![Action::Run(apt("install", lits(metas)))],
-            done: c.headers_done.clone(),
+            done: c.headers.done.clone(),
             needs_reboot: false,
         },
         None => Step {
             id: StepId::Headers,
             title: format!("kernel headers for {kernel}"),
             actions: vec![Action::Run(if distro.is_deb() {
-                apt("install", lits(&c.headers))
+                apt("install", lits(&c.headers.packages))
             } else {
-                on(dnf(&["install"]), &c.headers)
+                on(dnf(&["install"]), &c.headers.packages)
             })],
-            done: c.headers_done.clone(),
+            done: c.headers.done.clone(),
             needs_reboot: false,
         },
     }
