@@ -42,6 +42,42 @@ const SUBPACKET_ISSUER_FINGERPRINT: u8 = 33;
 const KEY_PACKETS: &[u8] =
     &[TAG_SIGNATURE, TAG_PUBLIC_KEY, TAG_TRUST, TAG_USER_ID, TAG_PUBLIC_SUBKEY, TAG_USER_ATTRIBUTE];
 
+/// Why a key file is not the pinned key alone, or not a key file at all.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("{0:?} is not a whole key fingerprint (40 hex digits)")]
+    NotAFingerprint(String),
+    #[error("no OpenPGP public key in it")]
+    NoKey,
+    #[error("it holds an OpenPGP packet of type {0}, which is no part of a public key")]
+    NotKeyPacket(u8),
+    #[error("it starts with an OpenPGP packet of type {0}, not a public key")]
+    StartsWith(u8),
+    #[error("its key is {} — expected {}", spaced(found), spaced(pinned))]
+    OtherKey { found: String, pinned: String },
+    #[error(
+        "it holds {} primary keys ({}); expected only {}",
+        found.len(),
+        found.iter().map(|f| spaced(f)).collect::<Vec<_>>().join(", "),
+        spaced(pinned)
+    )]
+    Several { found: Vec<String>, pinned: String },
+    #[error("it holds a second armored block after the first; a key file must hold one key alone")]
+    SecondBlock,
+    #[error("there is more after the armored block's END line; a key file must hold one key alone")]
+    AfterEnd,
+    /// The armor is not RFC 4880's: what is wrong with it, and where.
+    #[error("{0}")]
+    Armor(String),
+    #[error("not an OpenPGP packet (header byte 0x{0:02x})")]
+    NotAPacket(u8),
+    /// A packet's framing is wrong, or of a kind no key has.
+    #[error("{0}")]
+    Packet(&'static str),
+    #[error("OpenPGP key version {0} (only version 4 is read)")]
+    KeyVersion(u8),
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Key {
     /// 40 upper-case hex digits.
@@ -73,7 +109,7 @@ impl Verified {
 }
 
 /// The primary keys and subkeys of `data`, in file order.
-pub fn keys(data: &[u8]) -> Result<Vec<Key>, String> {
+pub fn keys(data: &[u8]) -> Result<Vec<Key>, KeyError> {
     let binary = if is_armored(data) { dearmor(data)? } else { data.to_vec() };
     let mut out = Vec::new();
     let mut rest = binary.as_slice();
@@ -85,7 +121,7 @@ pub fn keys(data: &[u8]) -> Result<Vec<Key>, String> {
         rest = next;
     }
     if out.is_empty() {
-        return Err("no OpenPGP public key in it".into());
+        return Err(KeyError::NoKey);
     }
     Ok(out)
 }
@@ -95,10 +131,10 @@ pub fn keys(data: &[u8]) -> Result<Vec<Key>, String> {
 /// around it but white space, or binary packets that are all parts of a key. Only all 40 digits
 /// are accepted: a short key id (8 or 16 digits) is cheap to collide with a key of one's own
 /// making ("Evil 32", evil32.com), so a suffix match would trust an impostor.
-pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, String> {
+pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, KeyError> {
     let pinned: String = pinned.chars().filter(|c| !c.is_whitespace()).collect::<String>().to_ascii_uppercase();
     if pinned.len() != 40 || !pinned.chars().all(|c| c.is_ascii_hexdigit()) {
-        return Err(format!("{pinned:?} is not a whole key fingerprint (40 hex digits)"));
+        return Err(KeyError::NotAFingerprint(pinned));
     }
     let packets = if is_armored(data) { dearmor(data)? } else { data.to_vec() };
     let mut rest = packets.as_slice();
@@ -107,10 +143,10 @@ pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, String> {
     while !rest.is_empty() {
         let (tag, body, next) = packet(rest)?;
         if !KEY_PACKETS.contains(&tag) {
-            return Err(format!("it holds an OpenPGP packet of type {tag}, which is no part of a public key"));
+            return Err(KeyError::NotKeyPacket(tag));
         }
         if first && tag != TAG_PUBLIC_KEY {
-            return Err(format!("it starts with an OpenPGP packet of type {tag}, not a public key"));
+            return Err(KeyError::StartsWith(tag));
         }
         if tag == TAG_PUBLIC_KEY {
             primaries.push(v4_fingerprint(body)?);
@@ -123,14 +159,9 @@ pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, String> {
             let (packets, unbound_subkeys) = bound_only(&packets, &pinned)?;
             Ok(Verified { fingerprint: pinned, packets, unbound_subkeys })
         }
-        [one] => Err(format!("its key is {} — expected {}", spaced(one), spaced(&pinned))),
-        [] => Err("no OpenPGP public key in it".into()),
-        many => Err(format!(
-            "it holds {} primary keys ({}); expected only {}",
-            many.len(),
-            many.iter().map(|f| spaced(f)).collect::<Vec<_>>().join(", "),
-            spaced(&pinned)
-        )),
+        [one] => Err(KeyError::OtherKey { found: one.clone(), pinned }),
+        [] => Err(KeyError::NoKey),
+        many => Err(KeyError::Several { found: many.to_vec(), pinned }),
     }
 }
 
@@ -138,7 +169,7 @@ pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, String> {
 /// a binding signature the primary issued follows it, and then with only the primary's
 /// signatures over it; the primary's own packets (user ids, their certifications, direct-key
 /// signatures) are kept as they are. Also the fingerprints of the subkeys left out.
-fn bound_only(packets: &[u8], primary: &str) -> Result<(Vec<u8>, Vec<String>), String> {
+fn bound_only(packets: &[u8], primary: &str) -> Result<(Vec<u8>, Vec<String>), KeyError> {
     let mut out = Vec::new();
     let mut unbound = Vec::new();
     // The subkey being read, and the primary's signatures over it so far.
@@ -276,13 +307,13 @@ pub fn armor(packets: &[u8]) -> String {
 /// The packets of exactly one armored public key block. Refused: anything but white space
 /// before its BEGIN line or after its END line (a second block would be imported too), another
 /// kind of block, and a checksum line that does not match (RFC 4880 §6.1).
-fn dearmor(data: &[u8]) -> Result<Vec<u8>, String> {
-    let text = std::str::from_utf8(data).map_err(|_| "armored key is not text".to_string())?;
+fn dearmor(data: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let text = std::str::from_utf8(data).map_err(|_| KeyError::Armor("armored key is not text".into()))?;
     let mut lines = text.lines().map(str::trim);
     match lines.find(|l| !l.is_empty()) {
         Some(l) if l == ARMOR_BEGIN => {}
-        Some(l) => return Err(format!("armored key: it starts with {l:?}, not {ARMOR_BEGIN}")),
-        None => return Err("no OpenPGP public key in it".into()),
+        Some(l) => return Err(KeyError::Armor(format!("armored key: it starts with {l:?}, not {ARMOR_BEGIN}"))),
+        None => return Err(KeyError::NoKey),
     }
     let mut in_headers = true;
     let mut b64 = String::new();
@@ -290,25 +321,23 @@ fn dearmor(data: &[u8]) -> Result<Vec<u8>, String> {
     for line in lines.by_ref() {
         if line.starts_with("-----") {
             if line != ARMOR_END {
-                return Err(format!("armored key: {line:?} where {ARMOR_END} was expected"));
+                return Err(KeyError::Armor(format!("armored key: {line:?} where {ARMOR_END} was expected")));
             }
             let packets = base64::engine::general_purpose::STANDARD
                 .decode(b64.as_bytes())
-                .map_err(|e| format!("armored key: bad base64: {e}"))?;
+                .map_err(|e| KeyError::Armor(format!("armored key: bad base64: {e}")))?;
             if let Some(c) = crc {
                 let want = base64::engine::general_purpose::STANDARD.encode(&crc24(&packets).to_be_bytes()[1..]);
                 if c != want {
-                    return Err(format!("armored key: its checksum ={c} does not match its contents (={want})"));
+                    return Err(KeyError::Armor(format!(
+                        "armored key: its checksum ={c} does not match its contents (={want})"
+                    )));
                 }
             }
             return match lines.find(|l| !l.is_empty()) {
                 None => Ok(packets),
-                Some(l) if l.starts_with("-----BEGIN") => {
-                    Err("it holds a second armored block after the first; a key file must hold one key alone".into())
-                }
-                Some(_) => {
-                    Err("there is more after the armored block's END line; a key file must hold one key alone".into())
-                }
+                Some(l) if l.starts_with("-----BEGIN") => Err(KeyError::SecondBlock),
+                Some(_) => Err(KeyError::AfterEnd),
             };
         }
         if in_headers {
@@ -325,41 +354,41 @@ fn dearmor(data: &[u8]) -> Result<Vec<u8>, String> {
             continue;
         }
         if crc.is_some() {
-            return Err("armored key: text after its checksum line".into());
+            return Err(KeyError::Armor("armored key: text after its checksum line".into()));
         }
         b64.push_str(line);
     }
-    Err("armored key: no END line".into())
+    Err(KeyError::Armor("armored key: no END line".into()))
 }
 
 /// One packet: (tag, body, the rest of the input).
-fn packet(data: &[u8]) -> Result<(u8, &[u8], &[u8]), String> {
+fn packet(data: &[u8]) -> Result<(u8, &[u8], &[u8]), KeyError> {
     let h = data[0];
     if h & 0x80 == 0 {
-        return Err(format!("not an OpenPGP packet (header byte 0x{h:02x})"));
+        return Err(KeyError::NotAPacket(h));
     }
     let (tag, len, header_len): (u8, usize, usize) = if h & 0x40 != 0 {
         let tag = h & 0x3f;
         match data.get(1).copied() {
             Some(o @ 0..=191) => (tag, o as usize, 2),
             Some(o @ 192..=223) => {
-                let o2 = *data.get(2).ok_or("truncated packet length")? as usize;
+                let o2 = *data.get(2).ok_or(KeyError::Packet("truncated packet length"))? as usize;
                 (tag, ((o as usize - 192) << 8) + o2 + 192, 3)
             }
-            Some(255) => (tag, be(data.get(2..6).ok_or("truncated packet length")?), 6),
-            Some(_) => return Err("partial-length packets do not occur in keys".into()),
-            None => return Err("truncated packet header".into()),
+            Some(255) => (tag, be(data.get(2..6).ok_or(KeyError::Packet("truncated packet length"))?), 6),
+            Some(_) => return Err(KeyError::Packet("partial-length packets do not occur in keys")),
+            None => return Err(KeyError::Packet("truncated packet header")),
         }
     } else {
         let tag = (h >> 2) & 0x0f;
         match h & 3 {
-            0 => (tag, *data.get(1).ok_or("truncated packet length")? as usize, 2),
-            1 => (tag, be(data.get(1..3).ok_or("truncated packet length")?), 3),
-            2 => (tag, be(data.get(1..5).ok_or("truncated packet length")?), 5),
-            _ => return Err("indeterminate-length packets do not occur in keys".into()),
+            0 => (tag, *data.get(1).ok_or(KeyError::Packet("truncated packet length"))? as usize, 2),
+            1 => (tag, be(data.get(1..3).ok_or(KeyError::Packet("truncated packet length"))?), 3),
+            2 => (tag, be(data.get(1..5).ok_or(KeyError::Packet("truncated packet length"))?), 5),
+            _ => return Err(KeyError::Packet("indeterminate-length packets do not occur in keys")),
         }
     };
-    let end = header_len.checked_add(len).filter(|e| *e <= data.len()).ok_or("truncated packet")?;
+    let end = header_len.checked_add(len).filter(|e| *e <= data.len()).ok_or(KeyError::Packet("truncated packet"))?;
     Ok((tag, &data[header_len..end], &data[end..]))
 }
 
@@ -368,13 +397,13 @@ fn be(bytes: &[u8]) -> usize {
 }
 
 /// RFC 4880 §12.2: SHA-1 over 0x99, the two-octet body length, and the key packet body.
-fn v4_fingerprint(body: &[u8]) -> Result<String, String> {
+fn v4_fingerprint(body: &[u8]) -> Result<String, KeyError> {
     match body.first() {
         Some(4) => {}
-        Some(v) => return Err(format!("OpenPGP key version {v} (only version 4 is read)")),
-        None => return Err("empty key packet".into()),
+        Some(v) => return Err(KeyError::KeyVersion(*v)),
+        None => return Err(KeyError::Packet("empty key packet")),
     }
-    let len = u16::try_from(body.len()).map_err(|_| "key packet too long".to_string())?;
+    let len = u16::try_from(body.len()).map_err(|_| KeyError::Packet("key packet too long"))?;
     let mut h = sha1_smol::Sha1::new();
     h.update(&[0x99]);
     h.update(&len.to_be_bytes());
