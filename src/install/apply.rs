@@ -254,7 +254,7 @@ fn run_plain_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Op
         Action::Fetch { url, to } => {
             let target = Sysroot::new(&o.root).host_path(to);
             if let Some(dir) = target.parent() {
-                own_dir(dir, Kind::Private).map_err(|e| ActionError::new(e.to_string()))?;
+                own_dir(dir, Kind::Private)?;
             }
             (o.progress)(&format!("      fetch {url}"));
             let mut last = String::new();
@@ -273,34 +273,7 @@ fn run_plain_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Op
             })
         }
         Action::InstallKey { file, deb_member, fingerprint, to, armored } => {
-            let path = Sysroot::new(&o.root).host_path(file);
-            if let Some(dir) = path.parent() {
-                own_dir(dir, Kind::Private).map_err(|e| ActionError::new(e.to_string()))?;
-                // still root's alone
-            }
-            let bytes = match deb_member {
-                Some(member) => deb_member_bytes(&path, member, runner).map_err(|e| ActionError::new(e.to_string()))?,
-                // Root's own download, read without following a link (a `Sysroot` would follow
-                // one inside the root).
-                None => crate::sysroot::read_regular(&path, true, 1 << 20)
-                    .map_err(|e| ActionError::new(format!("{}: {e}", path.display())))?,
-            };
-            let key = super::pgp::verified(&bytes, fingerprint).map_err(|e| {
-                ActionError::new(format!("{file} is not the pinned key: {e}; nothing from it was trusted"))
-            })?;
-            // What was checked is what is written: the packets read above, by us, not the file.
-            let target = Sysroot::new(&o.root).host_path(to);
-            let out = if *armored { key.armored().into_bytes() } else { key.binary().to_vec() };
-            crate::durable::write(&target, &out, 0o644)
-                .map_err(|e| ActionError::new(format!("{}: {e}", target.display())))?;
-            for sub in &key.unbound_subkeys {
-                (o.progress)(&format!(
-                    "      left out subkey {}: the pinned key does not bind it",
-                    super::pgp::spaced(sub)
-                ));
-            }
-            (o.progress)(&format!("      key {} verified and written to {to}", super::pgp::spaced(fingerprint)));
-            Ok(())
+            install_key(file, deb_member.as_deref(), fingerprint, to, *armored, runner, o)
         }
         Action::Resolve(pkgs) => resolve(pkgs, plan, runner, o),
         Action::RepairDpkg { configure, fix } => {
@@ -328,6 +301,41 @@ fn run_plain_action(a: &Action, plan: &Plan, runner: &mut dyn Runner, o: &mut Op
             Err(ActionError::new("a package for a CUDA release is installed by run_action"))
         }
     }
+}
+
+/// The trust gate (`Action::InstallKey`): the key file, or the keyring inside the .deb, must be
+/// the pinned key and nothing else; then what was checked is written, not the file.
+fn install_key(
+    file: &str,
+    deb_member: Option<&str>,
+    fingerprint: &str,
+    to: &str,
+    armored: bool,
+    runner: &mut dyn Runner,
+    o: &mut Options,
+) -> Result<(), ActionError> {
+    let path = Sysroot::new(&o.root).host_path(file);
+    if let Some(dir) = path.parent() {
+        own_dir(dir, Kind::Private)?; // still root's alone
+    }
+    let bytes = match deb_member {
+        Some(member) => deb_member_bytes(&path, member, runner)?,
+        // Root's own download, read without following a link (a `Sysroot` would follow
+        // one inside the root).
+        None => crate::sysroot::read_regular(&path, true, 1 << 20)
+            .map_err(|e| ActionError::new(format!("{}: {e}", path.display())))?,
+    };
+    let key = super::pgp::verified(&bytes, fingerprint)
+        .map_err(|e| ActionError::new(format!("{file} is not the pinned key: {e}; nothing from it was trusted")))?;
+    // What was checked is what is written: the packets read above, by us, not the file.
+    let target = Sysroot::new(&o.root).host_path(to);
+    let out = if armored { key.armored().into_bytes() } else { key.binary().to_vec() };
+    crate::durable::write(&target, &out, 0o644).map_err(|e| ActionError::new(format!("{}: {e}", target.display())))?;
+    for sub in &key.unbound_subkeys {
+        (o.progress)(&format!("      left out subkey {}: the pinned key does not bind it", super::pgp::spaced(sub)));
+    }
+    (o.progress)(&format!("      key {} verified and written to {to}", super::pgp::spaced(fingerprint)));
+    Ok(())
 }
 
 /// Packages dpkg marks reinst-required (the third letter of `db:Status-Abbrev` is `R`): their

@@ -164,7 +164,7 @@ pub fn enroll_mok(key: &str, runner: &mut dyn Runner, o: &mut Options) -> Result
         }
     }
     let dir = Sysroot::new(&o.root).host_path(DOWNLOAD_DIR);
-    own_dir(&dir, Kind::Private).map_err(|e| ActionError::new(e.to_string()))?;
+    own_dir(&dir, Kind::Private)?;
     let password = mok_password().map_err(|e| ActionError::new(format!("/dev/urandom: {e}")))?;
     let file = dir.join(MOK_PASSWORD_FILE);
     crate::durable::write(&file, format!("{password}\n").as_bytes(), 0o600)

@@ -95,6 +95,18 @@ impl From<runner::CommandError> for ActionError {
     }
 }
 
+impl From<own_dir::DirError> for ActionError {
+    fn from(e: own_dir::DirError) -> ActionError {
+        ActionError::new(e.to_string())
+    }
+}
+
+impl From<deb::DebError> for ActionError {
+    fn from(e: deb::DebError) -> ActionError {
+        ActionError::new(e.to_string())
+    }
+}
+
 /// The install journal (`journal::JOURNAL_DIR`) as the report's `install` member; `None` when
 /// no install has run.
 pub fn report_value() -> Option<serde_json::Value> {
