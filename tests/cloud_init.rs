@@ -4,7 +4,7 @@
 
 mod common;
 
-use phq_agent::install::apply::{journal_bytes, state_path, State, Status};
+use phq_agent::install::journal::{journal_bytes, state_path, State, Status};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -67,7 +67,7 @@ fn every_user_data_installs_configures_and_survives_the_reboot() {
         // The reboot's condition greps the installer's real journal, as the installer writes
         // it when a reboot is required (and not when it is done).
         let (pattern, path) = reboot_condition(&text).unwrap_or_else(|| panic!("{file}: no grep condition"));
-        let journal_dir = Path::new(phq_agent::install::apply::JOURNAL_DIR);
+        let journal_dir = Path::new(phq_agent::install::journal::JOURNAL_DIR);
         assert_eq!(Path::new(&path), state_path(journal_dir), "{file} greps another file than the journal");
         let written = |status| String::from_utf8(journal_bytes(&journal(status)).unwrap()).unwrap();
         assert!(written(Status::RebootRequired).contains(&pattern), "{file}: {pattern:?} is not in the journal");
@@ -191,7 +191,7 @@ fn reboot_condition(text: &str) -> Option<(String, String)> {
 
 fn journal(status: Status) -> State {
     State {
-        schema: phq_agent::install::apply::STATE_SCHEMA.into(),
+        schema: phq_agent::install::journal::STATE_SCHEMA.into(),
         status,
         plan: "test".into(),
         started_at: "2026-12-01T00:00:00Z".into(),

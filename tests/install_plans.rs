@@ -354,7 +354,7 @@ fn plan_rules() {
                 // enrolment (the dkms README's Secure Boot steps), and a warning that says what
                 // the person at the console does.
                 if sb && g.id != "ubuntu" {
-                    let ids: Vec<&str> = fresh.steps.iter().map(|s| s.id).collect();
+                    let ids: Vec<&str> = fresh.steps.iter().map(|s| s.id.as_str()).collect();
                     let driver = ids.iter().position(|i| *i == "driver").expect("the driver step");
                     let mok = ids.iter().position(|i| *i == "mok").expect("the MOK step");
                     assert!(driver < mok, "{ids:?}");
@@ -363,7 +363,7 @@ fn plan_rules() {
                         && f.severity == phq_agent::checks::Severity::Warn
                         && f.remedy.as_deref().unwrap_or("").contains("Enroll MOK")));
                 } else {
-                    assert!(fresh.steps.iter().all(|s| s.id != "mok"), "{text}");
+                    assert!(fresh.steps.iter().all(|s| s.id.as_str() != "mok"), "{text}");
                 }
                 // The running kernel is held with a DKMS-built driver (Google's installer does the
                 // same), never on Ubuntu's signed path, where the meta brings each kernel's module.
@@ -402,7 +402,7 @@ fn plan_rules() {
                 // Debian: contrib and non-free-firmware added to the archive's own source, before
                 // anything is resolved.
                 if g.id == "debian" {
-                    let ids: Vec<&str> = fresh.steps.iter().map(|s| s.id).collect();
+                    let ids: Vec<&str> = fresh.steps.iter().map(|s| s.id.as_str()).collect();
                     let c = ids.iter().position(|i| *i == "components").expect("the components step");
                     assert!(c < ids.iter().position(|i| *i == "preflight").unwrap(), "{ids:?}");
                     assert!(
@@ -412,7 +412,7 @@ fn plan_rules() {
                     );
                     assert!(text.contains("| Components: contrib non-free-firmware"), "{text}");
                 } else {
-                    assert!(fresh.steps.iter().all(|s| s.id != "components"), "{text}");
+                    assert!(fresh.steps.iter().all(|s| s.id.as_str() != "components"), "{text}");
                 }
                 // Debian: headers through the flavour's metas, never the running ABI's own package,
                 // which leaves Debian's mirror at the next point release.
@@ -465,11 +465,11 @@ fn plan_rules() {
                     _ => "install nvidia-driver-cuda kmod-nvidia-open-dkms",
                 };
                 assert!(text.contains(compute), "{compute}: {text}");
-                assert_eq!(fresh.steps.last().map(|s| s.id), Some("verify"));
-                assert!(fresh.steps.iter().any(|s| s.id == "hold"));
+                assert_eq!(fresh.steps.last().map(|s| s.id.as_str()), Some("verify"));
+                assert!(fresh.steps.iter().any(|s| s.id.as_str() == "hold"));
                 // NCCL after the toolkit, only where the all-reduce probe can run (2 GPUs or
                 // more), at the newest build for the toolkit's CUDA and held in its own step.
-                let ids: Vec<&str> = fresh.steps.iter().map(|s| s.id).collect();
+                let ids: Vec<&str> = fresh.steps.iter().map(|s| s.id.as_str()).collect();
                 let nccl = ids.iter().position(|i| *i == "nccl").expect("the NCCL step");
                 assert!(ids.iter().position(|i| *i == "toolkit").unwrap() < nccl, "{ids:?}");
                 let (pkg, pinned) = if g.id == "ubuntu" || g.id == "debian" {
@@ -496,7 +496,8 @@ fn plan_rules() {
                 assert!(!preflight.split(' ').any(|w| w.starts_with("libnccl")), "{preflight}");
                 // Done: nothing left to run but the reboot check and verification.
                 let done = plan::plan(&facts(g, switches, sb, Stage::Done), &settings()).unwrap();
-                let pending: Vec<&str> = done.steps.iter().filter(|s| s.done.is_none()).map(|s| s.id).collect();
+                let pending: Vec<&str> =
+                    done.steps.iter().filter(|s| s.done.is_none()).map(|s| s.id.as_str()).collect();
                 assert_eq!(pending, ["verify"], "{} sb={sb} switches={switches}: {}", g.key, plan::render(&done));
                 assert_eq!(done.reboot_reason, None);
             }
@@ -527,7 +528,7 @@ fn nccl_follows_the_toolkits_cuda() {
         nccl.version = "2.28.3-1+cuda12.8".into();
         let p = plan::plan(&f, &settings()).unwrap();
         let text = plan::render(&p);
-        let step = p.steps.iter().find(|st| st.id == "nccl").unwrap();
+        let step = p.steps.iter().find(|st| st.id.as_str() == "nccl").unwrap();
         assert!(step.done.is_none(), "{text}");
         assert!(step.title.contains("in place of 2.28.3-1+cuda12.8 (built for CUDA 12.8)"), "{text}");
         let unhold = if deb { "$ apt-mark unhold libnccl2" } else { "$ dnf versionlock delete libnccl" };
@@ -541,7 +542,7 @@ fn nccl_follows_the_toolkits_cuda() {
         let Ok(packages) = &mut f.packages else { unreachable!() };
         packages.iter_mut().find(|p| p.name == pkg_name).unwrap().held = false;
         let p = plan::plan(&f, &settings()).unwrap();
-        let step = p.steps.iter().find(|st| st.id == "nccl").unwrap();
+        let step = p.steps.iter().find(|st| st.id.as_str() == "nccl").unwrap();
         assert!(step.done.is_none() && !plan::render(&p).contains("unhold"), "{}", plan::render(&p));
     }
 }
@@ -555,7 +556,7 @@ fn unsupported_guests_and_impossible_settings_say_what_is_supported() {
         version_id: "7".into(),
         pretty_name: "CentOS Linux 7 (Core)".into(),
     });
-    let e = plan::plan(&f, &settings()).unwrap_err();
+    let e = plan::plan(&f, &settings()).unwrap_err().to_string();
     assert!(e.contains("CentOS Linux 7") && e.contains("Ubuntu 22.04") && e.contains("Rocky Linux 9"), "{e}");
 
     let f = facts(&GUESTS[0], false, false, Stage::Fresh);
@@ -565,16 +566,16 @@ fn unsupported_guests_and_impossible_settings_say_what_is_supported() {
     let w = p.findings.iter().find(|x| x.id == "install.cuda-driver").expect("the minor-version warning");
     assert_eq!(w.severity, phq_agent::checks::Severity::Warn);
     assert!(w.summary.contains("575.51.03") && w.summary.contains("minor-version compatibility"), "{w:?}");
-    assert!(p.steps.iter().any(|s| s.id == "toolkit"), "{}", plan::render(&p));
-    let e = plan::plan(&f, &Settings { driver_branch: 520, ..settings() }).unwrap_err();
+    assert!(p.steps.iter().any(|s| s.id.as_str() == "toolkit"), "{}", plan::render(&p));
+    let e = plan::plan(&f, &Settings { driver_branch: 520, ..settings() }).unwrap_err().to_string();
     assert!(e.contains("predates CUDA 12"), "{e}");
-    let e = plan::plan(&f, &Settings { cuda: "11.8".into(), ..settings() }).unwrap_err();
+    let e = plan::plan(&f, &Settings { cuda: "11.8".into(), ..settings() }).unwrap_err().to_string();
     assert!(e.contains("CUDA 12"), "{e}");
     // Ubuntu 24.04 has CUDA packages from 12.5 on: 12.4 is refused before anything is planned,
     // 12.5 is fine; 12.4 on 22.04 too.
     let noble = GUESTS.iter().find(|g| g.key == "ubuntu2404").unwrap();
     let f24 = facts(noble, false, false, Stage::Fresh);
-    let e = plan::plan(&f24, &Settings { cuda: "12.4".into(), ..settings() }).unwrap_err();
+    let e = plan::plan(&f24, &Settings { cuda: "12.4".into(), ..settings() }).unwrap_err().to_string();
     assert!(e.contains("no CUDA 12.4 packages for Ubuntu 24.04") && e.contains("starts at CUDA 12.5"), "{e}");
     assert!(plan::plan(&f24, &Settings { cuda: "12.5".into(), ..settings() }).is_ok());
     assert!(plan::plan(&f, &Settings { cuda: "12.4".into(), ..settings() }).is_ok());
@@ -593,12 +594,12 @@ fn another_branch_is_kept_unless_asked() {
     let kept = plan::plan(&f, &settings()).unwrap();
     let text = plan::render(&kept);
     assert!(kept.findings.iter().any(|x| x.id == "install.driver-kept"), "{text}");
-    assert!(kept.steps.iter().all(|s| s.id != "driver"), "{text}");
+    assert!(kept.steps.iter().all(|s| s.id.as_str() != "driver"), "{text}");
     // 535 is older than CUDA 12.9 asks for, and runs it by minor-version compatibility: said,
     // and the toolkit is installed.
     let w = kept.findings.iter().find(|x| x.id == "install.cuda-driver").expect("the minor-version warning");
     assert_eq!(w.severity, phq_agent::checks::Severity::Warn, "{text}");
-    assert!(kept.steps.iter().any(|s| s.id == "toolkit"), "{text}");
+    assert!(kept.steps.iter().any(|s| s.id.as_str() == "toolkit"), "{text}");
     assert!(text.contains("hold versions: nvidia-driver-535, nvidia-fabricmanager-535"), "{text}");
 
     let replaced = plan::plan(&f, &Settings { replace_driver: true, ..settings() }).unwrap();
@@ -655,7 +656,7 @@ fn the_keyring_package_is_never_installed_only_its_verified_key() {
         let p = plan::plan(&facts(g, true, false, Stage::Fresh), &settings()).unwrap();
         let text = plan::render(&p);
         assert!(!text.contains("dpkg -i"), "{}: {text}", g.key);
-        let repo = p.steps.iter().find(|s| s.id == "repo").unwrap();
+        let repo = p.steps.iter().find(|s| s.id.as_str() == "repo").unwrap();
         let Some(plan::Action::InstallKey { deb_member, to, armored, .. }) =
             repo.actions.iter().find(|a| matches!(a, plan::Action::InstallKey { .. }))
         else {
@@ -697,7 +698,7 @@ fn a_mirror_url_that_would_add_a_line_or_an_option_is_refused() {
         ("https://user:pw@mirror.example/", "credentials"),
     ] {
         for s in [Settings { repo_url: url.into(), ..settings() }, Settings { epel_url: url.into(), ..settings() }] {
-            let e = plan::plan(&f, &s).unwrap_err();
+            let e = plan::plan(&f, &s).unwrap_err().to_string();
             let setting = if s.repo_url.is_empty() { "install.epel_url" } else { "install.repo_url" };
             assert!(e.contains(setting) && e.contains(why), "{url:?}: {e}");
         }
@@ -716,19 +717,19 @@ fn debian_components_file_is_whole_and_stable() {
     let g = GUESTS.iter().find(|g| g.id == "debian").expect("the Debian guest");
     let mut f = facts(g, false, false, Stage::Fresh);
     let first = plan::plan(&f, &settings()).unwrap();
-    let step = first.steps.iter().find(|s| s.id == "components").expect("the step");
+    let step = first.steps.iter().find(|s| s.id.as_str() == "components").expect("the step");
     let Some(plan::Action::Write { contents, .. }) = step.actions.first() else { panic!("a write first") };
     assert!(step.done.is_none());
     f.apt_sources.push((plan::DEBIAN_COMPONENTS_PATH.into(), contents.clone()));
     let again = plan::plan(&f, &settings()).unwrap();
-    assert!(again.steps.iter().find(|s| s.id == "components").unwrap().done.is_some(), "written: done");
+    assert!(again.steps.iter().find(|s| s.id.as_str() == "components").unwrap().done.is_some(), "written: done");
 
     f.apt_sources.push((
         "/etc/apt/sources.list.d/backports.list".into(),
         "deb http://debian.mirror.example/debian bookworm-backports main\n".into(),
     ));
     let later = plan::plan(&f, &settings()).unwrap();
-    let step = later.steps.iter().find(|s| s.id == "components").unwrap();
+    let step = later.steps.iter().find(|s| s.id.as_str() == "components").unwrap();
     assert!(step.done.is_none());
     let Some(plan::Action::Write { contents: whole, .. }) = step.actions.first() else { panic!() };
     assert!(

@@ -4,8 +4,9 @@
 //! (`--reboot never`); 2 a step or the verification failed; 3 could not start (unsupported
 //! guest, another install running, not root); 64 usage.
 
-use crate::install::apply::{self, Options, RebootPolicy, Status, SystemRunner};
-use crate::install::{self, plan};
+use crate::install::journal::{self, Status};
+use crate::install::runner::SystemRunner;
+use crate::install::{self, apply, lock, plan, Options, RebootPolicy};
 use crate::sysroot::Sysroot;
 use clap::Args;
 use std::path::PathBuf;
@@ -78,14 +79,14 @@ impl Install {
                 return Ok(super::EXIT_UNKNOWN);
             }
         }
-        // Root's own directory, never the service's state directory (apply.rs says why).
-        let journal_dir = PathBuf::from(apply::JOURNAL_DIR);
+        // Root's own directory, never the service's state directory (install/own_dir.rs says why).
+        let journal_dir = PathBuf::from(journal::JOURNAL_DIR);
         // Hold the lock from the first look at the machine to the last step: what is planned
         // must be what is applied.
         let _lock = if self.dry_run {
             None
         } else {
-            let locked = if self.resume { apply::lock_wait(&journal_dir) } else { apply::lock(&journal_dir) };
+            let locked = if self.resume { lock::lock_wait(&journal_dir) } else { lock::lock(&journal_dir) };
             match locked {
                 Ok(l) => Some(l),
                 Err(e) => {
@@ -96,7 +97,7 @@ impl Install {
         };
         // Decided under the lock: an install that was running when we asked has finished by now.
         if self.resume {
-            match apply::load_state(&journal_dir) {
+            match journal::load_state(&journal_dir) {
                 Ok(None) => {
                     eprintln!("phq-agent install --resume: no install has run here; nothing to resume");
                     return Ok(0);
@@ -158,7 +159,7 @@ impl Install {
     }
 }
 
-fn make_plan(root: &Sysroot, settings: &plan::Settings) -> Result<(plan::Plan, Option<String>), String> {
+fn make_plan(root: &Sysroot, settings: &plan::Settings) -> Result<(plan::Plan, Option<String>), plan::PlanError> {
     let nvml = crate::collect::NvmlSource::Skip("not needed to plan".into());
     let snapshot = crate::collect::snapshot(root, &nvml);
     let facts = install::gather(root, &snapshot);
@@ -180,7 +181,7 @@ fn verify_now(
 }
 
 /// logind's `Reboot(false)` (no interactive authorization: we are root), else `systemctl reboot`.
-fn reboot_through_logind() -> Result<(), String> {
+fn reboot_through_logind() -> anyhow::Result<()> {
     let logind = crate::collect::units::within(std::time::Duration::from_secs(10), || -> zbus::Result<()> {
         let conn = zbus::blocking::Connection::system()?;
         conn.call_method(
@@ -201,15 +202,12 @@ fn reboot_through_logind() -> Result<(), String> {
     let status = std::process::Command::new("systemctl")
         .arg("reboot")
         .status()
-        .map_err(|e| format!("logind: {why}; systemctl: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("logind: {why}; systemctl reboot exited {status}"))
-    }
+        .map_err(|e| anyhow::anyhow!("logind: {why}; systemctl: {e}"))?;
+    anyhow::ensure!(status.success(), "logind: {why}; systemctl reboot exited {status}");
+    Ok(())
 }
 
-fn finish(st: &apply::State) -> i32 {
+fn finish(st: &journal::State) -> i32 {
     let worst = st.findings.iter().map(|f| f.severity).max();
     let (line, code) = match st.status {
         Status::Failed => (format!("failed: {}", st.error.clone().unwrap_or_default()), 2),

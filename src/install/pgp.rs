@@ -8,6 +8,15 @@
 //! downloaded file but the packets that were read and checked, written out again by the agent
 //! (`Verified::binary` for apt's `signed-by`, `Verified::armored` for rpm). Version-4 keys are
 //! what NVIDIA and EPEL publish; other versions are reported, never guessed at.
+//!
+//! Of the subkeys, only those the pinned key binds are written: a subkey is the primary's only
+//! through a subkey binding signature (RFC 4880 §5.2.1, type 0x18) that the primary issued
+//! (§11.1: "each Subkey packet MUST be followed by one Signature packet, which should be a
+//! subkey binding signature issued by the top-level key"). A subkey packet appended by someone
+//! else, with no such signature, is dropped with whatever follows it. The agent reads who
+//! issued a binding (the Issuer and Issuer Fingerprint subpackets, §5.2.3.5, RFC 9580
+//! §5.2.3.35); apt's gpgv and rpm check the signature's mathematics themselves before they use
+//! a subkey, so what reaches them is the pinned key and what it claims as its own.
 
 use base64::Engine;
 
@@ -18,11 +27,56 @@ const TAG_USER_ID: u8 = 13;
 const TAG_PUBLIC_SUBKEY: u8 = 14;
 const TAG_USER_ATTRIBUTE: u8 = 17;
 
+/// Signature types (RFC 4880 §5.2.1) a primary key issues over one of its subkeys: the binding,
+/// and its revocation.
+const SIG_SUBKEY_BINDING: u8 = 0x18;
+const SIG_SUBKEY_REVOCATION: u8 = 0x28;
+/// Signature subpackets that name the issuer (RFC 4880 §5.2.3.5: its 8-octet key id; RFC 9580
+/// §5.2.3.35: its version and fingerprint).
+const SUBPACKET_ISSUER: u8 = 16;
+const SUBPACKET_ISSUER_FINGERPRINT: u8 = 33;
+
 /// The packets a transferable public key is made of (RFC 4880 §11.1: a primary key, its
 /// revocations, user ids and attributes with their signatures, subkeys with their bindings;
 /// GnuPG may add trust packets to an export). Anything else has no place in a key file.
 const KEY_PACKETS: &[u8] =
     &[TAG_SIGNATURE, TAG_PUBLIC_KEY, TAG_TRUST, TAG_USER_ID, TAG_PUBLIC_SUBKEY, TAG_USER_ATTRIBUTE];
+
+/// Why a key file is not the pinned key alone, or not a key file at all.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("{0:?} is not a whole key fingerprint (40 hex digits)")]
+    NotAFingerprint(String),
+    #[error("no OpenPGP public key in it")]
+    NoKey,
+    #[error("it holds an OpenPGP packet of type {0}, which is no part of a public key")]
+    NotKeyPacket(u8),
+    #[error("it starts with an OpenPGP packet of type {0}, not a public key")]
+    StartsWith(u8),
+    #[error("its key is {} — expected {}", spaced(found), spaced(pinned))]
+    OtherKey { found: String, pinned: String },
+    #[error(
+        "it holds {} primary keys ({}); expected only {}",
+        found.len(),
+        found.iter().map(|f| spaced(f)).collect::<Vec<_>>().join(", "),
+        spaced(pinned)
+    )]
+    Several { found: Vec<String>, pinned: String },
+    #[error("it holds a second armored block after the first; a key file must hold one key alone")]
+    SecondBlock,
+    #[error("there is more after the armored block's END line; a key file must hold one key alone")]
+    AfterEnd,
+    /// The armor is not RFC 4880's: what is wrong with it, and where.
+    #[error("{0}")]
+    Armor(String),
+    #[error("not an OpenPGP packet (header byte 0x{0:02x})")]
+    NotAPacket(u8),
+    /// A packet's framing is wrong, or of a kind no key has.
+    #[error("{0}")]
+    Packet(&'static str),
+    #[error("OpenPGP key version {0} (only version 4 is read)")]
+    KeyVersion(u8),
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Key {
@@ -32,11 +86,14 @@ pub struct Key {
     pub primary: bool,
 }
 
-/// A key file that held exactly the pinned key and nothing else: its packets, as read.
+/// A key file that held exactly the pinned key and nothing else: its packets, as read, less any
+/// subkey the pinned key does not bind.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verified {
     pub fingerprint: String,
     packets: Vec<u8>,
+    /// Fingerprints of the subkeys left out: no binding signature from the pinned key.
+    pub unbound_subkeys: Vec<String>,
 }
 
 impl Verified {
@@ -52,7 +109,7 @@ impl Verified {
 }
 
 /// The primary keys and subkeys of `data`, in file order.
-pub fn keys(data: &[u8]) -> Result<Vec<Key>, String> {
+pub fn keys(data: &[u8]) -> Result<Vec<Key>, KeyError> {
     let binary = if is_armored(data) { dearmor(data)? } else { data.to_vec() };
     let mut out = Vec::new();
     let mut rest = binary.as_slice();
@@ -64,7 +121,7 @@ pub fn keys(data: &[u8]) -> Result<Vec<Key>, String> {
         rest = next;
     }
     if out.is_empty() {
-        return Err("no OpenPGP public key in it".into());
+        return Err(KeyError::NoKey);
     }
     Ok(out)
 }
@@ -74,10 +131,10 @@ pub fn keys(data: &[u8]) -> Result<Vec<Key>, String> {
 /// around it but white space, or binary packets that are all parts of a key. Only all 40 digits
 /// are accepted: a short key id (8 or 16 digits) is cheap to collide with a key of one's own
 /// making ("Evil 32", evil32.com), so a suffix match would trust an impostor.
-pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, String> {
+pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, KeyError> {
     let pinned: String = pinned.chars().filter(|c| !c.is_whitespace()).collect::<String>().to_ascii_uppercase();
     if pinned.len() != 40 || !pinned.chars().all(|c| c.is_ascii_hexdigit()) {
-        return Err(format!("{pinned:?} is not a whole key fingerprint (40 hex digits)"));
+        return Err(KeyError::NotAFingerprint(pinned));
     }
     let packets = if is_armored(data) { dearmor(data)? } else { data.to_vec() };
     let mut rest = packets.as_slice();
@@ -86,10 +143,10 @@ pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, String> {
     while !rest.is_empty() {
         let (tag, body, next) = packet(rest)?;
         if !KEY_PACKETS.contains(&tag) {
-            return Err(format!("it holds an OpenPGP packet of type {tag}, which is no part of a public key"));
+            return Err(KeyError::NotKeyPacket(tag));
         }
         if first && tag != TAG_PUBLIC_KEY {
-            return Err(format!("it starts with an OpenPGP packet of type {tag}, not a public key"));
+            return Err(KeyError::StartsWith(tag));
         }
         if tag == TAG_PUBLIC_KEY {
             primaries.push(v4_fingerprint(body)?);
@@ -98,16 +155,110 @@ pub fn verified(data: &[u8], pinned: &str) -> Result<Verified, String> {
         rest = next;
     }
     match primaries.as_slice() {
-        [one] if *one == pinned => Ok(Verified { fingerprint: pinned, packets }),
-        [one] => Err(format!("its key is {} — expected {}", spaced(one), spaced(&pinned))),
-        [] => Err("no OpenPGP public key in it".into()),
-        many => Err(format!(
-            "it holds {} primary keys ({}); expected only {}",
-            many.len(),
-            many.iter().map(|f| spaced(f)).collect::<Vec<_>>().join(", "),
-            spaced(&pinned)
-        )),
+        [one] if *one == pinned => {
+            let (packets, unbound_subkeys) = bound_only(&packets, &pinned)?;
+            Ok(Verified { fingerprint: pinned, packets, unbound_subkeys })
+        }
+        [one] => Err(KeyError::OtherKey { found: one.clone(), pinned }),
+        [] => Err(KeyError::NoKey),
+        many => Err(KeyError::Several { found: many.to_vec(), pinned }),
     }
+}
+
+/// The packets of a key whose primary has fingerprint `primary`, with each subkey kept only when
+/// a binding signature the primary issued follows it, and then with only the primary's
+/// signatures over it; the primary's own packets (user ids, their certifications, direct-key
+/// signatures) are kept as they are. Also the fingerprints of the subkeys left out.
+fn bound_only(packets: &[u8], primary: &str) -> Result<(Vec<u8>, Vec<String>), KeyError> {
+    let mut out = Vec::new();
+    let mut unbound = Vec::new();
+    // The subkey being read, and the primary's signatures over it so far.
+    let mut subkey: Option<(String, Vec<u8>, bool)> = None;
+    let mut finish = |subkey: Option<(String, Vec<u8>, bool)>, out: &mut Vec<u8>| match subkey {
+        Some((_, raw, true)) => out.extend_from_slice(&raw),
+        Some((fpr, _, false)) => unbound.push(fpr),
+        None => {}
+    };
+    let mut rest = packets;
+    while !rest.is_empty() {
+        let (tag, body, next) = packet(rest)?;
+        let raw = &rest[..rest.len() - next.len()];
+        rest = next;
+        if tag == TAG_PUBLIC_SUBKEY {
+            finish(subkey.take(), &mut out);
+            subkey = Some((v4_fingerprint(body)?, raw.to_vec(), false));
+            continue;
+        }
+        match &mut subkey {
+            None => out.extend_from_slice(raw),
+            Some((_, kept, bound)) => {
+                let by_primary = (tag == TAG_SIGNATURE).then(|| signature_by(body, primary)).flatten();
+                if let Some(sig_type @ (SIG_SUBKEY_BINDING | SIG_SUBKEY_REVOCATION)) = by_primary {
+                    *bound |= sig_type == SIG_SUBKEY_BINDING;
+                    kept.extend_from_slice(raw);
+                }
+            }
+        }
+    }
+    finish(subkey.take(), &mut out);
+    Ok((out, unbound))
+}
+
+/// The type of a signature packet when every issuer it names is the key with fingerprint
+/// `issuer` (and it names one); None otherwise, or when it cannot be read.
+fn signature_by(body: &[u8], issuer: &str) -> Option<u8> {
+    let fpr = hex_bytes(issuer)?;
+    // A v4 key's id is the low 64 bits of its fingerprint (RFC 4880 §12.2).
+    let key_id = fpr.get(fpr.len().checked_sub(8)?..)?;
+    let (sig_type, issuers) = match body.first()? {
+        // v3 (RFC 4880 §5.2.2): version, 5, type, time (4), the issuer's key id (8), …
+        3 => (*body.get(2)?, vec![(SUBPACKET_ISSUER, body.get(7..15)?)]),
+        // v4 (§5.2.3): version, type, algorithms (2), then the hashed and the unhashed
+        // subpackets, each area after its two-octet length.
+        4 => {
+            let hashed_len = be(body.get(4..6)?);
+            let hashed = body.get(6..6 + hashed_len)?;
+            let at = 6 + hashed_len;
+            let unhashed_len = be(body.get(at..at + 2)?);
+            let unhashed = body.get(at + 2..at + 2 + unhashed_len)?;
+            let mut issuers = subpackets(hashed)?;
+            issuers.extend(subpackets(unhashed)?);
+            issuers.retain(|(t, _)| *t == SUBPACKET_ISSUER || *t == SUBPACKET_ISSUER_FINGERPRINT);
+            (*body.get(1)?, issuers)
+        }
+        _ => return None,
+    };
+    let names_issuer = |(t, data): &(u8, &[u8])| match *t {
+        SUBPACKET_ISSUER => *data == key_id,
+        // The key's version, then its fingerprint.
+        _ => data.first() == Some(&4) && data.get(1..) == Some(fpr.as_slice()),
+    };
+    (!issuers.is_empty() && issuers.iter().all(names_issuer)).then_some(sig_type)
+}
+
+/// The subpackets of one area (RFC 4880 §5.2.3.1): (type, without its critical bit; data).
+fn subpackets(mut area: &[u8]) -> Option<Vec<(u8, &[u8])>> {
+    let mut out = Vec::new();
+    while let Some(&first) = area.first() {
+        let (len, header): (usize, usize) = match first {
+            0..=191 => (first as usize, 1),
+            192..=254 => ((((first as usize) - 192) << 8) + *area.get(1)? as usize + 192, 2),
+            255 => (be(area.get(1..5)?), 5),
+        };
+        let sub = area.get(header..header.checked_add(len)?)?;
+        let (&sub_type, data) = sub.split_first()?;
+        out.push((sub_type & 0x7f, data));
+        area = &area[header + len..];
+    }
+    Some(out)
+}
+
+/// `0A1B…` → its bytes; None for anything that is not hex digits in pairs.
+fn hex_bytes(hex: &str) -> Option<Vec<u8>> {
+    if !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok()).collect()
 }
 
 /// `EB693B30…` → `EB69 3B30 …`, as gpg prints fingerprints.
@@ -156,13 +307,13 @@ pub fn armor(packets: &[u8]) -> String {
 /// The packets of exactly one armored public key block. Refused: anything but white space
 /// before its BEGIN line or after its END line (a second block would be imported too), another
 /// kind of block, and a checksum line that does not match (RFC 4880 §6.1).
-fn dearmor(data: &[u8]) -> Result<Vec<u8>, String> {
-    let text = std::str::from_utf8(data).map_err(|_| "armored key is not text".to_string())?;
+fn dearmor(data: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let text = std::str::from_utf8(data).map_err(|_| KeyError::Armor("armored key is not text".into()))?;
     let mut lines = text.lines().map(str::trim);
     match lines.find(|l| !l.is_empty()) {
         Some(l) if l == ARMOR_BEGIN => {}
-        Some(l) => return Err(format!("armored key: it starts with {l:?}, not {ARMOR_BEGIN}")),
-        None => return Err("no OpenPGP public key in it".into()),
+        Some(l) => return Err(KeyError::Armor(format!("armored key: it starts with {l:?}, not {ARMOR_BEGIN}"))),
+        None => return Err(KeyError::NoKey),
     }
     let mut in_headers = true;
     let mut b64 = String::new();
@@ -170,25 +321,23 @@ fn dearmor(data: &[u8]) -> Result<Vec<u8>, String> {
     for line in lines.by_ref() {
         if line.starts_with("-----") {
             if line != ARMOR_END {
-                return Err(format!("armored key: {line:?} where {ARMOR_END} was expected"));
+                return Err(KeyError::Armor(format!("armored key: {line:?} where {ARMOR_END} was expected")));
             }
             let packets = base64::engine::general_purpose::STANDARD
                 .decode(b64.as_bytes())
-                .map_err(|e| format!("armored key: bad base64: {e}"))?;
+                .map_err(|e| KeyError::Armor(format!("armored key: bad base64: {e}")))?;
             if let Some(c) = crc {
                 let want = base64::engine::general_purpose::STANDARD.encode(&crc24(&packets).to_be_bytes()[1..]);
                 if c != want {
-                    return Err(format!("armored key: its checksum ={c} does not match its contents (={want})"));
+                    return Err(KeyError::Armor(format!(
+                        "armored key: its checksum ={c} does not match its contents (={want})"
+                    )));
                 }
             }
             return match lines.find(|l| !l.is_empty()) {
                 None => Ok(packets),
-                Some(l) if l.starts_with("-----BEGIN") => {
-                    Err("it holds a second armored block after the first; a key file must hold one key alone".into())
-                }
-                Some(_) => {
-                    Err("there is more after the armored block's END line; a key file must hold one key alone".into())
-                }
+                Some(l) if l.starts_with("-----BEGIN") => Err(KeyError::SecondBlock),
+                Some(_) => Err(KeyError::AfterEnd),
             };
         }
         if in_headers {
@@ -205,41 +354,41 @@ fn dearmor(data: &[u8]) -> Result<Vec<u8>, String> {
             continue;
         }
         if crc.is_some() {
-            return Err("armored key: text after its checksum line".into());
+            return Err(KeyError::Armor("armored key: text after its checksum line".into()));
         }
         b64.push_str(line);
     }
-    Err("armored key: no END line".into())
+    Err(KeyError::Armor("armored key: no END line".into()))
 }
 
 /// One packet: (tag, body, the rest of the input).
-fn packet(data: &[u8]) -> Result<(u8, &[u8], &[u8]), String> {
+fn packet(data: &[u8]) -> Result<(u8, &[u8], &[u8]), KeyError> {
     let h = data[0];
     if h & 0x80 == 0 {
-        return Err(format!("not an OpenPGP packet (header byte 0x{h:02x})"));
+        return Err(KeyError::NotAPacket(h));
     }
     let (tag, len, header_len): (u8, usize, usize) = if h & 0x40 != 0 {
         let tag = h & 0x3f;
         match data.get(1).copied() {
             Some(o @ 0..=191) => (tag, o as usize, 2),
             Some(o @ 192..=223) => {
-                let o2 = *data.get(2).ok_or("truncated packet length")? as usize;
+                let o2 = *data.get(2).ok_or(KeyError::Packet("truncated packet length"))? as usize;
                 (tag, ((o as usize - 192) << 8) + o2 + 192, 3)
             }
-            Some(255) => (tag, be(data.get(2..6).ok_or("truncated packet length")?), 6),
-            Some(_) => return Err("partial-length packets do not occur in keys".into()),
-            None => return Err("truncated packet header".into()),
+            Some(255) => (tag, be(data.get(2..6).ok_or(KeyError::Packet("truncated packet length"))?), 6),
+            Some(_) => return Err(KeyError::Packet("partial-length packets do not occur in keys")),
+            None => return Err(KeyError::Packet("truncated packet header")),
         }
     } else {
         let tag = (h >> 2) & 0x0f;
         match h & 3 {
-            0 => (tag, *data.get(1).ok_or("truncated packet length")? as usize, 2),
-            1 => (tag, be(data.get(1..3).ok_or("truncated packet length")?), 3),
-            2 => (tag, be(data.get(1..5).ok_or("truncated packet length")?), 5),
-            _ => return Err("indeterminate-length packets do not occur in keys".into()),
+            0 => (tag, *data.get(1).ok_or(KeyError::Packet("truncated packet length"))? as usize, 2),
+            1 => (tag, be(data.get(1..3).ok_or(KeyError::Packet("truncated packet length"))?), 3),
+            2 => (tag, be(data.get(1..5).ok_or(KeyError::Packet("truncated packet length"))?), 5),
+            _ => return Err(KeyError::Packet("indeterminate-length packets do not occur in keys")),
         }
     };
-    let end = header_len.checked_add(len).filter(|e| *e <= data.len()).ok_or("truncated packet")?;
+    let end = header_len.checked_add(len).filter(|e| *e <= data.len()).ok_or(KeyError::Packet("truncated packet"))?;
     Ok((tag, &data[header_len..end], &data[end..]))
 }
 
@@ -248,13 +397,13 @@ fn be(bytes: &[u8]) -> usize {
 }
 
 /// RFC 4880 §12.2: SHA-1 over 0x99, the two-octet body length, and the key packet body.
-fn v4_fingerprint(body: &[u8]) -> Result<String, String> {
+fn v4_fingerprint(body: &[u8]) -> Result<String, KeyError> {
     match body.first() {
         Some(4) => {}
-        Some(v) => return Err(format!("OpenPGP key version {v} (only version 4 is read)")),
-        None => return Err("empty key packet".into()),
+        Some(v) => return Err(KeyError::KeyVersion(*v)),
+        None => return Err(KeyError::Packet("empty key packet")),
     }
-    let len = u16::try_from(body.len()).map_err(|_| "key packet too long".to_string())?;
+    let len = u16::try_from(body.len()).map_err(|_| KeyError::Packet("key packet too long"))?;
     let mut h = sha1_smol::Sha1::new();
     h.update(&[0x99]);
     h.update(&len.to_be_bytes());
@@ -263,136 +412,4 @@ fn v4_fingerprint(body: &[u8]) -> Result<String, String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    /// A version-4 Ed25519 public key packet body (algorithm 22) with a fixed creation time.
-    fn key_body(seed: u8) -> Vec<u8> {
-        let mut b = vec![4, 0x5f, 0x00, 0x00, 0x00, 22, 9, 0x2b, 0x06, 0x01, 0x04, 0x01, 0xda, 0x47, 0x0f, 0x01];
-        b.extend_from_slice(&[0x01, 0x07, 0x40]);
-        b.extend(std::iter::repeat_n(seed, 32));
-        b
-    }
-
-    fn new_format(tag: u8, body: &[u8]) -> Vec<u8> {
-        let mut p = vec![0xc0 | tag, body.len() as u8];
-        p.extend_from_slice(body);
-        p
-    }
-
-    #[test]
-    fn fingerprint_matches_the_rfc_formula_in_both_packet_formats() {
-        let body = key_body(7);
-        let mut h = sha1_smol::Sha1::new();
-        h.update(&[0x99, 0, body.len() as u8]);
-        h.update(&body);
-        let want = h.digest().to_string().to_ascii_uppercase();
-        let old = [&[0x99u8, 0, body.len() as u8][..], &body].concat(); // old format, tag 6, 2-byte length
-        assert_eq!(keys(&new_format(6, &body)).unwrap()[0].fingerprint, want);
-        assert_eq!(keys(&old).unwrap()[0].fingerprint, want);
-        assert!(verified(&old, &spaced(&want).to_lowercase()).is_ok());
-    }
-
-    #[test]
-    fn refuses_a_second_primary_key_and_a_wrong_one() {
-        let a = new_format(6, &key_body(1));
-        let b = new_format(6, &key_body(2));
-        let fa = keys(&a).unwrap()[0].fingerprint.clone();
-        let both = [a.clone(), b.clone()].concat();
-        assert!(verified(&both, &fa).unwrap_err().contains("2 primary keys"));
-        assert!(verified(&b, &fa).unwrap_err().contains("expected"));
-        // Its short ids are not enough, nor is any suffix.
-        assert!(verified(&a, &fa[32..]).unwrap_err().contains("40 hex digits"));
-        assert!(verified(&a, &fa[24..]).unwrap_err().contains("40 hex digits"));
-        // A subkey, a user id and signatures beside the pinned primary are parts of the key.
-        let with_parts = [
-            a.clone(),
-            new_format(13, b"phq <k@phq.invalid>"),
-            new_format(2, &[4, 0x13]),
-            new_format(14, &key_body(3)),
-        ]
-        .concat();
-        assert_eq!(keys(&with_parts).unwrap().len(), 2);
-        assert_eq!(verified(&with_parts, &fa).unwrap().binary(), with_parts.as_slice());
-    }
-
-    #[test]
-    fn refuses_what_is_no_part_of_a_key() {
-        let a = new_format(6, &key_body(1));
-        let fa = keys(&a).unwrap()[0].fingerprint.clone();
-        // A literal data packet (11) after the key; a signature before it; bytes that are no packet.
-        let e = verified(&[a.clone(), new_format(11, b"b\0\0\0\0\0x")].concat(), &fa).unwrap_err();
-        assert!(e.contains("type 11"), "{e}");
-        let e = verified(&[new_format(2, &[4]), a.clone()].concat(), &fa).unwrap_err();
-        assert!(e.contains("starts with"), "{e}");
-        let e = verified(&[a.clone(), b"\n".to_vec()].concat(), &fa).unwrap_err();
-        assert!(e.contains("not an OpenPGP packet"), "{e}");
-        // An old-format packet of indeterminate length would swallow whatever follows it.
-        let e = keys(&[&[0x9bu8][..], &key_body(1)].concat()).unwrap_err();
-        assert!(e.contains("indeterminate"), "{e}");
-    }
-
-    fn armored(bin: &[u8]) -> String {
-        let b64 = base64::engine::general_purpose::STANDARD.encode(bin);
-        format!(
-            "-----BEGIN PGP PUBLIC KEY BLOCK-----\nComment: test\n\n{}\n{}\n-----END PGP PUBLIC KEY BLOCK-----\n",
-            &b64[..40],
-            &b64[40..]
-        )
-    }
-
-    #[test]
-    fn reads_armor_and_writes_it_back_with_its_checksum() {
-        let bin = new_format(6, &key_body(9));
-        let fpr = keys(&bin).unwrap()[0].fingerprint.clone();
-        let v = verified(armored(&bin).as_bytes(), &fpr).unwrap();
-        assert_eq!(v.binary(), bin.as_slice());
-        // Our own armor reads back to the same packets, checksum checked.
-        let ours = v.armored();
-        assert!(ours.starts_with(ARMOR_BEGIN) && ours.trim_end().ends_with(ARMOR_END), "{ours}");
-        assert_eq!(verified(ours.as_bytes(), &fpr).unwrap().binary(), bin.as_slice());
-        // RFC 4880 §6.1's CRC-24 of nothing is its initial value.
-        assert_eq!(crc24(b""), 0xB704CE);
-        // A checksum that does not match is refused.
-        let crc_at = ours.rfind("\n=").unwrap() + 2;
-        let mut bad = ours.clone();
-        bad.replace_range(crc_at..crc_at + 4, if &ours[crc_at..crc_at + 4] == "AAAA" { "BBBB" } else { "AAAA" });
-        assert!(verified(bad.as_bytes(), &fpr).unwrap_err().contains("checksum"), "{bad}");
-    }
-
-    #[test]
-    fn one_armored_block_and_nothing_after_it() {
-        let a = new_format(6, &key_body(1));
-        let fa = keys(&a).unwrap()[0].fingerprint.clone();
-        let evil = armored(&new_format(6, &key_body(2)));
-        // rpm --import would import both blocks; apt would trust both keys.
-        let two = format!("{}{evil}", armored(&a));
-        assert!(verified(two.as_bytes(), &fa).unwrap_err().contains("second armored block"));
-        let trailing = format!("{}garbage\n", armored(&a));
-        assert!(verified(trailing.as_bytes(), &fa).unwrap_err().contains("more after"));
-        let leading = format!("hello\n{}", armored(&a));
-        assert!(verified(leading.as_bytes(), &fa).unwrap_err().contains("starts with"));
-        // White space around the block is fine.
-        assert!(verified(format!("\n{}\n\n", armored(&a)).as_bytes(), &fa).is_ok());
-    }
-
-    #[test]
-    fn bad_input_says_what() {
-        assert!(keys(b"").unwrap_err().contains("no OpenPGP public key"));
-        assert!(keys(b"hello").unwrap_err().contains("not an OpenPGP packet"));
-        assert!(keys(&[0xc6, 50, 4]).unwrap_err().contains("truncated"));
-        assert!(keys(&new_format(6, &[5, 1, 2])).unwrap_err().contains("version 5"));
-    }
-
-    proptest! {
-        #[test]
-        fn never_panics(data in proptest::collection::vec(any::<u8>(), 0..300)) {
-            let _ = keys(&data);
-            let mut armored = b"-----BEGIN PGP PUBLIC KEY BLOCK-----\n".to_vec();
-            armored.extend_from_slice(&data);
-            let _ = keys(&armored);
-            let _ = verified(&data, "EB693B3035CD5710E231E123A4B469963BF863CC");
-        }
-    }
-}
+mod tests;

@@ -105,13 +105,24 @@ fn of_release(suite: &str, codename: &str) -> bool {
     suite.strip_prefix(codename).is_some_and(|rest| DEBIAN.contains(&rest))
 }
 
+/// No apt source of the release's own archive: there is nothing to extend with components.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("no apt source of Debian's {codename} archive was found (sources.list, sources.list.d)")]
+pub struct NoArchiveSource {
+    pub codename: String,
+}
+
 /// What to add so every Debian archive source of `codename` has `needed` components: a deb822
 /// file with the same URIs, suites and key, and only the missing components. `Ok(None)` when
 /// nothing is missing; `Err` when no source of the release's archive is there to extend.
-pub fn missing_components(sources: &[Source], codename: &str, needed: &[&str]) -> Result<Option<String>, String> {
+pub fn missing_components(
+    sources: &[Source],
+    codename: &str,
+    needed: &[&str],
+) -> Result<Option<String>, NoArchiveSource> {
     let archive: Vec<&Source> = sources.iter().filter(|s| s.suites.iter().any(|x| of_release(x, codename))).collect();
     if archive.is_empty() {
-        return Err(format!("no apt source of Debian's {codename} archive was found (sources.list, sources.list.d)"));
+        return Err(NoArchiveSource { codename: codename.into() });
     }
     // A URI and suite has a component when any source (ours from an earlier run included) has it.
     let has = |uri: &str, suite: &str, c: &str| {
@@ -236,7 +247,7 @@ mod tests {
         let off =
             "Types: deb\nURIs: http://debian.mirror.example/debian\nSuites: bookworm\nComponents: main\nEnabled: no\n";
         assert!(parse_deb822(off).is_empty());
-        let e = missing_components(&parse_deb822(off), "bookworm", &["contrib"]).unwrap_err();
+        let e = missing_components(&parse_deb822(off), "bookworm", &["contrib"]).unwrap_err().to_string();
         assert!(e.contains("no apt source of Debian's bookworm archive"), "{e}");
     }
 }
