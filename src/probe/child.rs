@@ -71,7 +71,7 @@ pub struct Request {
 }
 
 fn nccl_allowance() -> Duration {
-    super::NCCL_ALLOWANCE
+    crate::config::NCCL_ALLOWANCE
 }
 
 /// What a run gives: the results (the `probes` of a report) and their findings.

@@ -482,12 +482,6 @@ fn nvlink_scope(report: &ProbeReport, targets: &[Target]) -> NvlinkScope {
 /// Peer copies faster than this cannot have gone over PCIe Gen5 x16 (≈ 64 GB/s raw).
 const NVLINK_SCOPE_GBPS: f64 = 100.0;
 
-/// What NCCL's start is allowed by default, beyond an all-reduce's planned transfers: our choice,
-/// above the longest starts reported for one node of 8 GPUs — 7 communicators in 31 s
-/// (NVIDIA/nccl#534), 55 s for one, 52 s of it loading kernels (NVIDIA/nccl#1646, DGX B200) —
-/// and short enough that a hang is reported within minutes.
-pub const NCCL_ALLOWANCE: std::time::Duration = std::time::Duration::from_secs(180);
-
 pub struct Options<'a> {
     pub level: ProbeLevel,
     /// Only these GPUs, by position in PCI bus order as nvidia-smi numbers them (empty: all).
@@ -513,7 +507,7 @@ impl Options<'static> {
             force: false,
             gemm_seconds: None,
             allreduce_bytes: None,
-            nccl_allowance: NCCL_ALLOWANCE,
+            nccl_allowance: crate::config::NCCL_ALLOWANCE,
         }
     }
 }
