@@ -77,7 +77,7 @@ impl Probe {
             if self.json {
                 println!("{}", serde_json::to_string_pretty(&plan)?);
             } else {
-                print!("{}", probe::plan::render(&plan));
+                print!("{}", probe::budget::render(&plan));
             }
             return Ok(0);
         }

@@ -92,7 +92,7 @@ pub fn deadline(snapshot: &Snapshot, level: ProbeLevel, limits: Limits) -> Durat
 
 /// Rule 3 for a plan: twice its GPU time, the margin, and for each of the two all-reduces its
 /// allowance and the grace its child has to exit.
-pub(crate) fn deadline_for(plan: &super::plan::Plan, limits: Limits) -> Duration {
+pub(crate) fn deadline_for(plan: &super::budget::Plan, limits: Limits) -> Duration {
     let nccl = if plan.allreduce_s > 0.0 { 2 * (limits.nccl_allowance + EXIT_GRACE) } else { Duration::ZERO };
     Duration::from_secs_f64(plan.total_s.max(0.0) * 2.0) + limits.margin + nccl
 }
