@@ -358,8 +358,12 @@ pub fn child_main() -> anyhow::Result<i32> {
     let request: Request = serde_json::from_reader(std::io::stdin().lock())
         .map_err(|e| anyhow::anyhow!("probe-child: cannot read the request on stdin: {e}"))?;
     let opts = super::Options { nccl_allowance: request.nccl_allowance, ..super::Options::at(request.level) };
+    // This process's own NVML session, as every command opens one where it starts: the
+    // service's cannot cross into a child, and the child reads no snapshot of its own (its
+    // parent's came with the request). `collect`'s session, under the default deadlines.
+    let nvml = request.snapshot.nvml().map(|n| crate::collect::nvml::Session::new(&n.library, Default::default()));
     let answer: Result<Answer, String> =
-        match super::run_here(&request.snapshot, &opts, &request.state_dir, &request.who, &mut |step| {
+        match super::run_here(&request.snapshot, nvml.as_ref(), &opts, &request.state_dir, &request.who, &mut |step| {
             say(format!("step {}", step.replace('\n', " ")))
         }) {
             Ok((report, targets)) => Ok(Answer {

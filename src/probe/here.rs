@@ -11,6 +11,7 @@ use super::observed::Observed;
 use super::results::ProbeReport;
 use super::run::run;
 use super::targets::{targets_of, Target};
+use crate::collect::nvml::Session;
 
 /// Why probes could not run here.
 #[derive(Debug, thiserror::Error)]
@@ -22,10 +23,12 @@ pub enum NotRun {
 }
 
 /// Probes the GPUs of this machine: CUDA for the measuring, the snapshot for each GPU's SKU, its
-/// NVLinks and the compute processes that keep a probe off a GPU. Holds the run lock in
+/// NVLinks and the compute processes that keep a probe off a GPU; `nvml`, the session the
+/// snapshot was read through, for NVML's reading beside each figure. Holds the run lock in
 /// `state_dir` for `who` throughout.
 pub fn run_here(
     snapshot: &crate::snapshot::Snapshot,
+    nvml: Option<&Session>,
     opts: &Options<'_>,
     state_dir: &std::path::Path,
     who: &str,
@@ -35,10 +38,11 @@ pub fn run_here(
     let (mut backend, devices) = CudaBackend::open()?;
     backend.level = opts.level;
     let targets = targets_of(snapshot, &devices, std::process::id());
-    // NVML beside CUDA, for the clocks after each measurement; without it the figures stand alone.
-    let session = snapshot.nvml().map(|n| crate::collect::nvml::Session::new(&n.library, Default::default()));
+    // NVML beside CUDA, for the clocks after each measurement, where the snapshot could read it;
+    // without it the figures stand alone.
+    let session = nvml.filter(|_| snapshot.nvml().is_some());
     let pcis = devices.iter().map(|d| d.pci.clone()).collect();
-    let mut observed = Observed::new(&mut backend, session.as_ref(), pcis);
+    let mut observed = Observed::new(&mut backend, session, pcis);
     Ok((run(&mut observed, &targets, opts, progress), targets))
 }
 
