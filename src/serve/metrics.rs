@@ -92,14 +92,44 @@ fn plus(base: &Labels, key: &str, value: &str) -> Labels {
     l
 }
 
-fn set<T: Copy + Into<f64>>(f: &FGauge, labels: &Labels, v: &Nv<T>) {
-    if let Nv::Value(x) = v {
-        f.get_or_create(labels).set((*x).into());
-    }
-}
-
+/// Renders a snapshot and its report as metrics, once (the HTTP task serves the result to every
+/// scrape): the agent's and NVML's families, the verdict, each GPU's families (`PER_GPU`), the
+/// dcgm-exporter names when asked, and the NVSwitches' SXids.
 pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     let mut fam = Families { registry: Registry::default() };
+    agent_families(&mut fam, r);
+    nvml_families(&mut fam, s);
+    verdict_families(&mut fam, r);
+    let per_gpu: Vec<Registered> = PER_GPU.iter().map(|f| fam.per_gpu(f)).collect();
+    let hostname = s.host.hostname.clone().unwrap_or_default();
+    let mut dcgm = dcgm_compat.then(|| Dcgm::new(&mut fam));
+    for g in &r.gpus {
+        let gpu = Gpu { report: g, nvml: s.nvml_gpu(&g.pci_address) };
+        let uuid = g.uuid.clone().unwrap_or_default();
+        let base = l(&[("gpu", &g.pci_address), ("uuid", &uuid)]);
+        for family in &per_gpu {
+            family.add(&gpu, &base);
+        }
+        if let (Some(d), Some(n)) = (dcgm.as_mut(), gpu.nvml) {
+            d.add(n, g, &hostname, r.driver.version.as_deref().unwrap_or(""));
+        }
+    }
+    sxid_counters(&mut fam, s);
+    let mut openmetrics = String::new();
+    // Writing into a String cannot fail; an encoder error would be a bug in a metric name.
+    if encode(&mut openmetrics, &fam.registry).is_err() {
+        openmetrics.clear();
+    }
+    let text = to_text_format(&openmetrics);
+    if dcgm_compat {
+        let (openmetrics, text) = retype_dcgm_counters(&openmetrics, &text);
+        return Rendered { openmetrics, text };
+    }
+    Rendered { openmetrics, text }
+}
+
+/// The agent itself: its identity, what became of its events, and when the snapshot was taken.
+fn agent_families(fam: &mut Families, r: &Report) {
     let info = fam.gauge("phq_agent_info", "The agent's version and id; always 1");
     info.get_or_create(&l(&[("version", &r.agent.version), ("agent_id", &r.agent.agent_id)])).set(1.0);
     if let Some(e) = &r.agent.events {
@@ -124,6 +154,10 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     fam.gauge("phq_snapshot_timestamp_seconds", "When the snapshot these metrics come from was taken (Unix time)")
         .get_or_create(&vec![])
         .set(observed);
+}
+
+/// NVML as a whole: whether it answered in time, and the driver it reports.
+fn nvml_families(fam: &mut Families, s: &Snapshot) {
     // NVML answering or not: while a call is past its deadline the GPUs it was about have no
     // series at all (their readings are left out, never repeated from an older snapshot).
     if !matches!(s.nvml, crate::snapshot::NvmlStatus::NotRead(_)) {
@@ -150,6 +184,10 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
             ]))
             .set(1.0);
     }
+}
+
+/// The verdict: the VM's health, and each check's result.
+fn verdict_families(fam: &mut Families, r: &Report) {
     let health = fam.gauge("phq_health_state", "1 for the VM's current health state, 0 for the others");
     for (name, h) in [
         ("healthy", Health::Healthy),
@@ -169,222 +207,371 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         };
         check.get_or_create(&l(&[("check", &f.id), ("gpu", f.gpu.as_deref().unwrap_or(""))])).set(v);
     }
+}
 
-    let gpu_info = fam.gauge("phq_gpu_info", "One series per GPU with its identity; always 1");
-    let temp = fam.gauge("phq_gpu_temperature_celsius", "GPU core temperature");
-    let slowdown =
-        fam.gauge("phq_gpu_slowdown_temperature_celsius", "Temperature at which the GPU starts to slow down");
-    let power = fam.gauge("phq_gpu_power_usage_watts", "Power draw");
-    let power_limit = fam.gauge("phq_gpu_power_limit_watts", "Enforced power limit");
-    let mem_total = fam.gauge("phq_gpu_memory_total_bytes", "Device memory");
-    let gpm_ok = fam.gauge(
+/// What a per-GPU family reads: the GPU as the report lists it, and NVML's reading of it (none
+/// for a GPU NVML does not list).
+struct Gpu<'a> {
+    report: &'a crate::report::GpuSummary,
+    nvml: Option<&'a NvmlGpu>,
+}
+
+/// One series of a per-GPU family: its labels after `gpu` and `uuid`, and its value.
+type Sample<T> = (Vec<(&'static str, String)>, T);
+
+/// How a per-GPU family's samples are read and written: a gauge set, a counter increased (by
+/// whole counts, or by a quantity such as joules).
+#[derive(Clone, Copy)]
+enum PerGpu {
+    Gauge(fn(&Gpu) -> Vec<Sample<f64>>),
+    Counter(fn(&Gpu) -> Vec<Sample<u64>>),
+    CounterF(fn(&Gpu) -> Vec<Sample<f64>>),
+}
+
+/// A per-GPU family once registered, with what it reads.
+enum Registered {
+    Gauge(FGauge, fn(&Gpu) -> Vec<Sample<f64>>),
+    Counter(FCounter, fn(&Gpu) -> Vec<Sample<u64>>),
+    CounterF(FCounterF, fn(&Gpu) -> Vec<Sample<f64>>),
+}
+
+impl Families {
+    fn per_gpu(&mut self, (name, help, read): &(&str, &str, PerGpu)) -> Registered {
+        match *read {
+            PerGpu::Gauge(read) => Registered::Gauge(self.gauge(name, help), read),
+            PerGpu::Counter(read) => Registered::Counter(self.counter(name, help), read),
+            PerGpu::CounterF(read) => Registered::CounterF(self.fcounter(name, help), read),
+        }
+    }
+}
+
+impl Registered {
+    /// The series this family finds for `gpu`, labelled `base` and their own labels.
+    fn add(&self, gpu: &Gpu, base: &Labels) {
+        let labels = |own: Vec<(&'static str, String)>| {
+            let mut l = base.clone();
+            l.extend(own.into_iter().map(|(k, v)| (k.to_string(), v)));
+            l
+        };
+        match self {
+            Registered::Gauge(f, read) => read(gpu).into_iter().for_each(|(own, v)| {
+                f.get_or_create(&labels(own)).set(v);
+            }),
+            Registered::Counter(f, read) => read(gpu).into_iter().for_each(|(own, v)| {
+                f.get_or_create(&labels(own)).inc_by(v);
+            }),
+            Registered::CounterF(f, read) => read(gpu).into_iter().for_each(|(own, v)| {
+                f.get_or_create(&labels(own)).inc_by(v);
+            }),
+        }
+    }
+}
+
+/// One series, from NVML's reading, where it has the value.
+fn one<T>(g: &Gpu, pick: impl Fn(&NvmlGpu) -> Option<T>) -> Vec<Sample<T>> {
+    g.nvml.and_then(pick).map(|v| (vec![], v)).into_iter().collect()
+}
+
+/// Series told apart by one label, from NVML's reading, where it has them.
+fn by<T>(g: &Gpu, label: &'static str, pick: impl Fn(&NvmlGpu) -> Option<Vec<(&str, T)>>) -> Vec<Sample<T>> {
+    let found = g.nvml.and_then(pick).unwrap_or_default();
+    found.into_iter().map(|(v, x)| (vec![(label, v.to_string())], x)).collect()
+}
+
+fn flag(b: bool) -> f64 {
+    if b {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// The per-GPU families in the order they are served, each with its help text and what it
+/// reads; the dcgm-exporter names follow them (`DCGM_SERIES`).
+const PER_GPU: &[(&str, &str, PerGpu)] = &[
+    ("phq_gpu_info", "One series per GPU with its identity; always 1", PerGpu::Gauge(gpu_info)),
+    ("phq_gpu_temperature_celsius", "GPU core temperature", PerGpu::Gauge(|g| one(g, |n| nvv(&n.temperature_c)))),
+    (
+        "phq_gpu_slowdown_temperature_celsius",
+        "Temperature at which the GPU starts to slow down",
+        PerGpu::Gauge(|g| one(g, |n| nvv(&n.slowdown_temperature_c))),
+    ),
+    (
+        "phq_gpu_power_usage_watts",
+        "Power draw",
+        PerGpu::Gauge(|g| one(g, |n| n.power_usage_mw.value().map(|mw| *mw as f64 / 1000.0))),
+    ),
+    (
+        "phq_gpu_power_limit_watts",
+        "Enforced power limit",
+        PerGpu::Gauge(|g| one(g, |n| n.power_limit_mw.value().map(|mw| *mw as f64 / 1000.0))),
+    ),
+    (
+        "phq_gpu_memory_total_bytes",
+        "Device memory",
+        PerGpu::Gauge(|g| one(g, |n| n.memory.value().map(|m| m.total_bytes as f64))),
+    ),
+    (
         "phq_gpu_gpm_supported",
         "1 when NVML's GPM gives this GPU's profiling metrics (Hopper and later), 0 when it does not",
-    );
-    let gpm_ratio = fam.gauge(
+        PerGpu::Gauge(|g| {
+            one(g, |n| match &n.gpm {
+                Nv::Value(_) => Some(1.0),
+                Nv::NotSupported => Some(0.0),
+                Nv::Error(_) => None,
+            })
+        }),
+    ),
+    (
         "phq_gpu_gpm_activity_ratio",
         "NVML GPM: the share of the last interval each unit was active (metric: gr_engine, sm, sm_occupancy, tensor, dram, fp64, fp32, fp16)",
-    );
-    let gpm_rate = fam.gauge(
+        PerGpu::Gauge(gpm_ratios),
+    ),
+    (
         "phq_gpu_gpm_bytes_per_second",
         "NVML GPM: PCIe and NVLink traffic over the last interval (bus: pcie, nvlink; direction: tx, rx)",
-    );
-    let mem_used =
-        fam.gauge("phq_gpu_memory_used_bytes", "Device memory allocated (the driver's reservation not included)");
-    let mem_free =
-        fam.gauge("phq_gpu_memory_free_bytes", "Device memory neither allocated nor reserved, as NVML counts it");
-    let mem_reserved = fam.gauge("phq_gpu_memory_reserved_bytes", "Device memory the driver and firmware set aside");
-    let mem_temp = fam.gauge("phq_gpu_memory_temperature_celsius", "HBM temperature");
-    let energy = fam.fcounter("phq_gpu_energy_joules_total", "Energy the GPU used since the driver loaded");
-    let enc_util =
-        fam.gauge("phq_gpu_encoder_utilization_ratio", "Fraction of the sample period the video encoders were busy");
-    let dec_util =
-        fam.gauge("phq_gpu_decoder_utilization_ratio", "Fraction of the sample period the video decoders were busy");
-    let nvlink_bytes = fam.counter(
+        PerGpu::Gauge(gpm_rates),
+    ),
+    (
+        "phq_gpu_memory_used_bytes",
+        "Device memory allocated (the driver's reservation not included)",
+        PerGpu::Gauge(|g| one(g, |n| n.memory.value().map(|m| m.used_bytes as f64))),
+    ),
+    (
+        "phq_gpu_memory_free_bytes",
+        "Device memory neither allocated nor reserved, as NVML counts it",
+        PerGpu::Gauge(|g| one(g, |n| n.memory.value().map(|m| m.free_bytes as f64))),
+    ),
+    (
+        "phq_gpu_memory_reserved_bytes",
+        "Device memory the driver and firmware set aside",
+        PerGpu::Gauge(|g| one(g, |n| n.memory.value().map(|m| m.reserved_bytes as f64))),
+    ),
+    ("phq_gpu_memory_temperature_celsius", "HBM temperature", PerGpu::Gauge(|g| one(g, |n| nvv(&n.memory_temperature_c)))),
+    (
+        "phq_gpu_energy_joules_total",
+        "Energy the GPU used since the driver loaded",
+        PerGpu::CounterF(|g| one(g, |n| n.energy_mj.value().map(|mj| *mj as f64 / 1000.0))),
+    ),
+    (
+        "phq_gpu_encoder_utilization_ratio",
+        "Fraction of the sample period the video encoders were busy",
+        PerGpu::Gauge(|g| one(g, |n| n.encoder_utilization.value().map(|u| *u as f64 / 100.0))),
+    ),
+    (
+        "phq_gpu_decoder_utilization_ratio",
+        "Fraction of the sample period the video decoders were busy",
+        PerGpu::Gauge(|g| one(g, |n| n.decoder_utilization.value().map(|u| *u as f64 / 100.0))),
+    ),
+    (
         "phq_gpu_nvlink_data_bytes_total",
         "NVLink payload bytes over all links since the driver loaded, by direction",
-    );
-    let sm_clock = fam.gauge("phq_gpu_sm_clock_hertz", "SM clock");
-    let mem_clock = fam.gauge("phq_gpu_memory_clock_hertz", "Memory clock");
-    let util = fam.gauge("phq_gpu_utilization_ratio", "Fraction of time a kernel ran over the last sample period");
-    let mem_util = fam.gauge(
+        PerGpu::Counter(|g| {
+            by(g, "direction", |n| {
+                let t = n.nvlink_throughput.value()?;
+                Some(vec![("tx", t.tx_kib.saturating_mul(1024)), ("rx", t.rx_kib.saturating_mul(1024))])
+            })
+        }),
+    ),
+    (
+        "phq_gpu_sm_clock_hertz",
+        "SM clock",
+        PerGpu::Gauge(|g| one(g, |n| n.sm_clock_mhz.value().map(|c| *c as f64 * 1e6))),
+    ),
+    (
+        "phq_gpu_memory_clock_hertz",
+        "Memory clock",
+        PerGpu::Gauge(|g| one(g, |n| n.mem_clock_mhz.value().map(|c| *c as f64 * 1e6))),
+    ),
+    (
+        "phq_gpu_utilization_ratio",
+        "Fraction of time a kernel ran over the last sample period",
+        PerGpu::Gauge(|g| one(g, |n| n.utilization.value().map(|u| u.gpu as f64 / 100.0))),
+    ),
+    (
         "phq_gpu_memory_utilization_ratio",
         "Fraction of time device memory was read or written over the last sample period",
-    );
-    let up = fam.gauge(
+        PerGpu::Gauge(|g| one(g, |n| n.utilization.value().map(|u| u.memory as f64 / 100.0))),
+    ),
+    (
         "phq_gpu_up",
         "1 while NVML answers for the GPU; 0 for a GPU on the bus that it does not (fell off, lost)",
-    );
-    let throttle = fam.gauge("phq_gpu_clock_event_active", "1 while a clock-event (throttle) reason is active");
-    let ecc_vol = fam.gauge("phq_gpu_ecc_volatile_errors", "ECC errors since the last GPU reset, by type");
-    let ecc_agg = fam.counter("phq_gpu_ecc_aggregate_errors_total", "ECC errors over the GPU's life, by type");
-    let remapped = fam.gauge("phq_gpu_remapped_rows", "Rows remapped, by the kind of error that caused it");
-    let remap_pending = fam.gauge("phq_gpu_row_remap_pending", "1 while a row remap waits for a GPU reset");
-    let remap_failure = fam.gauge("phq_gpu_row_remap_failure", "1 when a row could not be remapped");
-    let pcie_gen = fam.gauge("phq_gpu_pcie_link_generation", "PCIe link generation, current and max");
-    let pcie_width = fam.gauge("phq_gpu_pcie_link_width_lanes", "PCIe link width, current and max");
-    let replays = fam.counter("phq_gpu_pcie_replays_total", "PCIe replays since the driver loaded");
-    let nvlink_active = fam.gauge("phq_gpu_nvlink_links_active", "NVLinks that are up");
-    let nvlink_err =
-        fam.counter("phq_gpu_nvlink_errors_total", "NVLink error counters summed over the GPU's links, by type");
-    let fabric = fam.gauge("phq_gpu_fabric_state", "1 for the GPU's NVSwitch fabric state");
-    let xid = fam.counter(
-        "phq_gpu_xid_errors_total",
-        "Xid reports since boot, by code and the immediate resolution NVIDIA's Xid catalog gives it: every repeat counts",
-    );
-    // Every GPU has this series from the first scrape, at 0 until an Xid: `increase()` then sees
-    // the first one, which a series born at 1 hides.
-    let xids = fam.counter("phq_gpu_xids_total", "Xid reports since boot, all codes together; 0 from the start");
-
-    let hostname = s.host.hostname.clone().unwrap_or_default();
-    let mut dcgm = dcgm_compat.then(|| Dcgm::new(&mut fam));
-    for g in &r.gpus {
-        let nv = s.nvml_gpu(&g.pci_address);
-        let uuid = g.uuid.clone().unwrap_or_default();
-        let base = l(&[("gpu", &g.pci_address), ("uuid", &uuid)]);
-        let index = nv.map(|n| n.index.to_string()).unwrap_or_default();
-        gpu_info
-            .get_or_create(&l(&[
-                ("gpu", &g.pci_address),
-                ("uuid", &uuid),
-                ("index", &index),
-                ("model", &g.model),
-                ("pci_id", &g.pci_id),
-                ("driver", g.driver.as_deref().unwrap_or("")),
-            ]))
-            .set(1.0);
-        let total = xids.get_or_create(&base);
-        for x in &g.xids {
-            let labels = plus(&plus(&base, "xid", &x.code), "resolution", resolution_label(&x.resolution));
-            xid.get_or_create(&labels).inc_by(x.count as u64);
-            total.inc_by(x.count as u64);
-        }
         // Down: NVML does not list it, or its basic readings fail (GPU_IS_LOST after an Xid 79).
         // A reading a VM's driver does not support is no sign of a lost GPU.
-        let answers =
-            nv.is_some_and(|n| !(matches!(n.temperature_c, Nv::Error(_)) && matches!(n.memory, Nv::Error(_))));
-        up.get_or_create(&base).set(if answers { 1.0 } else { 0.0 });
-        let Some(n) = nv else { continue };
-        set(&temp, &base, &n.temperature_c);
-        set(&slowdown, &base, &n.slowdown_temperature_c);
-        set(&power, &base, &n.power_usage_mw.map_value(|mw| *mw as f64 / 1000.0));
-        set(&power_limit, &base, &n.power_limit_mw.map_value(|mw| *mw as f64 / 1000.0));
-        set(&mem_total, &base, &n.memory.map_value(|m| m.total_bytes as f64));
-        set(&mem_used, &base, &n.memory.map_value(|m| m.used_bytes as f64));
-        set(&mem_free, &base, &n.memory.map_value(|m| m.free_bytes as f64));
-        set(&mem_reserved, &base, &n.memory.map_value(|m| m.reserved_bytes as f64));
-        set(&mem_temp, &base, &n.memory_temperature_c);
-        if let Nv::Value(mj) = n.energy_mj {
-            energy.get_or_create(&base).inc_by(mj as f64 / 1000.0);
-        }
-        match &n.gpm {
-            Nv::Value(gm) => {
-                gpm_ok.get_or_create(&base).set(1.0);
-                for (field, v) in &gm.values {
-                    match gpm_label(field) {
-                        Some(GpmLabel::Ratio(m)) => gpm_ratio.get_or_create(&plus(&base, "metric", m)).set(*v),
-                        Some(GpmLabel::Rate(bus, dir)) => {
-                            gpm_rate.get_or_create(&plus(&plus(&base, "bus", bus), "direction", dir)).set(*v)
-                        }
-                        None => 0.0,
-                    };
-                }
+        PerGpu::Gauge(|g| {
+            let answers =
+                g.nvml.is_some_and(|n| !(matches!(n.temperature_c, Nv::Error(_)) && matches!(n.memory, Nv::Error(_))));
+            vec![(vec![], flag(answers))]
+        }),
+    ),
+    (
+        "phq_gpu_clock_event_active",
+        "1 while a clock-event (throttle) reason is active",
+        PerGpu::Gauge(|g| {
+            by(g, "reason", |n| {
+                let reasons = n.throttle_reasons.value()?;
+                let active = |name: &str| flag(reasons.iter().any(|r| r == name));
+                Some(crate::collect::nvml::THROTTLE_REASONS.iter().map(|(_, name)| (*name, active(name))).collect())
+            })
+        }),
+    ),
+    (
+        "phq_gpu_ecc_volatile_errors",
+        "ECC errors since the last GPU reset, by type",
+        PerGpu::Gauge(|g| {
+            by(g, "type", |n| {
+                let e = n.ecc_volatile.value()?;
+                Some(vec![("corrected", e.corrected as f64), ("uncorrected", e.uncorrected as f64)])
+            })
+        }),
+    ),
+    (
+        "phq_gpu_ecc_aggregate_errors_total",
+        "ECC errors over the GPU's life, by type",
+        PerGpu::Counter(|g| {
+            by(g, "type", |n| {
+                let e = n.ecc_aggregate.value()?;
+                Some(vec![("corrected", e.corrected), ("uncorrected", e.uncorrected)])
+            })
+        }),
+    ),
+    (
+        "phq_gpu_remapped_rows",
+        "Rows remapped, by the kind of error that caused it",
+        PerGpu::Gauge(|g| {
+            by(g, "type", |n| {
+                let rr = n.remapped_rows.value()?;
+                Some(vec![("correctable", rr.correctable as f64), ("uncorrectable", rr.uncorrectable as f64)])
+            })
+        }),
+    ),
+    (
+        "phq_gpu_row_remap_pending",
+        "1 while a row remap waits for a GPU reset",
+        PerGpu::Gauge(|g| one(g, |n| n.remapped_rows.value().map(|rr| flag(rr.pending)))),
+    ),
+    (
+        "phq_gpu_row_remap_failure",
+        "1 when a row could not be remapped",
+        PerGpu::Gauge(|g| one(g, |n| n.remapped_rows.value().map(|rr| flag(rr.failure)))),
+    ),
+    (
+        "phq_gpu_pcie_link_generation",
+        "PCIe link generation, current and max",
+        PerGpu::Gauge(|g| by(g, "link", |n| Some(known(&[("current", &n.pcie.gen_current), ("max", &n.pcie.gen_max)])))),
+    ),
+    (
+        "phq_gpu_pcie_link_width_lanes",
+        "PCIe link width, current and max",
+        PerGpu::Gauge(|g| {
+            by(g, "link", |n| Some(known(&[("current", &n.pcie.width_current), ("max", &n.pcie.width_max)])))
+        }),
+    ),
+    (
+        "phq_gpu_pcie_replays_total",
+        "PCIe replays since the driver loaded",
+        PerGpu::Counter(|g| one(g, |n| n.pcie.replay_counter.value().map(|c| *c as u64))),
+    ),
+    (
+        "phq_gpu_nvlink_links_active",
+        "NVLinks that are up",
+        PerGpu::Gauge(|g| {
+            one(g, |n| n.nvlinks.value().map(|links| links.iter().filter(|k| k.active == Nv::Value(true)).count() as f64))
+        }),
+    ),
+    (
+        "phq_gpu_nvlink_errors_total",
+        "NVLink error counters summed over the GPU's links, by type",
+        PerGpu::Counter(|g| {
+            by(g, "type", |n| {
+                let links = n.nvlinks.value()?;
+                let sum = |pick: fn(&crate::snapshot::NvLinkInfo) -> &Nv<u64>| -> u64 {
+                    links.iter().filter_map(|k| pick(k).value().copied()).sum()
+                };
+                Some(vec![
+                    ("replay", sum(|k| &k.replay_errors)),
+                    ("recovery", sum(|k| &k.recovery_errors)),
+                    ("crc_flit", sum(|k| &k.crc_flit_errors)),
+                    ("crc_data", sum(|k| &k.crc_data_errors)),
+                ])
+            })
+        }),
+    ),
+    (
+        "phq_gpu_fabric_state",
+        "1 for the GPU's NVSwitch fabric state",
+        PerGpu::Gauge(|g| {
+            by(g, "state", |n| {
+                let f = n.fabric.value()?;
+                let states = [
+                    ("not_supported", FabricState::NotSupported),
+                    ("not_started", FabricState::NotStarted),
+                    ("in_progress", FabricState::InProgress),
+                    ("completed", FabricState::Completed),
+                ];
+                Some(states.into_iter().map(|(name, st)| (name, flag(f.state == st))).collect())
+            })
+        }),
+    ),
+    (
+        "phq_gpu_xid_errors_total",
+        "Xid reports since boot, by code and the immediate resolution NVIDIA's Xid catalog gives it: every repeat counts",
+        PerGpu::Counter(|g| {
+            let own = |x: &crate::checks::xid::XidSummary| {
+                vec![("xid", x.code.clone()), ("resolution", resolution_label(&x.resolution).to_string())]
+            };
+            g.report.xids.iter().map(|x| (own(x), x.count as u64)).collect()
+        }),
+    ),
+    // Every GPU has this series from the first scrape, at 0 until an Xid: `increase()` then sees
+    // the first one, which a series born at 1 hides.
+    (
+        "phq_gpu_xids_total",
+        "Xid reports since boot, all codes together; 0 from the start",
+        PerGpu::Counter(|g| vec![(vec![], g.report.xids.iter().fold(0u64, |a, x| a.wrapping_add(x.count as u64)))]),
+    ),
+];
+
+/// The GPU's identity, on a series of its own.
+fn gpu_info(g: &Gpu) -> Vec<Sample<f64>> {
+    let r = g.report;
+    let index = g.nvml.map(|n| n.index.to_string()).unwrap_or_default();
+    let own = vec![
+        ("index", index),
+        ("model", r.model.clone()),
+        ("pci_id", r.pci_id.clone()),
+        ("driver", r.driver.clone().unwrap_or_default()),
+    ];
+    vec![(own, 1.0)]
+}
+
+/// The readings of `pairs` NVML gave, by their label.
+fn known<'a>(pairs: &[(&'a str, &Nv<u32>)]) -> Vec<(&'a str, f64)> {
+    pairs.iter().filter_map(|(k, v)| Some((*k, f64::from(*v.value()?)))).collect()
+}
+
+/// NVML GPM's activity ratios, by unit.
+fn gpm_ratios(g: &Gpu) -> Vec<Sample<f64>> {
+    let values = g.nvml.and_then(|n| n.gpm.value()).map(|gm| gm.values.iter()).into_iter().flatten();
+    values
+        .filter_map(|(field, v)| match gpm_label(field) {
+            Some(GpmLabel::Ratio(m)) => Some((vec![("metric", m.to_string())], *v)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// NVML GPM's traffic rates, by bus and direction.
+fn gpm_rates(g: &Gpu) -> Vec<Sample<f64>> {
+    let values = g.nvml.and_then(|n| n.gpm.value()).map(|gm| gm.values.iter()).into_iter().flatten();
+    values
+        .filter_map(|(field, v)| match gpm_label(field) {
+            Some(GpmLabel::Rate(bus, dir)) => {
+                Some((vec![("bus", bus.to_string()), ("direction", dir.to_string())], *v))
             }
-            Nv::NotSupported => {
-                gpm_ok.get_or_create(&base).set(0.0);
-            }
-            Nv::Error(_) => {}
-        }
-        set(&enc_util, &base, &n.encoder_utilization.map_value(|u| *u as f64 / 100.0));
-        set(&dec_util, &base, &n.decoder_utilization.map_value(|u| *u as f64 / 100.0));
-        if let Nv::Value(t) = n.nvlink_throughput {
-            for (dir, kib) in [("tx", t.tx_kib), ("rx", t.rx_kib)] {
-                nvlink_bytes.get_or_create(&plus(&base, "direction", dir)).inc_by(kib.saturating_mul(1024));
-            }
-        }
-        set(&sm_clock, &base, &n.sm_clock_mhz.map_value(|c| *c as f64 * 1e6));
-        set(&mem_clock, &base, &n.mem_clock_mhz.map_value(|c| *c as f64 * 1e6));
-        set(&util, &base, &n.utilization.map_value(|u| u.gpu as f64 / 100.0));
-        set(&mem_util, &base, &n.utilization.map_value(|u| u.memory as f64 / 100.0));
-        if let Nv::Value(reasons) = &n.throttle_reasons {
-            for (_, name) in crate::collect::nvml::THROTTLE_REASONS {
-                let labels = plus(&base, "reason", name);
-                throttle.get_or_create(&labels).set(if reasons.iter().any(|r| r == name) { 1.0 } else { 0.0 });
-            }
-        }
-        for (kind, v) in [
-            ("corrected", n.ecc_volatile.map_value(|e| e.corrected as f64)),
-            ("uncorrected", n.ecc_volatile.map_value(|e| e.uncorrected as f64)),
-        ] {
-            let labels = plus(&base, "type", kind);
-            set(&ecc_vol, &labels, &v);
-        }
-        if let Nv::Value(e) = &n.ecc_aggregate {
-            for (kind, v) in [("corrected", e.corrected), ("uncorrected", e.uncorrected)] {
-                let labels = plus(&base, "type", kind);
-                ecc_agg.get_or_create(&labels).inc_by(v);
-            }
-        }
-        if let Nv::Value(rr) = &n.remapped_rows {
-            for (kind, v) in [("correctable", rr.correctable), ("uncorrectable", rr.uncorrectable)] {
-                let labels = plus(&base, "type", kind);
-                remapped.get_or_create(&labels).set(v as f64);
-            }
-            remap_pending.get_or_create(&base).set(if rr.pending { 1.0 } else { 0.0 });
-            remap_failure.get_or_create(&base).set(if rr.failure { 1.0 } else { 0.0 });
-        }
-        for (which, gen_v, width_v) in
-            [("current", &n.pcie.gen_current, &n.pcie.width_current), ("max", &n.pcie.gen_max, &n.pcie.width_max)]
-        {
-            let labels = plus(&base, "link", which);
-            set(&pcie_gen, &labels, gen_v);
-            set(&pcie_width, &labels, width_v);
-        }
-        if let Nv::Value(c) = n.pcie.replay_counter {
-            replays.get_or_create(&base).inc_by(c as u64);
-        }
-        if let Nv::Value(links) = &n.nvlinks {
-            nvlink_active.get_or_create(&base).set(links.iter().filter(|k| k.active == Nv::Value(true)).count() as f64);
-            for (kind, pick) in [("replay", 0), ("recovery", 1), ("crc_flit", 2), ("crc_data", 3)] {
-                let sum: u64 = links
-                    .iter()
-                    .filter_map(|k| {
-                        [&k.replay_errors, &k.recovery_errors, &k.crc_flit_errors, &k.crc_data_errors][pick]
-                            .value()
-                            .copied()
-                    })
-                    .sum();
-                let labels = plus(&base, "type", kind);
-                nvlink_err.get_or_create(&labels).inc_by(sum);
-            }
-        }
-        if let Nv::Value(f) = &n.fabric {
-            for (name, st) in [
-                ("not_supported", FabricState::NotSupported),
-                ("not_started", FabricState::NotStarted),
-                ("in_progress", FabricState::InProgress),
-                ("completed", FabricState::Completed),
-            ] {
-                let labels = plus(&base, "state", name);
-                fabric.get_or_create(&labels).set(if f.state == st { 1.0 } else { 0.0 });
-            }
-        }
-        if let Some(d) = dcgm.as_mut() {
-            d.add(n, g, &hostname, r.driver.version.as_deref().unwrap_or(""));
-        }
-    }
-    sxid_counters(&mut fam, s);
-    let mut openmetrics = String::new();
-    // Writing into a String cannot fail; an encoder error would be a bug in a metric name.
-    if encode(&mut openmetrics, &fam.registry).is_err() {
-        openmetrics.clear();
-    }
-    let text = to_text_format(&openmetrics);
-    if dcgm_compat {
-        let (openmetrics, text) = retype_dcgm_counters(&openmetrics, &text);
-        return Rendered { openmetrics, text };
-    }
-    Rendered { openmetrics, text }
+            _ => None,
+        })
+        .collect()
 }
 
 /// The `resolution` label of an Xid counter: the catalog's immediate resolution as NVIDIA spells
