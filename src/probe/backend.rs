@@ -2,9 +2,8 @@
 //! defaults are honest — a measurement a backend does not have is `Unavailable` with the reason,
 //! never a zero. The CUDA implementation is `cuda_backend.rs`; the unit tests' is `fake.rs`.
 
-use super::allreduce;
 use super::levels::LevelParams;
-use super::results::{GemmResult, MemtestResult, ProbeError};
+use super::results::{GemmResult, MemtestResult, ProbeError, Run};
 use crate::snapshot::Conditions;
 
 /// The 16-bit inputs of the tensor-core GEMM (FP32 accumulation either way).
@@ -70,7 +69,7 @@ pub trait Backend {
         _nvls: bool,
         _limit: std::time::Duration,
         _progress: &mut dyn FnMut(&str),
-    ) -> Result<allreduce::Run, ProbeError> {
+    ) -> Result<Run, ProbeError> {
         Err(ProbeError::Unavailable("this backend has no all-reduce".into()))
     }
     /// Lets go of a GPU the run stops using (its context is poisoned).

@@ -3,10 +3,10 @@
 //! bound for a healthy GPU: one that meets its floors finishes sooner. Context creation, the
 //! host's share of the memory compare and process start are not GPU time and are not counted.
 
+use super::cuda_backend::{copies, gemm};
 use super::kernels::{self, Step};
 use super::levels::{LevelParams, Options};
 use super::targets::Target;
-use super::{copies, gemm};
 use crate::config::ProbeLevel;
 use crate::facts;
 use serde::Serialize;
@@ -429,11 +429,11 @@ mod tests {
         let opts = Options::at(ProbeLevel::Quick);
         let with = estimate(&hgx(1), &opts, &|_| Some(80 << 30), true);
         let without = estimate(&hgx(1), &opts, &|_| Some(80 << 30), false);
-        assert_eq!(without.gemm_library, crate::probe::gemm::PTX_GEMM);
+        assert_eq!(without.gemm_library, crate::probe::cuda_backend::gemm::PTX_GEMM);
         assert!(render(&without).contains("PTX fallback"), "{}", render(&without));
         // The same products at 3 TFLOP/s instead of the H100 SXM's cuBLAS floor.
         let n = without.params.gemm_n as f64;
-        let products = (1 + crate::probe::gemm::GEMM_SAMPLES as u32 * without.params.gemm_reps) as f64;
+        let products = (1 + crate::probe::cuda_backend::gemm::GEMM_SAMPLES as u32 * without.params.gemm_reps) as f64;
         let upload = with.gpus[0].gemm_s
             - products * 2.0 * n.powi(3) / (facts::probe_floors(0x2330).gemm_tflops.unwrap() * 1e12);
         let want = products * 2.0 * n.powi(3) / (PTX_SGEMM_TFLOPS * 1e12) + upload;

@@ -3,7 +3,7 @@
 //! which GPUs were touched.
 
 use super::backend::{Backend, Half};
-use super::gemm;
+use super::cuda_backend::gemm;
 use super::levels::LevelParams;
 use super::results::{GemmResult, MemtestResult, ProbeError};
 use super::targets::Target;

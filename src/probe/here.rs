@@ -4,13 +4,13 @@
 //! alone.
 
 use super::budget::{self, Plan};
-use super::cuda_backend::{self, CudaBackend, DeviceInfo};
+use super::cuda_backend::{self, CudaBackend};
 use super::levels::Options;
 use super::lock;
 use super::observed::Observed;
 use super::results::ProbeReport;
 use super::run::run;
-use super::targets::{targets_of, Target};
+use super::targets::{targets_of, DeviceInfo, Target};
 use crate::collect::nvml::Session;
 
 /// Why probes could not run here.

@@ -3,11 +3,13 @@
 //! `Backend` method, its measurement on the CUDA backend (`copies.rs`, `memtest.rs` or
 //! `gemm.rs`) and its finding here.
 
+use super::baseline;
+use super::cuda_backend::gemm;
 use super::results::{
-    is_ecc, GemmResult, GpuProbes, MemtestResult, NvlinkScope, Outcome, PeerLink, ProbeError, ProbeReport, Stat,
+    is_ecc, AllReduce, GemmResult, GpuProbes, MemtestResult, NvlinkScope, Outcome, PeerLink, ProbeError, ProbeReport,
+    Stat,
 };
 use super::targets::Target;
-use super::{allreduce, baseline, gemm};
 use crate::checks::Finding;
 use crate::facts::{self, ProbeFloors};
 use crate::snapshot::Conditions;
@@ -142,7 +144,7 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
 
 /// `probe.allreduce`: the figure as NCCL chooses against Azure's floor for the board; the NVLS-off
 /// figure beside it says where a shortfall lies.
-pub(crate) fn allreduce_finding(report: &ProbeReport, a: &allreduce::AllReduce, floor: Option<f64>) -> Finding {
+pub(crate) fn allreduce_finding(report: &ProbeReport, a: &AllReduce, floor: Option<f64>) -> Finding {
     const ID: &str = "probe.allreduce";
     let n = a.gpus.len();
     let ring = match &a.nvls_off {

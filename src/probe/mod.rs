@@ -2,7 +2,7 @@
 //! floors (`facts::probe_floors`).
 //!
 //! The rules of this room:
-//! 1. `Backend` (`backend.rs`) does the measuring: `cuda_backend.rs` through the driver (its
+//! 1. `Backend` (`backend.rs`) does the measuring: `cuda_backend/` through the driver (its
 //!    measurements in `copies.rs`, `memtest.rs`, `gemm.rs`, its kernels in `kernels.rs`), the
 //!    simulated GPUs of `fake.rs` in the unit tests. Everything else here is pure.
 //! 2. `run` (`run.rs`) decides what to measure, on which GPUs (`targets.rs`) and pairs, at what
@@ -12,7 +12,8 @@
 //!    caller's `collect::nvml::Session` (`observed.rs`, handed it by `here.rs`), never a session
 //!    of the probe's own.
 //! 4. The service never runs CUDA itself: its probes run in a child process under a deadline
-//!    (`child.rs`), as does each NCCL all-reduce (`allreduce.rs`), one run at a time (`lock.rs`).
+//!    (`child.rs`), as does each NCCL all-reduce (`allreduce.rs`), both supervised alike
+//!    (`supervise.rs`), one run at a time (`lock.rs`).
 //! 5. `judge` turns a report (`results.rs`) into `probe.*` findings, against the SKU's floors and
 //!    the GPU's own first passing run (`baseline.rs`). `report` renders the results, so this room
 //!    imports `checks`, `collect`, `config`, `cuda` and below, never `report`, `serve` or `cli`.
@@ -26,21 +27,19 @@ pub mod backend;
 pub mod baseline;
 pub mod budget;
 pub mod child;
-mod copies;
 pub mod cuda_backend;
 #[cfg(test)]
 mod fake;
-pub mod gemm;
 pub mod here;
 pub mod judge;
 pub mod kernels;
 pub mod levels;
 pub mod lock;
-mod memtest;
 mod observed;
 pub mod results;
 pub mod run;
 mod scope;
+mod supervise;
 pub mod targets;
 #[cfg(test)]
 mod tests;

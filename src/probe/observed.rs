@@ -2,10 +2,9 @@
 //! apart from a slow link. It reads through the `collect::nvml::Session` it is handed — only
 //! `collect` touches NVML — and never opens one of its own.
 
-use super::allreduce;
 use super::backend::{Backend, Half};
 use super::levels::LevelParams;
-use super::results::{GemmResult, MemtestResult, ProbeError};
+use super::results::{GemmResult, MemtestResult, ProbeError, Run};
 use crate::collect::nvml::Session;
 use crate::snapshot::Conditions;
 
@@ -114,7 +113,7 @@ impl Backend for Observed<'_> {
         nvls: bool,
         limit: std::time::Duration,
         progress: &mut dyn FnMut(&str),
-    ) -> Result<allreduce::Run, ProbeError> {
+    ) -> Result<Run, ProbeError> {
         let r = self.inner.allreduce(gpus, p, nvls, limit, progress);
         let probe = if nvls { "allreduce" } else { "allreduce_nvls_off" };
         gpus.iter().fold(r, |r, g| self.after(*g, probe, r))

@@ -2,9 +2,9 @@
 //! all-reduce), serialised into the report's `probes` and rendered by `report`. Data only: no
 //! measuring and no judging here.
 
-use super::allreduce;
 use super::levels::LevelParams;
 use crate::config::ProbeLevel;
+use crate::cuda::nccl;
 use crate::snapshot::Conditions;
 use serde::{Deserialize, Serialize};
 
@@ -198,7 +198,7 @@ pub struct ProbeReport {
     pub nvlink: Option<NvlinkScope>,
     /// NCCL's all-reduce across the probed GPUs, at the levels that run it with two or more.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub allreduce: Option<allreduce::AllReduce>,
+    pub allreduce: Option<AllReduce>,
 }
 
 /// The VM's NVLink scope: what NVML says links the probed GPUs, and what the peer copies found.
@@ -228,6 +228,49 @@ pub struct PairFigures {
     pub scope: String,
     pub a_to_b: Option<f64>,
     pub b_to_a: Option<f64>,
+}
+
+/// The all-reduce part of a probe report (`allreduce.rs` measures it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AllReduce {
+    /// The GPUs, rank by rank, by PCI address.
+    pub gpus: Vec<String>,
+    /// Message size asked per rank (`Run::bytes` is what ran, smaller where memory was short).
+    pub bytes: u64,
+    /// As NCCL chooses its algorithm.
+    pub nccl: Outcome<Run>,
+    /// With `NCCL_NVLS_ENABLE=0`; measured only after the first run succeeded.
+    pub nvls_off: Option<Outcome<Run>>,
+    /// Each run's deadline.
+    pub deadline_s: u64,
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Run {
+    /// Bus bandwidth per sample, GB/s.
+    pub busbw_gbps: Stat,
+    /// Algorithm bandwidth of the median sample, GB/s.
+    pub algbw_gbps: f64,
+    pub bytes: u64,
+    pub iters: u32,
+    /// NCCL's version and the file it was loaded from.
+    pub library: String,
+    /// Words (8 bytes) of results compared on the GPUs, and those that were not the sum.
+    pub checked_words: u64,
+    pub wrong_words: u64,
+    /// The first wrong word: GPU, address, what it held, what it should.
+    pub first_wrong: Option<String>,
+    /// Why the message is smaller than asked, when it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// Whether every GPU reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED` (NVLS needs it);
+    /// `None` where the driver would not say.
+    #[serde(default)]
+    pub multicast: Option<bool>,
+    /// The `NCCL_*` settings the child ran with, and where each came from.
+    #[serde(default)]
+    pub settings: Vec<nccl::Setting>,
 }
 
 /// Whether `e` is CUDA's uncorrectable ECC error (214).

@@ -15,7 +15,9 @@ use super::allreduce;
 use super::backend::{Backend, Half};
 use super::budget;
 use super::levels::{LevelParams, Options};
-use super::results::{is_ecc, GpuProbes, MemtestResult, Outcome, PeerLink, ProbeError, ProbeReport, Stat};
+use super::results::{
+    is_ecc, AllReduce, GpuProbes, MemtestResult, Outcome, PeerLink, ProbeError, ProbeReport, Run, Stat,
+};
 use super::scope;
 use super::targets::{choose, Target};
 use std::collections::BTreeMap;
@@ -253,7 +255,7 @@ impl Runner<'_> {
     /// NCCL's all-reduce over the probed GPUs that are still usable, last (it runs in child
     /// processes, and the backend lets go of its contexts first): as NCCL chooses, then with NVLS
     /// off. `None` where the level runs none or fewer than two GPUs are left.
-    fn all_reduce(&mut self, chosen: &[&Target], opts: &Options<'_>) -> Option<allreduce::AllReduce> {
+    fn all_reduce(&mut self, chosen: &[&Target], opts: &Options<'_>) -> Option<AllReduce> {
         let p = opts.params();
         let live: Vec<&Target> = chosen.iter().copied().filter(|t| !self.poisoned.contains_key(&t.ordinal)).collect();
         if p.allreduce_bytes == 0 || live.len() < 2 {
@@ -265,14 +267,14 @@ impl Runner<'_> {
         let label = |what: &str, step: &str| format!("all-reduce ({what}): {step}");
         self.say(&format!("GPUs {gpus:?}: all-reduce as NCCL chooses"));
         let progress = &mut *self.progress;
-        let nccl: Outcome<allreduce::Run> =
+        let nccl: Outcome<Run> =
             self.backend.allreduce(&gpus, &p, true, limit, &mut |s| progress(&label("as NCCL chooses", s))).into();
         // After a failure the second run would meet the same (or wait out the same deadline).
         let nvls_off = matches!(nccl, Outcome::Ok(_)).then(|| {
             progress(&format!("GPUs {gpus:?}: all-reduce with NVLS off"));
             self.backend.allreduce(&gpus, &p, false, limit, &mut |s| progress(&label("NVLS off", s))).into()
         });
-        Some(allreduce::AllReduce {
+        Some(AllReduce {
             gpus: live.iter().map(|t| t.pci.clone()).collect(),
             bytes: p.allreduce_bytes as u64,
             nccl,

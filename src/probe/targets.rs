@@ -1,9 +1,16 @@
 //! Which GPUs a run probes: what the probes need to know of each GPU CUDA lists (from the
 //! snapshot), and the choice a run makes among them (`--gpu`, MIG, Prohibited, busy).
 
-use super::cuda_backend::DeviceInfo;
 use super::levels::Options;
 use super::results::Skipped;
+
+/// What CUDA says of a GPU before any context is made on it.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub pci: String,
+    /// `CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`: 0 default, 2 prohibited, 3 exclusive-process.
+    pub compute_mode: i32,
+}
 
 /// A GPU the probes may run on.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! The CUDA backend of the probes: the driver API and cuBLAS through `crate::cuda`. This file
 //! holds the GPUs (contexts and kernels, made on first use) and answers `Backend`; the
-//! measurements are `copies.rs`, `memtest.rs` and `gemm.rs`.
+//! measurements are its `copies.rs`, `memtest.rs` and `gemm.rs`.
 //!
 //! Copies use the copy engines (`cuMemcpy*Async`); the memory test, the SM copy, the spin gate
 //! and the latency chase are the agent's own PTX kernels (`kernels.ptx`, JIT-compiled by the
@@ -17,13 +17,17 @@
 //!   context it poisoned (`ProbeError::Sticky`); `run` stops using that GPU and its peers
 //!   carry on.
 
+pub mod copies;
+pub mod gemm;
+mod memtest;
+
 use super::affinity;
 use super::allreduce;
 use super::backend::{Backend, Half};
-use super::copies;
 use super::kernels::{Gate, Loaded};
 use super::levels::LevelParams;
-use super::results::{GemmResult, MemtestResult, ProbeError};
+use super::results::{GemmResult, MemtestResult, ProbeError, Run};
+use super::targets::DeviceInfo;
 use crate::cuda::{self, Ctx, CudaError, Device, Driver};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -39,32 +43,24 @@ pub enum Unavailable {
     NoDevice,
 }
 
-/// What CUDA says of a GPU before any context is made on it.
-#[derive(Debug, Clone)]
-pub struct DeviceInfo {
-    pub pci: String,
-    /// `CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`: 0 default, 2 prohibited, 3 exclusive-process.
-    pub compute_mode: i32,
-}
-
 pub struct CudaBackend {
     drv: Arc<Driver>,
-    pub(super) devices: Vec<Device>,
+    devices: Vec<Device>,
     /// Contexts of the GPUs probed so far, made on first use.
-    pub(super) contexts: HashMap<usize, Arc<Ctx>>,
+    contexts: HashMap<usize, Arc<Ctx>>,
     /// Each GPU's PCI address, for its CPUs in sysfs.
     pcis: Vec<String>,
     /// Where each GPU's pinned host buffers were placed (`affinity::Near::placement`).
     placement: HashMap<usize, String>,
     /// Each GPU's probe kernels, loaded on first use; why not, when the driver refused them.
-    pub(super) kernels: HashMap<usize, Result<Loaded, String>>,
+    kernels: HashMap<usize, Result<Loaded, String>>,
     /// The level being run, for the memory test's patterns.
     pub level: crate::config::ProbeLevel,
 }
 
 /// A driver error as a probe error of `gpu`: sticky ones poison that GPU; a GPU that another
 /// process holds in exclusive-process mode cannot be measured (`unknown`).
-pub(super) fn on(gpu: usize) -> impl Fn(CudaError) -> ProbeError {
+fn on(gpu: usize) -> impl Fn(CudaError) -> ProbeError {
     move |e| {
         if e.sticky {
             ProbeError::Sticky { gpu, code: e.code, message: e.to_string() }
@@ -117,7 +113,7 @@ impl CudaBackend {
     }
 
     /// The GPU's primary context, retained on first use.
-    pub(super) fn ctx(&mut self, gpu: usize) -> Result<Arc<Ctx>, ProbeError> {
+    fn ctx(&mut self, gpu: usize) -> Result<Arc<Ctx>, ProbeError> {
         if let Some(c) = self.contexts.get(&gpu) {
             return Ok(c.clone());
         }
@@ -131,7 +127,7 @@ impl CudaBackend {
     /// cannot compile them (too old for the PTX's version, CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
     /// a JIT failure, CUDA_ERROR_INVALID_PTX) leaves the kernel probes `unknown` with its answer;
     /// a sticky error poisons the GPU as anywhere else.
-    pub(super) fn with_kernels(&mut self, gpu: usize) -> Result<(Arc<Ctx>, &Loaded), ProbeError> {
+    fn with_kernels(&mut self, gpu: usize) -> Result<(Arc<Ctx>, &Loaded), ProbeError> {
         let ctx = self.ctx(gpu)?;
         if !self.kernels.contains_key(&gpu) {
             let sms = self.devices[gpu].attribute(cuda::attr::MULTIPROCESSOR_COUNT).unwrap_or(132).max(1) as u32;
@@ -245,7 +241,7 @@ impl Backend for CudaBackend {
         nvls: bool,
         limit: std::time::Duration,
         progress: &mut dyn FnMut(&str),
-    ) -> Result<allreduce::Run, ProbeError> {
+    ) -> Result<Run, ProbeError> {
         self.kernels.clear();
         self.contexts.clear();
         allreduce::run(gpus, p, nvls, limit, progress)
@@ -266,7 +262,7 @@ impl CudaBackend {
     /// Runs `f` with the GPU's context and a spin gate for its copies — or without a gate when
     /// the kernels cannot load (the copies are then timed as queued, as before nvbandwidth's
     /// method: launch gaps may lower the figure slightly).
-    pub(super) fn gated<T>(
+    fn gated<T>(
         &mut self,
         gpu: usize,
         f: impl FnOnce(&Arc<Ctx>, Option<&Gate<'_>>) -> cuda::Result<T>,
@@ -286,7 +282,7 @@ impl CudaBackend {
 
     /// Runs the calling thread near GPU `gpu` while the guard lives, so pinned buffers are
     /// allocated on its NUMA node; remembers where for the report.
-    pub(super) fn near(&mut self, gpu: usize) -> affinity::Near {
+    fn near(&mut self, gpu: usize) -> affinity::Near {
         let near = affinity::near(self.pcis.get(gpu).map(String::as_str).unwrap_or(""));
         self.placement.insert(gpu, near.placement.clone());
         near

@@ -6,11 +6,11 @@
 //! stream until all are queued, then released, so they run back to back; CUDA events around
 //! the batch time it.
 
-use super::cuda_backend::{on, CudaBackend};
-use super::kernels::{self, Gate, Loaded};
-use super::levels::LevelParams;
-use super::results::ProbeError;
+use super::{on, CudaBackend};
 use crate::cuda::{self, Ctx, Stream};
+use crate::probe::kernels::{self, Gate, Loaded};
+use crate::probe::levels::LevelParams;
+use crate::probe::results::ProbeError;
 use std::sync::Arc;
 
 /// Runs `enqueue` once untimed, then `samples` times `copies_per_sample` copies between two

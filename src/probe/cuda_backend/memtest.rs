@@ -2,11 +2,11 @@
 //! once over 90% of its free memory, or, where the driver cannot load the kernels, `cuMemsetD32`
 //! patterns read back to the host and compared there.
 
-use super::cuda_backend::{on, CudaBackend};
-use super::kernels;
-use super::levels::LevelParams;
-use super::results::{MemtestResult, ProbeError};
+use super::{on, CudaBackend};
 use crate::cuda::{self, Ctx};
+use crate::probe::kernels;
+use crate::probe::levels::LevelParams;
+use crate::probe::results::{MemtestResult, ProbeError};
 use std::sync::Arc;
 
 /// Device memory is read back 64 MiB at a time; the host compare is a `memcmp` against the

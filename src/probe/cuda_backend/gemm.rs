@@ -4,12 +4,12 @@
 //! product is checked exactly: its inputs are small integers, so the GPU must match the host to
 //! the bit.
 
-use super::backend::Half;
-use super::cuda_backend::{on, CudaBackend};
-use super::kernels::{self, Loaded};
-use super::levels::LevelParams;
-use super::results::{GemmResult, ProbeError};
+use super::{on, CudaBackend};
 use crate::cuda::{self, BlasHandle, Ctx, CudaError, DeviceBuffer, Function, PinnedBuffer, Stream};
+use crate::probe::backend::Half;
+use crate::probe::kernels::{self, Loaded};
+use crate::probe::levels::LevelParams;
+use crate::probe::results::{GemmResult, ProbeError};
 use std::sync::Arc;
 
 /// GEMM inputs: small integers in [-8, 8] (sign, exponent and mantissa bits all change from one
