@@ -7,10 +7,21 @@
 //! Names follow Prometheus conventions: `phq_` prefix, snake_case, base units (celsius, watts,
 //! bytes, hertz, ratio), `_total` on counters. With `metrics.dcgm_compat`, the dcgm-exporter
 //! names and labels are added so NVIDIA's Grafana dashboard works unchanged.
+//!
+//! Here: the families of the agent, of NVML as a whole, of the verdict and of the NVSwitches, and
+//! the two formats; the per-GPU families are a table in `gpus.rs`, the dcgm-exporter names one in
+//! `dcgm.rs`.
+
+mod dcgm;
+mod gpus;
+
+pub use dcgm::{DCGM_BEYOND_DEFAULTS, DCGM_COUNTERS, DCGM_DEFAULT_COUNTERS};
 
 use crate::checks::Severity;
 use crate::report::{Health, Report};
-use crate::snapshot::{FabricState, Nv, NvmlGpu, Snapshot};
+use crate::snapshot::{Nv, Snapshot};
+use dcgm::{retype_dcgm_counters, Dcgm};
+use gpus::{Gpu, Registered, PER_GPU};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -85,6 +96,11 @@ fn l(pairs: &[(&str, &str)]) -> Labels {
     pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
+/// A reading NVML gave, as a sample value.
+fn nvv<T: Copy + Into<f64>>(v: &Nv<T>) -> Option<f64> {
+    v.value().map(|x| (*x).into())
+}
+
 /// `base` with one more label.
 fn plus(base: &Labels, key: &str, value: &str) -> Labels {
     let mut l = base.clone();
@@ -102,6 +118,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     verdict_families(&mut fam, r);
     let per_gpu: Vec<Registered> = PER_GPU.iter().map(|f| fam.per_gpu(f)).collect();
     let hostname = s.host.hostname.clone().unwrap_or_default();
+    let xids = XidCounters::new(&mut fam);
     let mut dcgm = dcgm_compat.then(|| Dcgm::new(&mut fam));
     for g in &r.gpus {
         let gpu = Gpu { report: g, nvml: s.nvml_gpu(&g.pci_address) };
@@ -110,6 +127,7 @@ pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
         for family in &per_gpu {
             family.add(&gpu, &base);
         }
+        xids.add(g, &base);
         if let (Some(d), Some(n)) = (dcgm.as_mut(), gpu.nvml) {
             d.add(n, g, &hostname, r.driver.version.as_deref().unwrap_or(""));
         }
@@ -209,369 +227,33 @@ fn verdict_families(fam: &mut Families, r: &Report) {
     }
 }
 
-/// What a per-GPU family reads: the GPU as the report lists it, and NVML's reading of it (none
-/// for a GPU NVML does not list).
-struct Gpu<'a> {
-    report: &'a crate::report::GpuSummary,
-    nvml: Option<&'a NvmlGpu>,
+/// Xid counters per GPU, from the report: the total from the first scrape, and per code and
+/// the catalog's resolution as codes appear. Counters of events, declared here, by name.
+struct XidCounters {
+    by_code: FCounter,
+    total: FCounter,
 }
 
-/// One series of a per-GPU family: its labels after `gpu` and `uuid`, and its value.
-type Sample<T> = (Vec<(&'static str, String)>, T);
+impl XidCounters {
+    fn new(fam: &mut Families) -> XidCounters {
+        let by_code = fam.counter(
+            "phq_gpu_xid_errors_total",
+            "Xid reports since boot, by code and the immediate resolution NVIDIA's Xid catalog gives it: every repeat counts",
+        );
+        // Every GPU has this series from the first scrape, at 0 until an Xid: `increase()` then
+        // sees the first one, which a series born at 1 hides.
+        let total = fam.counter("phq_gpu_xids_total", "Xid reports since boot, all codes together; 0 from the start");
+        XidCounters { by_code, total }
+    }
 
-/// How a per-GPU family's samples are read and written: a gauge set, a counter increased (by
-/// whole counts, or by a quantity such as joules).
-#[derive(Clone, Copy)]
-enum PerGpu {
-    Gauge(fn(&Gpu) -> Vec<Sample<f64>>),
-    Counter(fn(&Gpu) -> Vec<Sample<u64>>),
-    CounterF(fn(&Gpu) -> Vec<Sample<f64>>),
-}
-
-/// A per-GPU family once registered, with what it reads.
-enum Registered {
-    Gauge(FGauge, fn(&Gpu) -> Vec<Sample<f64>>),
-    Counter(FCounter, fn(&Gpu) -> Vec<Sample<u64>>),
-    CounterF(FCounterF, fn(&Gpu) -> Vec<Sample<f64>>),
-}
-
-impl Families {
-    fn per_gpu(&mut self, (name, help, read): &(&str, &str, PerGpu)) -> Registered {
-        match *read {
-            PerGpu::Gauge(read) => Registered::Gauge(self.gauge(name, help), read),
-            PerGpu::Counter(read) => Registered::Counter(self.counter(name, help), read),
-            PerGpu::CounterF(read) => Registered::CounterF(self.fcounter(name, help), read),
+    fn add(&self, g: &crate::report::GpuSummary, base: &Labels) {
+        let total = self.total.get_or_create(base);
+        for x in &g.xids {
+            let labels = plus(&plus(base, "xid", &x.code), "resolution", resolution_label(&x.resolution));
+            self.by_code.get_or_create(&labels).inc_by(x.count as u64);
+            total.inc_by(x.count as u64);
         }
     }
-}
-
-impl Registered {
-    /// The series this family finds for `gpu`, labelled `base` and their own labels.
-    fn add(&self, gpu: &Gpu, base: &Labels) {
-        let labels = |own: Vec<(&'static str, String)>| {
-            let mut l = base.clone();
-            l.extend(own.into_iter().map(|(k, v)| (k.to_string(), v)));
-            l
-        };
-        match self {
-            Registered::Gauge(f, read) => read(gpu).into_iter().for_each(|(own, v)| {
-                f.get_or_create(&labels(own)).set(v);
-            }),
-            Registered::Counter(f, read) => read(gpu).into_iter().for_each(|(own, v)| {
-                f.get_or_create(&labels(own)).inc_by(v);
-            }),
-            Registered::CounterF(f, read) => read(gpu).into_iter().for_each(|(own, v)| {
-                f.get_or_create(&labels(own)).inc_by(v);
-            }),
-        }
-    }
-}
-
-/// One series, from NVML's reading, where it has the value.
-fn one<T>(g: &Gpu, pick: impl Fn(&NvmlGpu) -> Option<T>) -> Vec<Sample<T>> {
-    g.nvml.and_then(pick).map(|v| (vec![], v)).into_iter().collect()
-}
-
-/// Series told apart by one label, from NVML's reading, where it has them.
-fn by<T>(g: &Gpu, label: &'static str, pick: impl Fn(&NvmlGpu) -> Option<Vec<(&str, T)>>) -> Vec<Sample<T>> {
-    let found = g.nvml.and_then(pick).unwrap_or_default();
-    found.into_iter().map(|(v, x)| (vec![(label, v.to_string())], x)).collect()
-}
-
-fn flag(b: bool) -> f64 {
-    if b {
-        1.0
-    } else {
-        0.0
-    }
-}
-
-/// The per-GPU families in the order they are served, each with its help text and what it
-/// reads; the dcgm-exporter names follow them (`DCGM_SERIES`).
-const PER_GPU: &[(&str, &str, PerGpu)] = &[
-    ("phq_gpu_info", "One series per GPU with its identity; always 1", PerGpu::Gauge(gpu_info)),
-    ("phq_gpu_temperature_celsius", "GPU core temperature", PerGpu::Gauge(|g| one(g, |n| nvv(&n.temperature_c)))),
-    (
-        "phq_gpu_slowdown_temperature_celsius",
-        "Temperature at which the GPU starts to slow down",
-        PerGpu::Gauge(|g| one(g, |n| nvv(&n.slowdown_temperature_c))),
-    ),
-    (
-        "phq_gpu_power_usage_watts",
-        "Power draw",
-        PerGpu::Gauge(|g| one(g, |n| n.power_usage_mw.value().map(|mw| *mw as f64 / 1000.0))),
-    ),
-    (
-        "phq_gpu_power_limit_watts",
-        "Enforced power limit",
-        PerGpu::Gauge(|g| one(g, |n| n.power_limit_mw.value().map(|mw| *mw as f64 / 1000.0))),
-    ),
-    (
-        "phq_gpu_memory_total_bytes",
-        "Device memory",
-        PerGpu::Gauge(|g| one(g, |n| n.memory.value().map(|m| m.total_bytes as f64))),
-    ),
-    (
-        "phq_gpu_gpm_supported",
-        "1 when NVML's GPM gives this GPU's profiling metrics (Hopper and later), 0 when it does not",
-        PerGpu::Gauge(|g| {
-            one(g, |n| match &n.gpm {
-                Nv::Value(_) => Some(1.0),
-                Nv::NotSupported => Some(0.0),
-                Nv::Error(_) => None,
-            })
-        }),
-    ),
-    (
-        "phq_gpu_gpm_activity_ratio",
-        "NVML GPM: the share of the last interval each unit was active (metric: gr_engine, sm, sm_occupancy, tensor, dram, fp64, fp32, fp16)",
-        PerGpu::Gauge(gpm_ratios),
-    ),
-    (
-        "phq_gpu_gpm_bytes_per_second",
-        "NVML GPM: PCIe and NVLink traffic over the last interval (bus: pcie, nvlink; direction: tx, rx)",
-        PerGpu::Gauge(gpm_rates),
-    ),
-    (
-        "phq_gpu_memory_used_bytes",
-        "Device memory allocated (the driver's reservation not included)",
-        PerGpu::Gauge(|g| one(g, |n| n.memory.value().map(|m| m.used_bytes as f64))),
-    ),
-    (
-        "phq_gpu_memory_free_bytes",
-        "Device memory neither allocated nor reserved, as NVML counts it",
-        PerGpu::Gauge(|g| one(g, |n| n.memory.value().map(|m| m.free_bytes as f64))),
-    ),
-    (
-        "phq_gpu_memory_reserved_bytes",
-        "Device memory the driver and firmware set aside",
-        PerGpu::Gauge(|g| one(g, |n| n.memory.value().map(|m| m.reserved_bytes as f64))),
-    ),
-    ("phq_gpu_memory_temperature_celsius", "HBM temperature", PerGpu::Gauge(|g| one(g, |n| nvv(&n.memory_temperature_c)))),
-    (
-        "phq_gpu_energy_joules_total",
-        "Energy the GPU used since the driver loaded",
-        PerGpu::CounterF(|g| one(g, |n| n.energy_mj.value().map(|mj| *mj as f64 / 1000.0))),
-    ),
-    (
-        "phq_gpu_encoder_utilization_ratio",
-        "Fraction of the sample period the video encoders were busy",
-        PerGpu::Gauge(|g| one(g, |n| n.encoder_utilization.value().map(|u| *u as f64 / 100.0))),
-    ),
-    (
-        "phq_gpu_decoder_utilization_ratio",
-        "Fraction of the sample period the video decoders were busy",
-        PerGpu::Gauge(|g| one(g, |n| n.decoder_utilization.value().map(|u| *u as f64 / 100.0))),
-    ),
-    (
-        "phq_gpu_nvlink_data_bytes_total",
-        "NVLink payload bytes over all links since the driver loaded, by direction",
-        PerGpu::Counter(|g| {
-            by(g, "direction", |n| {
-                let t = n.nvlink_throughput.value()?;
-                Some(vec![("tx", t.tx_kib.saturating_mul(1024)), ("rx", t.rx_kib.saturating_mul(1024))])
-            })
-        }),
-    ),
-    (
-        "phq_gpu_sm_clock_hertz",
-        "SM clock",
-        PerGpu::Gauge(|g| one(g, |n| n.sm_clock_mhz.value().map(|c| *c as f64 * 1e6))),
-    ),
-    (
-        "phq_gpu_memory_clock_hertz",
-        "Memory clock",
-        PerGpu::Gauge(|g| one(g, |n| n.mem_clock_mhz.value().map(|c| *c as f64 * 1e6))),
-    ),
-    (
-        "phq_gpu_utilization_ratio",
-        "Fraction of time a kernel ran over the last sample period",
-        PerGpu::Gauge(|g| one(g, |n| n.utilization.value().map(|u| u.gpu as f64 / 100.0))),
-    ),
-    (
-        "phq_gpu_memory_utilization_ratio",
-        "Fraction of time device memory was read or written over the last sample period",
-        PerGpu::Gauge(|g| one(g, |n| n.utilization.value().map(|u| u.memory as f64 / 100.0))),
-    ),
-    (
-        "phq_gpu_up",
-        "1 while NVML answers for the GPU; 0 for a GPU on the bus that it does not (fell off, lost)",
-        // Down: NVML does not list it, or its basic readings fail (GPU_IS_LOST after an Xid 79).
-        // A reading a VM's driver does not support is no sign of a lost GPU.
-        PerGpu::Gauge(|g| {
-            let answers =
-                g.nvml.is_some_and(|n| !(matches!(n.temperature_c, Nv::Error(_)) && matches!(n.memory, Nv::Error(_))));
-            vec![(vec![], flag(answers))]
-        }),
-    ),
-    (
-        "phq_gpu_clock_event_active",
-        "1 while a clock-event (throttle) reason is active",
-        PerGpu::Gauge(|g| {
-            by(g, "reason", |n| {
-                let reasons = n.throttle_reasons.value()?;
-                let active = |name: &str| flag(reasons.iter().any(|r| r == name));
-                Some(crate::collect::nvml::THROTTLE_REASONS.iter().map(|(_, name)| (*name, active(name))).collect())
-            })
-        }),
-    ),
-    (
-        "phq_gpu_ecc_volatile_errors",
-        "ECC errors since the last GPU reset, by type",
-        PerGpu::Gauge(|g| {
-            by(g, "type", |n| {
-                let e = n.ecc_volatile.value()?;
-                Some(vec![("corrected", e.corrected as f64), ("uncorrected", e.uncorrected as f64)])
-            })
-        }),
-    ),
-    (
-        "phq_gpu_ecc_aggregate_errors_total",
-        "ECC errors over the GPU's life, by type",
-        PerGpu::Counter(|g| {
-            by(g, "type", |n| {
-                let e = n.ecc_aggregate.value()?;
-                Some(vec![("corrected", e.corrected), ("uncorrected", e.uncorrected)])
-            })
-        }),
-    ),
-    (
-        "phq_gpu_remapped_rows",
-        "Rows remapped, by the kind of error that caused it",
-        PerGpu::Gauge(|g| {
-            by(g, "type", |n| {
-                let rr = n.remapped_rows.value()?;
-                Some(vec![("correctable", rr.correctable as f64), ("uncorrectable", rr.uncorrectable as f64)])
-            })
-        }),
-    ),
-    (
-        "phq_gpu_row_remap_pending",
-        "1 while a row remap waits for a GPU reset",
-        PerGpu::Gauge(|g| one(g, |n| n.remapped_rows.value().map(|rr| flag(rr.pending)))),
-    ),
-    (
-        "phq_gpu_row_remap_failure",
-        "1 when a row could not be remapped",
-        PerGpu::Gauge(|g| one(g, |n| n.remapped_rows.value().map(|rr| flag(rr.failure)))),
-    ),
-    (
-        "phq_gpu_pcie_link_generation",
-        "PCIe link generation, current and max",
-        PerGpu::Gauge(|g| by(g, "link", |n| Some(known(&[("current", &n.pcie.gen_current), ("max", &n.pcie.gen_max)])))),
-    ),
-    (
-        "phq_gpu_pcie_link_width_lanes",
-        "PCIe link width, current and max",
-        PerGpu::Gauge(|g| {
-            by(g, "link", |n| Some(known(&[("current", &n.pcie.width_current), ("max", &n.pcie.width_max)])))
-        }),
-    ),
-    (
-        "phq_gpu_pcie_replays_total",
-        "PCIe replays since the driver loaded",
-        PerGpu::Counter(|g| one(g, |n| n.pcie.replay_counter.value().map(|c| *c as u64))),
-    ),
-    (
-        "phq_gpu_nvlink_links_active",
-        "NVLinks that are up",
-        PerGpu::Gauge(|g| {
-            one(g, |n| n.nvlinks.value().map(|links| links.iter().filter(|k| k.active == Nv::Value(true)).count() as f64))
-        }),
-    ),
-    (
-        "phq_gpu_nvlink_errors_total",
-        "NVLink error counters summed over the GPU's links, by type",
-        PerGpu::Counter(|g| {
-            by(g, "type", |n| {
-                let links = n.nvlinks.value()?;
-                let sum = |pick: fn(&crate::snapshot::NvLinkInfo) -> &Nv<u64>| -> u64 {
-                    links.iter().filter_map(|k| pick(k).value().copied()).sum()
-                };
-                Some(vec![
-                    ("replay", sum(|k| &k.replay_errors)),
-                    ("recovery", sum(|k| &k.recovery_errors)),
-                    ("crc_flit", sum(|k| &k.crc_flit_errors)),
-                    ("crc_data", sum(|k| &k.crc_data_errors)),
-                ])
-            })
-        }),
-    ),
-    (
-        "phq_gpu_fabric_state",
-        "1 for the GPU's NVSwitch fabric state",
-        PerGpu::Gauge(|g| {
-            by(g, "state", |n| {
-                let f = n.fabric.value()?;
-                let states = [
-                    ("not_supported", FabricState::NotSupported),
-                    ("not_started", FabricState::NotStarted),
-                    ("in_progress", FabricState::InProgress),
-                    ("completed", FabricState::Completed),
-                ];
-                Some(states.into_iter().map(|(name, st)| (name, flag(f.state == st))).collect())
-            })
-        }),
-    ),
-    (
-        "phq_gpu_xid_errors_total",
-        "Xid reports since boot, by code and the immediate resolution NVIDIA's Xid catalog gives it: every repeat counts",
-        PerGpu::Counter(|g| {
-            let own = |x: &crate::checks::xid::XidSummary| {
-                vec![("xid", x.code.clone()), ("resolution", resolution_label(&x.resolution).to_string())]
-            };
-            g.report.xids.iter().map(|x| (own(x), x.count as u64)).collect()
-        }),
-    ),
-    // Every GPU has this series from the first scrape, at 0 until an Xid: `increase()` then sees
-    // the first one, which a series born at 1 hides.
-    (
-        "phq_gpu_xids_total",
-        "Xid reports since boot, all codes together; 0 from the start",
-        PerGpu::Counter(|g| vec![(vec![], g.report.xids.iter().fold(0u64, |a, x| a.wrapping_add(x.count as u64)))]),
-    ),
-];
-
-/// The GPU's identity, on a series of its own.
-fn gpu_info(g: &Gpu) -> Vec<Sample<f64>> {
-    let r = g.report;
-    let index = g.nvml.map(|n| n.index.to_string()).unwrap_or_default();
-    let own = vec![
-        ("index", index),
-        ("model", r.model.clone()),
-        ("pci_id", r.pci_id.clone()),
-        ("driver", r.driver.clone().unwrap_or_default()),
-    ];
-    vec![(own, 1.0)]
-}
-
-/// The readings of `pairs` NVML gave, by their label.
-fn known<'a>(pairs: &[(&'a str, &Nv<u32>)]) -> Vec<(&'a str, f64)> {
-    pairs.iter().filter_map(|(k, v)| Some((*k, f64::from(*v.value()?)))).collect()
-}
-
-/// NVML GPM's activity ratios, by unit.
-fn gpm_ratios(g: &Gpu) -> Vec<Sample<f64>> {
-    let values = g.nvml.and_then(|n| n.gpm.value()).map(|gm| gm.values.iter()).into_iter().flatten();
-    values
-        .filter_map(|(field, v)| match gpm_label(field) {
-            Some(GpmLabel::Ratio(m)) => Some((vec![("metric", m.to_string())], *v)),
-            _ => None,
-        })
-        .collect()
-}
-
-/// NVML GPM's traffic rates, by bus and direction.
-fn gpm_rates(g: &Gpu) -> Vec<Sample<f64>> {
-    let values = g.nvml.and_then(|n| n.gpm.value()).map(|gm| gm.values.iter()).into_iter().flatten();
-    values
-        .filter_map(|(field, v)| match gpm_label(field) {
-            Some(GpmLabel::Rate(bus, dir)) => {
-                Some((vec![("bus", bus.to_string()), ("direction", dir.to_string())], *v))
-            }
-            _ => None,
-        })
-        .collect()
 }
 
 /// The `resolution` label of an Xid counter: the catalog's immediate resolution as NVIDIA spells
@@ -605,322 +287,6 @@ fn sxid_counters(fam: &mut Families, s: &Snapshot) {
         let severity = if x.fatal { "fatal" } else { "non_fatal" };
         by_code.get_or_create(&plus(&plus(&base, "sxid", &x.raw_code), "severity", severity)).inc();
     }
-}
-
-/// How the agent names a GPM field (`collect::nvml::GPM_FIELDS`, by DCGM's name).
-enum GpmLabel {
-    Ratio(&'static str),
-    Rate(&'static str, &'static str),
-}
-
-fn gpm_label(field: &str) -> Option<GpmLabel> {
-    Some(match field {
-        "DCGM_FI_PROF_GR_ENGINE_ACTIVE" => GpmLabel::Ratio("gr_engine"),
-        "DCGM_FI_PROF_SM_ACTIVE" => GpmLabel::Ratio("sm"),
-        "DCGM_FI_PROF_SM_OCCUPANCY" => GpmLabel::Ratio("sm_occupancy"),
-        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE" => GpmLabel::Ratio("tensor"),
-        "DCGM_FI_PROF_DRAM_ACTIVE" => GpmLabel::Ratio("dram"),
-        "DCGM_FI_PROF_PIPE_FP64_ACTIVE" => GpmLabel::Ratio("fp64"),
-        "DCGM_FI_PROF_PIPE_FP32_ACTIVE" => GpmLabel::Ratio("fp32"),
-        "DCGM_FI_PROF_PIPE_FP16_ACTIVE" => GpmLabel::Ratio("fp16"),
-        "DCGM_FI_PROF_PCIE_TX_BYTES" => GpmLabel::Rate("pcie", "tx"),
-        "DCGM_FI_PROF_PCIE_RX_BYTES" => GpmLabel::Rate("pcie", "rx"),
-        "DCGM_FI_PROF_NVLINK_TX_BYTES" => GpmLabel::Rate("nvlink", "tx"),
-        "DCGM_FI_PROF_NVLINK_RX_BYTES" => GpmLabel::Rate("nvlink", "rx"),
-        _ => return None,
-    })
-}
-
-/// A GPM field's value, as DCGM serves it (`collect::nvml::GPM_FIELDS`).
-fn prof(n: &NvmlGpu, field: &str) -> Option<f64> {
-    n.gpm.value().and_then(|g| g.values.get(field).copied())
-}
-
-/// dcgm-exporter's default counters (its `etc/default-counters.csv`) and what the agent does
-/// with each: the name it serves it under with `metrics.dcgm_compat`, or why it does not.
-/// docs/metrics.md says the same for people; a test holds the two to the rendered metrics.
-pub const DCGM_DEFAULT_COUNTERS: &[(&str, Result<&str, &str>)] = &[
-    ("DCGM_FI_DEV_SM_CLOCK", Ok("NVML clock info (SM)")),
-    ("DCGM_FI_DEV_MEM_CLOCK", Ok("NVML clock info (memory)")),
-    ("DCGM_FI_DEV_MEMORY_TEMP", Ok("NVML field NVML_FI_DEV_MEMORY_TEMP")),
-    ("DCGM_FI_DEV_GPU_TEMP", Ok("NVML temperature")),
-    ("DCGM_FI_DEV_POWER_USAGE", Ok("NVML power usage")),
-    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", Ok("nvmlDeviceGetTotalEnergyConsumption")),
-    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", Ok("NVML PCIe replay counter")),
-    ("DCGM_FI_DEV_GPU_UTIL", Ok("NVML utilization (GPU)")),
-    ("DCGM_FI_DEV_MEM_COPY_UTIL", Ok("NVML utilization (memory)")),
-    ("DCGM_FI_DEV_ENC_UTIL", Ok("nvmlDeviceGetEncoderUtilization")),
-    ("DCGM_FI_DEV_DEC_UTIL", Ok("nvmlDeviceGetDecoderUtilization")),
-    ("DCGM_FI_DEV_XID_ERRORS", Ok("the last Xid, with err_code and err_msg")),
-    ("DCGM_FI_DEV_FB_FREE", Ok("NVML v2 memory info")),
-    ("DCGM_FI_DEV_FB_USED", Ok("NVML v2 memory info")),
-    ("DCGM_FI_DEV_FB_RESERVED", Ok("NVML v2 memory info")),
-    ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", Ok("NVML NVLink data throughput fields, TX + RX, KiB, all links")),
-    ("DCGM_FI_DEV_VGPU_LICENSE_STATUS", Err("vGPU only; a passed-through GPU has no vGPU licence")),
-    ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", Ok("NVML remapped rows")),
-    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", Ok("NVML remapped rows")),
-    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", Ok("NVML remapped rows")),
-    ("DCGM_FI_DRIVER_VERSION", Ok("a label on every DCGM_* series")),
-    ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", Ok("NVML GPM, as DCGM converts it")),
-    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", Ok("NVML GPM, as DCGM converts it")),
-    ("DCGM_FI_PROF_DRAM_ACTIVE", Ok("NVML GPM, as DCGM converts it")),
-    ("DCGM_FI_PROF_PCIE_TX_BYTES", Ok("NVML GPM, as DCGM converts it")),
-    ("DCGM_FI_PROF_PCIE_RX_BYTES", Ok("NVML GPM, as DCGM converts it")),
-];
-
-/// DCGM fields served beyond dcgm-exporter's defaults: the ECC and NVLink error totals its CSV
-/// lists commented out, and the clock-event reasons, which NVML feeds directly.
-pub const DCGM_BEYOND_DEFAULTS: &[&str] = &[
-    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
-    "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
-    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
-    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
-    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
-    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
-    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
-    "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
-    "DCGM_FI_PROF_SM_ACTIVE",
-    "DCGM_FI_PROF_SM_OCCUPANCY",
-    "DCGM_FI_PROF_PIPE_FP64_ACTIVE",
-    "DCGM_FI_PROF_PIPE_FP32_ACTIVE",
-    "DCGM_FI_PROF_PIPE_FP16_ACTIVE",
-    "DCGM_FI_PROF_NVLINK_TX_BYTES",
-    "DCGM_FI_PROF_NVLINK_RX_BYTES",
-];
-
-/// The dcgm-exporter names NVIDIA's Grafana dashboard (12239) reads, with its labels.
-struct Dcgm {
-    gauges: Vec<(&'static str, FGauge)>,
-    xid: FGauge,
-}
-
-/// What each DCGM series is read from. Units are dcgm-exporter's (its CSV's help texts): MiB,
-/// MHz, percent, watts, millijoules.
-type Pick = fn(&NvmlGpu) -> Option<f64>;
-
-fn nvv<T: Copy + Into<f64>>(v: &Nv<T>) -> Option<f64> {
-    v.value().map(|x| (*x).into())
-}
-
-fn mib(v: u64) -> f64 {
-    (v >> 20) as f64
-}
-
-/// The DCGM series served, in dcgm-exporter's order, each with its help text and source.
-/// Names dcgm-exporter types as counters are in `DCGM_COUNTERS`.
-const DCGM_SERIES: &[(&str, &str, Pick)] = &[
-    ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", |n| nvv(&n.sm_clock_mhz)),
-    ("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz).", |n| nvv(&n.mem_clock_mhz)),
-    ("DCGM_FI_DEV_MEMORY_TEMP", "Memory temperature (in C).", |n| nvv(&n.memory_temperature_c)),
-    ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", |n| nvv(&n.temperature_c)),
-    ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", |n| n.power_usage_mw.value().map(|mw| *mw as f64 / 1000.0)),
-    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "Total energy consumption since boot (in mJ).", |n| {
-        n.energy_mj.value().map(|v| *v as f64)
-    }),
-    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "Total number of PCIe retries.", |n| nvv(&n.pcie.replay_counter)),
-    ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", |n| n.utilization.value().map(|u| u.gpu as f64)),
-    ("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %).", |n| n.utilization.value().map(|u| u.memory as f64)),
-    ("DCGM_FI_DEV_ENC_UTIL", "Encoder utilization (in %).", |n| nvv(&n.encoder_utilization)),
-    ("DCGM_FI_DEV_DEC_UTIL", "Decoder utilization (in %).", |n| nvv(&n.decoder_utilization)),
-    ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", |n| n.memory.value().map(|m| mib(m.free_bytes))),
-    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", |n| n.memory.value().map(|m| mib(m.used_bytes))),
-    ("DCGM_FI_DEV_FB_RESERVED", "Framebuffer memory reserved (in MiB).", |n| {
-        n.memory.value().map(|m| mib(m.reserved_bytes))
-    }),
-    ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "Total number of NVLink bandwidth counters for all lanes.", |n| {
-        n.nvlink_throughput.value().map(|t| t.tx_kib.saturating_add(t.rx_kib) as f64)
-    }),
-    ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for uncorrectable errors", |n| {
-        n.remapped_rows.value().map(|r| r.uncorrectable as f64)
-    }),
-    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "Number of remapped rows for correctable errors", |n| {
-        n.remapped_rows.value().map(|r| r.correctable as f64)
-    }),
-    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "Whether remapping of rows has failed", |n| {
-        n.remapped_rows.value().map(|r| if r.failure { 1.0 } else { 0.0 })
-    }),
-    // Profiling, from NVML's GPM (Hopper and later), with dcgm-exporter's help texts.
-    ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "Ratio of time the graphics engine is active.", |n| {
-        prof(n, "DCGM_FI_PROF_GR_ENGINE_ACTIVE")
-    }),
-    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "Ratio of cycles the tensor (HMMA) pipe is active.", |n| {
-        prof(n, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE")
-    }),
-    (
-        "DCGM_FI_PROF_DRAM_ACTIVE",
-        "Ratio of cycles the device memory interface is active sending or receiving data.",
-        |n| prof(n, "DCGM_FI_PROF_DRAM_ACTIVE"),
-    ),
-    (
-        "DCGM_FI_PROF_PCIE_TX_BYTES",
-        "The rate of data transmitted over the PCIe bus - including both protocol headers and data payloads - in bytes per second.",
-        |n| prof(n, "DCGM_FI_PROF_PCIE_TX_BYTES"),
-    ),
-    (
-        "DCGM_FI_PROF_PCIE_RX_BYTES",
-        "The rate of data received over the PCIe bus - including both protocol headers and data payloads - in bytes per second.",
-        |n| prof(n, "DCGM_FI_PROF_PCIE_RX_BYTES"),
-    ),
-    // Beyond the defaults: the fields dcgm-exporter's CSV lists commented out, which NVML
-    // feeds and which alerts are commonly built on.
-    ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors.", |n| {
-        n.ecc_volatile.value().map(|e| e.corrected as f64)
-    }),
-    ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors.", |n| {
-        n.ecc_volatile.value().map(|e| e.uncorrected as f64)
-    }),
-    ("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "Total number of single-bit persistent ECC errors.", |n| {
-        n.ecc_aggregate.value().map(|e| e.corrected as f64)
-    }),
-    ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "Total number of double-bit persistent ECC errors.", |n| {
-        n.ecc_aggregate.value().map(|e| e.uncorrected as f64)
-    }),
-    ("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "Total number of NVLink flow-control CRC errors.", |n| {
-        nvlink_sum(n, |k| &k.crc_flit_errors)
-    }),
-    ("DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", "Total number of NVLink data CRC errors.", |n| {
-        nvlink_sum(n, |k| &k.crc_data_errors)
-    }),
-    ("DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "Total number of NVLink retries.", |n| {
-        nvlink_sum(n, |k| &k.replay_errors)
-    }),
-    ("DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "Total number of NVLink recovery errors.", |n| {
-        nvlink_sum(n, |k| &k.recovery_errors)
-    }),
-    (
-        "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
-        "Current clock throttle reasons (bitmask of NVML's clocks-event reasons).",
-        |n| n.throttle_reasons.value().map(|names| crate::collect::nvml::throttle_bits(names) as f64),
-    ),
-    ("DCGM_FI_PROF_SM_ACTIVE", "The ratio of cycles an SM has at least 1 warp assigned.", |n| {
-        prof(n, "DCGM_FI_PROF_SM_ACTIVE")
-    }),
-    ("DCGM_FI_PROF_SM_OCCUPANCY", "The ratio of number of warps resident on an SM.", |n| {
-        prof(n, "DCGM_FI_PROF_SM_OCCUPANCY")
-    }),
-    ("DCGM_FI_PROF_PIPE_FP64_ACTIVE", "Ratio of cycles the fp64 pipes are active.", |n| {
-        prof(n, "DCGM_FI_PROF_PIPE_FP64_ACTIVE")
-    }),
-    ("DCGM_FI_PROF_PIPE_FP32_ACTIVE", "Ratio of cycles the fp32 pipes are active.", |n| {
-        prof(n, "DCGM_FI_PROF_PIPE_FP32_ACTIVE")
-    }),
-    ("DCGM_FI_PROF_PIPE_FP16_ACTIVE", "Ratio of cycles the fp16 pipes are active.", |n| {
-        prof(n, "DCGM_FI_PROF_PIPE_FP16_ACTIVE")
-    }),
-    (
-        "DCGM_FI_PROF_NVLINK_TX_BYTES",
-        "The rate of data transmitted over NVLink, not including protocol headers, in bytes per second.",
-        |n| prof(n, "DCGM_FI_PROF_NVLINK_TX_BYTES"),
-    ),
-    (
-        "DCGM_FI_PROF_NVLINK_RX_BYTES",
-        "The rate of data received over NVLink, not including protocol headers, in bytes per second.",
-        |n| prof(n, "DCGM_FI_PROF_NVLINK_RX_BYTES"),
-    ),
-];
-
-/// dcgm-exporter's counters (its CSV's type column) among `DCGM_SERIES`: typed `counter` in the
-/// classic text format, as dcgm-exporter serves them. OpenMetrics requires a counter's samples
-/// to end in `_total`, which would rename them, so there they are `unknown`, which keeps
-/// the names a dashboard asks for.
-pub const DCGM_COUNTERS: &[&str] = &[
-    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
-    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
-    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
-    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
-    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
-    "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL",
-    "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL",
-    "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
-    "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
-    "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
-    "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
-];
-
-fn nvlink_sum(n: &NvmlGpu, pick: fn(&crate::snapshot::NvLinkInfo) -> &Nv<u64>) -> Option<f64> {
-    n.nvlinks.value().map(|links| links.iter().filter_map(|k| pick(k).value().copied()).sum::<u64>() as f64)
-}
-
-/// NVML's form of a PCI address, as dcgm-exporter's `pci_bus_id` carries it: an 8-digit domain,
-/// upper-case hex (`0000:0a:00.0` → `00000000:0A:00.0`).
-fn nvml_bus_id(pci: &str) -> String {
-    match pci.split_once(':') {
-        Some((domain, rest)) => format!("{:0>8}:{}", domain.to_ascii_uppercase(), rest.to_ascii_uppercase()),
-        None => pci.to_ascii_uppercase(),
-    }
-}
-
-impl Dcgm {
-    fn new(f: &mut Families) -> Dcgm {
-        let mut gauges = Vec::with_capacity(DCGM_SERIES.len());
-        for (name, help, _) in DCGM_SERIES {
-            gauges.push((*name, f.gauge(name, help)));
-        }
-        Dcgm { gauges, xid: f.gauge("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.") }
-    }
-
-    fn add(&mut self, n: &NvmlGpu, g: &crate::report::GpuSummary, hostname: &str, driver: &str) {
-        let idx = n.index.to_string();
-        let device = format!("nvidia{}", n.index);
-        // As dcgm-exporter labels them: NVML's index, bus id and device name.
-        let uuid = g.uuid.clone().unwrap_or_default();
-        let bus_id = nvml_bus_id(&g.pci_address);
-        let model = n.name.value().cloned().unwrap_or_else(|| g.model.clone());
-        let labels = l(&[
-            ("gpu", &idx),
-            ("UUID", &uuid),
-            ("pci_bus_id", &bus_id),
-            ("device", &device),
-            ("modelName", &model),
-            ("Hostname", hostname),
-            ("DCGM_FI_DRIVER_VERSION", driver),
-        ]);
-        for ((_, family), (_, _, pick)) in self.gauges.iter().zip(DCGM_SERIES) {
-            if let Some(v) = pick(n) {
-                family.get_or_create(&labels).set(v);
-            }
-        }
-        // The last Xid seen (by its last report's time), not the worst, as dcgm-exporter's
-        // gauge holds DCGM's last value; 0 with "No Error" before any.
-        let last =
-            g.xids.iter().max_by(|a, b| a.last_seen_s.partial_cmp(&b.last_seen_s).unwrap_or(std::cmp::Ordering::Equal));
-        // err_msg: the catalog's description (NVIDIA's own words for the code, as DCGM's).
-        let (code, msg) = match last {
-            Some(x) => (
-                x.code.clone(),
-                x.code.parse().ok().and_then(crate::checks::xid::xid).map_or("Unknown Error", |e| e.description),
-            ),
-            None => ("0".to_string(), "No Error"),
-        };
-        let xid_labels = plus(&plus(&labels, "err_code", &code), "err_msg", msg);
-        self.xid.get_or_create(&xid_labels).set(code.parse::<f64>().unwrap_or(0.0));
-    }
-}
-
-/// Types dcgm-exporter's counters as it does: `counter` in the classic format (`text`), and
-/// `unknown` in OpenMetrics (`om`), where a counter's samples must end in `_total`.
-fn retype_dcgm_counters(om: &str, text: &str) -> (String, String) {
-    let retype = |body: &str, to: &str| -> String {
-        let mut out = String::with_capacity(body.len());
-        for line in body.lines() {
-            let name = line.strip_prefix("# TYPE ").and_then(|r| r.strip_suffix(" gauge"));
-            match name {
-                Some(n) if DCGM_COUNTERS.contains(&n) => {
-                    out.push_str("# TYPE ");
-                    out.push_str(n);
-                    out.push(' ');
-                    out.push_str(to);
-                }
-                _ => out.push_str(line),
-            }
-            out.push('\n');
-        }
-        out
-    };
-    (retype(om, "unknown"), retype(text, "counter"))
 }
 
 /// OpenMetrics → Prometheus text 0.0.4: drop `# EOF` and `# UNIT`, and give counters their
