@@ -12,6 +12,8 @@ fn nvml_knows_links(targets: &[Target]) -> bool {
     targets.iter().any(|t| t.nvlinks_known)
 }
 
+/// The VM's NVLink scope over the GPUs `report` probed: their links, what the links lead to,
+/// their fabric, and every measured pair's rate each way.
 pub(super) fn nvlink_scope(report: &ProbeReport, targets: &[Target]) -> NvlinkScope {
     let probed: Vec<&Target> = report.gpus.iter().filter_map(|g| targets.iter().find(|t| t.pci == g.pci)).collect();
     let gpu_pcis: Vec<&str> = probed.iter().map(|t| t.pci.as_str()).collect();

@@ -269,7 +269,7 @@ impl Session {
     fn read_from(&self, st: &mut State, h: &Arc<Held>, until: Option<Instant>) -> Reading {
         let (count, driver_version, nvml_version, cuda_driver_version) = match self.read_system(st, h, until) {
             Ok(system) => system,
-            Err(failed) => return failed,
+            Err((f, blocked)) => return Reading { status: NvmlStatus::Failed(f), blocked },
         };
         let mut found = self.read_devices(st, h, until, count);
         // The NVLink peer matrix, over the GPUs that answered.
@@ -313,12 +313,17 @@ impl Session {
         }
     }
 
-    /// NVML as a whole: the device count and the versions; `Err` the reading when it failed.
-    fn read_system(&self, st: &mut State, h: &Arc<Held>, until: Option<Instant>) -> Result<System, Reading> {
+    /// NVML as a whole: the device count and the versions; `Err` why not, with the call found
+    /// blocked.
+    fn read_system(
+        &self,
+        st: &mut State,
+        h: &Arc<Held>,
+        until: Option<Instant>,
+    ) -> Result<System, (NvmlFailure, Vec<BlockedCall>)> {
         if let Some(late) = st.late.get(&Target::System) {
             let b = blocked_of(late, None);
-            let status = NvmlStatus::Failed(self.not_answering(&b));
-            return Err(Reading { status, blocked: vec![b] });
+            return Err((self.not_answering(&b), vec![b]));
         }
         let hh = h.clone();
         let system = deadline::call(
@@ -339,25 +344,19 @@ impl Session {
         );
         let (count, driver_version, nvml_version, cuda_driver_version) = match system {
             Outcome::Done(v) => v,
-            Outcome::NotStarted(why) => {
-                return Err(Reading { status: NvmlStatus::Failed(self.failure(&why)), blocked: vec![] })
-            }
+            Outcome::NotStarted(why) => return Err((self.failure(&why), vec![])),
             Outcome::Late(late) => {
                 let b = blocked_of(&late, None);
                 st.late.insert(Target::System, forget(late));
-                return Err(Reading { status: NvmlStatus::Failed(self.not_answering(&b)), blocked: vec![b] });
+                return Err((self.not_answering(&b), vec![b]));
             }
         };
         match count {
             Ok(c) => Ok((c, driver_version, nvml_version, cuda_driver_version)),
-            Err(e) => Err(Reading {
-                status: NvmlStatus::Failed(NvmlFailure {
-                    kind: NvmlFailureKind::Other,
-                    library: self.library.clone(),
-                    message: format!("nvmlDeviceGetCount: {e}"),
-                }),
-                blocked: vec![],
-            }),
+            Err(e) => {
+                let message = format!("nvmlDeviceGetCount: {e}");
+                Err((NvmlFailure { kind: NvmlFailureKind::Other, library: self.library.clone(), message }, vec![]))
+            }
         }
     }
 
@@ -494,6 +493,9 @@ impl Found {
     }
 }
 
+/// What a phase over every GPU asks NVML: each GPU's answer, by index.
+type ReadAcross<T> = fn(&Nvml, &[(u32, String)], &Tracker) -> Vec<(u32, Nv<T>)>;
+
 /// A phase read over every GPU that answered (`Session::across`): the NVLink peer matrix, GPM.
 struct Across<T> {
     /// What a call past its deadline was about.
@@ -501,7 +503,7 @@ struct Across<T> {
     deadline: Duration,
     /// The call its tracker names until the phase says otherwise.
     first_call: &'static str,
-    read: fn(&Nvml, &[(u32, String)], &Tracker) -> Vec<(u32, Nv<T>)>,
+    read: ReadAcross<T>,
     put: fn(&mut NvmlGpu, Nv<T>),
 }
 
