@@ -145,13 +145,19 @@ pub struct ProbesConfig {
     pub nccl_allowance: Duration,
 }
 
+/// What NCCL's start is allowed by default (`probes.nccl_allowance`), beyond an all-reduce's
+/// planned transfers: our choice, above the longest starts reported for one node of 8 GPUs —
+/// 7 communicators in 31 s (NVIDIA/nccl#534), 55 s for one, 52 s of it loading kernels
+/// (NVIDIA/nccl#1646, DGX B200) — and short enough that a hang is reported within minutes.
+pub const NCCL_ALLOWANCE: Duration = Duration::from_secs(180);
+
 impl Default for ProbesConfig {
     fn default() -> Self {
         ProbesConfig {
             at_boot: ProbeLevel::Quick,
             when_idle: Some(Duration::from_secs(24 * 3600)),
             deadline_margin: Duration::from_secs(120),
-            nccl_allowance: crate::probe::NCCL_ALLOWANCE,
+            nccl_allowance: NCCL_ALLOWANCE,
         }
     }
 }

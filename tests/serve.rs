@@ -652,7 +652,7 @@ fn grafana_dashboard_queries_only_metrics_the_agent_serves() {
         .collect();
     // Counters of events (Xids) have no series until the first event; they count as served
     // when the agent declares them.
-    let source = std::fs::read_to_string(common::repo().join("src/serve/metrics.rs")).unwrap();
+    let source = std::fs::read_to_string(common::repo().join("src/serve/metrics/mod.rs")).unwrap();
     let event_counters: Vec<&str> = source
         .split("fam.counter(")
         .skip(1)

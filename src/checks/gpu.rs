@@ -1,8 +1,7 @@
 //! The GPU as a device: gpu.sku-known (its PCI id), and per GPU from NVML driver.persistence,
 //! gpu.pcie-link and gpu.pcie-replay (its host link) and gpu.mig-pending.
 
-use super::nvml::{missing, on_off};
-use super::{gpu_model, Finding};
+use super::{gpu_model, missing, on_off, Finding};
 use crate::facts;
 use crate::snapshot::{Nv, NvmlGpu, Snapshot};
 

@@ -1,8 +1,7 @@
 //! Memory health, per GPU from NVML: gpu.ecc-mode, gpu.ecc-uncorrectable, gpu.row-remap and
 //! gpu.inforom (the InfoROM keeps the ECC and retirement records). Thresholds come from `facts`.
 
-use super::nvml::{missing, on_off};
-use super::Finding;
+use super::{missing, on_off, Finding};
 use crate::facts;
 use crate::snapshot::{Nv, NvmlGpu, Snapshot};
 

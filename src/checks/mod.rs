@@ -1,8 +1,16 @@
-//! check: pure functions from a `Snapshot` to `Finding`s. No I/O, no clock.
+//! check: pure functions from a `Snapshot` to `Finding`s.
 //!
-//! Every documented check id (docs/checks.md) appears in `CATALOG`; `run` returns at least one finding for
-//! each, so nothing is ever silently skipped: a check this build cannot perform says so as
-//! `unknown` with the reason, and one that does not apply passes with a detail saying why.
+//! The rules of this room:
+//! 1. No I/O, no clock: a check reads the snapshot (and `Settings`) and nothing else; every
+//!    number it judges by comes from `facts`.
+//! 2. Every documented check id (docs/checks.md) appears in `CATALOG`; `run` returns at least
+//!    one finding for each, so nothing is ever silently skipped: a check this build cannot
+//!    perform says so as `unknown` with the reason, and one that does not apply passes with a
+//!    detail saying why.
+//! 3. One file per area judged; helpers the areas share (`gpu_label`, `missing`, …) live here,
+//!    never in one sibling the others import back.
+//! 4. Imports go down only: `snapshot`, `facts`, `config` and `collect`'s pure parsers, never
+//!    `probe`, `report`, `serve` or `cli` (tests/rooms.rs holds the order).
 
 pub mod cuda;
 pub mod driver;
@@ -10,6 +18,7 @@ pub mod fabric;
 pub mod gpu;
 pub mod host;
 pub mod memory;
+pub mod nvlink;
 pub mod nvml;
 pub mod pci;
 pub mod route;
@@ -225,6 +234,28 @@ pub fn gpu_model(g: &crate::snapshot::PciDevice) -> String {
     match g.device.and_then(crate::facts::sku) {
         Some(sku) => sku.name.to_string(),
         None => format!("NVIDIA {:04x}", g.device.unwrap_or(0)),
+    }
+}
+
+/// The PCI address NVML gives, or its index when it gave none.
+pub fn gpu_label(g: &crate::snapshot::NvmlGpu) -> String {
+    g.pci_address.value().cloned().unwrap_or_else(|| format!("nvml:{}", g.index))
+}
+
+/// A reading that is not there: unknown, with NVML's reason.
+fn missing<T>(id: &str, what: &str, v: &crate::snapshot::Nv<T>) -> Finding {
+    Finding::unknown(id, format!("{what}: {}", v.why_not()))
+}
+
+fn has_nvswitches(s: &Snapshot) -> bool {
+    !s.nvswitches().is_empty()
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
     }
 }
 

@@ -1,12 +1,12 @@
 //! nvml.init, and the per-GPU checks of what NVML reports, run GPU by GPU. The checks themselves
-//! live in the room of what they judge: `fabric` (fabric manager, fabric state, NVLink),
+//! live in the room of what they judge: `fabric` (fabric manager, fabric state), `nvlink`,
 //! `memory` (ECC, row remapping, InfoROM), `thermal` (throttling, temperature, power) and `gpu`
 //! (persistence, PCIe link, MIG). Thresholds come from `facts`.
 //!
 //! Per-GPU rule: a reading NVML does not support (common in VMs) or could not read is
 //! `unknown` with that reason — never a pass made of a zero.
 
-use super::{fabric, gpu, memory, thermal, Finding};
+use super::{fabric, gpu, gpu_label, memory, nvlink, thermal, Finding};
 use crate::snapshot::{Nv, NvmlFailureKind, NvmlGpu, NvmlStatus, Snapshot};
 
 type PerGpu = fn(&Snapshot, &NvmlGpu) -> Finding;
@@ -14,8 +14,8 @@ type PerGpu = fn(&Snapshot, &NvmlGpu) -> Finding;
 const PER_GPU: &[(&str, PerGpu)] = &[
     ("driver.persistence", gpu::persistence),
     ("fabric.state", fabric::fabric_state),
-    ("nvlink.links-active", fabric::links_active),
-    ("nvlink.errors", fabric::nvlink_errors),
+    ("nvlink.links-active", nvlink::links_active),
+    ("nvlink.errors", nvlink::nvlink_errors),
     ("gpu.ecc-mode", memory::ecc_mode),
     ("gpu.ecc-uncorrectable", memory::ecc_uncorrectable),
     ("gpu.row-remap", memory::row_remap),
@@ -67,20 +67,6 @@ pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
             out.push(f);
         }
     }
-}
-
-/// The PCI address NVML gives, or its index when it gave none.
-pub fn gpu_label(g: &NvmlGpu) -> String {
-    g.pci_address.value().cloned().unwrap_or_else(|| format!("nvml:{}", g.index))
-}
-
-/// A reading that is not there: unknown, with NVML's reason.
-pub(super) fn missing<T>(id: &str, what: &str, v: &Nv<T>) -> Finding {
-    Finding::unknown(id, format!("{what}: {}", v.why_not()))
-}
-
-pub(super) fn has_nvswitches(s: &Snapshot) -> bool {
-    !s.nvswitches().is_empty()
 }
 
 fn init(s: &Snapshot) -> Finding {
@@ -175,14 +161,6 @@ fn responsive(s: &Snapshot) -> Vec<Finding> {
             f
         })
         .collect()
-}
-
-pub(super) fn on_off(b: bool) -> &'static str {
-    if b {
-        "on"
-    } else {
-        "off"
-    }
 }
 
 #[cfg(test)]

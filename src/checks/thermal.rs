@@ -1,8 +1,7 @@
 //! Thermals and power, per GPU from NVML: gpu.throttle (clock-event reasons), gpu.temperature and
 //! gpu.power-limit. Thresholds come from `facts`.
 
-use super::nvml::missing;
-use super::Finding;
+use super::{missing, Finding};
 use crate::facts::{self, ThrottleClass};
 use crate::snapshot::{Nv, NvmlGpu, Snapshot};
 

@@ -35,13 +35,11 @@ impl Doctor {
         } else {
             Sysroot::new(&self.machine.sysroot)
         };
+        let nvml =
+            crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root).under(config.nvml.deadlines());
         let snapshot = match &self.from {
             Some(path) => bundle::read_snapshot(path)?,
-            None => crate::collect::snapshot(
-                &root,
-                &crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root)
-                    .under(config.nvml.deadlines()),
-            ),
+            None => crate::collect::snapshot(&root, &nvml),
         };
         let mut findings = checks::run(&snapshot, &Settings::from(&config));
         let mut probes = None;
@@ -54,6 +52,7 @@ impl Doctor {
                 )),
                 (None, true) => match super::probe::probe_with_progress(
                     &snapshot,
+                    nvml.session(),
                     &crate::probe::Options { nccl_allowance: config.probes.nccl_allowance, ..crate::probe::Options::at(level) },
                     &config.agent.state_dir,
                     "phq-agent doctor --probe",

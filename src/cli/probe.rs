@@ -57,10 +57,9 @@ impl Probe {
         let started_at = Timestamp::now();
         let config = g.load_config()?;
         let root = Sysroot::new(&self.machine.sysroot);
-        let snapshot = crate::collect::snapshot(
-            &root,
-            &crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root).under(config.nvml.deadlines()),
-        );
+        let nvml =
+            crate::collect::NvmlSource::choose(self.machine.nvml_lib.as_deref(), &root).under(config.nvml.deadlines());
+        let snapshot = crate::collect::snapshot(&root, &nvml);
         let level = if self.level == ProbeLevel::None { ProbeLevel::Quick } else { self.level };
         let opts = Options {
             level,
@@ -77,7 +76,7 @@ impl Probe {
             if self.json {
                 println!("{}", serde_json::to_string_pretty(&plan)?);
             } else {
-                print!("{}", probe::plan::render(&plan));
+                print!("{}", probe::budget::render(&plan));
             }
             return Ok(0);
         }
@@ -85,17 +84,18 @@ impl Probe {
             .into_iter()
             .filter(|f| f.id.starts_with("cuda."))
             .collect();
-        let (probes, code) = match probe_with_progress(&snapshot, &opts, &config.agent.state_dir, "phq-agent probe") {
-            Ok((report, targets)) => {
-                findings.extend(probe::judge_here(&report, &targets, &config.agent.state_dir));
-                (Some(report), None)
-            }
-            Err(e) => {
-                eprintln!("phq-agent probe: cannot run: {e}");
-                findings.extend(probe::unavailable(&e.to_string()));
-                (None, Some(super::EXIT_UNKNOWN))
-            }
-        };
+        let (probes, code) =
+            match probe_with_progress(&snapshot, nvml.session(), &opts, &config.agent.state_dir, "phq-agent probe") {
+                Ok((report, targets)) => {
+                    findings.extend(probe::judge_here(&report, &targets, &config.agent.state_dir));
+                    (Some(report), None)
+                }
+                Err(e) => {
+                    eprintln!("phq-agent probe: cannot run: {e}");
+                    findings.extend(probe::unavailable(&e.to_string()));
+                    (None, Some(super::EXIT_UNKNOWN))
+                }
+            };
         let mut rep = report::build(&snapshot, findings, report::agent_id(&config.agent.id, &snapshot), started_at, 0);
         rep.probes = probes.map(|p| serde_json::to_value(p).unwrap_or_default());
         super::print_report(&rep, "phq-agent probe", self.json)?;
@@ -103,9 +103,11 @@ impl Probe {
     }
 }
 
-/// Runs the probes with a spinner on a terminal (every step named), plain otherwise.
+/// Runs the probes with a spinner on a terminal (every step named), plain otherwise; NVML's
+/// readings beside the figures through `nvml`, the session the snapshot was read with.
 pub fn probe_with_progress(
     snapshot: &crate::snapshot::Snapshot,
+    nvml: Option<&crate::collect::nvml::Session>,
     opts: &Options<'_>,
     state_dir: &std::path::Path,
     who: &str,
@@ -115,7 +117,7 @@ pub fn probe_with_progress(
         b.enable_steady_tick(std::time::Duration::from_millis(120));
         b
     });
-    let result = probe::run_here(snapshot, opts, state_dir, who, &mut |step| match &bar {
+    let result = probe::run_here(snapshot, nvml, opts, state_dir, who, &mut |step| match &bar {
         Some(b) => b.set_message(step.to_string()),
         None => tracing::info!("probe: {step}"),
     });

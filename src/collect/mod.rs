@@ -1,8 +1,15 @@
-//! collect: reads the world and builds a `Snapshot`. The only module that touches the file
-//! system (through `Sysroot`); NVML, D-Bus and CUDA readers join it in later issues.
+//! collect: reads the world and builds a `Snapshot`.
 //!
-//! Each reader returns text or a `Fact::Error` naming the file; each parser is a pure function
-//! of text with unit tests over real captured output.
+//! The rules of this room:
+//! 1. It is the only room that reads the machine: files through `Sysroot` (never a path of its
+//!    own), NVML through one `nvml::Session` per process (the probes read through the caller's),
+//!    systemd over D-Bus, libcuda's start-up. Others judge, render or act on what it gives.
+//! 2. Fetch, then interpret: each reader returns text or a `Fact::Error` naming the file; each
+//!    parser is a pure function of text with unit tests over real captured output.
+//! 3. A call that can block (NVML) runs on a worker under a deadline (`deadline.rs`), so a
+//!    wedged driver costs a deadline and a thread, never the snapshot.
+//! 4. Imports go down only: `snapshot`, `sysroot`, `facts`, `cuda`; never `checks` or anything
+//!    above it (tests/rooms.rs holds the order).
 
 pub mod cuda;
 pub mod deadline;
@@ -45,6 +52,15 @@ impl NvmlSource {
         match self {
             NvmlSource::Library(lib) => NvmlSource::Session(std::sync::Arc::new(nvml::Session::new(&lib, deadlines))),
             other => other,
+        }
+    }
+
+    /// The session a reading goes through, once `under` has made one: the probes read NVML's
+    /// conditions beside their figures through it rather than opening a second.
+    pub fn session(&self) -> Option<&nvml::Session> {
+        match self {
+            NvmlSource::Session(s) => Some(s),
+            _ => None,
         }
     }
 

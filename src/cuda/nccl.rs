@@ -17,8 +17,8 @@
 //!   `ncclGroupEnd`. So the wrapper checks both before NCCL sees them: each buffer's length, and
 //!   each stream's context against the rank's device.
 
-use super::{c_text, cached, Api, DeviceBuffer, LoadError, Loaded, Result, Stream};
-use super::{CudaError, Handle};
+use super::driver::{c_text, cached, Api, DeviceBuffer, LoadError, Loaded, Result, Stream};
+use super::driver::{CudaError, Handle};
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_void};
 use std::path::Path;
@@ -137,8 +137,8 @@ impl Comms {
         }
         let bytes = count.saturating_mul(4);
         for (rank, p) in parts.iter().enumerate() {
-            super::range_ok(CALL, bytes, p.send.len())?;
-            super::range_ok(CALL, bytes, p.recv.len())?;
+            super::driver::range_ok(CALL, bytes, p.send.len())?;
+            super::driver::range_ok(CALL, bytes, p.recv.len())?;
             if p.stream.ctx.ordinal != self.ordinals[rank] {
                 return Err(usage(CALL, format!("rank {rank}'s stream is not of GPU {}", self.ordinals[rank])));
             }

@@ -4,7 +4,7 @@
 //! - NCCL is loaded at run time (`cuda::nccl`). `ncclCommInitAll` cannot be aborted and NCCL in
 //!   a VM can wait for ever on a P2P path that does not carry its traffic (NVIDIA/nccl#257), so
 //!   each measurement runs in a child process of its own (`phq-agent allreduce-child`) under a
-//!   deadline (`probe::child::supervise`): twice the planned GPU time plus an allowance for
+//!   deadline (`probe::supervise`): twice the planned GPU time plus an allowance for
 //!   NCCL's start (`[probes] nccl_allowance`). Past it the child is killed and the step it was
 //!   in is reported.
 //! - Twice: once as NCCL chooses (`NCCL_NVLS_ENABLE=2`, NCCL's default, set so that a
@@ -24,12 +24,14 @@
 //!   finished; the agent records CUDA events on each rank's stream around the 20 and takes the
 //!   longest rank, which leaves out the host's launch overhead (microseconds beside the
 //!   milliseconds of a 1 GiB all-reduce).
-//! - The child answers before it lets go of anything (`child` rule 8): its communicators, the
+//! - The child answers before it lets go of anything (`child` rule 8, `supervise`): its communicators, the
 //!   check's module, its buffers and streams are never released one by one; `_exit` after the
 //!   answer leaves them to the driver, so neither `ncclCommDestroy` (which synchronizes NCCL's
 //!   streams) nor an exit handler can turn a result into a hang.
 
-use super::{kernels, LevelParams, Outcome, ProbeError, Stat};
+use super::kernels;
+use super::levels::LevelParams;
+use super::results::{ProbeError, Run, Stat};
 use crate::cuda::{self, nccl};
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -46,49 +48,6 @@ pub struct Request {
     /// Message size per rank.
     pub bytes: u64,
     pub samples: u32,
-}
-
-/// The all-reduce part of a probe report.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AllReduce {
-    /// The GPUs, rank by rank, by PCI address.
-    pub gpus: Vec<String>,
-    /// Message size asked per rank (`Run::bytes` is what ran, smaller where memory was short).
-    pub bytes: u64,
-    /// As NCCL chooses its algorithm.
-    pub nccl: Outcome<Run>,
-    /// With `NCCL_NVLS_ENABLE=0`; measured only after the first run succeeded.
-    pub nvls_off: Option<Outcome<Run>>,
-    /// Each run's deadline.
-    pub deadline_s: u64,
-}
-
-/// One measured configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Run {
-    /// Bus bandwidth per sample, GB/s.
-    pub busbw_gbps: Stat,
-    /// Algorithm bandwidth of the median sample, GB/s.
-    pub algbw_gbps: f64,
-    pub bytes: u64,
-    pub iters: u32,
-    /// NCCL's version and the file it was loaded from.
-    pub library: String,
-    /// Words (8 bytes) of results compared on the GPUs, and those that were not the sum.
-    pub checked_words: u64,
-    pub wrong_words: u64,
-    /// The first wrong word: GPU, address, what it held, what it should.
-    pub first_wrong: Option<String>,
-    /// Why the message is smaller than asked, when it is.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub note: Option<String>,
-    /// Whether every GPU reports `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED` (NVLS needs it);
-    /// `None` where the driver would not say.
-    #[serde(default)]
-    pub multicast: Option<bool>,
-    /// The `NCCL_*` settings the child ran with, and where each came from.
-    #[serde(default)]
-    pub settings: Vec<nccl::Setting>,
 }
 
 /// nccl-tests' bus bandwidth of an all-reduce over `ranks` (src/all_reduce.cu): the algorithm
@@ -137,26 +96,26 @@ pub fn run(
         Request { ordinals: ordinals.to_vec(), bytes: p.allreduce_bytes as u64, samples: p.allreduce_samples };
     let input =
         serde_json::to_vec(&request).map_err(|e| ProbeError::Cuda(format!("cannot encode the request: {e}")))?;
-    match super::child::supervise(cmd, &input, limit, "starting CUDA", progress).map_err(ProbeError::Cuda)? {
-        super::child::Ended::Answer(json) => serde_json::from_str::<Result<Run, ProbeError>>(&json)
+    match super::supervise::supervise(cmd, &input, limit, "starting CUDA", progress).map_err(ProbeError::Cuda)? {
+        super::supervise::Ended::Answer(json) => serde_json::from_str::<Result<Run, ProbeError>>(&json)
             .map_err(|e| ProbeError::Cuda(format!("the all-reduce process answered what is not an answer: {e}")))?,
-        super::child::Ended::Overdue { step } => Err(ProbeError::Hung { step, deadline_s: limit.as_secs() }),
+        super::supervise::Ended::Overdue { step } => Err(ProbeError::Hung { step, deadline_s: limit.as_secs() }),
     }
 }
 
 /// The child's side: reads a `Request` on stdin, measures, says each step and the answer.
 pub fn child_main() -> anyhow::Result<i32> {
-    if let Err(e) = super::child::private_protocol() {
+    if let Err(e) = super::supervise::private_protocol() {
         tracing::warn!("allreduce-child: the protocol stays on stdout ({e})");
     }
     let request: Request = serde_json::from_reader(std::io::stdin().lock())
         .map_err(|e| anyhow::anyhow!("allreduce-child: cannot read the request on stdin: {e}"))?;
     let mut held = Held::default();
-    let answer = measure(&request, &|step| super::child::say(format!("step {step}")), &mut held);
+    let answer = measure(&request, &|step| super::supervise::say(format!("step {step}")), &mut held);
     let line = serde_json::to_string(&answer).unwrap_or_else(|e| {
         serde_json::json!({ "Err": { "Cuda": format!("cannot encode the answer: {e}") } }).to_string()
     });
-    super::child::say(format!("answer {line}"));
+    super::supervise::say(format!("answer {line}"));
     // Rule 8 of `child`: nothing is released one by one after the answer, and no exit handler
     // runs; what C stdio holds of NCCL's output is flushed first (to stderr, rule 7).
     std::mem::forget(held);
@@ -333,7 +292,8 @@ fn measure(req: &Request, say: &dyn Fn(&str), held: &mut Held) -> Result<Run, Pr
 #[cfg(test)]
 mod tests {
     use super::super::judge::allreduce_finding;
-    use super::super::{params, ProbeReport};
+    use super::super::levels::params;
+    use super::super::results::{AllReduce, Outcome, ProbeReport};
     use super::*;
     use crate::checks::Severity;
     use crate::config::ProbeLevel;

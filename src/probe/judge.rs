@@ -1,8 +1,16 @@
 //! Judging a probe run: one function per probe, each turning its figures into a finding against
 //! the SKU's floors, the GPU's own baseline and what NVML read beside it. A new probe adds a
-//! runner in `probe/cuda.rs` and its finding here.
+//! `Backend` method, its measurement on the CUDA backend (`copies.rs`, `memtest.rs` or
+//! `gemm.rs`) and its finding here.
 
-use super::*;
+use super::baseline;
+use super::cuda_backend::gemm;
+use super::results::{
+    is_ecc, AllReduce, GemmResult, GpuProbes, MemtestResult, NvlinkScope, Outcome, PeerLink, ProbeError, ProbeReport,
+    Stat,
+};
+use super::targets::Target;
+use crate::checks::Finding;
 use crate::facts::{self, ProbeFloors};
 use crate::snapshot::Conditions;
 
@@ -136,7 +144,7 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
 
 /// `probe.allreduce`: the figure as NCCL chooses against Azure's floor for the board; the NVLS-off
 /// figure beside it says where a shortfall lies.
-pub(crate) fn allreduce_finding(report: &ProbeReport, a: &allreduce::AllReduce, floor: Option<f64>) -> Finding {
+pub(crate) fn allreduce_finding(report: &ProbeReport, a: &AllReduce, floor: Option<f64>) -> Finding {
     const ID: &str = "probe.allreduce";
     let n = a.gpus.len();
     let ring = match &a.nvls_off {
@@ -520,9 +528,9 @@ fn gemm_finding(id: &str, o: &Outcome<GemmResult>, floor: Option<f64>) -> Findin
             let tflops = Stat::of(g.tflops_samples.clone()).map(|s| s.median).unwrap_or(0.0);
             // DCGM's floors are cuBLAS's figures; the agent's own fallback kernel is checked for
             // right results only.
-            let fallback = [cuda::PTX_GEMM, cuda::PTX_MMA_GEMM, cuda::PTX_MMA_FP16_GEMM].contains(&g.library.as_str());
-            let fp16 = g.library == cuda::PTX_MMA_FP16_GEMM || g.library == cuda::CUBLAS_FP16_GEMM;
-            let tensor = fp16 || g.library == cuda::PTX_MMA_GEMM || g.library == cuda::CUBLAS_BF16_GEMM;
+            let fallback = [gemm::PTX_GEMM, gemm::PTX_MMA_GEMM, gemm::PTX_MMA_FP16_GEMM].contains(&g.library.as_str());
+            let fp16 = g.library == gemm::PTX_MMA_FP16_GEMM || g.library == gemm::CUBLAS_FP16_GEMM;
+            let tensor = fp16 || g.library == gemm::PTX_MMA_GEMM || g.library == gemm::CUBLAS_BF16_GEMM;
             let kind = match (tensor, fp16) {
                 (true, true) => "FP16 tensor-core GEMM",
                 (true, false) => "BF16 tensor-core GEMM",

@@ -1,5 +1,10 @@
 //! report: the `phq.status/v1` Report (schema in `schema/phq.status.v1.json`) built from a
 //! snapshot and its findings, and its renderings for people (table) and machines (JSON).
+//!
+//! The rules of this room: it renders what it is given (snapshot, findings, probe results) and
+//! touches no file but the bundles it writes and reads (`bundle.rs`); it judges nothing (`checks`
+//! and `probe::judge` do); it imports `checks`, `probe`'s result types and below, never `serve`
+//! or `cli`.
 
 pub mod bundle;
 pub mod html;

@@ -16,7 +16,8 @@
 //!    `nvml_not_answering`.
 //! 4. SIGTERM/SIGINT: `STOPPING=1`, stop accepting, exit 0; the loops stop first, so the last
 //!    events reach the spool, then HTTP and the pusher. SIGHUP: reload config and token; an
-//!    invalid new config is logged and the old one kept. — `service::run`, `service::reload`.
+//!    invalid new config is logged and the old one kept. — `service::run`, `Signals::until_stopped`,
+//!    `service::reload`.
 //! 5. `seq` grows by one per snapshot and is persisted in `state_dir/seq` (atomic rename), so it
 //!    keeps growing across restarts; a lost or corrupt `seq` file resumes after the highest seq
 //!    in the spool, loudly, never from 0. — `Seq`, shared by the snapshotter and the event task.

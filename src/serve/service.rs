@@ -79,25 +79,13 @@ impl Heartbeat {
 /// The service, from start to stop; `load` reads the configuration (at start and on SIGHUP).
 pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) -> anyhow::Result<i32> {
     // Signals first: systemd may send SIGHUP or SIGTERM as soon as READY=1 is out.
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
-    let mut hup = signal(SignalKind::hangup()).context("cannot watch SIGHUP")?;
-    let mut int = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    let mut signals = Signals::watch()?;
     let config = load()?;
     let settings = Settings { token: token_of(&config)?, config };
     let config = &settings.config;
     let state_dir = config.agent.state_dir.clone();
 
-    // This run's part of every Idempotency-Key (rules in serve::push).
-    let epoch = push::new_epoch();
-    let spool = if config.platform.url.is_empty() {
-        None
-    } else {
-        Some(
-            push::Spool::open(&config.agent.state_dir, &epoch)
-                .with_context(|| format!("{}: cannot open the spool", config.agent.state_dir.display()))?,
-        )
-    };
+    let spool = open_spool(config)?;
     let counters = Arc::new(EventCounters::default());
     let root = crate::sysroot::Sysroot::new(&machine.sysroot);
     let deadlines = config.nvml.deadlines();
@@ -106,19 +94,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     let (to_snapshotter, snapshotter_rx) = mpsc::unbounded_channel();
     let mut inputs = Inputs {
         sysroot: machine.sysroot.clone(),
-        // One NVML session for the service's life (reopened only when a reading says it is gone).
-        nvml: match NvmlSource::choose(machine.nvml_lib.as_deref(), &root) {
-            NvmlSource::Library(lib) => {
-                let session = Arc::new(crate::collect::nvml::Session::new(&lib, deadlines));
-                let ask = to_snapshotter.clone();
-                session.on_answer(Arc::new(move || {
-                    tracing::info!("NVML answered a call that had passed its deadline; taking a snapshot now");
-                    let _ = ask.send(ToSnapshotter::Now);
-                }));
-                NvmlSource::Session(session)
-            }
-            other => other,
-        },
+        nvml: service_nvml(&machine, &root, deadlines, &to_snapshotter),
         token: settings.token.clone(),
         config: config.clone(),
         started_at: Timestamp::now(),
@@ -152,8 +128,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     };
     let (published, first_report) = tokio::select! {
         taken = first => taken.context("the first snapshot failed")?,
-        _ = term.recv() => return Ok(stopped_before_ready("SIGTERM")),
-        _ = int.recv() => return Ok(stopped_before_ready("SIGINT")),
+        _ = signals.term.recv() => return Ok(stopped_before_ready("SIGTERM")),
+        _ = signals.int.recv() => return Ok(stopped_before_ready("SIGINT")),
     };
     inputs.nvml_budget = None;
     let first = Taken { report: Arc::new(first_report), snapshot: published.snapshot.clone() };
@@ -165,12 +141,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     let (pusher, writer) = match &spool {
         None => (None, None),
         Some(spool) => {
-            let mut pusher = push::Pusher::new(&config.platform, &first.report.agent.agent_id, spool.clone())?;
-            pusher.state = inputs.push.clone();
-            let task = tokio::spawn(pusher.run(status_rx, wake.clone(), stop_io.subscribe()));
-            tracing::info!(url = %config.platform.url, spooled = spool.len(), "pushing reports");
-            let writer = SpoolWriter::start(spool.clone(), wake.clone(), counters.clone())
-                .context("cannot start the spool writer")?;
+            let to = Pushing { agent_id: &first.report.agent.agent_id, state: inputs.push.clone(), wake: wake.clone() };
+            let (task, writer) = start_pusher(config, spool, to, status_rx, stop_io.subscribe(), counters.clone())?;
             (Some(task), Some(writer))
         }
     };
@@ -228,17 +200,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         tokio::spawn(watchdog(every / 2, vec![("snapshotter", snap_beat), ("events", event_beat)]));
     }
 
-    // The coordinator's own loop: signals (rule 4).
-    loop {
-        tokio::select! {
-            _ = term.recv() => break,
-            _ = int.recv() => break,
-            _ = hup.recv() => {
-                let status = reload(&load, &settings_tx);
-                let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
-            }
-        }
-    }
+    signals.until_stopped(&load, &settings_tx).await;
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping, sd_notify::NotifyState::Status("stopping")]);
     let _ = stop_loops.send(true);
     let _ = snap_task.await;
@@ -254,6 +216,97 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     }
     tracing::info!("stopped");
     Ok(0)
+}
+
+/// The signals the coordinator hears (rule 4).
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn watch() -> anyhow::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).context("cannot watch SIGTERM")?,
+            hup: signal(SignalKind::hangup()).context("cannot watch SIGHUP")?,
+            int: signal(SignalKind::interrupt()).context("cannot watch SIGINT")?,
+        })
+    }
+
+    /// The coordinator's own loop: a new configuration on SIGHUP, until SIGTERM or SIGINT.
+    async fn until_stopped(&mut self, load: &impl Fn() -> anyhow::Result<Config>, settings: &watch::Sender<Settings>) {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => break,
+                _ = self.int.recv() => break,
+                _ = self.hup.recv() => {
+                    let status = reload(load, settings);
+                    let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+                }
+            }
+        }
+    }
+}
+
+/// The spool events wait in for the platform, when there is a platform to push to; this run's
+/// epoch is its part of every Idempotency-Key (rules in serve::push).
+fn open_spool(config: &Config) -> anyhow::Result<Option<push::Spool>> {
+    if config.platform.url.is_empty() {
+        return Ok(None);
+    }
+    let epoch = push::new_epoch();
+    let spool = push::Spool::open(&config.agent.state_dir, &epoch)
+        .with_context(|| format!("{}: cannot open the spool", config.agent.state_dir.display()))?;
+    Ok(Some(spool))
+}
+
+/// One NVML session for the service's life (reopened only when a reading says it is gone); a
+/// call that answers after its deadline asks the snapshotter for a snapshot at once.
+fn service_nvml(
+    machine: &Machine,
+    root: &crate::sysroot::Sysroot,
+    deadlines: crate::collect::nvml::Deadlines,
+    to_snapshotter: &mpsc::UnboundedSender<ToSnapshotter>,
+) -> NvmlSource {
+    match NvmlSource::choose(machine.nvml_lib.as_deref(), root) {
+        NvmlSource::Library(lib) => {
+            let session = Arc::new(crate::collect::nvml::Session::new(&lib, deadlines));
+            let ask = to_snapshotter.clone();
+            session.on_answer(Arc::new(move || {
+                tracing::info!("NVML answered a call that had passed its deadline; taking a snapshot now");
+                let _ = ask.send(ToSnapshotter::Now);
+            }));
+            NvmlSource::Session(session)
+        }
+        other => other,
+    }
+}
+
+/// What the pusher is started with besides the configuration.
+struct Pushing<'a> {
+    agent_id: &'a str,
+    state: Arc<Mutex<super::agent_checks::PushState>>,
+    wake: Arc<tokio::sync::Notify>,
+}
+
+/// The pusher (events through the spool, status latest-wins) and the spool writer that hands it
+/// events.
+fn start_pusher(
+    config: &Config,
+    spool: &push::Spool,
+    to: Pushing<'_>,
+    status: watch::Receiver<Option<(u64, Vec<u8>)>>,
+    stop: watch::Receiver<bool>,
+    counters: Arc<EventCounters>,
+) -> anyhow::Result<(tokio::task::JoinHandle<()>, SpoolWriter)> {
+    let mut pusher = push::Pusher::new(&config.platform, to.agent_id, spool.clone())?;
+    pusher.state = to.state;
+    let task = tokio::spawn(pusher.run(status, to.wake.clone(), stop));
+    tracing::info!(url = %config.platform.url, spooled = spool.len(), "pushing reports");
+    let writer = SpoolWriter::start(spool.clone(), to.wake, counters).context("cannot start the spool writer")?;
+    Ok((task, writer))
 }
 
 /// Resolves when `stop` turns true (or its sender is gone).

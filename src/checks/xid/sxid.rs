@@ -95,7 +95,7 @@ fn gpus_behind(s: &Snapshot, switch: &str) -> (Vec<String>, bool) {
         let ends: Vec<&str> = links.iter().filter_map(|l| l.remote_pci.value().map(String::as_str)).collect();
         said |= !ends.is_empty();
         if ends.iter().any(|e| e.eq_ignore_ascii_case(switch)) {
-            behind.push(super::super::nvml::gpu_label(g));
+            behind.push(super::super::gpu_label(g));
         }
     }
     if said {

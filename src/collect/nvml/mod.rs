@@ -132,32 +132,14 @@ fn unreadable(index: u32, why: String, address: Option<String>) -> NvmlGpu {
     }
 }
 
+/// Everything NVML says about one GPU, call by call in a fixed order, each named to the tracker
+/// before it is made (`ask!`). The peer matrix and GPM are read for all GPUs together later.
 fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>, t: &Tracker) -> NvmlGpu {
-    let (pci_address, pci_device_id) = match ask!(t, "nvmlDeviceGetPciInfo_v3", d.pci_info()) {
-        Ok(p) => (
-            normalize_bus_id(&p.bus_id)
-                .map(Nv::Value)
-                .unwrap_or_else(|| Nv::Error(format!("unexpected bus id {:?}", p.bus_id))),
-            Nv::Value(p.pci_device_id),
-        ),
-        Err(e) => {
-            let why = nv::<()>(Err(e));
-            (why.without_value(), why.without_value())
-        }
-    };
+    let (pci_address, pci_device_id) = pci_identity(d, t);
     if let Nv::Value(a) = &pci_address {
         t.set_address(a);
     }
-    let ecc = |counter| -> Nv<EccCounts> {
-        t.at("nvmlDeviceGetTotalEccErrors");
-        match (
-            d.total_ecc_errors(MemoryError::Corrected, counter),
-            d.total_ecc_errors(MemoryError::Uncorrected, counter),
-        ) {
-            (Ok(corrected), Ok(uncorrected)) => Nv::Value(EccCounts { corrected, uncorrected }),
-            (Err(e), _) | (_, Err(e)) => nv::<EccCounts>(Err(e)),
-        }
-    };
+    let ecc = |counter| ecc_counts(d, t, counter);
     let Fields { memory_temperature_c, nvlink_throughput, recovery_action } =
         sys.map(|s| ask!(t, "nvmlDeviceGetFieldValues", field_values(s, d))).unwrap_or_default();
     NvmlGpu {
@@ -246,21 +228,7 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>, t: &Tracker) -> Nv
         nvlinks: read_nvlinks(d, t),
         nvlink_p2p: Nv::NotSupported, // per pair: filled in by nvlink_p2p once every GPU is read
         fabric: sys.map(|s| ask!(t, "nvmlDeviceGetGpuFabricInfo", fabric_info(s, d))).unwrap_or(Nv::NotSupported),
-        processes: ask!(
-            t,
-            "nvmlDeviceGetComputeRunningProcesses_v3",
-            nv(d.running_compute_processes().map(|ps| {
-                ps.into_iter()
-                    .map(|p| ProcessInfo {
-                        pid: p.pid,
-                        used_bytes: match p.used_gpu_memory {
-                            UsedGpuMemory::Used(b) => Some(b),
-                            UsedGpuMemory::Unavailable => None,
-                        },
-                    })
-                    .collect()
-            }))
-        ),
+        processes: compute_processes(d, t),
         utilization: ask!(
             t,
             "nvmlDeviceGetUtilizationRates",
@@ -283,6 +251,51 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>, t: &Tracker) -> Nv
         // Read for every GPU together, between two samples (`gpm`).
         gpm: Nv::NotSupported,
     }
+}
+
+/// The GPU's PCI address (sysfs form) and device id.
+fn pci_identity(d: &Device, t: &Tracker) -> (Nv<String>, Nv<u32>) {
+    match ask!(t, "nvmlDeviceGetPciInfo_v3", d.pci_info()) {
+        Ok(p) => (
+            normalize_bus_id(&p.bus_id)
+                .map(Nv::Value)
+                .unwrap_or_else(|| Nv::Error(format!("unexpected bus id {:?}", p.bus_id))),
+            Nv::Value(p.pci_device_id),
+        ),
+        Err(e) => {
+            let why = nv::<()>(Err(e));
+            (why.without_value(), why.without_value())
+        }
+    }
+}
+
+/// Corrected and uncorrected ECC errors, since the last reset (volatile) or over the GPU's life
+/// (aggregate).
+fn ecc_counts(d: &Device, t: &Tracker, counter: EccCounter) -> Nv<EccCounts> {
+    t.at("nvmlDeviceGetTotalEccErrors");
+    match (d.total_ecc_errors(MemoryError::Corrected, counter), d.total_ecc_errors(MemoryError::Uncorrected, counter)) {
+        (Ok(corrected), Ok(uncorrected)) => Nv::Value(EccCounts { corrected, uncorrected }),
+        (Err(e), _) | (_, Err(e)) => nv::<EccCounts>(Err(e)),
+    }
+}
+
+/// The compute processes on the GPU, with the memory each holds where NVML can say.
+fn compute_processes(d: &Device, t: &Tracker) -> Nv<Vec<ProcessInfo>> {
+    ask!(
+        t,
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        nv(d.running_compute_processes().map(|ps| {
+            ps.into_iter()
+                .map(|p| ProcessInfo {
+                    pid: p.pid,
+                    used_bytes: match p.used_gpu_memory {
+                        UsedGpuMemory::Used(b) => Some(b),
+                        UsedGpuMemory::Unavailable => None,
+                    },
+                })
+                .collect()
+        }))
+    )
 }
 
 /// NVML field ids (nvml.h, "Field Identifiers") the agent reads with `nvmlDeviceGetFieldValues`.

@@ -7,7 +7,9 @@ use super::{
     classify_init_error, drain_xid_events, normalize_bus_id, nv, nvlink_p2p, read_device, remapped_rows,
     throttle_names, unreadable, unreadable_device,
 };
-use crate::snapshot::{BlockedCall, Nv, NvmlFailure, NvmlFailureKind, NvmlInfo, NvmlStatus, Timestamp};
+use crate::snapshot::{
+    BlockedCall, Nv, NvmlFailure, NvmlFailureKind, NvmlGpu, NvmlInfo, NvmlStatus, NvmlXid, Timestamp,
+};
 use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
 use nvml_wrapper::Nvml;
 use nvml_wrapper_sys::bindings::NvmlLib;
@@ -260,15 +262,68 @@ impl Session {
         reading
     }
 
+    /// One reading through the live handle `h`, phase by phase: NVML as a whole, each GPU, then
+    /// over the GPUs that answered the NVLink peer matrix, GPM and the pending Xid events. A
+    /// phase still blocked from an earlier reading is not asked again (rule 3 of
+    /// `collect::deadline`); past `until` the phases left are not started.
     fn read_from(&self, st: &mut State, h: &Arc<Held>, until: Option<Instant>) -> Reading {
-        let mut blocked = Vec::new();
-        let out_of_time = || until.is_some_and(|u| Instant::now() >= u);
-        let library = self.library.clone();
-        // NVML as a whole: the device count and the versions.
+        let (count, driver_version, nvml_version, cuda_driver_version) = match self.read_system(st, h, until) {
+            Ok(system) => system,
+            Err((f, blocked)) => return Reading { status: NvmlStatus::Failed(f), blocked },
+        };
+        let mut found = self.read_devices(st, h, until, count);
+        // The NVLink peer matrix, over the GPUs that answered.
+        self.across(
+            st,
+            h,
+            &mut found,
+            Across {
+                target: Target::P2p,
+                deadline: self.deadlines.events,
+                first_call: "nvmlDeviceGetP2PStatus",
+                read: nvlink_p2p,
+                put: |g, v| g.nvlink_p2p = v,
+            },
+        );
+        // GPM over the GPUs that answered: two samples, one pause for all (`super::gpm`).
+        self.across(
+            st,
+            h,
+            &mut found,
+            Across {
+                target: Target::Gpm,
+                deadline: self.deadlines.gpu,
+                first_call: "nvmlGpmQueryDeviceSupport",
+                read: super::gpm,
+                put: |g, v| g.gpm = v,
+            },
+        );
+        let (xid_events, events_error) = self.read_xid_events(st, h, &mut found);
+        Reading {
+            status: NvmlStatus::Ok(NvmlInfo {
+                library: self.library.clone(),
+                driver_version,
+                nvml_version,
+                cuda_driver_version,
+                devices: found.devices,
+                xid_events,
+                events_error,
+            }),
+            blocked: found.blocked,
+        }
+    }
+
+    /// NVML as a whole: the device count and the versions; `Err` why not, with the call found
+    /// blocked.
+    fn read_system(
+        &self,
+        st: &mut State,
+        h: &Arc<Held>,
+        until: Option<Instant>,
+    ) -> Result<System, (NvmlFailure, Vec<BlockedCall>)> {
         if let Some(late) = st.late.get(&Target::System) {
             let b = blocked_of(late, None);
-            let status = NvmlStatus::Failed(self.not_answering(&b));
-            return Reading { status, blocked: vec![b] };
+            return Err((self.not_answering(&b), vec![b]));
         }
         let hh = h.clone();
         let system = deadline::call(
@@ -289,40 +344,37 @@ impl Session {
         );
         let (count, driver_version, nvml_version, cuda_driver_version) = match system {
             Outcome::Done(v) => v,
-            Outcome::NotStarted(why) => return Reading { status: NvmlStatus::Failed(self.failure(&why)), blocked },
+            Outcome::NotStarted(why) => return Err((self.failure(&why), vec![])),
             Outcome::Late(late) => {
                 let b = blocked_of(&late, None);
                 st.late.insert(Target::System, forget(late));
-                return Reading { status: NvmlStatus::Failed(self.not_answering(&b)), blocked: vec![b] };
+                return Err((self.not_answering(&b), vec![b]));
             }
         };
-        let count = match count {
-            Ok(c) => c,
+        match count {
+            Ok(c) => Ok((c, driver_version, nvml_version, cuda_driver_version)),
             Err(e) => {
-                return Reading {
-                    status: NvmlStatus::Failed(NvmlFailure {
-                        kind: NvmlFailureKind::Other,
-                        library,
-                        message: format!("nvmlDeviceGetCount: {e}"),
-                    }),
-                    blocked,
-                }
+                let message = format!("nvmlDeviceGetCount: {e}");
+                Err((NvmlFailure { kind: NvmlFailureKind::Other, library: self.library.clone(), message }, vec![]))
             }
-        };
-        // Each GPU on a worker of its own; one that blocks is not asked again until it answers.
-        let mut devices = Vec::with_capacity(count as usize);
-        let mut answering = Vec::new();
+        }
+    }
+
+    /// Each GPU on a worker of its own; one that blocks is not asked again until it answers.
+    fn read_devices(&self, st: &mut State, h: &Arc<Held>, until: Option<Instant>, count: u32) -> Found {
+        let mut found =
+            Found { devices: Vec::with_capacity(count as usize), answering: vec![], blocked: vec![], until };
         for i in 0..count {
             let known = st.addresses.get(&i).cloned();
             if let Some(late) = st.late.get(&Target::Gpu(i)) {
                 let b = blocked_of(late, known.clone());
-                devices.push(unreadable(i, format!("{} (still blocked)", b.describe()), b.gpu.clone()));
-                blocked.push(b);
+                found.devices.push(unreadable(i, format!("{} (still blocked)", b.describe()), b.gpu.clone()));
+                found.blocked.push(b);
                 continue;
             }
-            if out_of_time() {
+            if found.out_of_time() {
                 let why = "not read: the first snapshot's time for NVML ran out".to_string();
-                devices.push(unreadable(i, why, known));
+                found.devices.push(unreadable(i, why, known));
                 continue;
             }
             let hh = h.clone();
@@ -336,120 +388,123 @@ impl Session {
                 Outcome::Done(g) => {
                     if let Nv::Value(a) = &g.pci_address {
                         st.addresses.insert(i, a.clone());
-                        answering.push((i, a.clone()));
+                        found.answering.push((i, a.clone()));
                     }
-                    devices.push(g);
+                    found.devices.push(g);
                 }
-                Outcome::NotStarted(why) => devices.push(unreadable(i, why, known)),
+                Outcome::NotStarted(why) => found.devices.push(unreadable(i, why, known)),
                 Outcome::Late(late) => {
                     let b = blocked_of(&late, known);
                     tracing::error!(gpu = ?b.gpu, call = %b.call, "an NVML call has not returned within its deadline");
-                    devices.push(unreadable(i, b.describe(), b.gpu.clone()));
-                    blocked.push(b);
+                    found.devices.push(unreadable(i, b.describe(), b.gpu.clone()));
+                    found.blocked.push(b);
                     st.late.insert(Target::Gpu(i), forget(late));
                 }
             }
         }
-        // The NVLink peer matrix, over the GPUs that answered.
-        let p2p_blocked = |st: &State, target| st.late.get(&target).map(|l| blocked_of(l, None));
-        if let Some(b) = p2p_blocked(st, Target::P2p) {
-            for g in &mut devices {
-                g.nvlink_p2p = Nv::Error(format!("{} (still blocked)", b.describe()));
+        found
+    }
+
+    /// A phase over every GPU that answered, under one deadline: each GPU's answer goes where
+    /// `phase.put` puts it; while the phase is still blocked from an earlier reading, or when it
+    /// runs late or cannot start, its reason goes there on every GPU instead.
+    fn across<T: Send + 'static>(&self, st: &mut State, h: &Arc<Held>, found: &mut Found, phase: Across<T>) {
+        let put = phase.put;
+        if let Some(b) = st.late.get(&phase.target).map(|l| blocked_of(l, None)) {
+            for g in &mut found.devices {
+                put(g, Nv::Error(format!("{} (still blocked)", b.describe())));
             }
-            blocked.push(b);
-        } else if !answering.is_empty() && !out_of_time() {
-            let (hh, asked) = (h.clone(), answering.clone());
-            match deadline::call(
-                bounded(self.deadlines.events, until),
-                Tracker::new("nvmlDeviceGetP2PStatus"),
-                self.hook(),
-                move |t| nvlink_p2p(&hh.nvml, &asked, t),
-            ) {
-                Outcome::Done(found) => {
-                    for (i, peers) in found {
-                        if let Some(g) = devices.iter_mut().find(|g| g.index == i) {
-                            g.nvlink_p2p = peers;
-                        }
+            found.blocked.push(b);
+            return;
+        }
+        if found.answering.is_empty() || found.out_of_time() {
+            return;
+        }
+        let (hh, asked, read) = (h.clone(), found.answering.clone(), phase.read);
+        match deadline::call(
+            bounded(phase.deadline, found.until),
+            Tracker::new(phase.first_call),
+            self.hook(),
+            move |t| read(&hh.nvml, &asked, t),
+        ) {
+            Outcome::Done(answers) => {
+                for (i, v) in answers {
+                    if let Some(g) = found.devices.iter_mut().find(|g| g.index == i) {
+                        put(g, v);
                     }
                 }
-                Outcome::NotStarted(why) => devices.iter_mut().for_each(|g| g.nvlink_p2p = Nv::Error(why.clone())),
-                Outcome::Late(late) => {
-                    let b = blocked_of(&late, None);
-                    devices.iter_mut().for_each(|g| g.nvlink_p2p = Nv::Error(b.describe()));
-                    blocked.push(b);
-                    st.late.insert(Target::P2p, forget(late));
-                }
             }
-        }
-        // GPM over the GPUs that answered: two samples, one pause for all (`super::gpm`).
-        if let Some(b) = p2p_blocked(st, Target::Gpm) {
-            for g in &mut devices {
-                g.gpm = Nv::Error(format!("{} (still blocked)", b.describe()));
+            Outcome::NotStarted(why) => found.devices.iter_mut().for_each(|g| put(g, Nv::Error(why.clone()))),
+            Outcome::Late(late) => {
+                let b = blocked_of(&late, None);
+                found.devices.iter_mut().for_each(|g| put(g, Nv::Error(b.describe())));
+                found.blocked.push(b);
+                st.late.insert(phase.target, forget(late));
             }
-            blocked.push(b);
-        } else if !answering.is_empty() && !out_of_time() {
-            let (hh, asked) = (h.clone(), answering.clone());
-            match deadline::call(
-                bounded(self.deadlines.gpu, until),
-                Tracker::new("nvmlGpmQueryDeviceSupport"),
-                self.hook(),
-                move |t| super::gpm(&hh.nvml, &asked, t),
-            ) {
-                Outcome::Done(found) => {
-                    for (i, m) in found {
-                        if let Some(g) = devices.iter_mut().find(|g| g.index == i) {
-                            g.gpm = m;
-                        }
-                    }
-                }
-                Outcome::NotStarted(why) => devices.iter_mut().for_each(|g| g.gpm = Nv::Error(why.clone())),
-                Outcome::Late(late) => {
-                    let b = blocked_of(&late, None);
-                    devices.iter_mut().for_each(|g| g.gpm = Nv::Error(b.describe()));
-                    blocked.push(b);
-                    st.late.insert(Target::Gpm, forget(late));
-                }
-            }
-        }
-        // Xid events pending, from the GPUs that answered.
-        let (xid_events, events_error) = if let Some(b) = p2p_blocked(st, Target::Events) {
-            let why = format!("{} (still blocked)", b.describe());
-            blocked.push(b);
-            (Vec::new(), Some(why))
-        } else if out_of_time() {
-            (Vec::new(), Some("not read: the first snapshot's time for NVML ran out".into()))
-        } else {
-            let (hh, asked) = (h.clone(), answering.iter().map(|(i, _)| *i).collect::<Vec<_>>());
-            match deadline::call(
-                bounded(self.deadlines.events, until),
-                Tracker::new("nvmlEventSetCreate"),
-                self.hook(),
-                move |t| drain_xid_events(&hh.nvml, &asked, t),
-            ) {
-                Outcome::Done(v) => v,
-                Outcome::NotStarted(why) => (Vec::new(), Some(why)),
-                Outcome::Late(late) => {
-                    let b = blocked_of(&late, None);
-                    let why = b.describe();
-                    blocked.push(b);
-                    st.late.insert(Target::Events, forget(late));
-                    (Vec::new(), Some(why))
-                }
-            }
-        };
-        Reading {
-            status: NvmlStatus::Ok(NvmlInfo {
-                library,
-                driver_version,
-                nvml_version,
-                cuda_driver_version,
-                devices,
-                xid_events,
-                events_error,
-            }),
-            blocked,
         }
     }
+
+    /// Xid events pending, from the GPUs that answered; why there are none, when none could be
+    /// read.
+    fn read_xid_events(&self, st: &mut State, h: &Arc<Held>, found: &mut Found) -> (Vec<NvmlXid>, Option<String>) {
+        if let Some(b) = st.late.get(&Target::Events).map(|l| blocked_of(l, None)) {
+            let why = format!("{} (still blocked)", b.describe());
+            found.blocked.push(b);
+            return (Vec::new(), Some(why));
+        }
+        if found.out_of_time() {
+            return (Vec::new(), Some("not read: the first snapshot's time for NVML ran out".into()));
+        }
+        let (hh, asked) = (h.clone(), found.answering.iter().map(|(i, _)| *i).collect::<Vec<_>>());
+        match deadline::call(
+            bounded(self.deadlines.events, found.until),
+            Tracker::new("nvmlEventSetCreate"),
+            self.hook(),
+            move |t| drain_xid_events(&hh.nvml, &asked, t),
+        ) {
+            Outcome::Done(v) => v,
+            Outcome::NotStarted(why) => (Vec::new(), Some(why)),
+            Outcome::Late(late) => {
+                let b = blocked_of(&late, None);
+                let why = b.describe();
+                found.blocked.push(b);
+                st.late.insert(Target::Events, forget(late));
+                (Vec::new(), Some(why))
+            }
+        }
+    }
+}
+
+/// NVML as a whole: the device count, the driver's, NVML's and CUDA's versions.
+type System = (u32, Nv<String>, Nv<String>, Nv<i32>);
+
+/// The GPUs of one reading so far: what each gave, the ones that answered (index and address),
+/// the calls found blocked, and when the first snapshot's time for NVML runs out.
+struct Found {
+    devices: Vec<NvmlGpu>,
+    answering: Vec<(u32, String)>,
+    blocked: Vec<BlockedCall>,
+    until: Option<Instant>,
+}
+
+impl Found {
+    fn out_of_time(&self) -> bool {
+        self.until.is_some_and(|u| Instant::now() >= u)
+    }
+}
+
+/// What a phase over every GPU asks NVML: each GPU's answer, by index.
+type ReadAcross<T> = fn(&Nvml, &[(u32, String)], &Tracker) -> Vec<(u32, Nv<T>)>;
+
+/// A phase read over every GPU that answered (`Session::across`): the NVLink peer matrix, GPM.
+struct Across<T> {
+    /// What a call past its deadline was about.
+    target: Target,
+    deadline: Duration,
+    /// The call its tracker names until the phase says otherwise.
+    first_call: &'static str,
+    read: ReadAcross<T>,
+    put: fn(&mut NvmlGpu, Nv<T>),
 }
 
 /// `phase`, shortened to what is left before `until`.

@@ -15,7 +15,7 @@
 //!
 //! Which library: `--cuda-lib` / `PHQ_CUDA_LIB` (see `use_library`), else `libcuda.so.1`, the
 //! name the driver package installs; cuBLAS from `PHQ_CUBLAS_LIB`, else `libcublas.so.12`
-//! (CUDA 12's soname), else `libcublas.so`; NCCL in `nccl`.
+//! (CUDA 12's soname), else `libcublas.so`; NCCL beside it in `nccl.rs`.
 
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub type CUresult = c_int;
 pub type CUdevice = c_int;
 pub type CUdeviceptr = u64;
-type Handle = *mut c_void;
+pub(super) type Handle = *mut c_void;
 
 /// The `CUresult` values the agent acts on (cuda.h).
 pub mod code {
@@ -170,8 +170,6 @@ api!("cuBLAS", "cuBLAS (libcublas, part of the CUDA toolkit)", BlasApi {
     ) -> c_int;
 });
 
-pub mod nccl;
-
 /// `cudaDataType_t` (library_types.h): CUDA_R_16BF, CUDA_R_16F and CUDA_R_32F; `cublasComputeType_t`
 /// (cublas_api.h): CUBLAS_COMPUTE_32F; `cublasGemmAlgo_t`: CUBLAS_GEMM_DEFAULT.
 const CUDA_R_16BF: c_int = 14;
@@ -225,7 +223,7 @@ pub trait Api: Sized {
 /// A loaded library and its resolved table, kept loaded for the process's life: libcuda does
 /// not support being unloaded while it has initialised, and cuBLAS's handles point into it.
 pub struct Loaded<A> {
-    api: A,
+    pub(super) api: A,
     _lib: Library,
     pub file: PathBuf,
 }
@@ -244,7 +242,7 @@ pub type Blas = Loaded<BlasApi>;
 
 /// The library in `slot`, loaded from the first of `candidates` that loads on first use; a
 /// failure is retried next time (the installer may have put the library there since).
-fn cached<A: Api>(
+pub(super) fn cached<A: Api>(
     slot: &Mutex<Option<Arc<Loaded<A>>>>,
     candidates: &[PathBuf],
 ) -> std::result::Result<Arc<Loaded<A>>, LoadError> {
@@ -271,7 +269,7 @@ pub fn driver() -> std::result::Result<Arc<Driver>, LoadError> {
     cached(&DRIVER, &candidates)
 }
 
-fn c_text(p: *const c_char) -> String {
+pub(super) fn c_text(p: *const c_char) -> String {
     if p.is_null() {
         return String::new();
     }
@@ -378,7 +376,7 @@ pub struct Ctx {
     drv: Arc<Driver>,
     device: CUdevice,
     /// The CUDA ordinal of its device.
-    ordinal: usize,
+    pub(super) ordinal: usize,
     handle: Handle,
 }
 
@@ -688,8 +686,8 @@ impl Drop for Event {
 /// live, and not be read, until `synchronize` returns (the async copy functions are `unsafe`
 /// for that reason).
 pub struct Stream {
-    ctx: Arc<Ctx>,
-    handle: Handle,
+    pub(super) ctx: Arc<Ctx>,
+    pub(super) handle: Handle,
 }
 
 impl Drop for Stream {
@@ -704,7 +702,7 @@ impl Drop for Stream {
     }
 }
 
-fn range_ok(what: &'static str, bytes: usize, len: usize) -> Result<()> {
+pub(super) fn range_ok(what: &'static str, bytes: usize, len: usize) -> Result<()> {
     if bytes > len {
         return Err(CudaError {
             call: what,

@@ -3,8 +3,10 @@
 //! bound for a healthy GPU: one that meets its floors finishes sooner. Context creation, the
 //! host's share of the memory compare and process start are not GPU time and are not counted.
 
+use super::cuda_backend::{copies, gemm};
 use super::kernels::{self, Step};
-use super::{cuda, LevelParams, Options, Target};
+use super::levels::{LevelParams, Options};
+use super::targets::Target;
 use crate::config::ProbeLevel;
 use crate::facts;
 use serde::Serialize;
@@ -86,7 +88,7 @@ pub struct Plan {
     pub params: LevelParams,
     pub gpus: Vec<GpuPlan>,
     pub pairs: Vec<PairPlan>,
-    pub skipped: Vec<super::Skipped>,
+    pub skipped: Vec<super::results::Skipped>,
     /// The all-GPU GEMM: every GPU at once, so counted once.
     pub gemm_sustained_s: f64,
     /// The bit-fade pauses: every GPU's memory test waits them at once, so counted once.
@@ -105,14 +107,19 @@ pub struct Plan {
 /// The GPUs a real run would probe (the same choice: `--gpu`, busy, MIG) and the GPU time each
 /// part takes at the floors.
 /// `cublas`: whether the run would find cuBLAS (else it times the agent's own GEMM).
-pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) -> Option<u64>, cublas: bool) -> Plan {
+pub fn estimate(
+    targets: &[Target],
+    opts: &Options<'_>,
+    memory_total: &dyn Fn(&str) -> Option<u64>,
+    cublas: bool,
+) -> Plan {
     let p = opts.params();
-    let (chosen, skipped) = super::choose(targets, opts);
+    let (chosen, skipped) = super::targets::choose(targets, opts);
     let rounds = (p.samples + 1) as f64 * p.copies_per_sample as f64; // a warm-up, then the samples
     let copy = rounds * p.buffer_bytes as f64;
     let secs = |bytes: f64, gbps: f64| bytes / (gbps * 1e9);
     // A latency chase (host or peer): a warm-up of a tenth, then the samples.
-    let chase = (p.samples as f64 + 0.1) * cuda::LATENCY_STEPS as f64 * PLANNED_LATENCY_S;
+    let chase = (p.samples as f64 + 0.1) * copies::LATENCY_STEPS as f64 * PLANNED_LATENCY_S;
     let fade = std::time::Duration::from_secs(p.fade_secs.into());
     let mut gpus = Vec::new();
     for (t, index) in &chosen {
@@ -139,9 +146,9 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
             .sum();
         let memory_bytes = memory_bytes as u64;
         let n = p.gemm_n as f64;
-        let gemm_s = (1 + cuda::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3) / (tflops * 1e12)
+        let gemm_s = (1 + gemm::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3) / (tflops * 1e12)
             + secs(2.0 * n * n * 4.0, h2d);
-        let products = (1 + cuda::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3);
+        let products = (1 + gemm::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3);
         let tensor_tflops = if cublas { CUBLAS_BF16_TFLOPS } else { PTX_MMA_TFLOPS };
         let gemm_tensor_s = 2.0 * (products / (tensor_tflops * 1e12) + secs(2.0 * n * n * 2.0, h2d));
         let mut g = GpuPlan {
@@ -197,7 +204,7 @@ pub fn plan(targets: &[Target], opts: &Options<'_>, memory_total: &dyn Fn(&str) 
         .map(|g| g.total_s)
         .chain(pairs.iter().map(|p| p.seconds))
         .fold(gemm_sustained_s + fade_s + allreduce_s, |a, b| a + b);
-    let gemm_library = if cublas { "cuBLAS" } else { super::cuda::PTX_GEMM }.to_string();
+    let gemm_library = if cublas { "cuBLAS" } else { gemm::PTX_GEMM }.to_string();
     let budget_s = match opts.level {
         ProbeLevel::None | ProbeLevel::Quick => Some(QUICK_BUDGET_S),
         ProbeLevel::Standard => Some(STANDARD_BUDGET_S),
@@ -265,7 +272,7 @@ pub fn render(plan: &Plan) -> String {
         plan.gemm_library,
         plan.params.gemm_n,
         plan.params.gemm_reps,
-        cuda::GEMM_SAMPLES
+        gemm::GEMM_SAMPLES
     );
     for g in &plan.gpus {
         let _ = writeln!(
@@ -347,7 +354,7 @@ mod tests {
     }
 
     fn total(level: ProbeLevel) -> Plan {
-        plan(&hgx(8), &Options::at(level), &|_| Some(80 << 30), true)
+        estimate(&hgx(8), &Options::at(level), &|_| Some(80 << 30), true)
     }
 
     #[test]
@@ -362,7 +369,7 @@ mod tests {
 
     #[test]
     fn the_plan_counts_what_the_probes_move() {
-        let p = plan(&hgx(1), &Options::at(ProbeLevel::Quick), &|_| Some(80 << 30), true);
+        let p = estimate(&hgx(1), &Options::at(ProbeLevel::Quick), &|_| Some(80 << 30), true);
         let g = &p.gpus[0];
         // 4 rounds (warm-up + 3 samples) × 8 copies × 64 MiB = 2 GiB at the 48 GB/s floor.
         assert!((g.h2d_s - (2u64 << 30) as f64 / 48e9).abs() < 1e-9, "{g:?}");
@@ -373,7 +380,7 @@ mod tests {
         let once = g.memory_bytes as f64 / 1905e9;
         assert!((g.memory_s - 6.0 * once - 3.0 * 100e6 / 1905e9).abs() < 1e-9, "{g:?}");
         assert_eq!((p.fade_s, p.gemm_library.as_str()), (0.0, "cuBLAS"));
-        let small = plan(&hgx(1), &Options::at(ProbeLevel::Full), &|_| Some(10 << 30), true);
+        let small = estimate(&hgx(1), &Options::at(ProbeLevel::Full), &|_| Some(10 << 30), true);
         assert_eq!(small.gpus[0].memory_bytes, (10u64 << 30) / 10 * 9);
     }
 
@@ -395,7 +402,7 @@ mod tests {
             deadline_for(&quick, limits),
             Duration::from_secs_f64(2.0 * quick.total_s) + Duration::from_secs(120)
         );
-        let one = plan(&hgx(1), &Options::at(ProbeLevel::Standard), &|_| Some(80 << 30), true);
+        let one = estimate(&hgx(1), &Options::at(ProbeLevel::Standard), &|_| Some(80 << 30), true);
         assert_eq!(deadline_for(&one, limits), Duration::from_secs_f64(2.0 * one.total_s) + Duration::from_secs(120));
     }
 
@@ -420,13 +427,13 @@ mod tests {
     #[test]
     fn without_cublas_the_gemm_is_planned_at_the_ptx_kernels_rate() {
         let opts = Options::at(ProbeLevel::Quick);
-        let with = plan(&hgx(1), &opts, &|_| Some(80 << 30), true);
-        let without = plan(&hgx(1), &opts, &|_| Some(80 << 30), false);
-        assert_eq!(without.gemm_library, crate::probe::cuda::PTX_GEMM);
+        let with = estimate(&hgx(1), &opts, &|_| Some(80 << 30), true);
+        let without = estimate(&hgx(1), &opts, &|_| Some(80 << 30), false);
+        assert_eq!(without.gemm_library, crate::probe::cuda_backend::gemm::PTX_GEMM);
         assert!(render(&without).contains("PTX fallback"), "{}", render(&without));
         // The same products at 3 TFLOP/s instead of the H100 SXM's cuBLAS floor.
         let n = without.params.gemm_n as f64;
-        let products = (1 + crate::probe::cuda::GEMM_SAMPLES as u32 * without.params.gemm_reps) as f64;
+        let products = (1 + crate::probe::cuda_backend::gemm::GEMM_SAMPLES as u32 * without.params.gemm_reps) as f64;
         let upload = with.gpus[0].gemm_s
             - products * 2.0 * n.powi(3) / (facts::probe_floors(0x2330).gemm_tflops.unwrap() * 1e12);
         let want = products * 2.0 * n.powi(3) / (PTX_SGEMM_TFLOPS * 1e12) + upload;

@@ -1,0 +1,588 @@
+//! The GEMMs on the CUDA backend: FP32 (cuBLAS's SGEMM, or the agent's `phq_sgemm` where the
+//! toolkit's cuBLAS is missing), BF16 and FP16 on the tensor cores (cuBLAS's GemmEx or the
+//! agent's `phq_mma_gemm`), and all GPUs at once for the full level's sustained load. Every
+//! product is checked exactly: its inputs are small integers, so the GPU must match the host to
+//! the bit.
+
+use super::{on, CudaBackend};
+use crate::cuda::{self, BlasHandle, Ctx, CudaError, DeviceBuffer, Function, PinnedBuffer, Stream};
+use crate::probe::backend::Half;
+use crate::probe::kernels::{self, Loaded};
+use crate::probe::levels::LevelParams;
+use crate::probe::results::{GemmResult, ProbeError};
+use std::sync::Arc;
+
+/// GEMM inputs: small integers in [-8, 8] (sign, exponent and mantissa bits all change from one
+/// to the next), so every product and every sum of up to 2^17 of them is an integer below 2^24
+/// and exact in FP32: the GPU must match the host to the bit. An entry depends on its row and
+/// column modulo 17 only, which lets the host build columns by copying and know the exact
+/// product from a 17×17 table. A fault that swaps rows 17 apart would go unseen here; a check
+/// on the device that compares every entry is the device-kernels work's.
+fn gemm_value(row: usize, col: usize, salt: usize) -> i64 {
+    (((row % 17) * 12 + (col % 17) * 3 + salt) % 17) as i64 - 8
+}
+
+const SALT_A: usize = 1;
+const SALT_B: usize = 5;
+
+/// Column 0 of a matrix and 17 more rows, as bytes: column j is the `n` values starting at row
+/// `13·j mod 17` (12·13 ≡ 3 mod 17, so shifting by 13·j rows adds the 3·j of column j).
+fn gemm_base_column(n: usize, salt: usize) -> Vec<u8> {
+    (0..n + 17).flat_map(|r| (gemm_value(r, 0, salt) as f32).to_ne_bytes()).collect()
+}
+
+fn gemm_column(base: &[u8], n: usize, col: usize) -> &[u8] {
+    let shift = (13 * col) % 17;
+    &base[shift * 4..(shift + n) * 4]
+}
+
+/// C's exact entries: `[i % 17][j % 17]`, each summed over all `n` products.
+fn gemm_reference(n: usize) -> Vec<[i64; 17]> {
+    (0..17)
+        .map(|i| std::array::from_fn(|j| (0..n).map(|k| gemm_value(i, k, SALT_A) * gemm_value(k, j, SALT_B)).sum()))
+        .collect()
+}
+
+/// Fills an n×n column-major matrix on the device, a staging buffer of whole columns at a time.
+fn upload_matrix(
+    stream: &Stream,
+    staging: &mut PinnedBuffer,
+    m: &DeviceBuffer,
+    n: usize,
+    salt: usize,
+) -> cuda::Result<()> {
+    let base = gemm_base_column(n, salt);
+    let per = (staging.len() / (n * 4)).max(1);
+    let mut col = 0;
+    while col < n {
+        let k = per.min(n - col);
+        for c in 0..k {
+            staging.as_mut_slice()[c * n * 4..(c + 1) * n * 4].copy_from_slice(gemm_column(&base, n, col + c));
+        }
+        // SAFETY: the staging buffer is not touched again until the stream is synchronized.
+        unsafe { stream.copy_h2d(m, col * n * 4, staging, k * n * 4) }?;
+        stream.synchronize()?;
+        col += k;
+    }
+    Ok(())
+}
+
+impl Half {
+    /// `v`, an integer from −8 to 8, in this format: BF16 is FP32's top half (8 bits of
+    /// mantissa); FP16 has FP32's sign, the exponent rebiased from 127 to 15 and the top ten
+    /// bits of the mantissa (IEEE 754 binary16). Both are exact for these integers, so the
+    /// product is the FP32 GEMM's either way.
+    fn bits(self, v: i64) -> u16 {
+        let b = (v as f32).to_bits();
+        match (self, v) {
+            (Half::Bf16, _) => (b >> 16) as u16,
+            (Half::Fp16, 0) => 0,
+            (Half::Fp16, _) => {
+                ((b >> 16) & 0x8000 | ((((b >> 23) & 0xff) - 127 + 15) << 10) | ((b >> 13) & 0x3ff)) as u16
+            }
+        }
+    }
+}
+
+/// Fills an n×n 16-bit matrix on the device: A row-major (each row contiguous), B column-major,
+/// the values of `gemm_value` — integers from −8 to 8, exact in BF16 and FP16 — so the product
+/// is the FP32 GEMM's, and `phq_gemm_check` checks it against the same table.
+fn upload_half(
+    stream: &Stream,
+    staging: &mut PinnedBuffer,
+    m: &DeviceBuffer,
+    (n, salt): (usize, usize),
+    row_major: bool,
+    half: Half,
+) -> cuda::Result<()> {
+    let per = (staging.len() / (n * 2)).max(1);
+    let mut line = 0;
+    while line < n {
+        let k = per.min(n - line);
+        for l in 0..k {
+            let dst = &mut staging.as_mut_slice()[l * n * 2..(l + 1) * n * 2];
+            for (e, slot) in dst.chunks_exact_mut(2).enumerate() {
+                let (row, col) = if row_major { (line + l, e) } else { (e, line + l) };
+                let bits = half.bits(gemm_value(row, col, salt));
+                slot.copy_from_slice(&bits.to_ne_bytes());
+            }
+        }
+        // SAFETY: the staging buffer is not touched again until the stream is synchronized.
+        unsafe { stream.copy_h2d(m, line * n * 2, staging, k * n * 2) }?;
+        stream.synchronize()?;
+        line += k;
+    }
+    Ok(())
+}
+
+/// How many entries of C each timed sample reads back and checks exactly.
+const GEMM_CHECKED_PER_SAMPLE: usize = 1024;
+pub(crate) const GEMM_SAMPLES: usize = 3;
+
+/// What computes the GEMM: cuBLAS's SGEMM, or the agent's own PTX kernel where the toolkit's
+/// cuBLAS is missing (a VM with the driver only).
+enum Gemmer<'a> {
+    Blas(BlasHandle),
+    /// cuBLAS's `cublasGemmEx`, BF16 or FP16 in, FP32 summed: the tensor cores through the
+    /// library.
+    BlasHalf(BlasHandle, Half),
+    Ptx(Function<'a>),
+    /// The agent's tensor-core kernel (`tensor.ptx`): BF16 or FP16 in, FP32 accumulate.
+    Mma(Function<'a>, Half),
+}
+
+impl Gemmer<'_> {
+    fn run(&self, stream: &Stream, n: usize, a: &DeviceBuffer, b: &DeviceBuffer, c: &DeviceBuffer) -> cuda::Result<()> {
+        match self {
+            Gemmer::Blas(h) => h.sgemm(n, a, b, c),
+            Gemmer::BlasHalf(h, half) => h.gemm_half(n, a, b, c, *half == Half::Fp16),
+            Gemmer::Ptx(f) | Gemmer::Mma(f, _) => {
+                // The kernel's launch contract and the bytes of an input entry: FP32 for
+                // phq_sgemm, 16 bits for phq_mma_gemm (whose last argument picks FP16 over
+                // BF16); C is FP32 for both.
+                let (shape, input, fp16) = match self {
+                    Gemmer::Mma(_, half) => (kernels::mma_shape(n), 2, Some(*half == Half::Fp16)),
+                    _ => (kernels::sgemm_shape(n), 4, None),
+                };
+                let (grid, block) = shape.map_err(|e| ctx_error(&e))?;
+                if a.len() < n * n * input || b.len() < n * n * input || c.len() < n * n * 4 {
+                    return Err(ctx_error(&format!("the GEMM's matrices hold fewer than {n}×{n} entries")));
+                }
+                let mut args = vec![
+                    cuda::Arg::U64(a.ptr()),
+                    cuda::Arg::U64(b.ptr()),
+                    cuda::Arg::U64(c.ptr()),
+                    cuda::Arg::U32(n as u32),
+                ];
+                args.extend(fp16.map(|h| cuda::Arg::U32(u32::from(h))));
+                // SAFETY: A and B hold n×n entries of the kernel's input type and C n×n floats
+                // (checked above), and the launch has the kernel's shape (`sgemm_shape`,
+                // `mma_shape`) and its parameters, so every tile it reads and writes lies
+                // inside them.
+                unsafe { stream.launch(f, grid, block, &args) }
+            }
+        }
+    }
+}
+
+/// One GPU's GEMM in progress: its inputs uploaded, what computes it, how each result is
+/// checked, and the figures so far. The single-GPU probe and the sustained all-GPU load both
+/// queue batches on it and finish them one sample at a time.
+struct GemmRun<'a> {
+    n: usize,
+    ctx: Arc<Ctx>,
+    stream: Stream,
+    a: DeviceBuffer,
+    b: DeviceBuffer,
+    c: DeviceBuffer,
+    gemmer: Gemmer<'a>,
+    library: &'static str,
+    /// On the GPU: the check kernel, the exact table, a result buffer and its host copy, the grid.
+    device_check: Option<(Function<'a>, DeviceBuffer, DeviceBuffer, PinnedBuffer, u32)>,
+    reference: Vec<[i64; 17]>,
+    readback: PinnedBuffer,
+    start: cuda::Event,
+    end: cuda::Event,
+    reps: u32,
+    tflops: Vec<f64>,
+    seconds: f64,
+    checked: usize,
+    wrong: u64,
+    max_rel: f64,
+    first_wrong: Option<String>,
+    samples: usize,
+}
+
+impl<'a> GemmRun<'a> {
+    fn new(
+        ctx: &Arc<Ctx>,
+        blas: Option<&Arc<cuda::Blas>>,
+        k: Option<&'a Loaded>,
+        n: usize,
+    ) -> cuda::Result<GemmRun<'a>> {
+        GemmRun::with(ctx, blas, k, n, None)
+    }
+
+    /// `tensor`: 16-bit inputs on the tensor cores (cuBLAS's GemmEx or the agent's
+    /// `phq_mma_gemm`), else FP32.
+    fn with(
+        ctx: &Arc<Ctx>,
+        blas: Option<&Arc<cuda::Blas>>,
+        k: Option<&'a Loaded>,
+        n: usize,
+        tensor: Option<Half>,
+    ) -> cuda::Result<GemmRun<'a>> {
+        let bytes = n * n * 4;
+        let input = if tensor.is_some() { n * n * 2 } else { bytes };
+        let (a, b, c) = (ctx.alloc(input)?, ctx.alloc(input)?, ctx.alloc(bytes)?);
+        let mut staging = ctx.pinned((16 << 20).max(n * 4).min(bytes))?;
+        let stream = ctx.stream()?;
+        if let Some(half) = tensor {
+            // The agent's kernel reads A by rows; cuBLAS reads column-major, as B is.
+            upload_half(&stream, &mut staging, &a, (n, SALT_A), blas.is_none(), half)?;
+            upload_half(&stream, &mut staging, &b, (n, SALT_B), false, half)?;
+        } else {
+            upload_matrix(&stream, &mut staging, &a, n, SALT_A)?;
+            upload_matrix(&stream, &mut staging, &b, n, SALT_B)?;
+        }
+        let reference = gemm_reference(n);
+        let (gemmer, library) = match (blas, k, tensor) {
+            (Some(blas), _, Some(half)) => {
+                let name = if half == Half::Fp16 { CUBLAS_FP16_GEMM } else { CUBLAS_BF16_GEMM };
+                (Gemmer::BlasHalf(BlasHandle::new(blas, &stream)?, half), name)
+            }
+            (_, Some(k), Some(half)) => match &k.tensor {
+                Ok(m) => {
+                    let name = if half == Half::Fp16 { PTX_MMA_FP16_GEMM } else { PTX_MMA_GEMM };
+                    (Gemmer::Mma(m.function("phq_mma_gemm")?, half), name)
+                }
+                Err(why) => return Err(ctx_error(why)),
+            },
+            (_, None, Some(_)) => return Err(ctx_error("the tensor-core GEMM needs the probe kernels")),
+            (Some(blas), _, None) => (Gemmer::Blas(BlasHandle::new(blas, &stream)?), "cuBLAS SGEMM"),
+            (None, Some(k), None) if n.is_multiple_of(16) => (Gemmer::Ptx(k.module.function("phq_sgemm")?), PTX_GEMM),
+            _ => return Err(ctx_error("the GEMM needs cuBLAS or the probe kernels")),
+        };
+        let device_check = match k {
+            Some(k) => {
+                let table = ctx.alloc(17 * 17 * 4)?;
+                let mut host = ctx.pinned(17 * 17 * 4)?;
+                for (slot, v) in host.as_mut_slice().chunks_exact_mut(4).zip(reference.iter().flatten()) {
+                    slot.copy_from_slice(&(*v as f32).to_ne_bytes());
+                }
+                // SAFETY: `host` lives until the synchronize just below.
+                unsafe { stream.copy_h2d(&table, 0, &host, 17 * 17 * 4) }?;
+                stream.synchronize()?;
+                Some((k.module.function("phq_gemm_check")?, table, ctx.alloc(256)?, ctx.pinned(256)?, k.grid))
+            }
+            None => None,
+        };
+        let (start, end) = (ctx.event()?, ctx.event()?);
+        Ok(GemmRun {
+            n,
+            ctx: ctx.clone(),
+            stream,
+            a,
+            b,
+            c,
+            gemmer,
+            library,
+            device_check,
+            reference,
+            readback: ctx.pinned(GEMM_CHECKED_PER_SAMPLE * 4)?,
+            start,
+            end,
+            reps: 0,
+            tflops: Vec::new(),
+            seconds: 0.0,
+            checked: 0,
+            wrong: 0,
+            max_rel: 0.0,
+            first_wrong: None,
+            samples: 0,
+        })
+    }
+
+    /// One untimed product, waited for.
+    fn warm_up(&self) -> cuda::Result<()> {
+        self.gemmer.run(&self.stream, self.n, &self.a, &self.b, &self.c)?;
+        self.stream.synchronize()
+    }
+
+    /// Queues `reps` products between the two events; returns at once.
+    fn queue(&mut self, reps: u32) -> cuda::Result<()> {
+        self.stream.record(&self.start)?;
+        for _ in 0..reps {
+            self.gemmer.run(&self.stream, self.n, &self.a, &self.b, &self.c)?;
+        }
+        self.stream.record(&self.end)?;
+        self.reps = reps;
+        Ok(())
+    }
+
+    /// Waits for the queued batch, keeps its rate and checks its product.
+    fn finish(&mut self) -> cuda::Result<()> {
+        let n = self.n;
+        self.stream.synchronize()?;
+        let ms = self.start.elapsed_ms(&self.end)? as f64;
+        self.seconds += ms / 1000.0;
+        self.tflops.push(2.0 * (n as f64).powi(3) * self.reps as f64 / (ms / 1000.0) / 1e12);
+        let sample = self.samples;
+        self.samples += 1;
+        // phq_gemm_check indexes C's entries in 32 bits (kernels.ptx): n below 65536.
+        let device_check = self.device_check.as_ref().filter(|_| n < 1 << 16);
+        if let Some((f, table, result, host, grid)) = device_check {
+            self.stream.memset_d32(result, 0, 0, 64)?;
+            let args = [
+                cuda::Arg::U64(self.c.ptr()),
+                cuda::Arg::U32(n as u32),
+                cuda::Arg::U64(table.ptr()),
+                cuda::Arg::U64(result.ptr()),
+            ];
+            // SAFETY: C holds n×n floats, the table 17×17, the result 256 bytes: all live.
+            unsafe { self.stream.launch(f, *grid, kernels::BLOCK, &args) }?;
+            // SAFETY: `host` is read only after the synchronize below.
+            unsafe { self.stream.copy_d2h(host, 0, result, 0, 200) }?;
+            self.stream.synchronize()?;
+            let b = host.as_slice();
+            let word = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+            let count = word(0);
+            self.wrong += count;
+            self.checked += n * n;
+            if count > 0 {
+                let (e, got, want) =
+                    (word(1), f32::from_bits(word(2) as u32) as f64, f32::from_bits(word(3) as u32) as f64);
+                self.max_rel = self.max_rel.max((got - want).abs() / want.abs().max(1.0));
+                self.first_wrong.get_or_insert(format!("C[{}, {}] = {got} for {want}", e % n as u64, e / n as u64));
+            }
+            return Ok(());
+        }
+        // Without the kernels: scattered entries, different ones each sample, read back.
+        let entries: Vec<(usize, usize)> = (0..GEMM_CHECKED_PER_SAMPLE)
+            .map(|s| {
+                let s = s + sample * GEMM_CHECKED_PER_SAMPLE;
+                ((s * 7919 + 13) % n, (s * 104_729 + 7) % n)
+            })
+            .collect();
+        for (slot, (i, j)) in entries.iter().enumerate() {
+            // SAFETY: `readback` is read only after the synchronize below.
+            unsafe { self.stream.copy_d2h(&self.readback, slot * 4, &self.c, (i + j * n) * 4, 4) }?;
+        }
+        self.stream.synchronize()?;
+        for (slot, (i, j)) in entries.iter().enumerate() {
+            let w = &self.readback.as_slice()[slot * 4..slot * 4 + 4];
+            let got = f32::from_ne_bytes([w[0], w[1], w[2], w[3]]) as f64;
+            let want = self.reference[i % 17][j % 17];
+            if got != want as f64 {
+                self.wrong += 1;
+                self.max_rel = self.max_rel.max((got - want as f64).abs() / (want.abs() as f64).max(1.0));
+                self.first_wrong.get_or_insert(format!("C[{i}, {j}] = {got} for {want}"));
+            }
+            self.checked += 1;
+        }
+        Ok(())
+    }
+
+    fn result(self) -> GemmResult {
+        let _ = &self.ctx;
+        GemmResult {
+            n: self.n,
+            tflops_samples: self.tflops,
+            max_rel_error: self.max_rel,
+            checked_entries: self.checked,
+            wrong_entries: self.wrong,
+            library: self.library.into(),
+            checked_on: if self.device_check.is_some() { "device" } else { "host" }.into(),
+            first_wrong: self.first_wrong,
+            seconds: self.seconds,
+        }
+    }
+}
+
+/// The GEMM probe: `samples` timed batches of `gemm_reps` products, every batch's product
+/// checked — on the GPU, every entry against the exact 17×17 table (`phq_gemm_check`), when the
+/// kernels are loaded; otherwise 1,024 scattered entries read back to the host.
+fn gemm(
+    ctx: &Arc<Ctx>,
+    blas: Option<&Arc<cuda::Blas>>,
+    k: Option<&Loaded>,
+    p: &LevelParams,
+) -> cuda::Result<GemmResult> {
+    let mut run = GemmRun::new(ctx, blas, k, p.gemm_n)?;
+    run.warm_up()?;
+    for _ in 0..GEMM_SAMPLES {
+        run.queue(p.gemm_reps)?;
+        run.finish()?;
+    }
+    Ok(run.result())
+}
+
+/// GPU time a sustained batch lasts at least: the host checks a batch's product between
+/// batches, and a GPU left waiting for that is not under load. A tenth of a second keeps the
+/// gaps to a few per cent (the check reads C once: milliseconds).
+const SUSTAINED_BATCH_S: f64 = 0.1;
+
+/// Every GPU in `gpus` computing GEMMs at once for `secs` seconds of GPU time: batches queued
+/// on all of them, then each finished and checked in turn, until every GPU has run `secs`.
+/// A GPU that fails drops out with its error; the others carry on.
+fn gemm_sustained(runs: &mut [(usize, Result<GemmRun<'_>, ProbeError>)], reps: u32, secs: f64) {
+    let wall = std::time::Instant::now();
+    // Each GPU's batch: `reps` at first, then as many products as fill SUSTAINED_BATCH_S at the
+    // rate its last batch ran (a tensor-core GEMM of 4096² takes a fifth of a millisecond).
+    let mut batch: Vec<u32> = vec![reps.max(1); runs.len()];
+    // A bound on the host's wait whatever the events say: three times the asked time, plus a minute.
+    let give_up = std::time::Duration::from_secs_f64(secs * 3.0 + 60.0);
+    for (gpu, r) in runs.iter_mut() {
+        if let Ok(run) = r {
+            if let Err(e) = run.warm_up() {
+                *r = Err(on(*gpu)(e));
+            }
+        }
+    }
+    loop {
+        let going = runs.iter().any(|(_, r)| r.as_ref().is_ok_and(|g| g.seconds < secs));
+        if !going || wall.elapsed() > give_up {
+            break;
+        }
+        for ((gpu, r), n) in runs.iter_mut().zip(&batch) {
+            if let Ok(run) = r {
+                if run.seconds < secs {
+                    if let Err(e) = run.queue(*n) {
+                        *r = Err(on(*gpu)(e));
+                    }
+                }
+            }
+        }
+        for ((gpu, r), n) in runs.iter_mut().zip(batch.iter_mut()) {
+            if let Ok(run) = r {
+                if run.reps > 0 {
+                    let before = run.seconds;
+                    if let Err(e) = run.finish() {
+                        *r = Err(on(*gpu)(e));
+                    } else {
+                        let per = (run.seconds - before) / f64::from(run.reps);
+                        if per > 0.0 {
+                            let want = (SUSTAINED_BATCH_S / per).ceil().min(f64::from(u32::MAX / 2));
+                            *n = (*n).max(want as u32).max(1);
+                        }
+                        run.reps = 0;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The library name a GEMM by the agent's own kernel reports.
+pub(crate) const PTX_GEMM: &str = "PTX fallback (phq_sgemm)";
+/// … and by its tensor-core kernel.
+pub(crate) const PTX_MMA_GEMM: &str = "PTX tensor cores, BF16 (phq_mma_gemm)";
+/// … and the tensor-core GEMM through cuBLAS.
+pub(crate) const CUBLAS_BF16_GEMM: &str = "cuBLAS GemmEx, BF16 (tensor cores)";
+/// The same two with FP16 inputs.
+pub(crate) const PTX_MMA_FP16_GEMM: &str = "PTX tensor cores, FP16 (phq_mma_gemm)";
+pub(crate) const CUBLAS_FP16_GEMM: &str = "cuBLAS GemmEx, FP16 (tensor cores)";
+
+fn ctx_error(text: &str) -> CudaError {
+    CudaError { call: "gemm", code: 801, name: "CUDA_ERROR_NOT_SUPPORTED".into(), text: text.into(), sticky: false }
+}
+
+impl CudaBackend {
+    /// cuBLAS when the toolkit's library loads, else the agent's PTX GEMM; checked on the GPU
+    /// when the kernels load.
+    pub(super) fn gemm_fp32(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+        let blas = cuda::blas();
+        let _near = self.near(gpu);
+        let ctx = self.ctx(gpu)?;
+        let kernels = match self.with_kernels(gpu) {
+            Ok((_, k)) => Some(k),
+            Err(ProbeError::Unavailable(_)) => None,
+            Err(e) => return Err(e),
+        };
+        match (&blas, kernels) {
+            (Err(e), None) => Err(ProbeError::Unavailable(format!(
+                "the GEMM probe needs cuBLAS (it ships with the CUDA toolkit: {e}) or the probe kernels, which the driver could not load"
+            ))),
+            (Err(e), Some(_)) if !p.gemm_n.is_multiple_of(16) => Err(ProbeError::Unavailable(format!("no cuBLAS ({e}), and the PTX GEMM needs n a multiple of 16"))),
+            _ => gemm(&ctx, blas.as_ref().ok(), kernels, p).map_err(on(gpu)),
+        }
+    }
+
+    /// BF16 or FP16 on the tensor cores: cuBLAS's `cublasGemmEx` where the toolkit is there, the agent's
+    /// `phq_mma_gemm` otherwise; every entry of every timed product checked on the GPU against
+    /// the exact table (read back in part when the kernels cannot load).
+    pub(super) fn gemm_half(&mut self, gpu: usize, p: &LevelParams, half: Half) -> Result<GemmResult, ProbeError> {
+        let blas = cuda::blas().ok();
+        let _near = self.near(gpu);
+        let ctx = self.ctx(gpu)?;
+        let k = match self.with_kernels(gpu) {
+            Ok((_, k)) => Some(k),
+            Err(ProbeError::Unavailable(_)) if blas.is_some() => None,
+            Err(e) => return Err(e),
+        };
+        if blas.is_none() {
+            if let Some(Err(why)) = k.map(|k| &k.tensor) {
+                return Err(ProbeError::Unavailable(format!("no cuBLAS, and {why}")));
+            }
+            if !p.gemm_n.is_multiple_of(16) {
+                return Err(ProbeError::Unavailable(
+                    "no cuBLAS, and the tensor kernel needs n a multiple of 16".into(),
+                ));
+            }
+        }
+        let mut run = GemmRun::with(&ctx, blas.as_ref(), k, p.gemm_n, Some(half)).map_err(on(gpu))?;
+        run.warm_up().map_err(on(gpu))?;
+        for _ in 0..GEMM_SAMPLES {
+            run.queue(p.gemm_reps).map_err(on(gpu))?;
+            run.finish().map_err(on(gpu))?;
+        }
+        Ok(run.result())
+    }
+
+    /// Every GPU at once (`gemm_sustained`) on the tensor cores: cuBLAS where it loads, the
+    /// agent's tensor kernel elsewhere (FP32 only where neither can run).
+    pub(super) fn gemm_all(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+        secs: f64,
+    ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
+        let blas = cuda::blas().ok();
+        // Contexts and kernels first (they need `self` mutably); then the runs borrow the kernels.
+        let mut ready = Vec::new();
+        for &g in gpus {
+            let r = self.ctx(g).and_then(|c| match self.with_kernels(g) {
+                Ok(_) => Ok((c, true)),
+                Err(ProbeError::Unavailable(_)) => Ok((c, false)),
+                Err(e) => Err(e),
+            });
+            ready.push((g, r));
+        }
+        let loaded = &self.kernels;
+        let mut runs: Vec<(usize, Result<GemmRun<'_>, ProbeError>)> = ready
+            .into_iter()
+            .map(|(g, r)| {
+                let run = r.and_then(|(ctx, has)| {
+                    let k = if has { loaded.get(&g).and_then(|x| x.as_ref().ok()) } else { None };
+                    if blas.is_none() && k.is_none() {
+                        return Err(ProbeError::Unavailable(
+                            "the GEMM needs cuBLAS (the CUDA toolkit) or the probe kernels, which the driver could not load".into(),
+                        ));
+                    }
+                    // The tensor cores where cuBLAS or the tensor kernel can drive them: the load
+                    // the GPUs are bought for, at its power and heat; FP32 otherwise.
+                    let tensor = blas.is_some() || k.is_some_and(|k| k.tensor.is_ok() && p.gemm_n.is_multiple_of(16));
+                    GemmRun::with(&ctx, blas.as_ref(), k, p.gemm_n, tensor.then_some(Half::Bf16)).map_err(on(g))
+                });
+                (g, run)
+            })
+            .collect();
+        gemm_sustained(&mut runs, p.gemm_reps, secs);
+        runs.into_iter().map(|(g, r)| (g, r.map(GemmRun::result))).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemm_columns_by_shifting_are_the_matrix_and_the_table_is_its_product() {
+        let n = 40;
+        for salt in [SALT_A, SALT_B] {
+            let base = gemm_base_column(n, salt);
+            for col in 0..n {
+                let want: Vec<u8> = (0..n).flat_map(|r| (gemm_value(r, col, salt) as f32).to_ne_bytes()).collect();
+                assert_eq!(gemm_column(&base, n, col), &want[..], "column {col}");
+            }
+        }
+        let table = gemm_reference(n);
+        for (i, j) in [(0, 0), (5, 33), (39, 17), (16, 1)] {
+            let want: i64 = (0..n).map(|k| gemm_value(i, k, SALT_A) * gemm_value(k, j, SALT_B)).sum();
+            assert_eq!(table[i % 17][j % 17], want);
+        }
+        // The values span [-8, 8], both signs.
+        let vals: std::collections::BTreeSet<i64> = (0..17).map(|r| gemm_value(r, 0, SALT_A)).collect();
+        assert_eq!((vals.first(), vals.last(), vals.len()), (Some(&-8), Some(&8), 17));
+    }
+}
