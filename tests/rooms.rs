@@ -23,6 +23,8 @@ const ROOMS: &[&[&str]] = &[
     &["config"],
     // Judging a snapshot.
     &["checks"],
+    // What each GPU has shown across boots (findings kept by serial).
+    &["history"],
     // Acting on what was judged: measuring the GPUs, installing the driver.
     &["probe", "install"],
     // Rendering a snapshot, its findings and the probe results.
@@ -47,10 +49,26 @@ fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
     for p in entries {
         if p.is_dir() {
             sources(&p, out);
-        } else if p.extension().is_some_and(|e| e == "rs") {
+        } else if p.extension().is_some_and(|e| e == "rs") && !test_only(&p) {
             out.push(p);
         }
     }
+}
+
+/// Whether the file is a module its parent declares only for tests (`#[cfg(test)] mod x;`):
+/// a test double or the tests beside a room are not part of the house the build ships.
+fn test_only(file: &Path) -> bool {
+    let Some(stem) = file.file_stem().and_then(|s| s.to_str()) else { return false };
+    let dir = file.parent().unwrap_or(Path::new("."));
+    // The parent is `dir.rs` beside the directory, or `mod.rs`/`lib.rs` in the same directory.
+    let parents = [dir.with_extension("rs"), dir.join("mod.rs"), dir.join("lib.rs")];
+    parents.iter().filter(|p| p.as_path() != file).filter_map(|p| std::fs::read_to_string(p).ok()).any(|text| {
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        lines.windows(2).any(|w| {
+            let decl = w[1].trim_start_matches("pub(crate) ").trim_start_matches("pub ");
+            w[0] == "#[cfg(test)]" && decl == format!("mod {stem};")
+        })
+    })
 }
 
 /// The module path of a file under `src/`: `checks/mod.rs` → `[checks]`, `checks/xid/sxid.rs`
