@@ -304,7 +304,7 @@ fn an_xid_in_two_boots_escalates_to_the_platform() {
     assert!(copied.success());
     let state = dir.path().join("state");
     let boot_id = root.join("proc/sys/kernel/random/boot_id");
-    let xid_on_0c = |boot: &str| -> (Value, Value) {
+    let xid_on_0c = |boot: &str| -> (Value, Value, String) {
         std::fs::write(&boot_id, format!("{boot}\n")).unwrap();
         let (a, _) = start_on(&root, 0o600, Some(&state)).expect("serve");
         wait_ready(&a);
@@ -313,23 +313,27 @@ fn an_xid_in_two_boots_escalates_to_the_platform() {
         let report: Value = serde_json::from_str(body(&r)).unwrap();
         validate(&report);
         let f = findings(&report, "gpu.xid").into_iter().find(|f| f["gpu"] == "0000:0c:00.0").unwrap().clone();
-        (f, report["verdict"].clone())
+        let metrics = body(&get(a.port, "/metrics", &auth()).1).to_string();
+        (f, report["verdict"].clone(), metrics)
     };
-    let (first, _) = xid_on_0c("boot-a");
+    let (first, _, _) = xid_on_0c("boot-a");
     assert_eq!((first["action"].as_str(), first["evidence"]["boots"].as_u64()), (Some("reboot_host"), Some(1)));
     let serial = first["evidence"]["serial"].as_str().unwrap().to_string();
     assert!(!serial.starts_with("pci:"), "NVML gives the board serial: {serial}");
 
-    let (second, verdict) = xid_on_0c("boot-b");
+    let (second, verdict, metrics) = xid_on_0c("boot-b");
     assert_eq!((second["action"].as_str(), second["owner"].as_str()), (Some("inspect_hardware"), Some("platform")));
     assert_eq!(second["evidence"]["boot_ids"], serde_json::json!(["boot-a", "boot-b"]));
     assert!(second["summary"].as_str().unwrap().contains(&format!("serial {serial}")), "{second:#}");
     assert_eq!((verdict["action"].as_str(), verdict["owner"].as_str()), (Some("inspect_hardware"), Some("platform")));
     assert!(verdict["gpus"].as_array().unwrap().contains(&"0000:0c:00.0".into()));
+    assert!(metrics.contains("phq_verdict{action=\"inspect_hardware\",owner=\"platform\"} 1"), "{metrics}");
+    assert_eq!(metrics.matches("phq_verdict{").count(), 1);
+    assert!(metrics.contains(&format!("serial=\"{serial}\"")), "phq_gpu_info carries the serial");
 
     // A third boot, the same kernel log (the fixture keeps its Xid line): still open, three boots;
     // the history file holds the fault by serial.
-    let (third, _) = xid_on_0c("boot-c");
+    let (third, _, _) = xid_on_0c("boot-c");
     assert_eq!((third["action"].as_str(), third["evidence"]["boots"].as_u64()), (Some("inspect_hardware"), Some(3)));
     let history: Value = serde_json::from_slice(&std::fs::read(state.join("history.json")).unwrap()).unwrap();
     let fault = history["faults"]

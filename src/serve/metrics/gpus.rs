@@ -319,6 +319,9 @@ fn gpu_info(g: &Gpu) -> Vec<Sample<f64>> {
         ("model", r.model.clone()),
         ("pci_id", r.pci_id.clone()),
         ("driver", r.driver.clone().unwrap_or_default()),
+        // The physical part, whatever VM it is in (issue 39): NVML's board serial; empty where
+        // NVML could not read it (the report's `identity_note` says why).
+        ("serial", r.serial.clone().unwrap_or_default()),
     ];
     vec![(own, 1.0)]
 }

@@ -225,6 +225,13 @@ fn verdict_families(fam: &mut Families, r: &Report) {
         };
         check.get_or_create(&l(&[("check", &f.id), ("gpu", f.gpu.as_deref().unwrap_or(""))])).set(v);
     }
+    // The one series a platform routes on (issue 39): the report's verdict, 1; no other
+    // combination is present, so `phq_verdict{owner="platform"}` selects the VMs waiting on it.
+    let verdict = fam.gauge(
+        "phq_verdict",
+        "The most urgent action over all findings and whose move it is (docs/checks.md); always 1",
+    );
+    verdict.get_or_create(&l(&[("action", r.verdict.action.word()), ("owner", r.verdict.owner.word())])).set(1.0);
 }
 
 /// Xid counters per GPU, from the report: the total from the first scrape, and per code and
