@@ -75,6 +75,9 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
     // The port is systemd's from sockets.target on (issue 37): the socket is enabled there.
     let sockets = root.join("etc/systemd/system/sockets.target.wants");
     assert!(link_exists(&sockets.join("phq-agent.socket")), "phq-agent.socket is not enabled");
+    // One socket unit, the service's: cargo-deb looks for `<package>.socket` for every unit it
+    // is given, so the installer's unit scripts live in a directory of their own.
+    assert!(!root.join("lib/systemd/system/phq-agent-install.socket").exists(), "a second socket unit on 9440");
     let passwd = std::fs::read_to_string(root.join("etc/passwd")).unwrap();
     let user = passwd.lines().find(|l| l.starts_with("phq-agent:")).expect("the phq-agent user");
     let uid: u32 = user.split(':').nth(2).unwrap().parse().unwrap();

@@ -55,7 +55,7 @@ fn unit_start_timeout_outlasts_the_longest_nvml_init_deadline() {
 
 #[test]
 fn install_unit_resumes_once_and_is_measured() {
-    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/systemd/phq-agent-install.service");
+    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/systemd/install/phq-agent-install.service");
     let text = std::fs::read_to_string(&unit).unwrap();
     for needed in [
         "Type=oneshot",
