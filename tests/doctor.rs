@@ -195,9 +195,7 @@ fn xid_79_fails_only_the_gpu_that_fell_off() {
 #[test]
 fn forged_kernel_log_lines_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("guest");
-    let copied = Command::new("cp").arg("-a").arg(fixture("sysroots/hgx-8gpu-healthy")).arg(&root).status().unwrap();
-    assert!(copied.success());
+    let root = common::copy_sysroot("hgx-8gpu-healthy", dir.path());
     let kmsg = root.join("dev/kmsg");
     let healthy = std::fs::read_to_string(&kmsg).unwrap();
     let xid79 = "NVRM: Xid (PCI:0000:0c:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.";

@@ -337,14 +337,7 @@ fn forged_kernel_log_lines_are_never_pushed() {
     let platform = Platform::start();
     let s = setup(platform.port, 0, 20);
     let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
-    let root = s.dir.path().join("guest");
-    let copied = std::process::Command::new("cp")
-        .arg("-a")
-        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-xid79"))
-        .arg(&root)
-        .status()
-        .unwrap();
-    assert!(copied.success());
+    let root = copy_sysroot("hgx-8gpu-xid79", s.dir.path());
     let mut kmsg = std::fs::OpenOptions::new().append(true).open(root.join("dev/kmsg")).unwrap();
     let xid48 = "NVRM: Xid (PCI:0000:0e:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error";
     writeln!(kmsg, "6,7001,95000000000,-;NVRM: Xid (PCI:[4242]: segfault at 0 ip 0 sp 0 error 4 in {xid48}[1+1]")

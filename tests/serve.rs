@@ -177,14 +177,7 @@ fn ready_after_the_first_snapshot_then_serves_with_credentials_only() {
 #[test]
 fn sxids_reach_metrics_and_status_as_the_driver_writes_them() {
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("guest");
-    let copied = Command::new("cp")
-        .arg("-a")
-        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
-        .arg(&root)
-        .status()
-        .unwrap();
-    assert!(copied.success());
+    let root = copy_sysroot("hgx-8gpu-healthy", dir.path());
     let Some((a, _)) = start_on(&root, 0o600, None) else { return };
     wait_ready(&a);
     let metrics = || body(&get(a.port, "/metrics", &auth()).1).to_string();
@@ -237,14 +230,7 @@ fn sxids_reach_metrics_and_status_as_the_driver_writes_them() {
 #[test]
 fn forged_kernel_log_lines_do_not_move_healthz() {
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("guest");
-    let copied = Command::new("cp")
-        .arg("-a")
-        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"))
-        .arg(&root)
-        .status()
-        .unwrap();
-    assert!(copied.success());
+    let root = copy_sysroot("hgx-8gpu-healthy", dir.path());
     let Some((a, _)) = start_on(&root, 0o600, None) else { return };
     wait_ready(&a);
     assert_eq!(get(a.port, "/healthz", "").0, 200);
@@ -294,14 +280,7 @@ fn forged_kernel_log_lines_do_not_move_healthz() {
 #[test]
 fn an_xid_in_two_boots_escalates_to_the_platform() {
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("guest");
-    let copied = Command::new("cp")
-        .arg("-a")
-        .arg(repo().join("tests/fixtures/sysroots/hgx-8gpu-xid79"))
-        .arg(&root)
-        .status()
-        .unwrap();
-    assert!(copied.success());
+    let root = copy_sysroot("hgx-8gpu-xid79", dir.path());
     let state = dir.path().join("state");
     let boot_id = root.join("proc/sys/kernel/random/boot_id");
     let xid_on_0c = |boot: &str| -> (Value, Value, String) {

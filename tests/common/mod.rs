@@ -301,6 +301,20 @@ impl PrivateBus {
     }
 }
 
+/// A copy of the fixture sysroot `name` at `dir/guest`, for a test that writes into it (its
+/// kernel log, its boot id); its path.
+pub fn copy_sysroot(name: &str, dir: &Path) -> PathBuf {
+    let root = dir.join("guest");
+    let copied = Command::new("cp")
+        .arg("-a")
+        .arg(repo().join("tests/fixtures/sysroots").join(name))
+        .arg(&root)
+        .status()
+        .unwrap();
+    assert!(copied.success(), "cp -a {name}");
+    root
+}
+
 /// `phq-agent serve` over the healthy 8-GPU fixture, the fake NVML with `scenario` and `bus`.
 pub fn serve_command(cfg: &Path, scenario: &Path, bus: &PrivateBus) -> Command {
     serve_command_on(&repo().join("tests/fixtures/sysroots/hgx-8gpu-healthy"), cfg, scenario, bus)
