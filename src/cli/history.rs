@@ -44,14 +44,15 @@ pub fn render(h: &crate::history::History) -> String {
             None if f.boots.len() >= 2 => "open, came back after a reboot: inspect_hardware".into(),
             None => "open".into(),
         };
-        let serial = crate::report::untrusted::printable(&f.serial).into_owned();
-        let _ = writeln!(
-            o,
-            "{serial:<16}  {:<13}  {fault:<24}  {:>5}  {:<20}  {state}",
+        let line = format!(
+            "{:<16}  {:<13}  {fault:<24}  {:>5}  {:<20}  {state}",
+            f.serial,
             f.gpu,
             f.boots.len(),
             f.last_seen.to_string()
         );
+        // The file is the service's, but the guest's root can write it: printable, as a bundle.
+        let _ = writeln!(o, "{}", crate::report::untrusted::printable(&line));
     }
     o
 }
