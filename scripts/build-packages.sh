@@ -8,14 +8,14 @@
 #     builds of the same commit give the same bytes (scripts/check-reproducible shows it);
 #   - with PHQ_SIGNING_KEY (a key id or fingerprint in the caller's GnuPG keyring), signed apt
 #     and dnf repositories under target/packages/repos/ (scripts/publish-repos).
-# Installs the cargo tools first when they are missing.
+# Installs the cargo tools first when they are missing (scripts/cargo-install-tool).
 #   scripts/build-packages.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v cargo-deb >/dev/null || cargo install --locked --quiet cargo-deb@3.8.0
-command -v cargo-generate-rpm >/dev/null || cargo install --locked --quiet cargo-generate-rpm@0.21.1
-command -v cargo-auditable >/dev/null || cargo install --locked --quiet cargo-auditable@0.7.7
-command -v cargo-cyclonedx >/dev/null || cargo install --locked --quiet cargo-cyclonedx@0.5.9
+scripts/cargo-install-tool cargo-deb 3.8.0
+scripts/cargo-install-tool cargo-generate-rpm 0.21.1
+scripts/cargo-install-tool cargo-auditable 0.7.7
+scripts/cargo-install-tool cargo-cyclonedx 0.5.9
 start=$(date +%s)
 # The commit's time, for every time stamp the packaging tools write (they read this variable).
 if [ -z "${SOURCE_DATE_EPOCH:-}" ]; then

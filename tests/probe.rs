@@ -12,6 +12,7 @@ use common::{fake_cuda, fake_nvml, repo};
 use serde_json::Value;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// A probe over a fixture: sysroot, NVML scenario and CUDA scenario, a private state dir.
@@ -80,6 +81,60 @@ impl Run {
         v.sort();
         v
     }
+
+    /// Runs the probe once and keeps what several tests read: its output and the files it left in
+    /// its state directory. The directory goes with the run, so nothing outlives the test binary.
+    fn keep(self, args: &[&str]) -> Kept {
+        let probed = self.run(args);
+        let state = std::fs::read_dir(self.dir.path().join("state"))
+            .map(|d| d.flatten().filter(|e| e.path().is_file()).collect::<Vec<_>>())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
+            .collect();
+        Kept { probed, state }
+    }
+
+    /// A run whose state directory starts as `kept` left its own: a later run on the same machine.
+    fn after(kept: &Kept, sysroot: &'static str, nvml: &'static str, cuda: &'static str) -> Run {
+        let r = Run::new(sysroot, nvml, cuda);
+        let state = r.dir.path().join("state");
+        std::fs::create_dir_all(&state).unwrap();
+        for (name, bytes) in &kept.state {
+            std::fs::write(state.join(name), bytes).unwrap();
+        }
+        r
+    }
+}
+
+/// A probe run several tests read (each asserts what it asserted when it ran the command
+/// itself): made once per test binary, by the first test that asks while the others wait.
+struct Kept {
+    probed: Probed,
+    /// The state directory's files after the run (the baseline it recorded, its lock file).
+    state: Vec<(String, Vec<u8>)>,
+}
+
+impl Kept {
+    fn state_file(&self, name: &str) -> &[u8] {
+        let file = self.state.iter().find(|(n, _)| n == name);
+        &file.unwrap_or_else(|| panic!("the run left no state/{name}")).1
+    }
+}
+
+/// `probe` on the single H200 (`cuda-h200`), the quick level, from an empty state directory.
+fn h200_quick() -> &'static Kept {
+    static RUN: OnceLock<Kept> = OnceLock::new();
+    RUN.get_or_init(|| Run::new("h200-single", "h200-vm", "cuda-h200").keep(&[]))
+}
+
+/// `probe --gpu 0 --gpu 1` on the healthy HGX (`cuda-hgx-8gpu`), the quick level, from an empty
+/// state directory.
+fn hgx_gpus_0_and_1() -> &'static Kept {
+    static RUN: OnceLock<Kept> = OnceLock::new();
+    RUN.get_or_init(|| {
+        Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu").keep(&["--gpu", "0", "--gpu", "1"])
+    })
 }
 
 fn scenario(name: &str) -> PathBuf {
@@ -549,8 +604,7 @@ fn dry_run_plans_the_gpu_time_and_touches_no_gpu() {
 /// H200 (3110 GB/s in the scenario, DCGM's measured figure) passes.
 #[test]
 fn an_h200_vm_is_held_to_its_own_floors() {
-    let r = Run::new("h200-single", "h200-vm", "cuda-h200");
-    let p = r.run(&[]);
+    let p = &h200_quick().probed;
     assert_eq!(p.code, 0, "{:#}", p.report["findings"]);
     let gpu = "0000:09:00.0";
     let d2d = p.finding("probe.d2d-bandwidth", gpu);
@@ -575,17 +629,18 @@ fn an_h200_vm_is_held_to_its_own_floors() {
 /// and the run exits 1 (degraded).
 #[test]
 fn a_gpu_slower_than_its_own_baseline_warns_above_the_floor() {
-    let mut r = Run::new("h200-single", "h200-vm", "cuda-h200");
     let gpu = "0000:09:00.0";
-    let first = r.run(&[]);
+    // The first run is the one `an_h200_vm_is_held_to_its_own_floors` reads; the later one starts
+    // from the state directory it left.
+    let kept = h200_quick();
+    let first = &kept.probed;
     assert_eq!(first.code, 0, "{:#}", first.report["findings"]);
     let b = first.finding("probe.baseline", gpu);
     assert!(b["summary"].as_str().unwrap().starts_with("baseline recorded"), "{b}");
-    let file: Value =
-        serde_json::from_slice(&std::fs::read(r.dir.path().join("state/probe-baseline.json")).unwrap()).unwrap();
+    let file: Value = serde_json::from_slice(kept.state_file("probe-baseline.json")).unwrap();
     let serial = b["evidence"]["serial"].as_str().unwrap();
     assert!((file["gpus"][serial]["quick"]["figures"]["h2d_gbps"].as_f64().unwrap() - 55.0).abs() < 0.1, "{file}");
-    r.cuda = "cuda-h200-slower-h2d";
+    let r = Run::after(kept, "h200-single", "h200-vm", "cuda-h200-slower-h2d");
     let later = r.run(&[]);
     assert_eq!(later.severity("probe.h2d-bandwidth", gpu), "pass");
     let b = later.finding("probe.baseline", gpu);
@@ -651,8 +706,7 @@ fn a_single_wrong_gemm_entry_is_found_by_the_device_check() {
 /// (`without_cublas_the_ptx_gemm_gives_the_verdict`).
 #[test]
 fn the_tensor_core_gemm_is_checked_exactly_on_every_gpu() {
-    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
-    let p = r.run(&["--gpu", "0", "--gpu", "1"]);
+    let p = &hgx_gpus_0_and_1().probed;
     for gpu in &PCI[..2] {
         let f = p.finding("probe.gemm-tensor", gpu);
         assert_eq!(f["severity"], "pass", "{f}");
@@ -776,8 +830,9 @@ fn the_all_reduce_over_the_hgx_passes_at_the_nvls_rate_and_shows_the_rings_with_
     assert_eq!(nccl["checked_words"], 8 * (16u64 << 30) / 8);
     assert_eq!(nccl["wrong_words"], 0);
     assert!((a["nvls_off"]["ok"]["busbw_gbps"]["median"].as_f64().unwrap() - 375.0).abs() < 0.01, "{a}");
-    // Without the option the quick level runs no all-reduce.
-    let q = r.run(&["--gpu", "0", "--gpu", "1"]);
+    // Without the option the quick level runs no all-reduce (the same command as the tensor-core
+    // test's, run once for both).
+    let q = &hgx_gpus_0_and_1().probed;
     assert!(q.report["probes"].get("allreduce").is_none(), "{:#}", q.report["probes"]);
 }
 
