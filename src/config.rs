@@ -143,6 +143,11 @@ pub struct ProbesConfig {
     /// plus this (NCCL's start: topology search and a connection per pair of GPUs).
     #[serde(deserialize_with = "duration")]
     pub nccl_allowance: Duration,
+    /// `POST /v1/probes`: at most this many accepted requests per `request_window`; 0 turns
+    /// the platform's re-checks off (`serve::recheck` rule 3).
+    pub max_requests: u32,
+    #[serde(deserialize_with = "duration")]
+    pub request_window: Duration,
 }
 
 /// What NCCL's start is allowed by default (`probes.nccl_allowance`), beyond an all-reduce's
@@ -151,6 +156,11 @@ pub struct ProbesConfig {
 /// (NVIDIA/nccl#1646, DGX B200) — and short enough that a hang is reported within minutes.
 pub const NCCL_ALLOWANCE: Duration = Duration::from_secs(180);
 
+/// The platform's re-checks allowed per hour by default (`probes.max_requests`). Our choice: a
+/// re-check before each hand-over to a new tenant needs one; six leave room for retries, and
+/// six full levels (about 300 s each with cuBLAS) still hold the GPUs for under half the hour.
+pub const MAX_REQUESTS: u32 = 6;
+
 impl Default for ProbesConfig {
     fn default() -> Self {
         ProbesConfig {
@@ -158,6 +168,8 @@ impl Default for ProbesConfig {
             when_idle: Some(Duration::from_secs(24 * 3600)),
             deadline_margin: Duration::from_secs(120),
             nccl_allowance: NCCL_ALLOWANCE,
+            max_requests: MAX_REQUESTS,
+            request_window: Duration::from_secs(3600),
         }
     }
 }

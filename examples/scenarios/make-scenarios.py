@@ -194,6 +194,9 @@ def h200_vm():
         "memory": {"total_bytes": 150754820096, "used_bytes": 0},
         "temperature_c": 36,
         "persistence_mode": True,
+        # Idle, as NVML tells it (no compute process, no utilisation): a re-check may run.
+        "processes": [],
+        "utilization": {"gpu": 0, "memory": 0},
     }
     return {**DRIVER, "devices": [d]}
 

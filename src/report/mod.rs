@@ -9,6 +9,7 @@
 pub mod bundle;
 pub mod html;
 pub mod matrix;
+pub mod probe_run;
 pub mod table;
 pub mod untrusted;
 
@@ -147,6 +148,9 @@ pub struct Report {
     /// The one field a platform routes on: the most urgent action over all findings.
     #[serde(default)]
     pub verdict: Verdict,
+    /// The probe run whose results `probes` holds (the service's reports; absent elsewhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_run: Option<probe_run::ProbeRun>,
 }
 
 /// The most urgent action over a report's findings (`route::Action`'s order), whose move it is,
@@ -317,7 +321,7 @@ pub fn event_report(base: &Report, event: Event) -> Report {
         }
         Event::Install { .. } => (vec![], vec![]),
     };
-    Report { gpus, findings, probes: None, event: Some(event), ..base.clone() }
+    Report { gpus, findings, probes: None, probe_run: None, event: Some(event), ..base.clone() }
 }
 
 /// The agent id: configured, else the VM firmware UUID, else the hostname.
@@ -422,5 +426,6 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
         install: None,
         event: None,
         verdict,
+        probe_run: None,
     }
 }

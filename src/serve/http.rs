@@ -13,12 +13,14 @@
 //!   half-sent one) of the address that holds the most. A readiness probe from another address
 //!   therefore always gets in.
 
+use super::recheck::{Desk, Refused};
 use super::{current, Published, Shared};
+use crate::config::ProbeLevel;
 use crate::report::Health;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, FromRef, Path, State};
 use axum::http::{header, HeaderMap, Response, StatusCode};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Extension;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -42,12 +44,33 @@ pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-pub fn router(shared: Shared) -> Router {
+/// A request body larger than this is refused (413) before it is read whole: the one body the
+/// endpoint takes, `POST /v1/probes`'s, is a few bytes of JSON.
+pub const MAX_REQUEST_BODY: usize = 1024;
+
+/// What the routes answer from: the published snapshot, and the probe desk that
+/// `POST /v1/probes` asks.
+#[derive(Clone)]
+pub struct Endpoint {
+    pub shared: Shared,
+    pub desk: Arc<Desk>,
+}
+
+impl FromRef<Endpoint> for Shared {
+    fn from_ref(e: &Endpoint) -> Shared {
+        e.shared.clone()
+    }
+}
+
+pub fn router(endpoint: Endpoint) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/v1/status", get(status))
         .route("/metrics", get(metrics))
-        .with_state(shared)
+        .route("/v1/probes", post(request_probes))
+        .route("/v1/probes/{id}", get(probe_run))
+        .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
+        .with_state(endpoint)
 }
 
 /// The accept queue the listener asks for. A flood of connections arrives in bursts; once the
@@ -72,11 +95,11 @@ pub struct ClientCert(pub bool);
 /// Accepts connections until `shutdown` resolves; HTTPS when `tls` is given.
 pub async fn serve(
     listener: TcpListener,
-    shared: Shared,
+    endpoint: Endpoint,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    let app = router(shared);
+    let app = router(endpoint);
     let admission = Arc::new(Admission::new(MAX_CONNECTIONS, MAX_PER_PEER));
     tokio::pin!(shutdown);
     loop {
@@ -382,6 +405,104 @@ async fn metrics(
         r = r.header(header::CONTENT_ENCODING, "gzip");
     }
     r.body(Body::from(body)).unwrap_or_default()
+}
+
+fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+    let mut body = serde_json::to_vec_pretty(value).unwrap_or_default();
+    body.push(b'\n');
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body))
+        .unwrap_or_default()
+}
+
+/// `POST /v1/probes`'s body: `{"level": "quick" | "standard" | "full"}`, or nothing for quick.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProbeRequest {
+    #[serde(default)]
+    level: Option<ProbeLevel>,
+}
+
+/// The level a request asks for; the error is said to the caller (400).
+fn requested_level(body: &[u8]) -> Result<ProbeLevel, String> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(ProbeLevel::Quick);
+    }
+    let r: ProbeRequest = serde_json::from_slice(body).map_err(|e| format!("the body is not a probe request: {e}"))?;
+    match r.level.unwrap_or(ProbeLevel::Quick) {
+        ProbeLevel::None => Err("level \"none\" runs nothing; ask for quick, standard or full".into()),
+        level => Ok(level),
+    }
+}
+
+/// The platform's re-check (`recheck` rules 1–3): 202 and the run, or why not — 409 while a run
+/// is going or a GPU is busy, 429 past the configured rate, 403 when requests are off.
+async fn request_probes(
+    State(e): State<Endpoint>,
+    Extension(cert): Extension<ClientCert>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response<Body> {
+    let p = match published_for(&e.shared, &headers, cert) {
+        Ok(p) => p,
+        Err(r) => return *r,
+    };
+    let level = match requested_level(&body) {
+        Ok(l) => l,
+        Err(why) => return json(StatusCode::BAD_REQUEST, &serde_json::json!({ "error": why })),
+    };
+    match e.desk.request(level, p.snapshot.clone()) {
+        Ok(run) => {
+            let mut r = json(StatusCode::ACCEPTED, &serde_json::json!(run));
+            if let Ok(v) = header::HeaderValue::from_str(&format!("/v1/probes/{}", run.id)) {
+                r.headers_mut().insert(header::LOCATION, v);
+            }
+            r
+        }
+        Err(Refused::Running(run)) => json(
+            StatusCode::CONFLICT,
+            &serde_json::json!({ "error": "a probe run is already queued or running", "run": run }),
+        ),
+        Err(Refused::Busy(gpus)) => json(
+            StatusCode::CONFLICT,
+            &serde_json::json!({ "error": "not every GPU is idle: the probes would take GPU time from a job", "busy": gpus }),
+        ),
+        Err(Refused::Limited(wait)) => {
+            let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+            let mut r = json(
+                StatusCode::TOO_MANY_REQUESTS,
+                &serde_json::json!({ "error": "past probes.max_requests per probes.request_window", "retry_after_s": secs }),
+            );
+            r.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
+            r
+        }
+        Err(Refused::Off) => json(
+            StatusCode::FORBIDDEN,
+            &serde_json::json!({ "error": "re-checks are off on this VM (probes.max_requests = 0)" }),
+        ),
+        Err(Refused::Stopping) => plain(StatusCode::SERVICE_UNAVAILABLE, "stopping\n"),
+    }
+}
+
+/// `GET /v1/probes/{id}`: a run's record while it is current or among the last kept.
+async fn probe_run(
+    State(e): State<Endpoint>,
+    Extension(cert): Extension<ClientCert>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response<Body> {
+    if let Err(r) = published_for(&e.shared, &headers, cert) {
+        return *r;
+    }
+    match e.desk.run(&id) {
+        Some(run) => json(StatusCode::OK, &serde_json::json!(run)),
+        None => {
+            let why = format!("no such probe run (the last {} are kept)", super::recheck::KEPT_RUNS);
+            json(StatusCode::NOT_FOUND, &serde_json::json!({ "error": why }))
+        }
+    }
 }
 
 /// `(media range or coding, q)` of an Accept-style header (RFC 9110 §12.4.2): q defaults to 1;

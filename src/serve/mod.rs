@@ -50,6 +50,7 @@ pub mod http;
 pub mod metrics;
 pub mod port;
 pub mod push;
+pub mod recheck;
 pub mod service;
 pub mod tls;
 
@@ -402,7 +403,7 @@ pub struct Inputs {
     pub token: Option<String>,
     pub started_at: Timestamp,
     /// The last probe run's results and findings, carried into every report until the next.
-    pub probes: Option<Arc<(serde_json::Value, Vec<checks::Finding>)>>,
+    pub probes: Option<Arc<ProbeResults>>,
     /// What the push loop last saw, for agent.platform-reachable.
     pub push: Arc<std::sync::Mutex<agent_checks::PushState>>,
     /// Event accounting and the spool, for `agent.events` in every report.
@@ -414,6 +415,15 @@ pub struct Inputs {
     /// The fault history across boots (`crate::history`), kept in the state directory; `None`
     /// where there is none to keep (tests of the snapshot alone).
     pub history: Option<Arc<std::sync::Mutex<crate::history::History>>>,
+}
+
+/// One probe run's results, as the service carries them into its reports.
+#[derive(Debug, Clone)]
+pub struct ProbeResults {
+    pub probes: serde_json::Value,
+    pub findings: Vec<checks::Finding>,
+    /// The run, as `recheck::Desk` recorded it; its id is the one the history's clearing names.
+    pub run: recheck::ProbeRun,
 }
 
 /// The fault history of `state_dir`, for the service. One that cannot be read is moved aside
@@ -441,8 +451,9 @@ fn apply_history(inputs: &Inputs, snapshot: &crate::snapshot::Snapshot, report: 
     let boot = snapshot.host.boot_id.clone().unwrap_or_else(|| "unknown".into());
     let mut changed = h.record(snapshot, &report.findings, &boot, snapshot.observed_at);
     if let Some(p) = &inputs.probes {
-        let run = sha1_smol::Sha1::from(serde_json::to_vec(&p.0).unwrap_or_default()).digest().to_string();
-        changed |= h.clear_by_probes(snapshot, &run[..16], snapshot.observed_at, &p.1);
+        // The run proves what it saw from its start: a fault last seen after that stays open.
+        let from = p.run.started_at.unwrap_or(p.run.requested_at);
+        changed |= h.clear_by_probes(snapshot, &p.run.id, from, &p.findings);
     }
     h.escalate(snapshot, &mut report.findings);
     report.verdict = report::verdict_of(&report.findings, snapshot.observed_at);
@@ -462,7 +473,7 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     let snapshot = crate::collect::snapshot_within(&root, &inputs.nvml, inputs.nvml_budget);
     let mut findings = checks::run(&snapshot, &Settings::from(&inputs.config));
     if let Some(p) = &inputs.probes {
-        findings.extend(p.1.iter().cloned());
+        findings.extend(p.findings.iter().cloned());
     }
     let push = inputs.push.lock().map(|g| g.clone()).unwrap_or_else(|p| p.into_inner().clone());
     findings.push(agent_checks::platform_reachable(&inputs.config, &push));
@@ -474,7 +485,8 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         inputs.started_at,
         seq,
     );
-    report.probes = inputs.probes.as_ref().map(|p| p.0.clone());
+    report.probes = inputs.probes.as_ref().map(|p| p.probes.clone());
+    report.probe_run = inputs.probes.as_ref().map(|p| p.run.clone());
     apply_history(inputs, &snapshot, &mut report);
     report.agent.events = Some(report::EventCounts {
         merged: inputs.events.merged.load(std::sync::atomic::Ordering::Relaxed),
@@ -518,38 +530,25 @@ pub fn nvml_not_answering(s: &crate::snapshot::Snapshot) -> Option<String> {
     Some(format!("NVML has not answered for {} s ({}{gpu})", crate::snapshot::whole_seconds(b.blocked_ms), b.call))
 }
 
-/// Whether every GPU is idle: no compute process and no utilisation, per NVML. Unknown counts
-/// as busy: a probe must never take GPU time from a tenant's job.
+/// Whether every GPU is idle: no compute process and no utilisation, per NVML
+/// (`recheck::busy_gpus`). Unknown counts as busy: a probe must never take GPU time from a
+/// tenant's job.
 pub fn all_gpus_idle(s: &crate::snapshot::Snapshot) -> bool {
-    s.nvml().is_some_and(|n| {
-        n.devices.iter().all(|g| {
-            g.processes.value().is_some_and(|p| p.is_empty()) && g.utilization.value().is_some_and(|u| u.gpu == 0)
-        })
-    })
+    recheck::busy_gpus(s).is_empty()
 }
 
 /// Runs the probes at `level` on this machine, in a child process under a deadline
-/// (`probe::child`); `None` when they cannot run here (logged).
+/// (`probe::child`); the error says why they could not run at all (logged here too).
 pub fn run_probes(
     snapshot: &crate::snapshot::Snapshot,
     level: crate::config::ProbeLevel,
     state_dir: &std::path::Path,
     limits: crate::probe::child::Limits,
-) -> Option<(serde_json::Value, Vec<checks::Finding>)> {
-    match crate::probe::child::run(
-        snapshot,
-        level,
-        state_dir,
-        "phq-agent serve (boot or idle probes)",
-        limits,
-        &mut |step| tracing::info!("probe: {step}"),
-    ) {
-        Ok(a) => Some((a.probes, a.findings)),
-        Err(e) => {
-            tracing::warn!(error = %e, "probes cannot run");
-            None
-        }
-    }
+    who: &str,
+) -> Result<(serde_json::Value, Vec<checks::Finding>), String> {
+    crate::probe::child::run(snapshot, level, state_dir, who, limits, &mut |step| tracing::info!("probe: {step}"))
+        .map(|a| (a.probes, a.findings))
+        .inspect_err(|e| tracing::warn!(error = %e, "probes cannot run"))
 }
 
 /// The installer ended (done, failed, reboot required) in a state no event has gone out for:

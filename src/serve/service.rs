@@ -4,15 +4,16 @@
 //! | task | owns | hears | tells |
 //! |---|---|---|---|
 //! | [`run`] (the coordinator) | signals, configuration, start and stop order | SIGTERM, SIGINT, SIGHUP | everyone, through `Config` and stop channels |
-//! | [`snapshotter`] | `Inputs` (with the NVML session), the schedule, the Xid watcher (started once NVML answers) | ticks, "snapshot now" (an Xid, NVML answering after a deadline), probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the probe task |
+//! | [`snapshotter`] | `Inputs` (with the NVML session), the schedule, the Xid watcher (started once NVML answers) | ticks, "snapshot now" (an Xid, NVML answering after a deadline), probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the desk (idle probes) |
 //! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, a 1 s beat | the pusher (status), the snapshotter ("now") |
-//! | `http::serve` | the listener | connections | — |
+//! | `http::serve` | the listener | connections | the desk (`POST /v1/probes`) |
 //! | `push::Pusher::run` | the platform connection | spool wake-ups, status | — |
 //! | [`dbus`] | the bus connection | health changes | D-Bus signals |
-//! | [`probes`] | the probe child process (`probe::child`), killed at its deadline | requests | the snapshotter (results) |
+//! | [`probes`] | the probe child process (`probe::child`), killed at its deadline | runs the desk queued (`recheck::Desk`: boot, idle, the platform's requests) | the desk (each run's end), the snapshotter (results) |
 //! | [`watchdog`] | systemd's watchdog | the heartbeats of the snapshotter and the event task | systemd |
 //! | [`follow_sxids`] (a thread) | the kernel log read as it is written | new kernel log records | the event task (SXids) |
 
+use super::recheck::{self, Desk, Source};
 use super::{
     dbus as bus, http, push, EventCounters, Inputs, Published, Seen, Seq, Shared, SpoolWriter, XidWindow,
     INSTALL_EVENT_SENT, LOOP_STALL, SNAPSHOT_INTERVAL,
@@ -48,7 +49,7 @@ enum ToSnapshotter {
     /// A first-of-its-kind Xid: judge the GPUs again now (rule 1).
     Now,
     /// Probes finished: carry their findings into every report from now on.
-    Probes((serde_json::Value, Vec<crate::checks::Finding>)),
+    Probes(super::ProbeResults),
 }
 
 /// A report the snapshotter published, with its snapshot, for the event task.
@@ -115,7 +116,10 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     let (stop_loops, _) = watch::channel(false);
     let (stop_io, _) = watch::channel(false);
     let tls = super::tls::acceptor(&config.http)?;
-    let server = tokio::spawn(http::serve(listener, shared.clone(), tls, stopped(stop_io.subscribe())));
+    // Every probe run goes through the desk, the platform's re-checks (POST /v1/probes) too.
+    let (desk, probe_asks) = Desk::new((&config.probes).into());
+    let endpoint = http::Endpoint { shared: shared.clone(), desk: desk.clone() };
+    let server = tokio::spawn(http::serve(listener, endpoint, tls, stopped(stop_io.subscribe())));
 
     let seq = Arc::new(Mutex::new(Seq::load(&config.agent.state_dir)));
     // Rule 9: SXids from the kernel log, followed from before the first snapshot.
@@ -155,7 +159,6 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
 
     let (settings_tx, settings_rx) = watch::channel(settings);
     let (taken_tx, taken_rx) = mpsc::unbounded_channel();
-    let (probe_tx, probe_rx) = mpsc::unbounded_channel();
     let started = Instant::now();
     let (snap_beat, event_beat) = (Heartbeat::new(started), Heartbeat::new(started));
     let (xid_rx, xid_tx) = forward_xids()?;
@@ -175,11 +178,11 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         heartbeat: event_beat.clone(),
         first_snapshot: first.snapshot.clone(),
     }));
-    let probe_task = tokio::spawn(probes(probe_rx, to_snapshotter.clone(), state_dir.clone(), margin));
+    let probe_task = tokio::spawn(probes(probe_asks, desk.clone(), to_snapshotter.clone(), state_dir.clone(), margin));
     // Rule 1's probes at boot, before workloads start, when asked.
     let at_boot = settings_rx.borrow().config.probes.at_boot;
     if at_boot != ProbeLevel::None {
-        let _ = probe_tx.send((first.snapshot.clone(), at_boot));
+        desk.begin(at_boot, Source::Boot, first.snapshot.clone());
     }
     let snap_task = tokio::spawn(snapshotter(Snapshotter {
         inputs,
@@ -190,7 +193,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         asks: snapshotter_rx,
         taken: taken_tx,
         health: health_tx,
-        probes: probe_tx,
+        desk,
         stop: stop_loops.subscribe(),
         heartbeat: snap_beat.clone(),
         xids: xid_tx,
@@ -379,7 +382,8 @@ struct Snapshotter {
     asks: mpsc::UnboundedReceiver<ToSnapshotter>,
     taken: mpsc::UnboundedSender<Taken>,
     health: mpsc::UnboundedSender<(String, String)>,
-    probes: mpsc::UnboundedSender<(Arc<Snapshot>, ProbeLevel)>,
+    /// Where the idle probes are started (`recheck::Desk`: one run at a time).
+    desk: Arc<Desk>,
     stop: watch::Receiver<bool>,
     heartbeat: Heartbeat,
     /// Where the Xid watcher sends, and the watcher once NVML has answered (it shares the
@@ -426,7 +430,7 @@ async fn snapshotter(mut s: Snapshotter) {
             _ = stopped(s.stop.clone()) => return,
             Some(ask) = s.asks.recv() => {
                 if let ToSnapshotter::Probes(p) = ask {
-                    tracing::info!(findings = p.1.len(), "probes finished");
+                    tracing::info!(run = %p.run.id, findings = p.findings.len(), "probes finished");
                     s.inputs.probes = Some(Arc::new(p));
                     last_probe = Instant::now();
                 }
@@ -434,6 +438,7 @@ async fn snapshotter(mut s: Snapshotter) {
             }
             Ok(()) = s.settings.changed() => {
                 let new = s.settings.borrow_and_update().clone();
+                s.desk.set_limit((&new.config.probes).into());
                 s.inputs.config = new.config;
                 s.inputs.token = new.token;
                 ticker.reset_immediately(); // judge again under the new configuration
@@ -473,9 +478,12 @@ async fn snapshotter(mut s: Snapshotter) {
                 let probes = &s.inputs.config.probes;
                 let level = if probes.at_boot == ProbeLevel::None { ProbeLevel::Quick } else { probes.at_boot };
                 if let Some(every) = probes.when_idle {
-                    if last_probe.elapsed() >= every && super::all_gpus_idle(&snapshot) {
+                    // A run already going (the platform's, or the boot's) leaves this for a later tick.
+                    if last_probe.elapsed() >= every
+                        && super::all_gpus_idle(&snapshot)
+                        && s.desk.begin(level, Source::Idle, snapshot).is_some()
+                    {
                         last_probe = Instant::now();
-                        let _ = s.probes.send((snapshot, level));
                     }
                 }
                 let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
@@ -648,21 +656,26 @@ async fn dbus(
     }))
 }
 
-/// Runs the probes asked for, one run at a time, each in a child process under its deadline
-/// (`probe::child`); never on a GPU with a compute process (the snapshotter asks only when every
-/// GPU is idle, or at boot).
+/// Runs the probes the desk queued, one run at a time, each in a child process under its
+/// deadline (`probe::child`); never on a GPU with a compute process (the desk queues a run only
+/// when every GPU is idle, or at boot, and the child checks again). Each run's end is told to
+/// the desk (its record) and its results to the snapshotter (the next report carries them).
 async fn probes(
-    mut asks: mpsc::UnboundedReceiver<(Arc<Snapshot>, ProbeLevel)>,
+    mut asks: mpsc::UnboundedReceiver<recheck::Ask>,
+    desk: Arc<Desk>,
     results: mpsc::UnboundedSender<ToSnapshotter>,
     state_dir: std::path::PathBuf,
     margin: crate::probe::child::Limits,
 ) {
-    while let Some((snapshot, level)) = asks.recv().await {
-        let dir = state_dir.clone();
-        if let Ok(Some(p)) =
-            tokio::task::spawn_blocking(move || super::run_probes(&snapshot, level, &dir, margin)).await
-        {
-            let _ = results.send(ToSnapshotter::Probes(p));
+    while let Some(recheck::Ask { snapshot, level, id }) = asks.recv().await {
+        desk.started(&id);
+        let (dir, who) = (state_dir.clone(), format!("phq-agent serve (probe run {id})"));
+        let ran = tokio::task::spawn_blocking(move || super::run_probes(&snapshot, level, &dir, margin, &who))
+            .await
+            .unwrap_or_else(|e| Err(format!("the probe run's task ended: {e}")));
+        let run = desk.finished(&id, ran.as_ref().map(|r| r.1.as_slice()).map_err(String::as_str));
+        if let (Ok((probes, findings)), Some(run)) = (ran, run) {
+            let _ = results.send(ToSnapshotter::Probes(super::ProbeResults { probes, findings, run }));
         }
     }
 }
