@@ -706,6 +706,11 @@ pub struct NvmlGpu {
     pub board_part_number: Nv<String>,
     pub vbios_version: Nv<String>,
     pub inforom_image_version: Nv<String>,
+    /// Which module of the baseboard the GPU is (`nvmlDeviceGetModuleId`: "a unique identifier
+    /// for each GPU module that exists on a given baseboard", 0 for a card that is not on one —
+    /// NVML API reference, Device Queries). An HGX slot, not the VM's index.
+    #[serde(default)]
+    pub module_id: Nv<u32>,
     pub inforom_valid: Nv<bool>,
     pub memory: Nv<MemoryInfo>,
     pub bar1: Nv<MemoryInfo>,

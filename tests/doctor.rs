@@ -842,3 +842,20 @@ fn every_finding_routes_as_the_documented_table_says() {
     }
     assert!(seen > 30, "only {seen} warn/fail findings across the scenarios");
 }
+
+#[test]
+fn each_gpu_names_its_physical_part_and_baseboard_module() {
+    let (_, report, _) = common::doctor("hgx-8gpu-healthy", "hgx-8gpu-healthy", None, None, &[]);
+    let scenario: Value = serde_json::from_str(
+        &std::fs::read_to_string(common::repo().join("examples/scenarios/hgx-8gpu-healthy.json")).unwrap(),
+    )
+    .unwrap();
+    for (g, d) in report["gpus"].as_array().unwrap().iter().zip(scenario["devices"].as_array().unwrap()) {
+        assert_eq!(g["serial"], d["serial"], "{g:#}");
+        assert_eq!(g["board_part_number"], d["board_part_number"]);
+        assert_eq!(g["module_id"], d["module_id"], "nvmlDeviceGetModuleId, as NVML answers it");
+    }
+    // A card whose NVML does not give a module id: the field is absent, not a made-up 0.
+    let (_, report, _) = common::doctor("h100-pcie-single", "h100-pcie-vm-unsupported", None, None, &[]);
+    assert!(report["gpus"][0].get("module_id").is_none(), "{:#}", report["gpus"][0]);
+}

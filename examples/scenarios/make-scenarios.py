@@ -24,6 +24,9 @@ def h100(i, bus):
         "name": "NVIDIA H100 80GB HBM3",
         "uuid": f"GPU-3f1c0b7e-{i:04x}-4000-8000-0000000000{bus:02x}",
         "serial": f"16501234567{80 + i}",
+        # nvmlDeviceGetModuleId: one id per module on the baseboard (0 only off a baseboard);
+        # which number each slot carries is the board's, 1-8 here is the scenario's choice.
+        "module_id": i + 1,
         "board_part_number": "692-2G520-0200-000",
         "vbios_version": "96.00.74.00.0D",
         "inforom_image_version": "G520.0200.00.05",
@@ -194,6 +197,8 @@ def h200_vm():
         "memory": {"total_bytes": 150754820096, "used_bytes": 0},
         "temperature_c": 36,
         "persistence_mode": True,
+        # The fifth module of its node's baseboard (the scenario's choice of number).
+        "module_id": 5,
         # Idle, as NVML tells it (no compute process, no utilisation): a re-check may run.
         "processes": [],
         "utilization": {"gpu": 0, "memory": 0},

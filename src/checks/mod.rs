@@ -408,6 +408,7 @@ pub(crate) mod testutil {
             board_part_number: Nv::Value("692-2G520-0200-000".into()),
             vbios_version: Nv::Value("96.00.74.00.0D".into()),
             inforom_image_version: Nv::Value("G520.0200.00.05".into()),
+            module_id: Nv::Value(index + 1),
             inforom_valid: Nv::Value(true),
             // A reservation of about 900 MiB (measured on an A100, nvml-wrapper issue #57): free is what is left after it and the used.
             memory: Nv::Value(MemoryInfo {

@@ -122,6 +122,10 @@ pub struct GpuSummary {
     pub vbios_version: Option<String>,
     #[serde(default)]
     pub inforom_image_version: Option<String>,
+    /// The baseboard module (`nvmlDeviceGetModuleId`; 0: not on a baseboard); `null` where NVML
+    /// does not give it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub module_id: Option<u32>,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub identity_note: String,
 }
@@ -374,6 +378,7 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
                 board_part_number: nv.and_then(|n| n.board_part_number.value().cloned()),
                 vbios_version: nv.and_then(|n| n.vbios_version.value().cloned()),
                 inforom_image_version: nv.and_then(|n| n.inforom_image_version.value().cloned()),
+                module_id: nv.and_then(|n| n.module_id.value().copied()),
                 identity_note: match nv.map(|n| &n.serial) {
                     None => "NVML did not read this GPU: its board serial is unknown".into(),
                     Some(crate::snapshot::Nv::Value(v)) if !v.trim().is_empty() => String::new(),

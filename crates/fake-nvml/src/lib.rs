@@ -395,6 +395,15 @@ string_getter!(nvmlDeviceGetBoardPartNumber, board_part_number);
 string_getter!(nvmlDeviceGetVbiosVersion, vbios_version);
 string_getter!(nvmlDeviceGetInforomImageVersion, inforom_image_version);
 
+/// "A unique identifier for each GPU module that exists on a given baseboard. For non-baseboard
+/// products, this ID would always be 0." (NVML API reference, `nvmlDeviceGetModuleId`). The
+/// scenario gives the number; a device without it answers NVML_ERROR_NOT_SUPPORTED, as other
+/// getters here do for what a device lacks.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetModuleId(h: nvmlDevice_t, out: *mut c_uint) -> Ret {
+    device_call(h, "nvmlDeviceGetModuleId", |d| d.module_id.map(|m| put(out, m)))
+}
+
 #[no_mangle]
 pub extern "C" fn nvmlDeviceValidateInforom(h: nvmlDevice_t) -> Ret {
     device_call(h, "nvmlDeviceValidateInforom", |d| {

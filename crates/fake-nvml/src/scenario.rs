@@ -48,6 +48,8 @@ pub struct Device {
     pub board_part_number: Option<String>,
     pub vbios_version: Option<String>,
     pub inforom_image_version: Option<String>,
+    /// `nvmlDeviceGetModuleId`; absent: NVML_ERROR_NOT_SUPPORTED.
+    pub module_id: Option<u32>,
     pub inforom_valid: Option<bool>,
     pub pci: Option<Pci>,
     pub memory: Option<Memory>,

@@ -92,6 +92,7 @@ fn unreadable(index: u32, why: String, address: Option<String>) -> NvmlGpu {
         board_part_number: err!(),
         vbios_version: err!(),
         inforom_image_version: err!(),
+        module_id: err!(),
         inforom_valid: err!(),
         memory: err!(),
         bar1: err!(),
@@ -152,6 +153,7 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>, t: &Tracker) -> Nv
         board_part_number: ask!(t, "nvmlDeviceGetBoardPartNumber", nv(d.board_part_number())),
         vbios_version: ask!(t, "nvmlDeviceGetVbiosVersion", nv(d.vbios_version())),
         inforom_image_version: ask!(t, "nvmlDeviceGetInforomImageVersion", nv(d.info_rom_image_version())),
+        module_id: sys.map(|s| ask!(t, "nvmlDeviceGetModuleId", module_id(s, d))).unwrap_or(Nv::NotSupported),
         inforom_valid: match ask!(t, "nvmlDeviceValidateInforom", d.validate_info_rom()) {
             Ok(()) => Nv::Value(true),
             Err(NvmlError::CorruptedInfoROM) => Nv::Value(false),
@@ -579,6 +581,16 @@ fn remapped_rows(sys: &NvmlLib, d: &Device, t: &Tracker) -> Nv<RemappedRows> {
         pending: pending != 0,
         failure: failure != 0,
     }))
+}
+
+/// `nvmlDeviceGetModuleId` (not wrapped by nvml-wrapper); a library without the symbol (older
+/// than the call) is "not supported", as NVML would answer for a device without it.
+fn module_id(sys: &NvmlLib, d: &Device) -> Nv<u32> {
+    let Ok(f) = sys.nvmlDeviceGetModuleId.as_ref() else { return Nv::NotSupported };
+    let mut id = 0;
+    // SAFETY: a live device handle and a valid out pointer to a local that lives across the call.
+    let r = unsafe { f(d.handle(), &mut id) };
+    nv(ret(r).map(|()| id))
 }
 
 fn fabric_info(sys: &NvmlLib, d: &Device) -> Nv<FabricInfo> {
