@@ -859,3 +859,23 @@ fn each_gpu_names_its_physical_part_and_baseboard_module() {
     let (_, report, _) = common::doctor("h100-pcie-single", "h100-pcie-vm-unsupported", None, None, &[]);
     assert!(report["gpus"][0].get("module_id").is_none(), "{:#}", report["gpus"][0]);
 }
+
+#[test]
+fn a_gpu_with_another_vbios_than_its_baseboard_is_named_for_the_platform() {
+    let (_, healthy, _) = common::doctor("hgx-8gpu-healthy", "hgx-8gpu-healthy", None, None, &[]);
+    let f = findings(&healthy, "gpu.firmware-consistent");
+    assert_eq!((f.len(), f[0]["severity"].as_str()), (1, Some("pass")), "{:#}", f[0]);
+    assert_eq!(f[0]["evidence"]["gpus_compared"], 8);
+
+    let (_, mixed, _) = common::doctor("hgx-8gpu-healthy", "hgx-8gpu-mixed-vbios", None, None, &[]);
+    let f = findings(&mixed, "gpu.firmware-consistent")[0];
+    assert_eq!(
+        (f["severity"].as_str(), f["action"].as_str(), f["owner"].as_str()),
+        (Some("warn"), Some("inspect_hardware"), Some("platform")),
+        "{f:#}"
+    );
+    let summary = f["summary"].as_str().unwrap();
+    assert!(summary.contains("2 VBIOS versions") && summary.contains("96.00.89.00.01 on 0000:0e:00.0"), "{summary}");
+    assert!(!summary.contains("InfoROM"), "the InfoROM images agree: {summary}");
+    assert_eq!(mixed["verdict"]["action"], "inspect_hardware");
+}

@@ -236,6 +236,15 @@ def hgx_nvlink_p2p_off():
     return s
 
 
+def hgx_mixed_vbios():
+    """GPU 0000:0e:00.0 runs another VBIOS than the seven others of its baseboard: the trace of
+    a part swapped without the board's firmware (Azure's health checks fail such a node,
+    azure_gpu_vbios.nhc, NHC2001). Everything else is healthy."""
+    s = hgx()
+    s["devices"][5]["vbios_version"] = "96.00.89.00.01"
+    return s
+
+
 def init_error(code):
     return {"init_error": code}
 
@@ -251,6 +260,7 @@ SCENARIOS = {
     "hgx-8gpu-pcie-degraded-thermal": pcie_thermal,
     "hgx-8gpu-nvlink-down": nvlink_down,
     "hgx-8gpu-nvlink-p2p-off": hgx_nvlink_p2p_off,
+    "hgx-8gpu-mixed-vbios": hgx_mixed_vbios,
     "h100-pcie-vm-unsupported": vm_unsupported,
     "h200-vm": h200_vm,
     "h200-vm-agent-context": h200_vm_agent_context,

@@ -1,9 +1,11 @@
-//! The GPU as a device: gpu.sku-known (its PCI id), and per GPU from NVML driver.persistence,
+//! The GPU as a device: gpu.sku-known (its PCI id), gpu.firmware-consistent (one VBIOS and
+//! InfoROM image per model across the VM), and per GPU from NVML driver.persistence,
 //! gpu.pcie-link and gpu.pcie-replay (its host link) and gpu.mig-pending.
 
 use super::{gpu_model, missing, on_off, Finding};
 use crate::facts;
-use crate::snapshot::{Nv, NvmlGpu, Snapshot};
+use crate::snapshot::{Nv, NvmlGpu, NvmlInfo, Snapshot};
+use std::collections::BTreeMap;
 
 pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
     sku_known(s, out);
@@ -28,6 +30,53 @@ fn sku_known(s: &Snapshot, out: &mut Vec<Finding>) {
             g.subsystem_device.map(|d| format!("{:04x}:{d:04x}", g.subsystem_vendor.unwrap_or(0))),
         ));
     }
+}
+
+/// gpu.firmware-consistent: the VM's GPUs of one model run one VBIOS and one InfoROM image.
+/// Azure's health checks fail a node whose GPUs report more than one VBIOS version
+/// (azurehpc-health-checks, `customTests/azure_gpu_vbios.nhc`, fault code NHC2001): on one
+/// baseboard that is the trace of a part swapped without the firmware the others run. Models
+/// are compared apart (an H100 PCIe beside an H200 may differ by design). A GPU whose versions
+/// NVML did not read is left out and named.
+pub(super) fn firmware_consistent(n: &NvmlInfo) -> Finding {
+    const ID: &str = "gpu.firmware-consistent";
+    // model → firmware kind → version → the GPUs that run it.
+    let mut seen: BTreeMap<String, [BTreeMap<String, Vec<String>>; 2]> = BTreeMap::new();
+    let mut unread = vec![];
+    for g in &n.devices {
+        let (Nv::Value(vbios), Nv::Value(inforom)) = (&g.vbios_version, &g.inforom_image_version) else {
+            unread.push(super::gpu_label(g));
+            continue;
+        };
+        let model = g.name.value().cloned().unwrap_or_else(|| "unknown model".into());
+        let kinds = seen.entry(model).or_default();
+        kinds[0].entry(vbios.clone()).or_default().push(super::gpu_label(g));
+        kinds[1].entry(inforom.clone()).or_default().push(super::gpu_label(g));
+    }
+    let compared: usize = seen.values().map(|k| k[0].values().map(Vec::len).sum::<usize>()).sum();
+    let mut differ = vec![];
+    for (model, kinds) in &seen {
+        for (kind, versions) in ["VBIOS", "InfoROM image"].iter().zip(kinds) {
+            if versions.len() > 1 {
+                let each: Vec<String> =
+                    versions.iter().map(|(v, gpus)| format!("{v} on {}", gpus.join(", "))).collect();
+                differ.push(format!("{model}: {} {kind} versions: {}", versions.len(), each.join("; ")));
+            }
+        }
+    }
+    let f = if !differ.is_empty() {
+        Finding::warn(ID, differ.join(" | "))
+            .detail("GPUs of one model on one baseboard ship with one firmware; a GPU that differs was most likely swapped in without it, and firmware differences change behaviour (NVLink training, power and clock policy) between GPUs that a job expects to be alike.")
+            .remedy("Report the node to the platform: bring every GPU of the baseboard to one VBIOS (NVIDIA's firmware update for the board), and check the swapped part by its serial.")
+    } else if compared < 2 {
+        Finding::pass(ID, format!("{compared} GPU with readable firmware versions: nothing to compare"))
+    } else {
+        let one: Vec<String> =
+            seen.iter().map(|(m, k)| format!("{m}: VBIOS {}", k[0].keys().next().map_or("", String::as_str))).collect();
+        Finding::pass(ID, format!("{compared} GPUs agree ({})", one.join(", ")))
+    };
+    let f = if unread.is_empty() { f } else { f.evidence("unread", unread) };
+    f.evidence("gpus_compared", compared)
 }
 
 pub(super) fn persistence(s: &Snapshot, g: &NvmlGpu) -> Finding {

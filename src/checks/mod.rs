@@ -179,6 +179,7 @@ pub const CATALOG: &[&str] = &[
     "gpu.mig-pending",
     "gpu.inforom",
     "gpu.sku-known",
+    "gpu.firmware-consistent",
     "probe.h2d-bandwidth",
     "probe.d2h-bandwidth",
     "probe.bidir-bandwidth",

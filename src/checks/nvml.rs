@@ -38,8 +38,9 @@ pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
             NvmlStatus::Failed(f) => format!("NVML failed to initialise: {}", f.message),
             NvmlStatus::Ok(_) => String::new(),
         };
-        let ids =
-            ["fabric.manager-running", "fabric.manager-version"].into_iter().chain(PER_GPU.iter().map(|(id, _)| *id));
+        let ids = ["fabric.manager-running", "fabric.manager-version", "gpu.firmware-consistent"]
+            .into_iter()
+            .chain(PER_GPU.iter().map(|(id, _)| *id));
         for id in ids {
             out.push(if no_gpu {
                 Finding::pass(id, "no NVIDIA GPU: nothing to check")
@@ -56,6 +57,7 @@ pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
             out.push(Finding::pass(id, "NVML lists no GPU: nothing to check"));
         }
     }
+    out.push(gpu::firmware_consistent(nvml));
     for g in &nvml.devices {
         let label = gpu_label(g);
         for (_, check) in PER_GPU {

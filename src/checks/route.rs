@@ -167,6 +167,7 @@ pub const RULES: &[Rule] = &[
     rule("gpu.mig-pending", ResetGpu, ResetGpu, Tenant),
     rule("gpu.inforom", InspectHardware, InspectHardware, Platform),
     rule("gpu.sku-known", ContactSupport, ContactSupport, Platform),
+    rule("gpu.firmware-consistent", InspectHardware, InspectHardware, Platform),
     rule("probe.h2d-bandwidth", InspectHardware, InspectHardware, Platform),
     rule("probe.d2h-bandwidth", InspectHardware, InspectHardware, Platform),
     rule("probe.bidir-bandwidth", InspectHardware, InspectHardware, Platform),
