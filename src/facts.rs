@@ -154,6 +154,17 @@ pub const MAX_UNCORRECTABLE_REMAPPED_ROWS: u32 = 512;
 /// (SRAM correctable limit 10,000 on H100).
 pub const MAX_CORRECTED_ECC: u64 = 10_000;
 
+/// On-die SRAM, counted apart from the HBM (`nvmlDeviceGetMemoryErrorCounter` by location):
+/// any uncorrectable SRAM error, or more corrected ones than this (since the last reset or over
+/// the GPU's life), fails the GPU. Source: azurehpc-health-checks `customTests/azure_gpu_ecc.nhc`
+/// (`check_ecc`, fault NHC2019), called as `check_gpu_ecc 20000000 10000` by its ND H100 v5 and
+/// ND H200 v5 configurations (`conf/nd96isr_h100_v5.conf`, `conf/nd96isr_h200_v5.conf`).
+pub const MAX_SRAM_CORRECTED_ECC: u64 = 10_000;
+
+/// HBM (DRAM) corrected or uncorrected errors above this, since the last reset or over the
+/// GPU's life, fail the GPU. Same source: the first argument of `check_gpu_ecc`.
+pub const MAX_DRAM_ECC: u64 = 20_000_000;
+
 /// A GPU this close to its NVML slowdown threshold warns (°C). Our margin, not NVIDIA's: the
 /// thresholds themselves come from NVML per GPU.
 pub const TEMPERATURE_MARGIN_C: u32 = 5;

@@ -601,6 +601,14 @@ pub struct EccCounts {
     pub uncorrected: u64,
 }
 
+/// One memory location's ECC counts (`nvmlDeviceGetMemoryErrorCounter`): since the last reset
+/// and over the GPU's life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EccLocation {
+    pub volatile: EccCounts,
+    pub aggregate: EccCounts,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemappedRows {
     pub correctable: u32,
@@ -727,6 +735,11 @@ pub struct NvmlGpu {
     pub ecc_mode: Nv<CurrentPending>,
     pub ecc_volatile: Nv<EccCounts>,
     pub ecc_aggregate: Nv<EccCounts>,
+    /// On-die SRAM apart from the HBM (DRAM): row remapping heals HBM only.
+    #[serde(default)]
+    pub ecc_sram: Nv<EccLocation>,
+    #[serde(default)]
+    pub ecc_dram: Nv<EccLocation>,
     pub remapped_rows: Nv<RemappedRows>,
     pub persistence_mode: Nv<bool>,
     pub mig_mode: Nv<CurrentPending>,

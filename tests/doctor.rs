@@ -879,3 +879,25 @@ fn a_gpu_with_another_vbios_than_its_baseboard_is_named_for_the_platform() {
     assert!(!summary.contains("InfoROM"), "the InfoROM images agree: {summary}");
     assert_eq!(mixed["verdict"]["action"], "inspect_hardware");
 }
+
+#[test]
+fn an_sram_error_fails_the_gpu_that_the_ecc_totals_call_healed() {
+    let (_, healthy, _) = common::doctor("hgx-8gpu-healthy", "hgx-8gpu-healthy", None, None, &[]);
+    let f = findings(&healthy, "gpu.sram-ecc");
+    assert_eq!(f.len(), 8);
+    assert!(f.iter().all(|f| f["severity"] == "pass"), "{f:#?}");
+
+    let (_, r, _) = common::doctor("hgx-8gpu-healthy", "hgx-8gpu-sram-uncorrectable", None, None, &[]);
+    let bad: Vec<_> = findings(&r, "gpu.sram-ecc").into_iter().filter(|f| f["severity"] != "pass").collect();
+    assert_eq!(bad.len(), 1, "{bad:#?}");
+    let f = bad[0];
+    assert_eq!((f["gpu"].as_str(), f["severity"].as_str()), (Some("0000:0c:00.0"), Some("fail")));
+    assert_eq!((f["action"].as_str(), f["owner"].as_str()), (Some("inspect_hardware"), Some("platform")));
+    assert!(f["summary"].as_str().unwrap().contains("1 uncorrectable SRAM ECC error"), "{f:#}");
+    assert_eq!(f["evidence"]["sram"]["aggregate"]["uncorrected"], 1);
+    assert_eq!(f["evidence"]["dram"]["aggregate"]["corrected"], 40);
+    // The totals alone read as an old error, healed: only a warning.
+    let totals = findings(&r, "gpu.ecc-uncorrectable").into_iter().find(|f| f["gpu"] == "0000:0c:00.0").unwrap();
+    assert_eq!(totals["severity"], "warn");
+    assert_eq!(r["verdict"]["action"], "inspect_hardware");
+}

@@ -44,7 +44,11 @@ def h100(i, bus):
         "default_power_limit_mw": 700000,
         "clocks_mhz": {"sm": 345, "mem": 2619},
         "throttle_reasons": ["gpu_idle"],
-        "ecc": {"current": True, "pending": True, "volatile": {"corrected": 0, "uncorrected": 0}, "aggregate": {"corrected": 0, "uncorrected": 0}},
+        "ecc": {"current": True, "pending": True, "volatile": {"corrected": 0, "uncorrected": 0}, "aggregate": {"corrected": 0, "uncorrected": 0},
+                # By location (nvmlDeviceGetMemoryErrorCounter): on-die SRAM and the HBM apart;
+                # the totals above are their sums.
+                "sram": {"volatile": {"corrected": 0, "uncorrected": 0}, "aggregate": {"corrected": 0, "uncorrected": 0}},
+                "dram": {"volatile": {"corrected": 0, "uncorrected": 0}, "aggregate": {"corrected": 0, "uncorrected": 0}}},
         "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False, "failure": False},
         "persistence_mode": True,
         "mig": {"current": False, "pending": False},
@@ -137,6 +141,8 @@ def ecc_dbe():
     d = s["devices"][2]
     d["ecc"]["volatile"] = {"corrected": 3, "uncorrected": 2}
     d["ecc"]["aggregate"] = {"corrected": 17, "uncorrected": 2}
+    # All of them in the HBM: a double-bit error in a row, remapped at the next reset.
+    d["ecc"]["dram"] = {"volatile": d["ecc"]["volatile"], "aggregate": d["ecc"]["aggregate"]}
     d["remapped_rows"] = {"correctable": 0, "uncorrectable": 1, "pending": True, "failure": False}
     d["xid_events"] = [{"xid": 48, "after_ms": 0}, {"xid": 63, "after_ms": 0}]
     return s
@@ -245,6 +251,21 @@ def hgx_mixed_vbios():
     return s
 
 
+def hgx_sram_uncorrectable():
+    """GPU 0000:0c:00.0 has had one uncorrectable error in its on-die SRAM over its life (none
+    since the last reset) and corrects a few in its HBM: row remapping cannot heal the SRAM, so
+    Azure's health checks fail such a GPU (azure_gpu_ecc.nhc, NHC2019) though the totals look
+    like an old, healed error."""
+    s = hgx()
+    e = s["devices"][3]["ecc"]
+    e["sram"]["aggregate"] = {"corrected": 4, "uncorrected": 1}
+    e["dram"]["volatile"] = {"corrected": 6, "uncorrected": 0}
+    e["dram"]["aggregate"] = {"corrected": 40, "uncorrected": 0}
+    e["volatile"] = {"corrected": 6, "uncorrected": 0}
+    e["aggregate"] = {"corrected": 44, "uncorrected": 1}
+    return s
+
+
 def init_error(code):
     return {"init_error": code}
 
@@ -261,6 +282,7 @@ SCENARIOS = {
     "hgx-8gpu-nvlink-down": nvlink_down,
     "hgx-8gpu-nvlink-p2p-off": hgx_nvlink_p2p_off,
     "hgx-8gpu-mixed-vbios": hgx_mixed_vbios,
+    "hgx-8gpu-sram-uncorrectable": hgx_sram_uncorrectable,
     "h100-pcie-vm-unsupported": vm_unsupported,
     "h200-vm": h200_vm,
     "h200-vm-agent-context": h200_vm_agent_context,

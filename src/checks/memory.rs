@@ -1,9 +1,9 @@
-//! Memory health, per GPU from NVML: gpu.ecc-mode, gpu.ecc-uncorrectable, gpu.row-remap and
-//! gpu.inforom (the InfoROM keeps the ECC and retirement records). Thresholds come from `facts`.
+//! Memory health, per GPU from NVML: gpu.ecc-mode, gpu.ecc-uncorrectable, gpu.sram-ecc (on-die
+//! SRAM apart from the HBM), gpu.row-remap and gpu.inforom (the InfoROM keeps the ECC and retirement records). Thresholds come from `facts`.
 
 use super::{missing, on_off, Finding};
 use crate::facts;
-use crate::snapshot::{Nv, NvmlGpu, Snapshot};
+use crate::snapshot::{EccCounts, EccLocation, Nv, NvmlGpu, Snapshot};
 
 pub(super) fn ecc_mode(_s: &Snapshot, g: &NvmlGpu) -> Finding {
     const ID: &str = "gpu.ecc-mode";
@@ -46,6 +46,36 @@ pub(super) fn ecc_uncorrectable(_s: &Snapshot, g: &NvmlGpu) -> Finding {
         Finding::pass(ID, "no uncorrectable ECC errors")
     };
     f.evidence("volatile", v).evidence("aggregate", a)
+}
+
+/// gpu.sram-ecc: on-die SRAM and the HBM apart, with Azure's thresholds for ND H100/H200 v5
+/// (`facts::MAX_SRAM_CORRECTED_ECC`, `facts::MAX_DRAM_ECC`). Row remapping heals the HBM, never
+/// the SRAM: an uncorrectable SRAM error is the die's, and no reset takes it away.
+pub(super) fn sram_ecc(_s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.sram-ecc";
+    let sram = match &g.ecc_sram {
+        Nv::Value(v) => *v,
+        other => return missing(ID, "SRAM ECC counters", other),
+    };
+    let dram = g.ecc_dram.value().copied();
+    let worst = |l: &EccLocation, f: fn(&EccCounts) -> u64| f(&l.volatile).max(f(&l.aggregate));
+    let (sram_unc, sram_corr) = (worst(&sram, |c| c.uncorrected), worst(&sram, |c| c.corrected));
+    let dram_worst = dram.map(|d| worst(&d, |c| c.corrected).max(worst(&d, |c| c.uncorrected)));
+    let f = if sram_unc > 0 {
+        Finding::fail(ID, format!("{sram_unc} uncorrectable SRAM ECC error(s) (on-die, not HBM)"))
+            .detail("SRAM is on the GPU die (caches, register files); row remapping repairs HBM only, so nothing in the guest or a reset heals it. Azure's health checks fail a GPU with any (NHC2019).")
+            .remedy("Report the GPU to the platform for replacement, by its serial.")
+    } else if sram_corr > facts::MAX_SRAM_CORRECTED_ECC {
+        Finding::fail(ID, format!("{sram_corr} corrected SRAM ECC errors, over {}", facts::MAX_SRAM_CORRECTED_ECC))
+            .detail("So many single-bit SRAM errors precede uncorrectable ones on the die.")
+            .remedy("Report the GPU to the platform for replacement, by its serial.")
+    } else if let Some(n) = dram_worst.filter(|n| *n > facts::MAX_DRAM_ECC) {
+        Finding::fail(ID, format!("{n} HBM (DRAM) ECC errors, over {}", facts::MAX_DRAM_ECC))
+            .remedy("Report the GPU to the platform: its HBM is failing faster than row remapping can keep up.")
+    } else {
+        Finding::pass(ID, format!("SRAM: {sram_unc} uncorrectable, {sram_corr} corrected"))
+    };
+    f.evidence("sram", sram).evidence("dram", dram)
 }
 
 pub(super) fn row_remap(_s: &Snapshot, g: &NvmlGpu) -> Finding {

@@ -170,6 +170,7 @@ pub const CATALOG: &[&str] = &[
     "gpu.xid",
     "gpu.ecc-mode",
     "gpu.ecc-uncorrectable",
+    "gpu.sram-ecc",
     "gpu.row-remap",
     "gpu.throttle",
     "gpu.temperature",
@@ -436,6 +437,14 @@ pub(crate) mod testutil {
             ecc_mode: Nv::Value(CurrentPending { current: true, pending: true }),
             ecc_volatile: Nv::Value(EccCounts { corrected: 0, uncorrected: 0 }),
             ecc_aggregate: Nv::Value(EccCounts { corrected: 0, uncorrected: 0 }),
+            ecc_sram: Nv::Value(crate::snapshot::EccLocation {
+                volatile: EccCounts { corrected: 0, uncorrected: 0 },
+                aggregate: EccCounts { corrected: 0, uncorrected: 0 },
+            }),
+            ecc_dram: Nv::Value(crate::snapshot::EccLocation {
+                volatile: EccCounts { corrected: 0, uncorrected: 0 },
+                aggregate: EccCounts { corrected: 0, uncorrected: 0 },
+            }),
             remapped_rows: Nv::Value(RemappedRows { correctable: 0, uncorrectable: 0, pending: false, failure: false }),
             persistence_mode: Nv::Value(true),
             mig_mode: Nv::Value(CurrentPending { current: false, pending: false }),

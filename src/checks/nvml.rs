@@ -18,6 +18,7 @@ const PER_GPU: &[(&str, PerGpu)] = &[
     ("nvlink.errors", nvlink::nvlink_errors),
     ("gpu.ecc-mode", memory::ecc_mode),
     ("gpu.ecc-uncorrectable", memory::ecc_uncorrectable),
+    ("gpu.sram-ecc", memory::sram_ecc),
     ("gpu.row-remap", memory::row_remap),
     ("gpu.throttle", thermal::throttle),
     ("gpu.temperature", thermal::temperature),

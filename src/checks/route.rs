@@ -158,6 +158,7 @@ pub const RULES: &[Rule] = &[
     rule("gpu.xid", ContactSupport, ContactSupport, Platform),
     rule("gpu.ecc-mode", ResetGpu, ResetGpu, Tenant),
     rule("gpu.ecc-uncorrectable", ResetGpu, ResetGpu, Platform),
+    rule("gpu.sram-ecc", InspectHardware, InspectHardware, Platform),
     rule("gpu.row-remap", ResetGpu, InspectHardware, Platform),
     rule("gpu.throttle", Action::None, InspectHardware, Platform),
     rule("gpu.temperature", InspectHardware, InspectHardware, Platform),

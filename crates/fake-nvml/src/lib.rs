@@ -139,6 +139,8 @@ pub const HANGABLE: &[&str] = &[
     "nvmlDeviceGetTemperature",
     "nvmlDeviceGetTemperatureThreshold",
     "nvmlDeviceGetTotalEccErrors",
+    "nvmlDeviceGetMemoryErrorCounter",
+    "nvmlDeviceGetModuleId",
     "nvmlDeviceGetTotalEnergyConsumption",
     "nvmlDeviceGetUtilizationRates",
     "nvmlDeviceRegisterEvents",
@@ -718,6 +720,35 @@ pub unsafe extern "C" fn nvmlDeviceGetTotalEccErrors(
             0
         };
         Some(put(out, if error_type == 0 { counts.corrected + rising } else { counts.uncorrected }))
+    })
+}
+
+/// `nvmlDeviceGetMemoryErrorCounter(device, errorType, counterType, locationType, count)`, the
+/// counts of one memory location (NVML API reference, Device Queries, ECC): `nvmlMemoryErrorType_t`
+/// 0 corrected / 1 uncorrected, `nvmlEccCounterType_t` 0 volatile / 1 aggregate,
+/// `nvmlMemoryLocation_t` 2 DRAM (device memory) and 7 SRAM as nvml.h numbers them. A location
+/// the device does not count, or any other, is NVML_ERROR_NOT_SUPPORTED; a null `count` or an
+/// error or counter type out of range is NVML_ERROR_INVALID_ARGUMENT.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryErrorCounter(
+    h: nvmlDevice_t,
+    error_type: c_uint,
+    counter_type: c_uint,
+    location: c_uint,
+    out: *mut c_ulonglong,
+) -> Ret {
+    device_call(h, "nvmlDeviceGetMemoryErrorCounter", |d| {
+        if out.is_null() || error_type > 1 || counter_type > 1 {
+            return Some(INVALID);
+        }
+        let e = d.ecc.as_ref()?;
+        let place = match location {
+            2 => e.dram.as_ref()?,
+            7 => e.sram.as_ref()?,
+            _ => return None,
+        };
+        let counts = if counter_type == 0 { &place.volatile } else { &place.aggregate };
+        Some(put(out, if error_type == 0 { counts.corrected } else { counts.uncorrected }))
     })
 }
 

@@ -133,6 +133,10 @@ pub struct Ecc {
     pub pending: Option<bool>,
     pub volatile: Option<EccCounts>,
     pub aggregate: Option<EccCounts>,
+    /// `nvmlDeviceGetMemoryErrorCounter` by location: on-die SRAM and the HBM (DRAM) apart.
+    /// A location absent here answers NVML_ERROR_NOT_SUPPORTED.
+    pub sram: Option<EccLocation>,
+    pub dram: Option<EccLocation>,
     /// The scenario's fault: each read of the volatile corrected count finds this many more
     /// errors than the read before (a GPU correcting errors while it is used).
     #[serde(default)]
@@ -144,6 +148,13 @@ pub struct Ecc {
 pub struct EccCounts {
     pub corrected: u64,
     pub uncorrected: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EccLocation {
+    pub volatile: EccCounts,
+    pub aggregate: EccCounts,
 }
 
 #[derive(Debug, Deserialize)]

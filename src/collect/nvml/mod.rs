@@ -10,11 +10,13 @@
 
 use super::deadline::Tracker;
 use crate::snapshot::{
-    CurrentPending, EccCounts, FabricInfo, FabricState, MemoryInfo, Nv, NvLinkInfo, NvLinkThroughput, NvPcie,
-    NvmlFailure, NvmlFailureKind, NvmlGpu, NvmlXid, ProcessInfo, RemappedRows, Utilization,
+    CurrentPending, EccCounts, EccLocation, FabricInfo, FabricState, MemoryInfo, Nv, NvLinkInfo, NvLinkThroughput,
+    NvPcie, NvmlFailure, NvmlFailureKind, NvmlGpu, NvmlXid, ProcessInfo, RemappedRows, Utilization,
 };
 use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor, TemperatureThreshold};
+use nvml_wrapper::enum_wrappers::device::{
+    Clock, EccCounter, MemoryError, MemoryLocation, TemperatureSensor, TemperatureThreshold,
+};
 use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
@@ -108,6 +110,8 @@ fn unreadable(index: u32, why: String, address: Option<String>) -> NvmlGpu {
         ecc_mode: err!(),
         ecc_volatile: err!(),
         ecc_aggregate: err!(),
+        ecc_sram: err!(),
+        ecc_dram: err!(),
         remapped_rows: err!(),
         persistence_mode: err!(),
         mig_mode: err!(),
@@ -213,6 +217,8 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>, t: &Tracker) -> Nv
         ),
         ecc_volatile: ecc(EccCounter::Volatile),
         ecc_aggregate: ecc(EccCounter::Aggregate),
+        ecc_sram: ecc_at(d, t, MemoryLocation::SRAM),
+        ecc_dram: ecc_at(d, t, MemoryLocation::Device),
         remapped_rows: sys.map(|s| remapped_rows(s, d, t)).unwrap_or(Nv::NotSupported),
         persistence_mode: ask!(t, "nvmlDeviceGetPersistenceMode", nv(d.is_in_persistent_mode())),
         mig_mode: ask!(
@@ -279,6 +285,20 @@ fn ecc_counts(d: &Device, t: &Tracker, counter: EccCounter) -> Nv<EccCounts> {
         (Ok(corrected), Ok(uncorrected)) => Nv::Value(EccCounts { corrected, uncorrected }),
         (Err(e), _) | (_, Err(e)) => nv::<EccCounts>(Err(e)),
     }
+}
+
+/// One memory location's four counts (`nvmlDeviceGetMemoryErrorCounter`); the first error stops.
+fn ecc_at(d: &Device, t: &Tracker, location: MemoryLocation) -> Nv<EccLocation> {
+    t.at("nvmlDeviceGetMemoryErrorCounter");
+    let count = |e, c| d.memory_error_counter(e, c, location.clone());
+    let counts = |c: EccCounter| -> Result<EccCounts, NvmlError> {
+        Ok(EccCounts {
+            corrected: count(MemoryError::Corrected, c.clone())?,
+            uncorrected: count(MemoryError::Uncorrected, c)?,
+        })
+    };
+    nv(counts(EccCounter::Volatile)
+        .and_then(|volatile| Ok(EccLocation { volatile, aggregate: counts(EccCounter::Aggregate)? })))
 }
 
 /// The compute processes on the GPU, with the memory each holds where NVML can say.
