@@ -290,10 +290,10 @@ fn ecc_counts(d: &Device, t: &Tracker, counter: EccCounter) -> Nv<EccCounts> {
 /// One memory location's four counts (`nvmlDeviceGetMemoryErrorCounter`); the first error stops.
 fn ecc_at(d: &Device, t: &Tracker, location: MemoryLocation) -> Nv<EccLocation> {
     t.at("nvmlDeviceGetMemoryErrorCounter");
-    let count = |e, c| d.memory_error_counter(e, c, location.clone());
+    let count = |e, c| d.memory_error_counter(e, c, location);
     let counts = |c: EccCounter| -> Result<EccCounts, NvmlError> {
         Ok(EccCounts {
-            corrected: count(MemoryError::Corrected, c.clone())?,
+            corrected: count(MemoryError::Corrected, c)?,
             uncorrected: count(MemoryError::Uncorrected, c)?,
         })
     };
