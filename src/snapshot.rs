@@ -193,6 +193,14 @@ pub struct Host {
     pub secure_boot: Fact<SecureBoot>,
     /// Seconds since boot (/proc/uptime), to turn counters since boot into rates.
     pub uptime_s: Option<f64>,
+    /// Processes blocked in the NVIDIA driver (`collect::procs`).
+    #[serde(default = "not_read")]
+    pub blocked_in_driver: Fact<Vec<BlockedProcess>>,
+}
+
+/// What a snapshot written before a reading existed holds for it (a bundle from an older agent).
+fn not_read<T>() -> Fact<T> {
+    Fact::Error("not read by the agent that wrote this snapshot".into())
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -387,6 +395,29 @@ pub struct KernelLog {
     pub bar_errors: Vec<BarError>,
     /// `NVRM: GPU at PCI:0000:9b:00: GPU-…` lines, linking PCI addresses to UUIDs.
     pub gpu_uuids: Vec<GpuUuidLine>,
+    /// The kernel's hung-task detector: `INFO: task <comm>:<pid> blocked for more than N seconds.`
+    #[serde(default)]
+    pub hung_tasks: Vec<HungTaskLine>,
+}
+
+/// One report of the kernel's hung-task detector (kernel/hung_task.c, `check_hung_task`): a task
+/// in uninterruptible sleep that has not been scheduled for `seconds`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HungTaskLine {
+    pub comm: String,
+    pub pid: u32,
+    pub seconds: u64,
+    pub usec: Option<u64>,
+}
+
+/// A process in uninterruptible sleep (state `D`) that holds an NVIDIA device node open, and
+/// was still so, not scheduled in between, when read again (`collect::procs`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockedProcess {
+    pub pid: u32,
+    pub comm: String,
+    /// The `/dev/nvidia*` nodes it holds open.
+    pub devices: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -235,6 +235,29 @@ impl Sysroot {
         }
     }
 
+    /// A symlink's whole target as written (`/proc/42/fd/3 -> /dev/nvidia0`); `Ok(None)` when
+    /// there is no link.
+    pub fn link_target(&self, rel: &str) -> Result<Option<String>, PathError> {
+        let rel_path = Path::new(rel.trim_start_matches('/'));
+        let (Some(parent), Some(name)) = (rel_path.parent(), rel_path.file_name()) else {
+            return Ok(None);
+        };
+        let parent = match self.resolve(&parent.to_string_lossy()) {
+            Ok(p) => p,
+            Err(e) if e.is_not_found() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        match fs::read_link(parent.join(name)) {
+            Ok(target) => {
+                let target = target.to_string_lossy().into_owned();
+                self.record(Recorded::Link { path: rel.to_string(), target: target.clone() });
+                Ok(Some(target))
+            }
+            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::InvalidInput) => Ok(None),
+            Err(source) => Err(PathError { path: Self::display(rel), source }),
+        }
+    }
+
     /// Names in a directory, sorted so that output and tests are stable.
     pub fn list_dir(&self, rel: &str) -> Result<Vec<String>, PathError> {
         let err = |source| PathError { path: Self::display(rel), source };

@@ -901,3 +901,48 @@ fn an_sram_error_fails_the_gpu_that_the_ecc_totals_call_healed() {
     assert_eq!(totals["severity"], "warn");
     assert_eq!(r["verdict"]["action"], "inspect_hardware");
 }
+
+#[test]
+fn a_process_stuck_in_the_driver_fails_and_a_kernel_hung_task_report_warns() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let root = common::copy_sysroot("hgx-8gpu-healthy", dir.path());
+    let run = || {
+        let (_, r, _) = common::doctor(root.to_str().unwrap(), "hgx-8gpu-healthy", None, None, &[]);
+        findings(&r, "host.hung-tasks")[0].clone()
+    };
+    assert_eq!(run()["severity"], "pass");
+
+    // A process writes the kernel's words to /dev/kmsg (facility 1, user): not the kernel's.
+    let mut kmsg = std::fs::OpenOptions::new().append(true).open(root.join("dev/kmsg")).unwrap();
+    writeln!(kmsg, "11,9100,95000000000,-;INFO: task trainer:4242 blocked for more than 122 seconds.").unwrap();
+    assert_eq!(run()["severity"], "pass", "a forged report");
+    // The kernel's own report (facility 0, level 3): a warning naming the task.
+    writeln!(kmsg, "3,9101,95000000100,-;INFO: task trainer:4242 blocked for more than 122 seconds.").unwrap();
+    drop(kmsg);
+    let f = run();
+    assert_eq!((f["severity"].as_str(), f["action"].as_str()), (Some("warn"), Some("reboot_vm")), "{f:#}");
+    assert!(f["summary"].as_str().unwrap().contains("trainer (pid 4242) blocked for more than 122 s"), "{f:#}");
+
+    // The task is in uninterruptible sleep holding /dev/nvidia3: blocked in the driver, a failure.
+    let proc = root.join("proc/4242");
+    std::fs::create_dir_all(proc.join("fd")).unwrap();
+    std::fs::write(proc.join("stat"), "4242 (trainer) D 1 4242 4242 0 -1 4194560 12 0 0 0\n").unwrap();
+    std::fs::write(
+        proc.join("status"),
+        "Name:\ttrainer\nState:\tD (disk sleep)\nvoluntary_ctxt_switches:\t812\nnonvoluntary_ctxt_switches:\t9\n",
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("/dev/nvidia3", proc.join("fd/7")).unwrap();
+    std::os::unix::fs::symlink("/dev/nvidiactl", proc.join("fd/5")).unwrap();
+    std::os::unix::fs::symlink("/tmp/nvidia3", proc.join("fd/9")).unwrap();
+    // Another in D state without an NVIDIA device: not the driver's.
+    std::fs::create_dir_all(root.join("proc/77/fd")).unwrap();
+    std::fs::write(root.join("proc/77/stat"), "77 (jbd2/vda1-8) D 2 0 0 0\n").unwrap();
+    let f = run();
+    assert_eq!(f["severity"], "fail", "{f:#}");
+    assert_eq!(
+        f["evidence"]["blocked_in_driver"],
+        serde_json::json!([{ "pid": 4242, "comm": "trainer", "devices": ["/dev/nvidia3", "/dev/nvidiactl"] }])
+    );
+}

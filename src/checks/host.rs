@@ -1,4 +1,5 @@
-//! host.*: the guest operating system, the hypervisor, kernel headers, Secure Boot.
+//! host.*: the guest operating system, the hypervisor, kernel headers, Secure Boot, and tasks
+//! hung in the driver.
 
 use super::Finding;
 use crate::facts::SUPPORTED_OS;
@@ -9,6 +10,41 @@ pub fn run(s: &Snapshot, out: &mut Vec<Finding>) {
     out.push(virtualization(s));
     out.push(kernel_headers(s));
     out.push(secure_boot(s));
+    out.push(hung_tasks(s));
+}
+
+/// host.hung-tasks: processes stuck in the NVIDIA driver (`collect::procs`), and the kernel's
+/// hung-task reports of this boot. A GPU that stops answering shows this way before any Xid.
+/// A process blocked in the driver fails; a hung-task report alone warns (the task may have
+/// waited on something else, a disk or a network file system, and it names the task).
+fn hung_tasks(s: &Snapshot) -> Finding {
+    const ID: &str = "host.hung-tasks";
+    let lines = s.kernel_log.value().map(|k| k.hung_tasks.as_slice()).unwrap_or_default();
+    let blocked = match &s.host.blocked_in_driver {
+        Fact::Value(b) => b.as_slice(),
+        Fact::Error(e) if lines.is_empty() => {
+            return Finding::unknown(ID, format!("cannot read the processes: {e}"));
+        }
+        Fact::Error(_) => &[],
+    };
+    let named = |pid: u32, comm: &str| format!("{comm} (pid {pid})");
+    let f = if !blocked.is_empty() {
+        let each: Vec<String> =
+            blocked.iter().map(|p| format!("{} holding {}", named(p.pid, &p.comm), p.devices.join(", "))).collect();
+        Finding::fail(ID, format!("blocked in the NVIDIA driver: {}", each.join("; ")))
+            .detail("In uninterruptible sleep inside the driver and not scheduled since: the GPU is not answering the driver. Such a process cannot be killed, and a GPU reset waits for it.")
+            .remedy("Reboot the VM; if the reboot hangs on the stuck process, have the platform restart the VM. If it comes back, collect `phq-agent doctor --bundle` for the platform.")
+    } else if !lines.is_empty() {
+        let mut each: Vec<String> =
+            lines.iter().map(|l| format!("{} blocked for more than {} s", named(l.pid, &l.comm), l.seconds)).collect();
+        each.dedup();
+        Finding::warn(ID, format!("the kernel reported hung tasks: {}", each.join("; ")))
+            .detail("The kernel's hung-task detector names a task that stayed in uninterruptible sleep past hung_task_timeout_secs. None holds an NVIDIA device now, so it may have waited on storage or the network rather than the GPU.")
+            .remedy("Look at the kernel log around the report (`journalctl -k`); if the task used the GPU, reboot the VM.")
+    } else {
+        Finding::pass(ID, "no process is blocked in the NVIDIA driver, and the kernel reported no hung task")
+    };
+    f.evidence("blocked_in_driver", blocked).evidence("kernel_reports", lines)
 }
 
 /// The supported guest this os-release names, if any.

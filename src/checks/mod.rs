@@ -140,6 +140,7 @@ pub const CATALOG: &[&str] = &[
     "host.virtualization",
     "host.kernel-headers",
     "host.secure-boot",
+    "host.hung-tasks",
     "pci.gpu-present",
     "pci.gpu-count",
     "pci.gpu-driver-bound",
@@ -328,6 +329,7 @@ pub(crate) mod testutil {
                 }),
                 secure_boot: Fact::Value(SecureBoot::Disabled),
                 uptime_s: Some(3600.0),
+                blocked_in_driver: Fact::Value(vec![]),
             },
             units: Fact::Value(vec![
                 UnitState {

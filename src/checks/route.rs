@@ -128,6 +128,9 @@ pub const RULES: &[Rule] = &[
     rule("host.virtualization", FixVmSpec, FixVmSpec, Tenant),
     rule("host.kernel-headers", FixGuestSoftware, FixGuestSoftware, Tenant),
     rule("host.secure-boot", FixGuestSoftware, FixGuestSoftware, Tenant),
+    // A task stuck in the driver: the guest reboots itself first (gpud's repair for hung tasks
+    // is a system reboot too); the remedy names the platform's restart when that hangs.
+    rule("host.hung-tasks", RebootVm, RebootVm, Tenant),
     rule("pci.gpu-present", RestartVm, RestartVm, Platform),
     rule("pci.gpu-count", RestartVm, RestartVm, Platform),
     rule("pci.gpu-driver-bound", FixGuestSoftware, FixGuestSoftware, Tenant),

@@ -28,6 +28,7 @@ pub fn read(root: &Sysroot) -> Host {
             .ok()
             .and_then(|u| u.split_whitespace().next()?.parse().ok())
             .filter(|u: &f64| u.is_finite() && *u >= 0.0),
+        blocked_in_driver: super::procs::blocked_in_driver(root),
     }
 }
 

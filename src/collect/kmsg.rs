@@ -224,6 +224,9 @@ pub fn parse(text: &str, source: &str) -> KernelLog {
             if !log.gpu_uuids.contains(&uuid) {
                 log.gpu_uuids.push(uuid);
             }
+        } else if let Some(mut hung) = parse_hung_task(msg) {
+            hung.usec = rec.usec;
+            log.hung_tasks.push(hung);
         }
     }
     log
@@ -234,6 +237,26 @@ pub fn parse(text: &str, source: &str) -> KernelLog {
 // `NVRM: Xid (` is not one. The kernel logs text that unprivileged users choose (a crashing
 // program's name in the segfault line, its 15-character `comm` first), so a looser match lets
 // anyone write an Xid (issue 37); none of those lines can start with the whole shape.
+
+/// `INFO: task python3:48211 blocked for more than 122 seconds.`, the kernel's hung-task detector
+/// (kernel/hung_task.c, `check_hung_task`: `pr_err("INFO: task %s:%d blocked for more than %ld
+/// seconds.\n", t->comm, t->pid, …)`). `comm` is the task's name, up to 15 bytes the process
+/// chose, so it may hold `:` itself: the pid is the digits after the last `:` before the fixed
+/// tail, which no 15-byte name can contain.
+pub fn parse_hung_task(msg: &str) -> Option<crate::snapshot::HungTaskLine> {
+    const TAIL: &str = " blocked for more than ";
+    let rest = msg.strip_prefix("INFO: task ")?;
+    let at = rest.find(TAIL)?;
+    let (task, after) = (&rest[..at], &rest[at + TAIL.len()..]);
+    let (comm, pid) = task.rsplit_once(':')?;
+    if comm.is_empty() || comm.len() > 15 {
+        return None;
+    }
+    let mut c = Cursor(after);
+    let seconds = c.digits()?.parse().ok()?;
+    c.tag(" seconds.")?;
+    Some(crate::snapshot::HungTaskLine { comm: comm.to_string(), pid: pid.parse().ok()?, seconds, usec: None })
+}
 
 /// A little reader over the start of a message.
 struct Cursor<'a>(&'a str);
@@ -381,6 +404,24 @@ pub fn parse_gpu_uuid(msg: &str) -> Option<GpuUuidLine> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn hung_task_reports_in_the_kernels_shape_only() {
+        let h = parse_hung_task("INFO: task python3:48211 blocked for more than 122 seconds.").unwrap();
+        assert_eq!((h.comm.as_str(), h.pid, h.seconds), ("python3", 48211, 122));
+        // A name may hold a colon; the pid is after the last one.
+        let h = parse_hung_task("INFO: task a:1 x:77 blocked for more than 241 seconds.").unwrap();
+        assert_eq!((h.comm.as_str(), h.pid), ("a:1 x", 77));
+        for bad in [
+            "INFO: task python3:48211 blocked for more than 122 seconds",
+            "INFO: task python3 blocked for more than 122 seconds.",
+            "INFO: task :4 blocked for more than 122 seconds.",
+            "INFO: task a-name-longer-than-15:4 blocked for more than 122 seconds.",
+            "x INFO: task python3:1 blocked for more than 122 seconds.",
+        ] {
+            assert!(parse_hung_task(bad).is_none(), "{bad}");
+        }
+    }
     use super::*;
     use proptest::prelude::*;
 

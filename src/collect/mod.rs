@@ -19,6 +19,7 @@ pub mod kmsg;
 pub mod nvml;
 pub mod packages;
 pub mod pci;
+pub mod procs;
 pub mod units;
 
 use crate::snapshot::{CudaToolkit, Fact, Snapshot, Timestamp};

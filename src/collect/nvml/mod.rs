@@ -292,10 +292,7 @@ fn ecc_at(d: &Device, t: &Tracker, location: MemoryLocation) -> Nv<EccLocation> 
     t.at("nvmlDeviceGetMemoryErrorCounter");
     let count = |e, c| d.memory_error_counter(e, c, location);
     let counts = |c: EccCounter| -> Result<EccCounts, NvmlError> {
-        Ok(EccCounts {
-            corrected: count(MemoryError::Corrected, c)?,
-            uncorrected: count(MemoryError::Uncorrected, c)?,
-        })
+        Ok(EccCounts { corrected: count(MemoryError::Corrected, c)?, uncorrected: count(MemoryError::Uncorrected, c)? })
     };
     nv(counts(EccCounter::Volatile)
         .and_then(|volatile| Ok(EccLocation { volatile, aggregate: counts(EccCounter::Aggregate)? })))

@@ -1,0 +1,93 @@
+//! Processes blocked in the NVIDIA driver: in uninterruptible sleep (state `D` in
+//! `/proc/<pid>/stat`) while holding a `/dev/nvidia*` node open. A GPU that stops answering shows
+//! this way before any Xid: the process that asked is stuck inside the driver and cannot even be
+//! killed (gpud's os component watches the same; the kernel's hung-task detector reports such a
+//! task only after `hung_task_timeout_secs`, 120 s by default).
+//!
+//! A moment in state D is normal (an ioctl that waits for the GPU), so on a live machine a
+//! candidate counts only if it is still in D a second later without having been scheduled in
+//! between (its voluntary and involuntary context switches in `/proc/<pid>/status` unchanged —
+//! the test the hung-task detector itself makes, `check_hung_task`'s switch count). A fixture
+//! or bundle is read once.
+
+use crate::snapshot::{BlockedProcess, Fact};
+use crate::sysroot::Sysroot;
+use std::time::Duration;
+
+/// How long a candidate must stay blocked, unscheduled, on a live machine.
+const SECOND_LOOK: Duration = Duration::from_secs(1);
+/// At most this many processes are looked at: /proc on a guest holds hundreds, not more.
+const MAX_PIDS: usize = 65_536;
+
+pub fn blocked_in_driver(root: &Sysroot) -> Fact<Vec<BlockedProcess>> {
+    let pids = match root.list_dir("proc") {
+        Ok(names) => names.into_iter().filter_map(|n| n.parse::<u32>().ok()).take(MAX_PIDS).collect::<Vec<_>>(),
+        Err(e) => return Fact::Error(e.to_string()),
+    };
+    let mut found: Vec<(BlockedProcess, Option<u64>)> = vec![];
+    for pid in pids {
+        let Some((comm, 'D')) = state(root, pid) else { continue };
+        let devices = nvidia_fds(root, pid);
+        if !devices.is_empty() {
+            found.push((BlockedProcess { pid, comm, devices }, switches(root, pid)));
+        }
+    }
+    if root.is_live() && !found.is_empty() {
+        std::thread::sleep(SECOND_LOOK);
+        found.retain(|(p, before)| {
+            matches!(state(root, p.pid), Some((_, 'D'))) && before.is_some() && switches(root, p.pid) == *before
+        });
+    }
+    Fact::Value(found.into_iter().map(|(p, _)| p).collect())
+}
+
+/// `(comm, state)` from `/proc/<pid>/stat`: `pid (comm) S …`, where `comm` may hold spaces and
+/// parentheses, so the state is the first field after the *last* `)` (proc(5)).
+fn state(root: &Sysroot, pid: u32) -> Option<(String, char)> {
+    parse_stat(&root.read_string(&format!("proc/{pid}/stat")).ok()?)
+}
+
+pub fn parse_stat(stat: &str) -> Option<(String, char)> {
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let comm = stat.get(open + 1..close)?.to_string();
+    let state = stat.get(close + 1..)?.trim_start().chars().next()?;
+    Some((comm, state))
+}
+
+/// `voluntary_ctxt_switches` + `nonvoluntary_ctxt_switches` of `/proc/<pid>/status`.
+fn switches(root: &Sysroot, pid: u32) -> Option<u64> {
+    let status = root.read_string(&format!("proc/{pid}/status")).ok()?;
+    let field = |name: &str| -> Option<u64> { status.lines().find_map(|l| l.strip_prefix(name)?.trim().parse().ok()) };
+    Some(field("voluntary_ctxt_switches:")? + field("nonvoluntary_ctxt_switches:")?)
+}
+
+/// The `/dev/nvidia*` nodes among the process's open files (`/proc/<pid>/fd/*` links).
+fn nvidia_fds(root: &Sysroot, pid: u32) -> Vec<String> {
+    let dir = format!("proc/{pid}/fd");
+    let mut devices: Vec<String> = root
+        .list_dir(&dir)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|fd| root.link_target(&format!("{dir}/{fd}")).ok().flatten())
+        .filter(|t| {
+            t.strip_prefix("/dev/nvidia")
+                .is_some_and(|rest| rest.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'))
+        })
+        .collect();
+    devices.sort();
+    devices.dedup();
+    devices
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_state_is_read_after_the_last_parenthesis() {
+        assert_eq!(parse_stat("42 (python3) D 1 42 42 0"), Some(("python3".into(), 'D')));
+        assert_eq!(parse_stat("43 (a) R (b)) S 1"), Some(("a) R (b)".into(), 'S')), "a name that fakes a state");
+        assert_eq!(parse_stat("44 python3 D"), None);
+    }
+}
