@@ -632,6 +632,20 @@ pub struct EccCounts {
     pub uncorrected: u64,
 }
 
+/// The reasons of `nvmlDeviceGetViolationStatus` (`nvmlPerfPolicyType_t`), as the snapshot names
+/// them, with DCGM's field for each (dcgm_fields.h, `DCGM_FI_DEV_*_VIOLATION`, 240-247, "time
+/// in ns").
+pub const VIOLATION_REASONS: &[(&str, &str)] = &[
+    ("power", "DCGM_FI_DEV_POWER_VIOLATION"),
+    ("thermal", "DCGM_FI_DEV_THERMAL_VIOLATION"),
+    ("sync_boost", "DCGM_FI_DEV_SYNC_BOOST_VIOLATION"),
+    ("board_limit", "DCGM_FI_DEV_BOARD_LIMIT_VIOLATION"),
+    ("low_utilization", "DCGM_FI_DEV_LOW_UTIL_VIOLATION"),
+    ("reliability", "DCGM_FI_DEV_RELIABILITY_VIOLATION"),
+    ("total_app_clocks", "DCGM_FI_DEV_TOTAL_APP_CLOCKS_VIOLATION"),
+    ("total_base_clocks", "DCGM_FI_DEV_TOTAL_BASE_CLOCKS_VIOLATION"),
+];
+
 /// One memory location's ECC counts (`nvmlDeviceGetMemoryErrorCounter`): since the last reset
 /// and over the GPU's life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -767,6 +781,11 @@ pub struct NvmlGpu {
     pub ecc_volatile: Nv<EccCounts>,
     pub ecc_aggregate: Nv<EccCounts>,
     /// On-die SRAM apart from the HBM (DRAM): row remapping heals HBM only.
+    /// How long NVML has held the clocks back, per reason, since the driver loaded, in ns
+    /// (`nvmlDeviceGetViolationStatus`; keys `VIOLATION_REASONS`). Reasons the GPU does not
+    /// count are left out; none at all is `NotSupported`.
+    #[serde(default)]
+    pub violations_ns: Nv<std::collections::BTreeMap<String, u64>>,
     #[serde(default)]
     pub ecc_sram: Nv<EccLocation>,
     #[serde(default)]

@@ -946,3 +946,25 @@ fn a_process_stuck_in_the_driver_fails_and_a_kernel_hung_task_report_warns() {
         serde_json::json!([{ "pid": 4242, "comm": "trainer", "devices": ["/dev/nvidia3", "/dev/nvidiactl"] }])
     );
 }
+
+#[test]
+fn clocks_held_back_between_snapshots_are_counted_and_judged_by_their_share_of_the_uptime() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = common::copy_sysroot("hgx-8gpu-healthy", dir.path());
+    // An hour since boot: 300 s of thermal slowdown is 8.3 % of it.
+    std::fs::write(root.join("proc/uptime"), "3600.00 7000.00\n").unwrap();
+    let (_, healthy, _) = common::doctor(root.to_str().unwrap(), "hgx-8gpu-healthy", None, None, &[]);
+    let f = findings(&healthy, "gpu.throttle-time");
+    assert!(f.len() == 8 && f.iter().all(|f| f["severity"] == "pass"), "{f:#?}");
+    assert_eq!(f[0]["evidence"]["violations_ns"]["power"], 2_000_000_000u64);
+
+    let (_, hot, _) = common::doctor(root.to_str().unwrap(), "hgx-8gpu-pcie-degraded-thermal", None, None, &[]);
+    let bad: Vec<_> = findings(&hot, "gpu.throttle-time").into_iter().filter(|f| f["severity"] != "pass").collect();
+    assert_eq!(bad.len(), 1, "{bad:#?}");
+    assert_eq!((bad[0]["gpu"].as_str(), bad[0]["severity"].as_str()), (Some("0000:0e:00.0"), Some("warn")));
+    let summary = bad[0]["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("thermal 300 s (8.3 % of the time since boot)") && !summary.contains("power"),
+        "{summary}"
+    );
+}

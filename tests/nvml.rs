@@ -358,6 +358,17 @@ fn dcgm_names_carry_nvmls_own_figures() {
     assert_eq!(value("DCGM_FI_DEV_MEMORY_TEMP"), 35.0);
     assert_eq!(value("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"), (71000 * 3600) as f64);
     assert_eq!(value("DCGM_FI_DEV_ENC_UTIL"), 0.0);
+    // nvmlDeviceGetViolationStatus's ns, under DCGM's names and unit, and the agent's seconds.
+    assert_eq!(value("DCGM_FI_DEV_POWER_VIOLATION"), 2e9);
+    assert_eq!(value("DCGM_FI_DEV_LOW_UTIL_VIOLATION"), 3e12);
+    assert_eq!(value("DCGM_FI_DEV_THERMAL_VIOLATION"), 0.0);
+    assert!(metrics.contains("# TYPE DCGM_FI_DEV_THERMAL_VIOLATION counter"), "typed as dcgm-exporter's CSV types it");
+    assert!(
+        metrics.lines().any(|l| l.starts_with("phq_gpu_clock_events_seconds_total{")
+            && l.contains("reason=\"power\"")
+            && l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) == Some(2.0)),
+        "phq_gpu_clock_events_seconds_total{{reason=\"power\"}} 2"
+    );
     assert_eq!(value("DCGM_FI_DEV_DEC_UTIL"), 0.0);
     assert!(metrics.contains("# TYPE DCGM_FI_DEV_PCIE_REPLAY_COUNTER counter"), "classic text, as dcgm-exporter");
     // Profiling from NVML's GPM, converted as DCGM converts it: a percentage ÷ 100 is the

@@ -27,6 +27,11 @@ def h100(i, bus):
         # nvmlDeviceGetModuleId: one id per module on the baseboard (0 only off a baseboard);
         # which number each slot carries is the board's, 1-8 here is the scenario's choice.
         "module_id": i + 1,
+        # nvmlDeviceGetViolationStatus, ns since the driver loaded: an idle board held back by
+        # low utilisation most of the time, a little power capping, nothing else.
+        "violations_ns": {"power": 2_000_000_000, "thermal": 0, "sync_boost": 0, "board_limit": 0,
+                          "low_utilization": 3_000_000_000_000, "reliability": 0,
+                          "total_app_clocks": 2_000_000_000, "total_base_clocks": 0},
         "board_part_number": "692-2G520-0200-000",
         "vbios_version": "96.00.74.00.0D",
         "inforom_image_version": "G520.0200.00.05",
@@ -164,6 +169,8 @@ def pcie_thermal():
     d = s["devices"][5]
     d["pcie"].update({"gen_current": 3, "width_current": 8, "replay_counter": 12})
     d["throttle_reasons"] = ["hw_thermal_slowdown", "sw_power_cap"]
+    # Held back by heat for 300 s of its life so far (and by its power cap for 900 s).
+    d["violations_ns"].update({"thermal": 300_000_000_000, "power": 900_000_000_000, "total_app_clocks": 1_200_000_000_000})
     d["temperature_c"] = 89
     d["utilization"] = {"gpu": 97, "memory": 61}
     d["clocks_mhz"] = {"sm": 990, "mem": 2619}

@@ -21,6 +21,7 @@ const PER_GPU: &[(&str, PerGpu)] = &[
     ("gpu.sram-ecc", memory::sram_ecc),
     ("gpu.row-remap", memory::row_remap),
     ("gpu.throttle", thermal::throttle),
+    ("gpu.throttle-time", thermal::throttle_time),
     ("gpu.temperature", thermal::temperature),
     ("gpu.power-limit", thermal::power_limit),
     ("gpu.pcie-link", gpu::pcie_link),

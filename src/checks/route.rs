@@ -164,6 +164,7 @@ pub const RULES: &[Rule] = &[
     rule("gpu.sram-ecc", InspectHardware, InspectHardware, Platform),
     rule("gpu.row-remap", ResetGpu, InspectHardware, Platform),
     rule("gpu.throttle", Action::None, InspectHardware, Platform),
+    rule("gpu.throttle-time", InspectHardware, InspectHardware, Platform),
     rule("gpu.temperature", InspectHardware, InspectHardware, Platform),
     rule("gpu.power-limit", FixGuestSoftware, FixGuestSoftware, Tenant),
     rule("gpu.pcie-link", InspectHardware, InspectHardware, Platform),

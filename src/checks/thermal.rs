@@ -27,6 +27,38 @@ pub(super) fn throttle(_s: &Snapshot, g: &NvmlGpu) -> Finding {
     f.evidence("reasons", reasons)
 }
 
+/// gpu.throttle-time: how long the clocks were held back, per reason, since the driver loaded
+/// (NVML's violation counters, DCGM's `DCGM_FI_DEV_*_VIOLATION`), as a share of the time since
+/// boot. A snapshot of the current reasons (`gpu.throttle`) misses every slowdown between two
+/// snapshots; the counters do not.
+pub(super) fn throttle_time(s: &Snapshot, g: &NvmlGpu) -> Finding {
+    const ID: &str = "gpu.throttle-time";
+    let v = match &g.violations_ns {
+        Nv::Value(v) => v,
+        other => return missing(ID, "clock violation counters", other),
+    };
+    let Some(uptime) = s.host.uptime_s.filter(|u| *u > 0.0) else {
+        // As gpu.pcie-replay does: the counts are kept, without a share to judge.
+        return Finding::pass(ID, "uptime unknown, so the held-back time has no share").evidence("violations_ns", v);
+    };
+    let share = |ns: u64| ns as f64 / 1e9 / uptime;
+    let over: Vec<String> = facts::FAULT_VIOLATIONS
+        .iter()
+        .filter_map(|r| v.get(*r).map(|ns| (*r, *ns)))
+        .filter(|(_, ns)| share(*ns) > facts::MAX_VIOLATION_SHARE)
+        .map(|(r, ns)| format!("{r} {:.0} s ({:.1} % of the time since boot)", ns as f64 / 1e9, share(ns) * 100.0))
+        .collect();
+    let f = if over.is_empty() {
+        let held: f64 = facts::FAULT_VIOLATIONS.iter().filter_map(|r| v.get(*r)).map(|ns| *ns as f64 / 1e9).sum();
+        Finding::pass(ID, format!("{held:.0} s held back by thermal, board-limit or reliability slowdowns since boot"))
+    } else {
+        Finding::warn(ID, format!("clocks held back: {}", over.join(", ")))
+            .detail(format!("Over {} % of the time since boot: the host's cooling or the board slows this GPU, in bursts the 30-second snapshots of gpu.throttle can miss.", facts::MAX_VIOLATION_SHARE * 100.0))
+            .remedy("Report the GPU and the reason to the platform (host cooling or power delivery); compare gpu.temperature and the phq_gpu_clock_events_seconds_total series over time.")
+    };
+    f.evidence("violations_ns", v).evidence("uptime_s", uptime)
+}
+
 pub(super) fn temperature(_s: &Snapshot, g: &NvmlGpu) -> Finding {
     const ID: &str = "gpu.temperature";
     let t = match &g.temperature_c {

@@ -141,6 +141,7 @@ pub const HANGABLE: &[&str] = &[
     "nvmlDeviceGetTotalEccErrors",
     "nvmlDeviceGetMemoryErrorCounter",
     "nvmlDeviceGetModuleId",
+    "nvmlDeviceGetViolationStatus",
     "nvmlDeviceGetTotalEnergyConsumption",
     "nvmlDeviceGetUtilizationRates",
     "nvmlDeviceRegisterEvents",
@@ -749,6 +750,39 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryErrorCounter(
         };
         let counts = if counter_type == 0 { &place.volatile } else { &place.aggregate };
         Some(put(out, if error_type == 0 { counts.corrected } else { counts.uncorrected }))
+    })
+}
+
+/// `nvmlDeviceGetViolationStatus(device, perfPolicyType, violTime)`: how long the clocks were held
+/// back for one reason (NVML API reference, Device Queries: `nvmlViolationTime_t.violationTime`
+/// in ns, `referenceTime` the CPU time in µs). `nvmlPerfPolicyType_t` as nvml.h numbers it: 0
+/// power, 1 thermal, 2 sync boost, 3 board limit, 4 low utilisation, 5 reliability, 10 total app
+/// clocks, 11 total base clocks; any other is NVML_ERROR_INVALID_ARGUMENT, as is a null pointer.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetViolationStatus(
+    h: nvmlDevice_t,
+    policy: c_uint,
+    out: *mut nvmlViolationTime_t,
+) -> Ret {
+    device_call(h, "nvmlDeviceGetViolationStatus", |d| {
+        let name = match policy {
+            0 => "power",
+            1 => "thermal",
+            2 => "sync_boost",
+            3 => "board_limit",
+            4 => "low_utilization",
+            5 => "reliability",
+            10 => "total_app_clocks",
+            11 => "total_base_clocks",
+            _ => return Some(INVALID),
+        };
+        if out.is_null() {
+            return Some(INVALID);
+        }
+        let ns = *d.violations_ns.get(name)?;
+        let now_us =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_micros() as u64);
+        Some(put(out, nvmlViolationTime_t { referenceTime: now_us, violationTime: ns }))
     })
 }
 

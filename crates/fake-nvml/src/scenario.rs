@@ -50,6 +50,11 @@ pub struct Device {
     pub inforom_image_version: Option<String>,
     /// `nvmlDeviceGetModuleId`; absent: NVML_ERROR_NOT_SUPPORTED.
     pub module_id: Option<u32>,
+    /// `nvmlDeviceGetViolationStatus`'s violation time in ns, by reason (`power`, `thermal`,
+    /// `sync_boost`, `board_limit`, `low_utilization`, `reliability`, `total_app_clocks`,
+    /// `total_base_clocks`); a reason absent: NVML_ERROR_NOT_SUPPORTED.
+    #[serde(default)]
+    pub violations_ns: std::collections::BTreeMap<String, u64>,
     pub inforom_valid: Option<bool>,
     pub pci: Option<Pci>,
     pub memory: Option<Memory>,

@@ -110,6 +110,7 @@ fn unreadable(index: u32, why: String, address: Option<String>) -> NvmlGpu {
         ecc_mode: err!(),
         ecc_volatile: err!(),
         ecc_aggregate: err!(),
+        violations_ns: err!(),
         ecc_sram: err!(),
         ecc_dram: err!(),
         remapped_rows: err!(),
@@ -217,6 +218,7 @@ fn read_device(index: u32, d: &Device, sys: Option<&NvmlLib>, t: &Tracker) -> Nv
         ),
         ecc_volatile: ecc(EccCounter::Volatile),
         ecc_aggregate: ecc(EccCounter::Aggregate),
+        violations_ns: violations(d, t),
         ecc_sram: ecc_at(d, t, MemoryLocation::SRAM),
         ecc_dram: ecc_at(d, t, MemoryLocation::Device),
         remapped_rows: sys.map(|s| remapped_rows(s, d, t)).unwrap_or(Nv::NotSupported),
@@ -285,6 +287,37 @@ fn ecc_counts(d: &Device, t: &Tracker, counter: EccCounter) -> Nv<EccCounts> {
         (Ok(corrected), Ok(uncorrected)) => Nv::Value(EccCounts { corrected, uncorrected }),
         (Err(e), _) | (_, Err(e)) => nv::<EccCounts>(Err(e)),
     }
+}
+
+/// `nvmlDeviceGetViolationStatus` for each reason: a reason the GPU does not count is left out;
+/// another error, or none counted, is the reading's.
+fn violations(d: &Device, t: &Tracker) -> Nv<std::collections::BTreeMap<String, u64>> {
+    use nvml_wrapper::enum_wrappers::device::PerformancePolicy as P;
+    t.at("nvmlDeviceGetViolationStatus");
+    let policies = [
+        P::Power,
+        P::Thermal,
+        P::SyncBoost,
+        P::BoardLimit,
+        P::LowUtilization,
+        P::Reliability,
+        P::TotalAppClocks,
+        P::TotalBaseClocks,
+    ];
+    let mut out = std::collections::BTreeMap::new();
+    for (policy, (name, _)) in policies.into_iter().zip(crate::snapshot::VIOLATION_REASONS) {
+        match d.violation_status(policy) {
+            Ok(v) => {
+                out.insert(name.to_string(), v.violation_time);
+            }
+            Err(NvmlError::NotSupported) => {}
+            Err(e) => return nv(Err(e)),
+        }
+    }
+    if out.is_empty() {
+        return Nv::NotSupported;
+    }
+    Nv::Value(out)
 }
 
 /// One memory location's four counts (`nvmlDeviceGetMemoryErrorCounter`); the first error stops.

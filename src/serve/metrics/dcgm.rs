@@ -10,6 +10,11 @@ fn prof(n: &NvmlGpu, field: &str) -> Option<f64> {
     n.gpm.value().and_then(|g| g.values.get(field).copied())
 }
 
+/// One reason's violation time in ns, as DCGM's `DCGM_FI_DEV_*_VIOLATION` fields hold it.
+fn viol(n: &NvmlGpu, reason: &str) -> Option<f64> {
+    n.violations_ns.value().and_then(|v| v.get(reason)).map(|ns| *ns as f64)
+}
+
 /// dcgm-exporter's default counters (its `etc/default-counters.csv`) and what the agent does
 /// with each: the name it serves it under with `metrics.dcgm_compat`, or why it does not.
 /// docs/metrics.md says the same for people; a test holds the two to the rendered metrics.
@@ -54,6 +59,12 @@ pub const DCGM_BEYOND_DEFAULTS: &[&str] = &[
     "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",
     "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
     "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+    "DCGM_FI_DEV_POWER_VIOLATION",
+    "DCGM_FI_DEV_THERMAL_VIOLATION",
+    "DCGM_FI_DEV_SYNC_BOOST_VIOLATION",
+    "DCGM_FI_DEV_BOARD_LIMIT_VIOLATION",
+    "DCGM_FI_DEV_LOW_UTIL_VIOLATION",
+    "DCGM_FI_DEV_RELIABILITY_VIOLATION",
     "DCGM_FI_PROF_SM_ACTIVE",
     "DCGM_FI_PROF_SM_OCCUPANCY",
     "DCGM_FI_PROF_PIPE_FP64_ACTIVE",
@@ -89,6 +100,22 @@ const DCGM_SERIES: &[(&str, &str, Pick)] = &[
         n.energy_mj.value().map(|v| *v as f64)
     }),
     ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "Total number of PCIe retries.", |n| nvv(&n.pcie.replay_counter)),
+    // Not among the defaults; dcgm-exporter's CSV carries them commented out with these help
+    // texts and the counter type (etc/default-counters.csv), in DCGM's unit, ns.
+    ("DCGM_FI_DEV_POWER_VIOLATION", "Throttling duration due to power constraints (in ns).", |n| viol(n, "power")),
+    ("DCGM_FI_DEV_THERMAL_VIOLATION", "Throttling duration due to thermal constraints (in ns).", |n| viol(n, "thermal")),
+    ("DCGM_FI_DEV_SYNC_BOOST_VIOLATION", "Throttling duration due to sync-boost constraints (in ns).", |n| {
+        viol(n, "sync_boost")
+    }),
+    ("DCGM_FI_DEV_BOARD_LIMIT_VIOLATION", "Throttling duration due to board limit constraints (in ns).", |n| {
+        viol(n, "board_limit")
+    }),
+    ("DCGM_FI_DEV_LOW_UTIL_VIOLATION", "Throttling duration due to low utilization (in ns).", |n| {
+        viol(n, "low_utilization")
+    }),
+    ("DCGM_FI_DEV_RELIABILITY_VIOLATION", "Throttling duration due to reliability constraints (in ns).", |n| {
+        viol(n, "reliability")
+    }),
     ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", |n| n.utilization.value().map(|u| u.gpu as f64)),
     ("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %).", |n| n.utilization.value().map(|u| u.memory as f64)),
     ("DCGM_FI_DEV_ENC_UTIL", "Encoder utilization (in %).", |n| nvv(&n.encoder_utilization)),
@@ -197,6 +224,12 @@ const DCGM_SERIES: &[(&str, &str, Pick)] = &[
 pub const DCGM_COUNTERS: &[&str] = &[
     "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
     "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
+    "DCGM_FI_DEV_POWER_VIOLATION",
+    "DCGM_FI_DEV_THERMAL_VIOLATION",
+    "DCGM_FI_DEV_SYNC_BOOST_VIOLATION",
+    "DCGM_FI_DEV_BOARD_LIMIT_VIOLATION",
+    "DCGM_FI_DEV_LOW_UTIL_VIOLATION",
+    "DCGM_FI_DEV_RELIABILITY_VIOLATION",
     "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
     "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
     "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",

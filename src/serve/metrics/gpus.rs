@@ -149,6 +149,15 @@ pub(super) const PER_GPU: &[(&str, &str, PerGpu)] = &[
         PerGpu::CounterF(|g| one(g, |n| n.energy_mj.value().map(|mj| *mj as f64 / 1000.0))),
     ),
     (
+        "phq_gpu_clock_events_seconds_total",
+        "How long the clocks were held back since the driver loaded, by reason (NVML violation counters)",
+        PerGpu::CounterF(|g| {
+            by(g, "reason", |n| {
+                n.violations_ns.value().map(|v| v.iter().map(|(r, ns)| (r.as_str(), *ns as f64 / 1e9)).collect())
+            })
+        }),
+    ),
+    (
         "phq_gpu_encoder_utilization_ratio",
         "Fraction of the sample period the video encoders were busy",
         PerGpu::Gauge(|g| one(g, |n| n.encoder_utilization.value().map(|u| *u as f64 / 100.0))),
