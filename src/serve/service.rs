@@ -254,8 +254,10 @@ fn start_vsock(
         tracing::info!("vsock.enabled = false: no vsock listener");
         return Ok(None);
     }
+    // At warn, which the unit logs: the one line a person reads to learn why the platform's
+    // channel is not there.
     let no_device = |why: String| {
-        tracing::info!(
+        tracing::warn!(
             "no vsock device ({why}): serving without the platform's vsock channel; KubeVirt attaches one with \
              spec.domain.devices.autoattachVSOCK: true"
         );
