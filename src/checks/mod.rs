@@ -326,6 +326,7 @@ pub(crate) mod testutil {
                 }),
                 secure_boot: Fact::Value(SecureBoot::Disabled),
                 uptime_s: Some(3600.0),
+                vsock_cid: Fact::Value(Some(3)),
             },
             units: Fact::Value(vec![
                 UnitState {

@@ -21,34 +21,14 @@ use super::http::{Accept, Peer};
 use std::io;
 use std::mem::size_of;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::path::Path;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-/// Linux include/uapi/linux/vm_sockets.h: `#define IOCTL_VM_SOCKETS_GET_LOCAL_CID _IO(7, 0xb9)`
-/// (`_IO(type, nr)` is `type << 8 | nr` with no size or direction bits).
-pub const IOCTL_VM_SOCKETS_GET_LOCAL_CID: libc::c_ulong = (7 << 8) | 0xb9;
-
-/// The local CID from `/dev/vsock` (`path`): `None` when the file is absent or the kernel has
-/// no guest transport (it answers `VMADDR_CID_ANY`, vm_sockets.h).
-pub fn local_cid(path: &Path) -> io::Result<Option<u32>> {
-    let file = match std::fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let mut cid: libc::c_uint = 0;
-    // SAFETY: the descriptor is open for the call's length; the request writes one unsigned int
-    // (vm_sockets.h: "the CID is returned in an unsigned int") into `cid`, which outlives it.
-    let r =
-        unsafe { libc::ioctl(file.as_raw_fd(), IOCTL_VM_SOCKETS_GET_LOCAL_CID as _, &mut cid as *mut libc::c_uint) };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok((cid != libc::VMADDR_CID_ANY).then_some(cid))
-}
+/// The live machine's local CID from its vsock device (`path`); `None`: no device, or no guest
+/// transport behind it (rule 1).
+pub use crate::sysroot::local_cid;
 
 /// Whether a socket or bind error means this machine has no vsock at all (no `vsock` module:
 /// EAFNOSUPPORT; no transport behind it: ENODEV; no local CID to bind: EADDRNOTAVAIL).
@@ -219,6 +199,7 @@ mod tests {
     use super::*;
     use crate::serve::{Published, Shared};
     use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    use std::path::Path;
     use std::sync::{Arc, RwLock};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio_rustls::rustls;
@@ -401,7 +382,7 @@ mod tests {
     #[test]
     fn the_ioctl_number_is_linuxs() {
         // _IO(7, 0xb9) as Linux's asm-generic/ioctl.h builds it: dir 0, size 0, type 7, nr 0xb9.
-        assert_eq!(IOCTL_VM_SOCKETS_GET_LOCAL_CID, 0x7b9);
+        assert_eq!(crate::sysroot::IOCTL_VM_SOCKETS_GET_LOCAL_CID, 0x7b9);
     }
 
     #[test]
