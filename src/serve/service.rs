@@ -229,8 +229,9 @@ fn start_tcp(
         tracing::info!("http.enabled = false: no TCP listener; only the vsock listener and D-Bus answer");
         if std::env::var_os("LISTEN_FDS").is_some() {
             tracing::warn!(
-                "systemd passed a TCP socket (phq-agent.socket) that this configuration does not serve: it stays \
-                 bound by systemd; `systemctl disable --now phq-agent.socket` closes it"
+                "systemd passed a TCP socket (phq-agent.socket) that this configuration does not serve: systemd \
+                 keeps it bound, so connections are taken and never answered; a drop-in with `ListenStream=` and \
+                 `ListenStream=127.0.0.1:9440` keeps it off the network (docs/vsock.md)"
             );
         }
         return Ok(None);
