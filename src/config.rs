@@ -19,6 +19,7 @@ pub const DEFAULT_PATH: &str = "/etc/phq-agent/config.toml";
 pub struct Config {
     pub agent: AgentConfig,
     pub http: HttpConfig,
+    pub vsock: VsockConfig,
     pub platform: PlatformConfig,
     pub probes: ProbesConfig,
     pub metrics: MetricsConfig,
@@ -74,6 +75,8 @@ impl Default for AgentConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HttpConfig {
+    /// `false`: no TCP listener at all, so only the platform reaches the agent (over `[vsock]`).
+    pub enabled: bool,
     pub listen: SocketAddr,
     pub token_file: PathBuf,
     pub tls_cert: String,
@@ -84,6 +87,7 @@ pub struct HttpConfig {
 impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
+            enabled: true,
             listen: SocketAddr::from(([0, 0, 0, 0], 9440)),
             token_file: PathBuf::from("/etc/phq-agent/token"),
             tls_cert: String::new(),
@@ -92,6 +96,45 @@ impl Default for HttpConfig {
         }
     }
 }
+
+/// The AF_VSOCK listener the platform reaches through KubeVirt's `vsock` subresource
+/// (docs/vsock.md). Same routes, limits and timeouts as `[http]`; the peer is a CID.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VsockConfig {
+    pub enabled: bool,
+    /// The guest's vsock port. vsock ports are their own 32-bit space (vsock(7)), apart from
+    /// TCP's, so the HTTP port's number is reused: one number for an operator to remember.
+    pub port: u32,
+    /// TLS 1.3 with a client certificate required, as virt-handler dials with `tls=true`.
+    /// `false`: plain HTTP over vsock, and the bearer token is required as on TCP.
+    pub tls: bool,
+    /// The CA bundle a client certificate must chain to: KubeVirt's, written by cloud-init.
+    pub client_ca: PathBuf,
+    /// The agent's own server certificate and key; empty: `<state_dir>/vsock/server.crt` and
+    /// `server.key`, generated on first start and rotated before they expire.
+    pub cert: String,
+    pub key: String,
+}
+
+/// `vsock.client_ca` by default: where the shipped cloud-init user-data writes the bundle.
+pub const VSOCK_CLIENT_CA: &str = "/etc/phq-agent/vsock-ca.pem";
+
+impl Default for VsockConfig {
+    fn default() -> Self {
+        VsockConfig {
+            enabled: true,
+            port: DEFAULT_PORT,
+            tls: true,
+            client_ca: PathBuf::from(VSOCK_CLIENT_CA),
+            cert: String::new(),
+            key: String::new(),
+        }
+    }
+}
+
+/// The service's port, TCP and vsock alike.
+pub const DEFAULT_PORT: u32 = 9440;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -253,10 +296,12 @@ pub fn restart_needed(old: &Config, new: &Config) -> Vec<&'static str> {
     };
     check(old.agent.id != new.agent.id, "agent.id");
     check(old.agent.state_dir != new.agent.state_dir, "agent.state_dir");
+    check(old.http.enabled != new.http.enabled, "http.enabled");
     check(old.http.listen != new.http.listen, "http.listen");
     check(old.http.tls_cert != new.http.tls_cert, "http.tls_cert");
     check(old.http.tls_key != new.http.tls_key, "http.tls_key");
     check(old.http.client_ca != new.http.client_ca, "http.client_ca");
+    check(old.vsock != new.vsock, "vsock");
     check(old.platform.url != new.platform.url, "platform.url");
     check(old.platform.ca_file != new.platform.ca_file, "platform.ca_file");
     check(old.nvml.init_timeout != new.nvml.init_timeout, "nvml.init_timeout");
@@ -512,6 +557,22 @@ fn validate(c: &Config) -> Result<(), (&'static str, String)> {
     if c.agent.expected_gpus == Some(0) {
         return Err(("agent.expected_gpus", "expected at least 1 (leave it out to skip the count check)".into()));
     }
+    validate_vsock(&c.vsock)
+}
+
+/// vsock(7): ports above 1023 need no privilege, and `VMADDR_PORT_ANY` (-1U) is not a port.
+fn validate_vsock(v: &VsockConfig) -> Result<(), (&'static str, String)> {
+    if v.port == 0 || v.port == u32::MAX {
+        return Err(("vsock.port", format!("{} is not a port to listen on; expected 1 to 4294967294", v.port)));
+    }
+    if v.cert.is_empty() != v.key.is_empty() {
+        // Named by the one that is set, so the message points at the file that set it.
+        let key = if v.cert.is_empty() { "vsock.key" } else { "vsock.cert" };
+        return Err((key, "cert and key go together: set both or neither (neither: generated)".into()));
+    }
+    if v.tls && v.client_ca.as_os_str().is_empty() {
+        return Err(("vsock.client_ca", "TLS over vsock requires client certificates: name the CA bundle".into()));
+    }
     Ok(())
 }
 
@@ -537,6 +598,26 @@ mod tests {
         assert_eq!(c.probes.when_idle, Some(Duration::from_secs(86400)));
         assert_eq!(c.nvml, NvmlConfig::default(), "the shipped file says the defaults");
         assert_eq!(c.probes, ProbesConfig::default());
+        assert_eq!(c.vsock, VsockConfig::default(), "the shipped file says the defaults");
+        assert!(c.http.enabled);
+    }
+
+    #[test]
+    fn vsock_settings_are_checked() {
+        let c = one("[http]\nenabled = false\n[vsock]\nport = 5000\ntls = false\n").unwrap();
+        assert!(!c.http.enabled);
+        assert_eq!((c.vsock.port, c.vsock.tls), (5000, false));
+        for (text, key) in [
+            ("[vsock]\nport = 0\n", "vsock.port"),
+            ("[vsock]\nport = 4294967295\n", "vsock.port"),
+            ("[vsock]\ncert = \"/c.pem\"\n", "vsock.cert"),
+            ("[vsock]\nclient_ca = \"\"\n", "vsock.client_ca"),
+        ] {
+            let e = one(text).unwrap_err().to_string();
+            assert!(e.starts_with("/etc/phq-agent/config.toml: ") && e.contains(key), "{text}: {e}");
+        }
+        let e = one("[vsock]\nport = -1\n").unwrap_err().to_string();
+        assert!(e.contains("vsock.port"), "{e}");
     }
 
     #[test]

@@ -179,6 +179,11 @@ impl Snapshot {
     }
 }
 
+/// A snapshot saved before the agent read the vsock device says so rather than "none".
+fn vsock_not_read() -> Fact<Option<u32>> {
+    Fact::Error("not read: saved by an agent that did not read /dev/vsock".into())
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Host {
     pub hostname: Option<String>,
@@ -191,6 +196,9 @@ pub struct Host {
     pub cpu_hypervisor_flag: Option<bool>,
     pub kernel_headers: Fact<KernelHeaders>,
     pub secure_boot: Fact<SecureBoot>,
+    /// The vsock device's local CID (KubeVirt's `status.vsockCID`); `None`: no vsock device.
+    #[serde(default = "vsock_not_read")]
+    pub vsock_cid: Fact<Option<u32>>,
     /// Seconds since boot (/proc/uptime), to turn counters since boot into rates.
     pub uptime_s: Option<f64>,
     /// Processes blocked in the NVIDIA driver (`collect::procs`).

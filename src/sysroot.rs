@@ -94,6 +94,34 @@ pub enum Recorded {
     Link { path: String, target: String },
 }
 
+/// Linux include/uapi/linux/vm_sockets.h: `#define IOCTL_VM_SOCKETS_GET_LOCAL_CID _IO(7, 0xb9)`
+/// (`_IO(type, nr)` is `type << 8 | nr`: no size, no direction bits; asm-generic/ioctl.h).
+pub const IOCTL_VM_SOCKETS_GET_LOCAL_CID: libc::c_ulong = (7 << 8) | 0xb9;
+
+/// The CID the vsock device at `path` answers (`VMADDR_CID_ANY` when no guest transport is
+/// loaded). For the live machine only: `Sysroot::read_vsock_cid` decides when that is.
+pub fn local_cid(path: &Path) -> io::Result<Option<u32>> {
+    let file = match fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut cid: libc::c_uint = 0;
+    // SAFETY: the descriptor is open for the call's length; the request writes one unsigned int
+    // (vm_sockets.h: "the CID is returned in an unsigned int") into `cid`, which outlives it.
+    let r = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            IOCTL_VM_SOCKETS_GET_LOCAL_CID as _,
+            &mut cid as *mut libc::c_uint,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((cid != libc::VMADDR_CID_ANY).then_some(cid))
+}
+
 #[derive(Debug)]
 pub struct Sysroot {
     root: PathBuf,
@@ -309,6 +337,35 @@ impl Sysroot {
         Ok(out)
     }
 
+    /// The vsock device's local CID (`/dev/vsock` is `rel`): on the live machine a character
+    /// device asked with `IOCTL_VM_SOCKETS_GET_LOCAL_CID`; in a fixture or bundle a plain file
+    /// holding the CID as text, or `none`. `Ok(None)`: no device, or a device with no guest
+    /// transport behind it (the kernel answers `VMADDR_CID_ANY`, vm_sockets.h).
+    pub fn read_vsock_cid(&self, rel: &str) -> Result<Option<u32>, PathError> {
+        let err = |source| PathError { path: Self::display(rel), source };
+        let path = match self.resolve(rel) {
+            Ok(p) => p,
+            Err(e) if e.is_not_found() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let meta = fs::metadata(&path).map_err(err)?;
+        let cid = if meta.file_type().is_char_device() {
+            local_cid(&path).map_err(err)?
+        } else {
+            let text = self.read_attr(rel)?;
+            match text.as_str() {
+                "none" => None,
+                t => Some(t.parse::<u32>().map_err(|_| {
+                    err(io::Error::new(io::ErrorKind::InvalidData, format!("{t:?} is neither a CID nor \"none\"")))
+                })?),
+            }
+        };
+        let cid = cid.filter(|c| *c != libc::VMADDR_CID_ANY);
+        let text = cid.map_or("none".to_string(), |c| c.to_string());
+        self.record(Recorded::File { path: rel.to_string(), contents: format!("{text}\n").into_bytes() });
+        Ok(cid)
+    }
+
     /// Everything read so far, when recording.
     pub fn recorded(&self) -> Vec<Recorded> {
         match &self.recording {
@@ -341,6 +398,45 @@ fn components(path: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_vsock_cid_from_a_fixture_file_or_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = Sysroot::recording(dir.path());
+        assert_eq!(root.read_vsock_cid("dev/vsock").unwrap(), None, "no file: no device");
+        std::fs::create_dir_all(dir.path().join("dev")).unwrap();
+        std::fs::write(dir.path().join("dev/vsock"), "3\n").unwrap();
+        assert_eq!(root.read_vsock_cid("dev/vsock").unwrap(), Some(3));
+        std::fs::write(dir.path().join("dev/vsock"), "none\n").unwrap();
+        assert_eq!(root.read_vsock_cid("dev/vsock").unwrap(), None);
+        std::fs::write(dir.path().join("dev/vsock"), "4294967295\n").unwrap();
+        assert_eq!(root.read_vsock_cid("dev/vsock").unwrap(), None, "VMADDR_CID_ANY: no guest transport");
+        std::fs::write(dir.path().join("dev/vsock"), "three\n").unwrap();
+        let e = root.read_vsock_cid("dev/vsock").unwrap_err().to_string();
+        assert!(e.starts_with("/dev/vsock: ") && e.contains("\"three\""), "{e}");
+        // A bundle keeps what was read, in the fixture's form.
+        assert!(root
+            .recorded()
+            .iter()
+            .any(|r| matches!(r, Recorded::File { path, contents } if path == "dev/vsock" && contents == b"3\n")));
+    }
+
+    /// The live device, where this machine has one: the ioctl answers a guest CID (3 and up:
+    /// 0 to 2 are the hypervisor, local and host, vm_sockets.h) or no transport.
+    #[test]
+    fn the_live_vsock_device_answers_the_ioctl() {
+        let live = Sysroot::new("/");
+        match std::fs::metadata("/dev/vsock") {
+            Ok(m) if std::os::unix::fs::FileTypeExt::is_char_device(&m.file_type()) => {
+                match live.read_vsock_cid("dev/vsock") {
+                    Ok(Some(cid)) => assert!(cid >= 3, "{cid}"),
+                    Ok(None) => {}
+                    Err(e) => assert_eq!(e.source.raw_os_error(), Some(libc::EACCES), "{e}"),
+                }
+            }
+            _ => eprintln!("this machine has no /dev/vsock: only the fixture form is tested"),
+        }
+    }
     use std::os::unix::fs::symlink;
 
     #[test]

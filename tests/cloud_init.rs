@@ -391,12 +391,16 @@ fn good_values() -> Vec<Vec<(&'static str, String)>> {
             ("PHQ_AGENT_REPO_KEY_FINGERPRINT", "0123456789ABCDEF0123456789ABCDEF01234567".to_string()),
         ]
     };
+    // A CA bundle's PEM as the guide has it made: `base64 -w0 ca.pem`.
+    let ca = "-----BEGIN CERTIFICATE-----\nMIIBdzCCAR2gAwIBAgIUKubeVirtTestCA==\n-----END CERTIFICATE-----\n";
     let mut nvidia = common("https://gpu-platform.example", "platform-token_0123-4567.89~ab+cd/ef=");
     nvidia.extend([
         ("PHQ_PACKAGE_URL", "https://artifacts.example/phq-agent_0.1.0-1_amd64.deb".to_string()),
         ("PHQ_REPO_URL", String::new()),
         ("PHQ_REPO_KEY_FINGERPRINT", String::new()),
         ("PHQ_AGENT_REPO_URL", "https://repo.example/phq-agent".to_string()),
+        ("PHQ_VSOCK_PORT", "9440".to_string()),
+        ("PHQ_VSOCK_CA_B64", base64::Engine::encode(&base64::engine::general_purpose::STANDARD, ca)),
     ]);
     let mut mirror = common("", "");
     mirror.extend([
@@ -404,6 +408,8 @@ fn good_values() -> Vec<Vec<(&'static str, String)>> {
         ("PHQ_REPO_URL", "https://mirror.example:8443/nvidia/compute/cuda/repos;v=1/%2F".to_string()),
         ("PHQ_REPO_KEY_FINGERPRINT", "FEDCBA9876543210FEDCBA9876543210FEDCBA98".to_string()),
         ("PHQ_AGENT_REPO_URL", "file:///mnt/phq-repo".to_string()),
+        ("PHQ_VSOCK_PORT", "4294967294".to_string()),
+        ("PHQ_VSOCK_CA_B64", String::new()),
     ]);
     vec![nvidia, mirror]
 }
@@ -473,6 +479,15 @@ fn render_fills_in_the_variables_and_leaves_everything_else_alone() {
             assert_eq!(config.install.driver_branch, value("PHQ_DRIVER_BRANCH"), "{file}");
             assert_eq!(config.install.repo_url, value("PHQ_REPO_URL"), "{file}");
             assert_eq!(config.install.repo_key_fingerprint, value("PHQ_REPO_KEY_FINGERPRINT"), "{file}");
+            assert_eq!(config.vsock.port.to_string(), value("PHQ_VSOCK_PORT"), "{file}");
+            let ca = doc["write_files"].as_array().unwrap().iter().find(|f| f["path"] == "/etc/phq-agent/vsock-ca.pem");
+            let ca = ca.unwrap_or_else(|| panic!("{file}: no CA bundle written"));
+            assert_eq!((&ca["encoding"], &ca["content"]), (&"b64".into(), &value("PHQ_VSOCK_CA_B64").into()), "{file}");
+            assert_eq!(
+                config.vsock.client_ca,
+                std::path::Path::new("/etc/phq-agent/vsock-ca.pem"),
+                "{file}: where the agent looks"
+            );
         }
     }
 }
@@ -542,6 +557,14 @@ fn render_refuses_a_value_that_could_break_out_and_prints_nothing() {
         ("ubuntu-24.04.yaml", "PHQ_CUDA", Some("11.8".into())),
         ("ubuntu-24.04.yaml", "PHQ_DRIVER_BRANCH", Some("580\n".into())),
         ("ubuntu-24.04.yaml", "PHQ_DRIVER_BRANCH", Some("latest".into())),
+        ("debian-12.yaml", "PHQ_VSOCK_PORT", Some("0".into())),
+        ("debian-12.yaml", "PHQ_VSOCK_PORT", Some("4294967295".into())),
+        ("debian-12.yaml", "PHQ_VSOCK_PORT", Some("9440\n[http]\nenabled = false".into())),
+        ("debian-12.yaml", "PHQ_VSOCK_PORT", Some(String::new())),
+        ("rhel-9.yaml", "PHQ_VSOCK_CA_B64", Some("-----BEGIN CERTIFICATE-----".into())),
+        ("rhel-9.yaml", "PHQ_VSOCK_CA_B64", Some("TUlJQg\"\n    x: \"".into())),
+        ("rhel-9.yaml", "PHQ_VSOCK_CA_B64", Some("TUlJQg=".into())),
+        ("rhel-9.yaml", "PHQ_VSOCK_CA_B64", None),
     ];
     let secret = |var: &str| var.ends_with("_TOKEN");
     for (file, var, value) in &cases {

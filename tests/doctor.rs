@@ -968,3 +968,31 @@ fn clocks_held_back_between_snapshots_are_counted_and_judged_by_their_share_of_t
         "{summary}"
     );
 }
+
+/// The vsock device is a host fact: its CID (KubeVirt's `status.vsockCID`) in the report and
+/// the table, "none" without one. A fixture's `dev/vsock` is a file holding the CID, as its
+/// `dev/kmsg` holds the kernel log.
+#[test]
+fn doctor_reports_the_vsock_cid_or_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = common::copy_sysroot("hgx-8gpu-healthy", dir.path());
+    let cfg = config("expect-8");
+    let run = |json: bool| {
+        let mut args = vec!["doctor", "--sysroot", root.to_str().unwrap(), "--config", cfg.to_str().unwrap()];
+        if json {
+            args.push("--json");
+        }
+        String::from_utf8(phq(&args).stdout).unwrap()
+    };
+    let report: Value = serde_json::from_str(&run(true)).unwrap();
+    validate(&report);
+    assert_eq!(report["host"]["vsock_cid"], Value::Null, "no dev/vsock: none");
+    assert!(run(false).lines().next().unwrap().contains("no vsock"), "{}", run(false));
+
+    std::fs::write(root.join("dev/vsock"), "42\n").unwrap();
+    let report: Value = serde_json::from_str(&run(true)).unwrap();
+    validate(&report);
+    assert_eq!(report["host"]["vsock_cid"], 42);
+    let table = run(false);
+    assert!(table.lines().next().unwrap().contains("vsock CID 42"), "{table}");
+}

@@ -180,3 +180,37 @@ fn a_service_monitor_scrapes_the_agent_with_its_token_and_the_operators_schema_a
     wrong["spec"]["endpoints"][0]["interval"] = Value::from(30);
     assert!(!validator.is_valid(&wrong), "an interval that is not a duration string passed");
 }
+
+/// The VirtualMachines are valid against KubeVirt's own OpenAPI (the definitions
+/// `v1.VirtualMachine` reaches, vendored under tests/fixtures/openapi), with every declared
+/// object closed (`structural`) so a misspelt field is refused; and both attach a vsock device
+/// (`autoattachVSOCK`, KubeVirt's `VSOCK` feature gate), the platform's channel to the agent.
+#[test]
+fn virtual_machines_attach_vsock_and_kubevirts_openapi_accepts_them() {
+    let text = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/openapi/kubevirt-virtualmachine.json"),
+    )
+    .unwrap();
+    let api: Value = serde_json::from_str(&text).unwrap();
+    let schema = structural(serde_json::json!({
+        "$ref": "#/definitions/v1.VirtualMachine",
+        "definitions": api["definitions"].clone(),
+    }));
+    let validator = jsonschema::validator_for(&schema).expect("KubeVirt's definitions compile");
+    for file in ["examples/kubevirt/vm-h100-1gpu.yaml", "examples/kubevirt/vm-hgx-8gpu-nvswitch.yaml"] {
+        let Some(vm) = yaml(file) else { return };
+        let errors: Vec<String> =
+            validator.iter_errors(&vm).map(|e| format!("{} at {}", e, e.instance_path())).collect();
+        assert!(errors.is_empty(), "{file} against KubeVirt's OpenAPI: {errors:#?}");
+        assert_eq!(vm["spec"]["template"]["spec"]["domain"]["devices"]["autoattachVSOCK"], true, "{file}");
+        // The schema is really applied: a misspelt field and a wrong type are refused.
+        let mut typo = vm.clone();
+        let devices = &mut typo["spec"]["template"]["spec"]["domain"]["devices"];
+        devices["autoAttachVSOCK"] = devices["autoattachVSOCK"].take();
+        devices.as_object_mut().unwrap().remove("autoattachVSOCK");
+        assert!(!validator.is_valid(&typo), "{file}: a misspelt autoattachVSOCK passed");
+        let mut wrong = vm.clone();
+        wrong["spec"]["template"]["spec"]["domain"]["devices"]["autoattachVSOCK"] = Value::from("yes");
+        assert!(!validator.is_valid(&wrong), "{file}: autoattachVSOCK as a string passed");
+    }
+}

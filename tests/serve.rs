@@ -661,3 +661,40 @@ fn grafana_dashboard_queries_only_metrics_the_agent_serves() {
     }
     assert!(used >= 20, "{used}");
 }
+
+/// `http.enabled = false`: the real service runs, ready, with no TCP socket at all, and says in
+/// one line what became of its vsock listener: on a machine with a vsock device (a guest CID
+/// from /dev/vsock) it listens there; on one without, it says so and runs. (The listener's
+/// handshake rules are `serve::vsock`'s unit tests; the VM test drives a real device.)
+#[test]
+fn tcp_off_serves_no_tcp_and_says_what_became_of_vsock() {
+    let dir = tempfile::tempdir().unwrap();
+    // A port of this test's own: tests in parallel on a machine with a vsock device each bind one.
+    let port = 20_000 + std::process::id() % 40_000;
+    let cfg = service_config(dir.path(), TOKEN, &format!("enabled = false\n[vsock]\nport = {port}\ntls = false\n"));
+    let notify_path = dir.path().join("notify");
+    let notify = UnixDatagram::bind(&notify_path).unwrap();
+    notify.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let mut child = serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus)
+        .arg("-v")
+        .env("NOTIFY_SOCKET", &notify_path)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let msg = recv(&notify);
+    assert!(msg.contains("READY=1"), "{msg}");
+    assert_eq!(listening_ports(child.id()), Vec::<u16>::new(), "no TCP listener with http.enabled = false");
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(err.contains("http.enabled = false: no TCP listener"), "{err}");
+    let has_device = phq_agent::serve::vsock::local_cid(Path::new("/dev/vsock")).ok().flatten().is_some();
+    if has_device {
+        assert!(err.contains("over vsock") && err.contains(&format!("port={port}")), "{err}");
+        assert!(err.contains("plain (vsock.tls = false): bearer token required"), "{err}");
+    } else {
+        assert_eq!(err.matches("no vsock device").count(), 1, "one line: {err}");
+    }
+}

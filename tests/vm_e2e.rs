@@ -4,16 +4,27 @@
 //! NVIDIA repository of the installer test, the platform it pushes to — is served by this test
 //! on the host's 127.0.0.1. The guest's user network is restricted (`restrict=on`: no route to
 //! the host or beyond); its one way out is a `guestfwd` from 10.0.2.100:8080 to that server
-//! (through socat), and `/healthz` comes back through a port forwarded to 127.0.0.1. The
-//! guest's apt knows only the stand-in repository. Nothing leaves the machine.
+//! (through socat); the guest's port 9440 is forwarded to 127.0.0.1, where it must answer
+//! nothing (TCP is off, below). The guest's apt knows only the stand-in repository. Nothing leaves the machine.
 //!
 //! It shows the whole path: first boot, cloud-init installs the package and starts the service,
 //! `phq-agent install` runs and asks for a reboot, cloud-init reboots, the install unit resumes
-//! and verifies, the service answers `/healthz`, and reports — the `install` event included —
-//! arrive at the platform double. The timeline is printed at the end.
+//! and verifies, the service answers, and reports — the `install` event included — arrive at
+//! the platform double. The timeline is printed at the end.
+//!
+//! The platform's channel (docs/vsock.md) on a real virtio-vsock device: rust-vmm's
+//! `vhost-device-vsock` backs QEMU's `vhost-user-vsock-pci` (guest memory a shared memfd), and
+//! the host reaches a guest port through its Unix socket (`CONNECT <port>\n`, answered
+//! `OK <port>\n`, then the stream), as virt-handler reaches it through AF_VSOCK. The user-data
+//! carries the test's CA as KubeVirt's bundle; the image turns the TCP listener off
+//! (`http.enabled = false`) and keeps `phq-agent.socket` on the guest's loopback. From the host:
+//! a TLS 1.3 client with a certificate from that CA (virt-handler's part) gets `/healthz`,
+//! `/v1/status` and `/metrics`; without a certificate, or with another CA's, the handshake is
+//! refused; and the forwarded TCP port never answers.
 //!
 //! 2½ minutes on a 2-core machine (4½ building the guest root): it runs in CI (CI=true) or with PHQ_VM_E2E=1, and
-//! needs root, debootstrap, qemu-system-x86_64, cloud-localds and the .deb from
+//! needs root, debootstrap, qemu-system-x86_64, cloud-localds, vhost-device-vsock
+//! (scripts/test installs it with scripts/cargo-install-tool) and the .deb from
 //! scripts/build-packages.sh.
 
 mod common;
@@ -68,6 +79,7 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         "apt-ftparchive",
         "gpg",
         "socat",
+        "vhost-device-vsock",
     ];
     if !runnable("the VM test", &tools) {
         return;
@@ -77,6 +89,7 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         .and_then(|d| d.flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|e| e == "deb")))
         .expect("the .deb (scripts/build-packages.sh; .ci/run builds it)");
     let mut tl = Timeline { t0: Instant::now(), events: Vec::new() };
+    let pki = vsock::pki();
 
     let base = debootstrap_cached("bookworm-guest", GUEST_PACKAGES);
     tl.mark("guest root ready (debootstrap, cached under target/phq-debian)");
@@ -108,6 +121,8 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         ("PHQ_DRIVER_BRANCH", "580".to_string()),
         ("PHQ_REPO_URL", format!("{host}/repo")),
         ("PHQ_REPO_KEY_FINGERPRINT", fpr.clone()),
+        ("PHQ_VSOCK_PORT", VSOCK_PORT.to_string()),
+        ("PHQ_VSOCK_CA_B64", base64::Engine::encode(&base64::engine::general_purpose::STANDARD, &pki.ca)),
     ];
     // Through cloud-init/render, as the operator guide says: every value checked first.
     let rendered = Command::new(repo.join("cloud-init/render"))
@@ -141,7 +156,19 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     // The stand-in mirror is plain http on the host's side of the VM's network: allowed
     // explicitly, as an image with a preset config would (apt still checks the signed index).
     std::fs::create_dir_all(root.join("etc/phq-agent/config.d")).unwrap();
-    std::fs::write(root.join("etc/phq-agent/config.d/10-image.toml"), "[install]\nallow_plain_http = true\n").unwrap();
+    // The platform alone reaches the agent: no TCP listener, and the port systemd binds for it
+    // kept on the guest's loopback (docs/vsock.md), so the forwarded port finds nothing.
+    std::fs::write(
+        root.join("etc/phq-agent/config.d/10-image.toml"),
+        "[install]\nallow_plain_http = true\n[http]\nenabled = false\n",
+    )
+    .unwrap();
+    std::fs::create_dir_all(root.join("etc/systemd/system/phq-agent.socket.d")).unwrap();
+    std::fs::write(
+        root.join("etc/systemd/system/phq-agent.socket.d/loopback.conf"),
+        "[Socket]\nListenStream=\nListenStream=127.0.0.1:9440\n",
+    )
+    .unwrap();
     // A persistent journal, read from the disk image afterwards.
     std::fs::create_dir_all(root.join("var/log/journal")).unwrap();
     // The guest has no way to Debian's mirrors: its apt sources are the stand-ins, Debian's
@@ -155,6 +182,23 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         &["-q", "-F", "-L", "root", "-d", root.to_str().unwrap(), w.join("disk.img").to_str().unwrap(), "4G"],
     );
     tl.mark("disk and NoCloud seed made from cloud-init/debian-12.yaml");
+
+    // The guest's virtio-vsock device, served by vhost-device-vsock over vhost-user.
+    let (vhost_socket, uds) = (w.join("vhost-vsock.sock"), w.join("vm.vsock"));
+    let mut vhost = Command::new("vhost-device-vsock")
+        .arg("--vm")
+        .arg(format!("guest-cid={GUEST_CID},socket={},uds-path={}", vhost_socket.display(), uds.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let waited = Instant::now();
+    while !vhost_socket.exists() {
+        assert!(waited.elapsed() < Duration::from_secs(30), "vhost-device-vsock made no socket");
+        assert!(vhost.try_wait().unwrap().is_none(), "vhost-device-vsock exited");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 
     let console = w.join("console.log");
     let mut qemu = Command::new("qemu-system-x86_64")
@@ -190,6 +234,11 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
             ),
         ])
         .args(["-device", "virtio-net-pci,netdev=n0", "-device", "virtio-rng-pci"])
+        // vhost-user maps the guest's memory: a shared memfd (vhost-device-vsock's README).
+        .args(["-object", "memory-backend-memfd,id=mem0,size=2048M,share=on", "-machine", "memory-backend=mem0"])
+        .arg("-chardev")
+        .arg(format!("socket,id=vsock0,path={}", vhost_socket.display()))
+        .args(["-device", "vhost-user-vsock-pci,chardev=vsock0"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -197,7 +246,10 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         .unwrap();
     // The forwarded port is the one the kernel gave qemu's listener (hostfwd port 0).
     let fwd = common::listening_port(&mut qemu).expect("qemu listens for the forwarded /healthz port");
-    tl.mark(&format!("qemu started (TCG, 2 vCPUs, 2 GiB), /healthz forwarded from 127.0.0.1:{fwd}"));
+    tl.mark(&format!(
+        "qemu started (TCG, 2 vCPUs, 2 GiB, virtio-vsock CID {GUEST_CID}), port 9440 forwarded from 127.0.0.1:{fwd}"
+    ));
+    let platform = vsock::client(Some(&pki.platform));
 
     // Follow the console and the servers until the install event arrives.
     let deadline = Instant::now() + Duration::from_secs(30 * 60);
@@ -227,10 +279,19 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
                 tl.mark(what);
             }
         }
+        // TCP is off: the forwarded port must never answer.
+        if let Some(answer) = healthz(fwd) {
+            if seen.insert("tcp-answered".into()) {
+                tl.mark(&format!("/healthz answered over TCP, which is off: {answer}"));
+            }
+        }
         if !seen.contains("healthz") {
-            if let Some(answer) = healthz(fwd) {
+            if let Ok(answer) = vsock::get(&uds, &platform, "/healthz") {
                 seen.insert("healthz".into());
-                tl.mark(&format!("/healthz answered through 127.0.0.1 (hostfwd): {answer}"));
+                tl.mark(&format!(
+                    "/healthz answered over vsock with the platform's certificate: {}",
+                    vsock::status_line(&answer)
+                ));
             }
         }
         let posts = server.posts.lock().unwrap().clone();
@@ -260,8 +321,28 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
             break;
         }
     }
+    // The platform's channel, checked while the guest still runs (after the install is done).
+    let mut over_vsock = Vec::new();
+    if seen.contains("healthz") {
+        for path in ["/healthz", "/v1/status", "/metrics"] {
+            over_vsock.push((path, vsock::get(&uds, &platform, path)));
+        }
+        let stranger = vsock::client(Some(&pki.stranger));
+        over_vsock.push(("/healthz without a certificate", vsock::get(&uds, &vsock::client(None), "/healthz")));
+        over_vsock.push(("/healthz with another CA's certificate", vsock::get(&uds, &stranger, "/healthz")));
+        for (what, got) in &over_vsock {
+            let said = match got {
+                Ok(a) => vsock::status_line(a).to_string(),
+                Err(e) => format!("refused: {e}"),
+            };
+            tl.mark(&format!("vsock {what}: {said}"));
+        }
+    }
+    let tcp_silent = healthz(fwd).is_none() && !seen.contains("tcp-answered");
     let _ = qemu.kill();
     let _ = qemu.wait();
+    let _ = vhost.kill();
+    let _ = vhost.wait();
     let console_text = String::from_utf8_lossy(&std::fs::read(&console).unwrap_or_default()).into_owned();
     let keep = target_dir().join("phq-vm-e2e-console.log");
     let _ = std::fs::write(&keep, &console_text);
@@ -278,7 +359,171 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     assert_eq!(event["event"]["status"], "done", "{event:#}");
     assert_eq!(event["install"]["reboots"], 1, "{event:#}");
     assert!(boots >= 2, "the VM never rebooted");
-    assert!(seen.contains("healthz"));
+    assert!(seen.contains("healthz"), "/healthz never answered over vsock");
+    assert!(tcp_silent, "the guest's TCP port answered with http.enabled = false");
+    let answer = |i: usize| over_vsock[i].1.as_deref().unwrap_or_else(|e| panic!("{}: {e}", over_vsock[i].0));
+    let healthz = answer(0);
+    assert!(
+        ["HTTP/1.1 200 OK", "HTTP/1.1 503 Service Unavailable"].contains(&vsock::status_line(healthz)),
+        "{healthz}"
+    );
+    let status = answer(1);
+    assert_eq!(vsock::status_line(status), "HTTP/1.1 200 OK", "{status}");
+    let body: serde_json::Value = serde_json::from_str(status.split("\r\n\r\n").nth(1).unwrap_or("")).unwrap();
+    assert_eq!(body["schema"], "phq.status/v1");
+    let metrics = answer(2);
+    assert!(vsock::status_line(metrics) == "HTTP/1.1 200 OK" && metrics.contains("phq_"), "{metrics}");
+    for (what, got) in &over_vsock[3..] {
+        assert!(got.is_err(), "{what} was answered: {got:?}");
+    }
+}
+
+/// The vsock port the user-data gives the agent, and the guest's CID.
+const VSOCK_PORT: u32 = 9440;
+const GUEST_CID: u32 = 3;
+
+/// The host's side of the guest's vsock, as virt-handler is the platform's: through
+/// vhost-device-vsock's Unix socket instead of AF_VSOCK, then TLS 1.3 with a client certificate.
+mod vsock {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+    use std::io::{Read, Write};
+    use std::path::Path;
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+
+    pub struct Pki {
+        /// KubeVirt's bundle, as cloud-init writes it.
+        pub ca: String,
+        /// virt-handler's client certificate and key.
+        pub platform: (String, String),
+        /// A certificate and key from another CA.
+        pub stranger: (String, String),
+    }
+
+    pub fn pki() -> Pki {
+        let ca_of = |name: &str| {
+            let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+            p.distinguished_name.push(DnType::CommonName, name);
+            p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            CertifiedIssuer::self_signed(p, KeyPair::generate().unwrap()).unwrap()
+        };
+        let leaf = |issuer: &CertifiedIssuer<'_, KeyPair>| {
+            let key = KeyPair::generate().unwrap();
+            let cert = CertificateParams::new(vec!["virt-handler".into()]).unwrap().signed_by(&key, issuer).unwrap();
+            (cert.pem(), key.serialize_pem())
+        };
+        let (ca, other) = (ca_of("kubevirt.io CA (test)"), ca_of("another CA"));
+        Pki { ca: ca.pem(), platform: leaf(&ca), stranger: leaf(&other) }
+    }
+
+    /// virt-handler trusts any server certificate (`InsecureSkipVerify`), but still checks the
+    /// handshake's signature with it, as Go's TLS does.
+    #[derive(Debug)]
+    struct AnyServer(Arc<rustls::crypto::CryptoProvider>);
+
+    impl ServerCertVerifier for AnyServer {
+        fn verify_server_cert(
+            &self,
+            _: &CertificateDer<'_>,
+            _: &[CertificateDer<'_>],
+            _: &ServerName<'_>,
+            _: &[u8],
+            _: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            Ok(ServerCertVerified::assertion())
+        }
+        fn verify_tls12_signature(
+            &self,
+            _: &[u8],
+            _: &CertificateDer<'_>,
+            _: &rustls::DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            Err(rustls::Error::General("TLS 1.2 is not what virt-handler speaks".into()))
+        }
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &rustls::DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        }
+        fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+            self.0.signature_verification_algorithms.supported_schemes()
+        }
+    }
+
+    /// A TLS 1.3 client presenting `identity` when given.
+    pub fn client(identity: Option<&(String, String)>) -> Arc<rustls::ClientConfig> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let b = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AnyServer(provider)));
+        Arc::new(match identity {
+            None => b.with_no_client_auth(),
+            Some((c, k)) => b
+                .with_client_auth_cert(
+                    vec![CertificateDer::from_pem_slice(c.as_bytes()).unwrap()],
+                    PrivateKeyDer::from_pem_slice(k.as_bytes()).unwrap(),
+                )
+                .unwrap(),
+        })
+    }
+
+    /// `GET path` to the guest's vsock port through vhost-device-vsock's socket `uds`: the whole
+    /// answer, or why there is none (no guest listening yet, a refused handshake).
+    pub fn get(uds: &Path, config: &Arc<rustls::ClientConfig>, path: &str) -> Result<String, String> {
+        let mut s = std::os::unix::net::UnixStream::connect(uds).map_err(|e| format!("{}: {e}", uds.display()))?;
+        s.set_read_timeout(Some(Duration::from_secs(20))).map_err(|e| e.to_string())?;
+        // vhost-device-vsock's Unix-socket protocol (Firecracker's): `CONNECT <port>\n`, then
+        // `OK <host port>\n` once the guest accepted. Read a byte at a time: what follows the
+        // line is the guest's stream, for TLS.
+        s.write_all(format!("CONNECT {}\n", super::VSOCK_PORT).as_bytes()).map_err(|e| e.to_string())?;
+        let mut ok = Vec::new();
+        let mut byte = [0u8; 1];
+        while ok.last() != Some(&b'\n') && ok.len() < 64 {
+            match s.read(&mut byte) {
+                Ok(1) => ok.push(byte[0]),
+                Ok(_) => break,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        let ok = String::from_utf8_lossy(&ok);
+        if !ok.starts_with("OK ") {
+            return Err(format!("no guest listening ({ok:?})"));
+        }
+        let conn = rustls::ClientConnection::new(config.clone(), ServerName::try_from("phq-agent").unwrap())
+            .map_err(|e| e.to_string())?;
+        let mut tls = rustls::StreamOwned::new(conn, s);
+        let request = format!("GET {path} HTTP/1.1\r\nHost: phq-agent\r\nConnection: close\r\n\r\n");
+        tls.write_all(request.as_bytes()).map_err(|e| format!("handshake or request: {e}"))?;
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 16384];
+        loop {
+            match tls.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
+                // The agent closes without close_notify after `Connection: close`: what came is the answer.
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !answer.is_empty() => break,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        if answer.is_empty() {
+            return Err("closed without an answer".into());
+        }
+        Ok(answer)
+    }
+
+    pub fn status_line(answer: &str) -> &str {
+        answer.lines().next().unwrap_or("")
+    }
 }
 
 /// The journal of the agent's units and cloud-init's final stage, read from the disk image.

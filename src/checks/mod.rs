@@ -331,6 +331,7 @@ pub(crate) mod testutil {
                 secure_boot: Fact::Value(SecureBoot::Disabled),
                 uptime_s: Some(3600.0),
                 blocked_in_driver: Fact::Value(vec![]),
+                vsock_cid: Fact::Value(Some(3)),
             },
             units: Fact::Value(vec![
                 UnitState {

@@ -23,6 +23,7 @@ pub fn read(root: &Sysroot) -> Host {
         cpu_hypervisor_flag: root.read_string("proc/cpuinfo").ok().map(|c| cpu_has_hypervisor_flag(&c)),
         kernel_headers,
         secure_boot: read_secure_boot(root),
+        vsock_cid: root.read_vsock_cid("dev/vsock").into(),
         uptime_s: root
             .read_string("proc/uptime")
             .ok()

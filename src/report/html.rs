@@ -138,6 +138,7 @@ fn machine(r: &Report, o: &mut String) {
         ("CUDA toolkits", if d.cuda_toolkits.is_empty() { "none found".into() } else { d.cuda_toolkits.join(", ") }),
         ("GPUs", r.gpus.len().to_string()),
         ("NVSwitches", h.nvswitches.to_string()),
+        ("vsock", h.vsock_cid.map_or("none".into(), |c| format!("CID {c}"))),
         ("Boot id", r.agent.boot_id.clone().unwrap_or_else(|| "unknown".into())),
     ];
     let _ = writeln!(o, "<section id=\"machine\">\n<h2>Machine</h2>\n<dl class=\"machine\">");

@@ -87,6 +87,9 @@ pub struct HostSummary {
     pub virtualization: String,
     pub secure_boot: Option<SecureBoot>,
     pub nvswitches: usize,
+    /// The vsock device's local CID, the platform's channel through KubeVirt; `None`: none.
+    #[serde(default)]
+    pub vsock_cid: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -412,6 +415,7 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
             virtualization: crate::checks::host::virtualization_of(s).map(|v| v.label()).unwrap_or("unknown").into(),
             secure_boot: s.host.secure_boot.value().copied(),
             nvswitches: s.nvswitches().len(),
+            vsock_cid: s.host.vsock_cid.value().copied().flatten(),
         },
         driver: DriverSummary {
             loaded: s.driver.modules.value().is_some_and(|m| m.iter().any(|n| n == "nvidia")),

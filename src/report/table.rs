@@ -136,6 +136,7 @@ fn header(r: &Report, title: &str, o: &mut String) {
         "bare-metal" => "bare metal".into(),
         _ => "virtualization unknown".into(),
     });
+    parts.push(h.vsock_cid.map_or("no vsock".into(), |c| format!("vsock CID {c}")));
     let _ = writeln!(o, "{BOLD}{title}{BOLD:#}  {}", parts.join(" · "));
     let mut gpu_line: Vec<String> = Vec::new();
     let mut models: Vec<(String, usize)> = Vec::new();

@@ -11,7 +11,8 @@
 //!   source address, at most `MAX_CONNECTIONS` in all, and when the table is full a new
 //!   connection takes the place of an idle one (no request in flight: a kept-alive or a
 //!   half-sent one) of the address that holds the most. A readiness probe from another address
-//!   therefore always gets in.
+//!   therefore always gets in. The same loop serves vsock (`serve::vsock`), where the peer is a
+//!   CID rather than an address (`Peer`).
 
 use super::recheck::{Desk, Refused};
 use super::{current, Published, Shared};
@@ -92,9 +93,47 @@ pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ClientCert(pub bool);
 
+/// Who is on the other end of a connection, as admission counts it: a source address on TCP,
+/// a context id on vsock (the host is CID 2; vsock(7)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Peer {
+    Ip(IpAddr),
+    Cid(u32),
+}
+
+impl From<IpAddr> for Peer {
+    fn from(ip: IpAddr) -> Peer {
+        // One address, whichever way it is written (an IPv4-mapped IPv6 address is IPv4).
+        Peer::Ip(ip.to_canonical())
+    }
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peer::Ip(ip) => write!(f, "{ip}"),
+            Peer::Cid(cid) => write!(f, "vsock CID {cid}"),
+        }
+    }
+}
+
+/// A listening socket the accept loop can take connections from.
+pub trait Accept: Send + 'static {
+    type Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
+    fn accept(&self) -> impl std::future::Future<Output = std::io::Result<(Self::Stream, Peer)>> + Send;
+}
+
+impl Accept for TcpListener {
+    type Stream = tokio::net::TcpStream;
+    async fn accept(&self) -> std::io::Result<(Self::Stream, Peer)> {
+        let (stream, addr) = TcpListener::accept(self).await?;
+        Ok((stream, Peer::from(addr.ip())))
+    }
+}
+
 /// Accepts connections until `shutdown` resolves; HTTPS when `tls` is given.
-pub async fn serve(
-    listener: TcpListener,
+pub async fn serve<L: Accept>(
+    listener: L,
     endpoint: Endpoint,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()>,
@@ -115,7 +154,7 @@ pub async fn serve(
             },
         };
         // Refused: closed at once rather than queued, so a flood costs the agent nothing.
-        let slot = match Admission::admit(&admission, peer.ip()) {
+        let slot = match Admission::admit(&admission, peer) {
             Ok(slot) => slot,
             Err(why) => {
                 tracing::debug!(%peer, "connection refused: {why}");
@@ -206,15 +245,15 @@ pub struct Admission {
 struct Table {
     next_id: u64,
     /// Open connections by id: (peer, requests in flight, the eviction signal).
-    open: HashMap<u64, (IpAddr, Arc<AtomicUsize>, Arc<Notify>)>,
-    /// Ids per source address, oldest first.
-    by_peer: HashMap<IpAddr, Vec<u64>>,
+    open: HashMap<u64, (Peer, Arc<AtomicUsize>, Arc<Notify>)>,
+    /// Ids per peer, oldest first.
+    by_peer: HashMap<Peer, Vec<u64>>,
 }
 
 /// One admitted connection; leaving the table when dropped.
 pub struct Slot {
     id: u64,
-    peer: IpAddr,
+    peer: Peer,
     pub busy: Arc<AtomicUsize>,
     pub evicted: Arc<Notify>,
     admission: Arc<Admission>,
@@ -229,7 +268,7 @@ impl Drop for Slot {
 }
 
 impl Table {
-    fn remove(&mut self, id: u64, peer: IpAddr) {
+    fn remove(&mut self, id: u64, peer: Peer) {
         if self.open.remove(&id).is_some() {
             if let Some(ids) = self.by_peer.get_mut(&peer) {
                 ids.retain(|i| *i != id);
@@ -241,7 +280,7 @@ impl Table {
     }
 
     /// The oldest connection of `peer` with no request in flight.
-    fn idle_of(&self, peer: &IpAddr) -> Option<u64> {
+    fn idle_of(&self, peer: &Peer) -> Option<u64> {
         self.by_peer
             .get(peer)?
             .iter()
@@ -264,8 +303,8 @@ impl Admission {
     }
 
     /// A slot for a new connection from `peer`, or why there is none.
-    pub fn admit(this: &Arc<Admission>, peer: IpAddr) -> Result<Slot, &'static str> {
-        let peer = peer.to_canonical();
+    pub fn admit(this: &Arc<Admission>, peer: impl Into<Peer>) -> Result<Slot, &'static str> {
+        let peer = peer.into();
         let mut t = this.table.lock().map_err(|_| "connection table poisoned")?;
         if t.by_peer.get(&peer).map_or(0, Vec::len) >= this.max_per_peer {
             // The address is at its own limit: it may only trade an idle connection for this one.
@@ -273,7 +312,7 @@ impl Admission {
             t.evict(id);
         } else if t.open.len() >= this.max_total {
             // Full: the address holding the most gives up an idle connection.
-            let mut peers: Vec<(usize, IpAddr)> = t.by_peer.iter().map(|(p, ids)| (ids.len(), *p)).collect();
+            let mut peers: Vec<(usize, Peer)> = t.by_peer.iter().map(|(p, ids)| (ids.len(), *p)).collect();
             peers.sort_by_key(|p| std::cmp::Reverse(p.0));
             let id = peers.iter().find_map(|(_, p)| t.idle_of(p)).ok_or("every connection is busy")?;
             t.evict(id);
@@ -293,8 +332,9 @@ impl Admission {
     }
 
     /// Connections `peer` holds now.
-    pub fn held_by(&self, peer: IpAddr) -> usize {
-        self.table.lock().map(|t| t.by_peer.get(&peer.to_canonical()).map_or(0, Vec::len)).unwrap_or(0)
+    pub fn held_by(&self, peer: impl Into<Peer>) -> usize {
+        let peer = peer.into();
+        self.table.lock().map(|t| t.by_peer.get(&peer).map_or(0, Vec::len)).unwrap_or(0)
     }
 }
 
@@ -593,6 +633,18 @@ mod tests {
         v4.busy.store(1, Ordering::SeqCst);
         assert!(Admission::admit(&a, ip("127.0.0.1")).is_err(), "one address, whichever way it is written");
         assert_eq!(a.held_by(ip("127.0.0.1")), 2);
+    }
+
+    #[test]
+    fn vsock_peers_are_counted_by_cid() {
+        let a = Arc::new(Admission::new(8, 1));
+        let host = Admission::admit(&a, Peer::Cid(2)).unwrap();
+        host.busy.store(1, Ordering::SeqCst);
+        assert_eq!(Admission::admit(&a, Peer::Cid(2)).err(), Some("this address holds its limit of busy connections"));
+        // Another CID, and an address that happens to share nothing with a CID, get in.
+        assert!(Admission::admit(&a, Peer::Cid(3)).is_ok());
+        assert!(Admission::admit(&a, ip("0.0.0.2")).is_ok());
+        assert_eq!(a.held_by(Peer::Cid(2)), 1);
     }
 
     #[test]

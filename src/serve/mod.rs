@@ -48,11 +48,13 @@ pub mod agent_checks;
 pub mod dbus;
 pub mod http;
 pub mod metrics;
+pub mod own_cert;
 pub mod port;
 pub mod push;
 pub mod recheck;
 pub mod service;
 pub mod tls;
+pub mod vsock;
 
 pub use service::{run, Machine};
 

@@ -7,6 +7,7 @@
 //! | [`snapshotter`] | `Inputs` (with the NVML session), the schedule, the Xid watcher (started once NVML answers) | ticks, "snapshot now" (an Xid, NVML answering after a deadline), probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the desk (idle probes) |
 //! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, a 1 s beat | the pusher (status), the snapshotter ("now") |
 //! | `http::serve` | the listener | connections | the desk (`POST /v1/probes`) |
+//! | `http::serve` over [`start_vsock`] | the vsock listener (the platform's channel), its own certificate's daily rotation | connections | the desk (`POST /v1/probes`) |
 //! | `push::Pusher::run` | the platform connection | spool wake-ups, status | — |
 //! | [`dbus`] | the bus connection | health changes | D-Bus signals |
 //! | [`probes`] | the probe child process (`probe::child`), killed at its deadline | runs the desk queued (`recheck::Desk`: boot, idle, the platform's requests) | the desk (each run's end), the snapshotter (results) |
@@ -109,17 +110,15 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     };
 
     // HTTP from the start: /healthz answers while the first snapshot is taken.
-    let (listener, on) = super::port::listener(config.http.listen, http::listen)?;
-    tracing::info!(listen = %on, "serving /healthz, /v1/status, /metrics");
     let shared: Shared = Arc::new(RwLock::new(None));
     // Two stops: the loops first (so the last events reach the spool), then the I/O tasks.
     let (stop_loops, _) = watch::channel(false);
     let (stop_io, _) = watch::channel(false);
-    let tls = super::tls::acceptor(&config.http)?;
     // Every probe run goes through the desk, the platform's re-checks (POST /v1/probes) too.
     let (desk, probe_asks) = Desk::new((&config.probes).into());
     let endpoint = http::Endpoint { shared: shared.clone(), desk: desk.clone() };
-    let server = tokio::spawn(http::serve(listener, endpoint, tls, stopped(stop_io.subscribe())));
+    let server = start_tcp(config, &endpoint, &stop_io)?;
+    let vsock_server = start_vsock(config, &endpoint, &stop_io)?;
 
     let seq = Arc::new(Mutex::new(Seq::load(&config.agent.state_dir)));
     // Rule 9: SXids from the kernel log, followed from before the first snapshot.
@@ -213,12 +212,104 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     probe_task.abort();
     drop(dbus);
     let _ = stop_io.send(true);
-    let _ = server.await;
+    for task in [server, vsock_server].into_iter().flatten() {
+        let _ = task.await;
+    }
     if let Some(p) = pusher {
         let _ = p.await;
     }
     tracing::info!("stopped");
     Ok(0)
+}
+
+/// The TCP listener, unless `http.enabled = false`.
+fn start_tcp(
+    config: &Config,
+    endpoint: &http::Endpoint,
+    stop: &watch::Sender<bool>,
+) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+    if !config.http.enabled {
+        tracing::info!("http.enabled = false: no TCP listener; only the vsock listener and D-Bus answer");
+        if std::env::var_os("LISTEN_FDS").is_some() {
+            tracing::warn!(
+                "systemd passed a TCP socket (phq-agent.socket) that this configuration does not serve: systemd \
+                 keeps it bound, so connections are taken and never answered; a drop-in with `ListenStream=` and \
+                 `ListenStream=127.0.0.1:9440` keeps it off the network (docs/vsock.md)"
+            );
+        }
+        return Ok(None);
+    }
+    let (listener, on) = super::port::listener(config.http.listen, http::listen)?;
+    tracing::info!(listen = %on, "serving /healthz, /v1/status, /metrics");
+    let tls = super::tls::acceptor(&config.http)?;
+    Ok(Some(tokio::spawn(http::serve(listener, endpoint.clone(), tls, stopped(stop.subscribe())))))
+}
+
+/// The vsock listener (`serve::vsock`'s rules): nothing but a line when the machine has no vsock
+/// device or the CA bundle is not there yet; an error for a bundle or a port that is wrong.
+fn start_vsock(
+    config: &Config,
+    endpoint: &http::Endpoint,
+    stop: &watch::Sender<bool>,
+) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+    use super::vsock;
+    let v = &config.vsock;
+    if !v.enabled {
+        tracing::info!("vsock.enabled = false: no vsock listener");
+        return Ok(None);
+    }
+    // At warn, which the unit logs: the one line a person reads to learn why the platform's
+    // channel is not there.
+    let no_device = |why: String| {
+        tracing::warn!(
+            "no vsock device ({why}): serving without the platform's vsock channel; KubeVirt attaches one with \
+             spec.domain.devices.autoattachVSOCK: true"
+        );
+        Ok(None)
+    };
+    // Rule 1: a device is one with a guest CID. A /dev/vsock this process may not open (a unit
+    // without DeviceAllow=/dev/vsock) leaves the answer to bind.
+    if let Ok(None) = vsock::local_cid(std::path::Path::new(VSOCK_DEVICE)) {
+        return no_device(format!("{VSOCK_DEVICE} has no guest CID"));
+    }
+    // Absent or empty (cloud-init's user-data given no bundle): not yet configured, not wrong.
+    if v.tls && std::fs::metadata(&v.client_ca).map_or(true, |m| m.len() == 0) {
+        tracing::warn!(
+            "{} (vsock.client_ca) is absent or empty: not listening on vsock port {} until KubeVirt's CA bundle is \
+             written there (cloud-init does) and the service restarted",
+            v.client_ca.display(),
+            v.port
+        );
+        return Ok(None);
+    }
+    let tls = super::tls::vsock_acceptor(v, &config.agent.state_dir)?;
+    let listener = match vsock::VsockListener::bind(v.port) {
+        Ok(l) => l,
+        Err(e) if vsock::means_no_device(&e) => return no_device(e.to_string()),
+        Err(e) => anyhow::bail!("cannot listen on vsock port {} (vsock.port): {e}", v.port),
+    };
+    tracing::info!(port = listener.port(), tls = %tls.said, "serving /healthz, /v1/status, /metrics over vsock");
+    if let Some(own) = tls.own {
+        tokio::spawn(rotate_daily(own));
+    }
+    Ok(Some(tokio::spawn(http::serve(listener, endpoint.clone(), tls.acceptor, stopped(stop.subscribe())))))
+}
+
+/// The live machine's vsock device (vsock(7)); not a sysroot path: this is the running process's.
+const VSOCK_DEVICE: &str = "/dev/vsock";
+
+/// `own_cert` rule 2: the agent's own vsock certificate is checked once a day and rotated when due.
+async fn rotate_daily(own: Arc<super::own_cert::Rotating>) {
+    loop {
+        tokio::time::sleep(super::own_cert::CHECK_EVERY).await;
+        let own = own.clone();
+        match tokio::task::spawn_blocking(move || own.refresh(std::time::SystemTime::now())).await {
+            Ok(Ok(said)) if !said.contains("kept") => tracing::info!("vsock: {said}"),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!("vsock: the server certificate could not be rotated: {e:#}"),
+            Err(e) => tracing::warn!("vsock: the rotation check stopped: {e}"),
+        }
+    }
 }
 
 /// The signals the coordinator hears (rule 4).

@@ -52,3 +52,63 @@ pub fn acceptor(http: &crate::config::HttpConfig) -> anyhow::Result<Option<tokio
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))))
 }
+
+/// What the vsock listener speaks (`serve::vsock` rule 2), and the line that says so.
+pub struct VsockTls {
+    pub acceptor: Option<tokio_rustls::TlsAcceptor>,
+    /// The agent's own certificate when it made it, for the daily rotation check.
+    pub own: Option<Arc<super::own_cert::Rotating>>,
+    pub said: String,
+}
+
+/// TLS 1.3 only (virt-handler asks for `MinVersion: tls.VersionTLS13`, KubeVirt
+/// pkg/virt-handler/vsock/dial.go), a client certificate required and chained to
+/// `vsock.client_ca`, refused in the handshake before any route runs; or plain, when
+/// `vsock.tls = false`.
+pub fn vsock_acceptor(vsock: &crate::config::VsockConfig, state_dir: &std::path::Path) -> anyhow::Result<VsockTls> {
+    if !vsock.tls {
+        return Ok(VsockTls {
+            acceptor: None,
+            own: None,
+            said: "plain (vsock.tls = false): bearer token required".into(),
+        });
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let ca = vsock.client_ca.display().to_string();
+    let mut roots = RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(&vsock.client_ca).map_err(|e| anyhow!("{ca} (vsock.client_ca): {e}"))? {
+        roots
+            .add(c.map_err(|e| anyhow!("{ca} (vsock.client_ca): {e}"))?)
+            .map_err(|e| anyhow!("{ca} (vsock.client_ca): {e}"))?;
+    }
+    if roots.is_empty() {
+        anyhow::bail!("{ca} (vsock.client_ca): no certificate in it");
+    }
+    // No `allow_unauthenticated`: a client without a certificate fails the handshake.
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .build()
+        .map_err(|e| anyhow!("{ca} (vsock.client_ca): {e}"))?;
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .context("TLS 1.3")?
+        .with_client_cert_verifier(verifier);
+    let (mut config, own, said) = if vsock.cert.is_empty() {
+        let (own, said) = super::own_cert::Rotating::new(state_dir, provider)?;
+        (builder.with_cert_resolver(own.clone()), Some(own), said)
+    } else {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&vsock.cert)
+            .map_err(|e| anyhow!("{} (vsock.cert): {e}", vsock.cert))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| anyhow!("{} (vsock.cert): {e}", vsock.cert))?;
+        let key = PrivateKeyDer::from_pem_file(&vsock.key).map_err(|e| anyhow!("{} (vsock.key): {e}", vsock.key))?;
+        let config =
+            builder.with_single_cert(certs, key).map_err(|e| anyhow!("{} / {}: {e}", vsock.cert, vsock.key))?;
+        (config, None, format!("server certificate {}", vsock.cert))
+    };
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(VsockTls {
+        acceptor: Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))),
+        own,
+        said: format!("TLS 1.3, client certificate required (CA {ca}); {said}"),
+    })
+}
