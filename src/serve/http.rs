@@ -15,12 +15,10 @@
 
 use super::{current, Published, Shared};
 use crate::report::Health;
-use axum::body::Body;
-use axum::extract::State;
-use axum::http::{header, HeaderMap, Response, StatusCode};
-use axum::routing::get;
-use axum::Extension;
-use axum::Router;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -42,12 +40,27 @@ pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-pub fn router(shared: Shared) -> Router {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/v1/status", get(status))
-        .route("/metrics", get(metrics))
-        .with_state(shared)
+/// What every answer carries: the published bytes themselves (`Bytes` shares them, so a scrape
+/// copies nothing and renders nothing), or a short constant.
+pub type Reply = Response<Full<Bytes>>;
+
+/// Answers one request from the published snapshot. Only GET (and HEAD, which hyper answers
+/// with the GET's headers and no body) of the three paths; the rest is 405 or 404.
+pub fn answer<B>(shared: &Shared, req: &Request<B>, cert: ClientCert) -> Reply {
+    let path = req.uri().path();
+    if !matches!(path, "/healthz" | "/v1/status" | "/metrics") {
+        return plain(StatusCode::NOT_FOUND, "not found\n");
+    }
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
+        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET,HEAD"));
+        return r;
+    }
+    match path {
+        "/healthz" => healthz(shared),
+        "/v1/status" => status(shared, req.headers(), cert),
+        _ => metrics(shared, req.headers(), cert),
+    }
 }
 
 /// The accept queue the listener asks for. A flood of connections arrives in bursts; once the
@@ -76,7 +89,6 @@ pub async fn serve(
     tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    let app = router(shared);
     let admission = Arc::new(Admission::new(MAX_CONNECTIONS, MAX_PER_PEER));
     tokio::pin!(shutdown);
     loop {
@@ -91,6 +103,10 @@ pub async fn serve(
                 }
             },
         };
+        // An answer is written whole at once; Nagle's algorithm would only hold its last segment
+        // back for the client's delayed ACK (nginx sets `tcp_nodelay on` by default for the same
+        // reason). Failing to set it costs speed, not correctness.
+        let _ = stream.set_nodelay(true);
         // Refused: closed at once rather than queued, so a flood costs the agent nothing.
         let slot = match Admission::admit(&admission, peer.ip()) {
             Ok(slot) => slot,
@@ -100,18 +116,17 @@ pub async fn serve(
                 continue;
             }
         };
-        let app = app.clone();
+        let shared = shared.clone();
         let tls = tls.clone();
         tokio::spawn(async move {
             let served = async {
                 match tls {
-                    None => connection(stream, app.layer(axum::Extension(ClientCert(false))), slot.busy.clone()).await,
+                    None => connection(stream, shared, ClientCert(false), slot.busy.clone()).await,
                     Some(acceptor) => match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream)).await {
                         Ok(Ok(tls_stream)) => {
                             // With a client CA, a certificate present after the handshake is one it signed.
                             let verified = tls_stream.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
-                            connection(tls_stream, app.layer(axum::Extension(ClientCert(verified))), slot.busy.clone())
-                                .await
+                            connection(tls_stream, shared, ClientCert(verified), slot.busy.clone()).await
                         }
                         Ok(Err(e)) => Err(format!("TLS handshake: {e}")),
                         Err(_) => Err("TLS handshake timed out".into()),
@@ -135,16 +150,14 @@ pub async fn serve(
 /// One HTTP/1.1 connection with the header limits; `busy` counts its requests in flight.
 async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static>(
     stream: S,
-    app: Router,
+    shared: Shared,
+    cert: ClientCert,
     busy: Arc<AtomicUsize>,
 ) -> Result<(), String> {
-    let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-        let app = app.clone();
-        let busy = busy.clone();
-        async move {
-            let _in_flight = InFlight::new(busy);
-            tower::ServiceExt::oneshot(app, req).await
-        }
+    let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+        // Answered at once from the published bytes: nothing to wait for, so no task per request.
+        let _in_flight = InFlight::new(busy.clone());
+        std::future::ready(Ok::<_, std::convert::Infallible>(answer(&shared, &req, cert)))
     });
     hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
@@ -275,16 +288,20 @@ impl Admission {
     }
 }
 
-fn plain(status: StatusCode, body: impl Into<Body>) -> Response<Body> {
-    Response::builder()
-        .status(status)
-        .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
-        .body(body.into())
-        .unwrap_or_default()
+/// A response of `body` with `content_type`; the header value is a constant, so nothing is copied.
+fn reply(status: StatusCode, content_type: &'static str, body: Bytes) -> Reply {
+    let mut r = Response::new(Full::new(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
 }
 
-async fn healthz(State(shared): State<Shared>) -> Response<Body> {
-    match current(&shared) {
+fn plain(status: StatusCode, body: impl Into<Bytes>) -> Reply {
+    reply(status, "text/plain; charset=utf-8", body.into())
+}
+
+fn healthz(shared: &Shared) -> Reply {
+    match current(shared) {
         None => plain(StatusCode::SERVICE_UNAVAILABLE, "starting\n"),
         Some(p) => match p.health {
             Health::Healthy => plain(StatusCode::OK, "ok\n"),
@@ -299,7 +316,7 @@ async fn healthz(State(shared): State<Shared>) -> Response<Body> {
 }
 
 /// Checks the client certificate or the bearer token; `Some` is the refusal to send instead.
-fn refusal(p: &Published, headers: &HeaderMap, cert: ClientCert) -> Option<Response<Body>> {
+fn refusal(p: &Published, headers: &HeaderMap, cert: ClientCert) -> Option<Reply> {
     if cert.0 {
         return None;
     }
@@ -311,7 +328,7 @@ fn refusal(p: &Published, headers: &HeaderMap, cert: ClientCert) -> Option<Respo
         return None;
     }
     let mut r = plain(StatusCode::UNAUTHORIZED, "unauthorized\n");
-    r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+    r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     Some(r)
 }
 
@@ -332,11 +349,7 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// The published snapshot for a caller that proved itself; else the answer to send instead.
-fn published_for(
-    shared: &Shared,
-    headers: &HeaderMap,
-    cert: ClientCert,
-) -> Result<Arc<Published>, Box<Response<Body>>> {
+fn published_for(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Result<Arc<Published>, Box<Reply>> {
     let p = current(shared).ok_or_else(|| Box::new(plain(StatusCode::SERVICE_UNAVAILABLE, "starting\n")))?;
     match refusal(&p, headers, cert) {
         Some(r) => Err(Box::new(r)),
@@ -344,44 +357,35 @@ fn published_for(
     }
 }
 
-async fn status(
-    State(shared): State<Shared>,
-    Extension(cert): Extension<ClientCert>,
-    headers: HeaderMap,
-) -> Response<Body> {
-    let p = match published_for(&shared, &headers, cert) {
-        Ok(p) => p,
-        Err(r) => return *r,
-    };
-    Response::builder()
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(p.report_json.clone()))
-        .unwrap_or_default()
+fn status(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Reply {
+    match published_for(shared, headers, cert) {
+        Ok(p) => reply(StatusCode::OK, "application/json", p.report_json.clone()),
+        Err(r) => *r,
+    }
 }
 
-async fn metrics(
-    State(shared): State<Shared>,
-    Extension(cert): Extension<ClientCert>,
-    headers: HeaderMap,
-) -> Response<Body> {
-    let p = match published_for(&shared, &headers, cert) {
+/// The rendering the client negotiated, as published: only the choice is made per request.
+fn metrics(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Reply {
+    let p = match published_for(shared, headers, cert) {
         Ok(p) => p,
         Err(r) => return *r,
     };
-    let header_str = |name| headers.get(name).and_then(|v: &header::HeaderValue| v.to_str().ok()).unwrap_or("");
+    let header_str = |name| headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok()).unwrap_or("");
     let openmetrics = prefers_openmetrics(header_str(header::ACCEPT));
     let gzip = accepts_gzip(header_str(header::ACCEPT_ENCODING));
     let (ct, body) = match (openmetrics, gzip) {
-        (true, false) => (OPENMETRICS, p.metrics_openmetrics.clone()),
-        (true, true) => (OPENMETRICS, p.metrics_openmetrics_gzip.clone()),
-        (false, false) => (TEXT_FORMAT, p.metrics_text.clone()),
-        (false, true) => (TEXT_FORMAT, p.metrics_text_gzip.clone()),
+        (true, false) => (OPENMETRICS, &p.metrics_openmetrics),
+        (true, true) => (OPENMETRICS, &p.metrics_openmetrics_gzip),
+        (false, false) => (TEXT_FORMAT, &p.metrics_text),
+        (false, true) => (TEXT_FORMAT, &p.metrics_text_gzip),
     };
-    let mut r = Response::builder().header(header::CONTENT_TYPE, ct).header(header::VARY, "Accept, Accept-Encoding");
+    let mut r = reply(StatusCode::OK, ct, body.clone());
+    let h = r.headers_mut();
+    h.insert(header::VARY, HeaderValue::from_static("Accept, Accept-Encoding"));
     if gzip {
-        r = r.header(header::CONTENT_ENCODING, "gzip");
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
     }
-    r.body(Body::from(body)).unwrap_or_default()
+    r
 }
 
 /// `(media range or coding, q)` of an Accept-style header (RFC 9110 §12.4.2): q defaults to 1;
