@@ -16,12 +16,14 @@
 //! 3. Once the service is ready, the pages of its own program that starting touched (the
 //!    command line, configuration, the first snapshot's one-time paths) are given back with
 //!    madvise(2) `MADV_PAGEOUT` (Linux 5.4): they are clean copies of the file, read again from
-//!    it if ever needed, and most never are. What the service then uses comes back by itself.
-//!    — `release_startup_pages`.
+//!    it if ever needed, and most never are. What the service then uses comes back by itself,
+//!    page by page: the same mappings are marked `MADV_RANDOM` first, so a fault reads only
+//!    its page instead of reading around it (madvise(2): "expect page references in random
+//!    order"), and the code a snapshot runs comes back without its neighbours. — `release_startup_pages`.
 
 /// The async runtime's worker threads. The runtime serves HTTP from bytes made once per
-/// snapshot and runs the service's few loops; collecting runs on the blocking pool. Our
-/// measurement (scripts/bench-serve.sh, docs in the README): see `tune`'s caller.
+/// snapshot and runs the service's few loops; collecting runs on the blocking pool. Two, as
+/// scripts/bench-serve.sh's nginx has two workers; one has not been measured yet.
 pub const RUNTIME_WORKERS: usize = 2;
 
 /// glibc arenas for the whole process (mallopt(3) `M_ARENA_MAX`): the NVML worker threads and
@@ -63,6 +65,7 @@ pub fn release_startup_pages() {
         // SAFETY: a whole mapping of this process, page-aligned as /proc/self/maps gives it, not
         // writable: paging it out drops clean file pages, which the kernel reads back on use.
         unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_RANDOM);
             libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_PAGEOUT);
         }
     }
