@@ -76,6 +76,7 @@ cpu_tree() { local t=$(cpu_ticks "$1"); for c in $(pgrep -P "$1"); do t=$((t + $
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 echo "machine: $(nproc) cores; agent binary $(stat -c %s target/release/phq-agent) bytes"
 echo "metrics body: agent $(wc -c < "$tmp/www/metrics") bytes ($(wc -c < "$tmp/www/metrics.gz") gzipped), node-exporter $(curl -s http://127.0.0.1:19100/metrics | wc -c) bytes"
+echo "agent /v1/status body: $(curl -sf -H 'Authorization: Bearer bench-token-0123456789abcdef' http://127.0.0.1:19441/v1/status | wc -c) bytes; agent threads: $(ls "/proc/$agent/task" | wc -l)"
 
 echo "== idle ${idle} s (all three at once)"
 hz=$(getconf CLK_TCK)

@@ -11,8 +11,10 @@ pub struct Serve {
 
 impl Serve {
     pub fn run(self, g: &super::Global) -> anyhow::Result<i32> {
+        // Before any thread exists: glibc reads its tuning once, as the first arena is made.
+        crate::serve::memory::tune();
         let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(crate::serve::memory::RUNTIME_WORKERS)
             .enable_all()
             .build()
             .context("cannot start the async runtime")?;

@@ -15,8 +15,11 @@ pub fn read(root: &Sysroot) -> Fact<KernelLog> {
     }
 }
 
-/// How often a follower looks for new records (and for being stopped): our choice, well under
-/// the service's 10-second Xid window so an SXid is judged within a second of its line.
+/// How often a follower looks for new records when the kernel cannot tell it (a regular file
+/// standing for /dev/kmsg where inotify is not available): our choice, well under the service's
+/// 10-second Xid window so an SXid is judged within a second of its line. A live /dev/kmsg wakes
+/// the follower itself (poll(2) on it is readable when a record is there), and a regular file
+/// through inotify's IN_MODIFY (inotify(7)); a follower at rest is asleep in poll(2).
 const FOLLOW_POLL: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Follows the kernel log from the moment it starts, on a thread of its own, and hands every
@@ -24,11 +27,70 @@ const FOLLOW_POLL: std::time::Duration = std::time::Duration::from_millis(200);
 /// reports SXids except the kernel log). A live `/dev/kmsg` is read from its end: the kernel
 /// documents `SEEK_END` on it as "seek after the last record", from which reads return new
 /// records one per `read` (Documentation/ABI/testing/dev-kmsg); a regular file standing for it
-/// (a fixture, a test) is read as it grows. Dropping the follower stops the thread within one
-/// poll; so does `deliver` answering false.
+/// (a fixture, a test) is read as it grows. The thread sleeps in poll(2) until there is
+/// something to read or it is stopped: dropping the follower wakes it through an eventfd(2) and
+/// waits for it; so does `deliver` answering false.
 pub struct Follower {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stop: std::os::fd::OwnedFd,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// An eventfd (eventfd(2)): the follower's stop, which poll(2) sees as readable once written.
+fn eventfd() -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: eventfd takes no pointers; a non-negative return is a new descriptor we own.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// An inotify descriptor watching `path` for writes and truncation (IN_MODIFY, inotify(7)), or
+/// `None` where inotify is not available (the follower then looks every `FOLLOW_POLL`).
+fn watch_modify(path: &std::path::Path) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: inotify_init1 takes no pointers; a non-negative return is a descriptor we own.
+    let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC | libc::IN_NONBLOCK) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` was just returned by inotify_init1 and is owned by nobody else.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: a valid inotify descriptor and a NUL-terminated path that outlives the call.
+    let wd = unsafe { libc::inotify_add_watch(fd, c_path.as_ptr(), libc::IN_MODIFY) };
+    (wd >= 0).then_some(owned)
+}
+
+/// Sleeps until `source` is readable or `stop` is written, or `timeout` passes (`None`: no
+/// timeout). True when stopped.
+fn wait(
+    source: Option<std::os::fd::BorrowedFd<'_>>,
+    stop: std::os::fd::BorrowedFd<'_>,
+    timeout: Option<std::time::Duration>,
+) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut fds = [
+        libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        // A negative descriptor is ignored by poll(2).
+        libc::pollfd { fd: source.map_or(-1, |f| f.as_raw_fd()), events: libc::POLLIN, revents: 0 },
+    ];
+    let ms = timeout.map_or(-1, |t| t.as_millis() as i32);
+    // SAFETY: two valid pollfds in an array this frame owns, count 2.
+    let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+    ready > 0 && fds[0].revents != 0
+}
+
+/// Reads and forgets what is waiting on a non-blocking descriptor (inotify's events: the
+/// follower only needs to know that the file changed).
+fn drain(fd: std::os::fd::BorrowedFd<'_>) {
+    use std::os::fd::AsRawFd;
+    let mut buf = [0u8; 4096];
+    // SAFETY: a valid descriptor and a buffer of the length given; it is non-blocking.
+    while unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
 }
 
 impl Follower {
@@ -37,14 +99,15 @@ impl Follower {
         mut deliver: impl FnMut(SxidEvent) -> bool + Send + 'static,
     ) -> std::io::Result<Follower> {
         use std::io::{Read, Seek, SeekFrom};
+        use std::os::fd::AsFd;
         use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-        use std::sync::atomic::Ordering;
         let path = root.resolve("dev/kmsg").map_err(|e| std::io::Error::new(e.source.kind(), e.to_string()))?;
         let device = std::fs::metadata(&path)?.file_type().is_char_device();
         let mut file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&path)?;
         let mut offset = file.seek(SeekFrom::End(0))?;
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let stopped = stop.clone();
+        let stop = eventfd()?;
+        let stopped = stop.try_clone()?;
+        let changes = if device { None } else { watch_modify(&path) };
         let thread = std::thread::Builder::new().name("kmsg-follow".into()).spawn(move || {
             let mut pending = String::new();
             // One record is at most about 8 KiB (see Sysroot::read_kmsg).
@@ -56,16 +119,13 @@ impl Follower {
                 sxid.seq = rec.seq;
                 deliver(sxid)
             };
-            while !stopped.load(Ordering::Relaxed) {
+            loop {
                 if device {
-                    use std::os::fd::AsRawFd;
-                    let mut fd = libc::pollfd { fd: file.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-                    // SAFETY: one valid pollfd for a descriptor this thread owns, count 1.
-                    let ready = unsafe { libc::poll(&mut fd, 1, FOLLOW_POLL.as_millis() as i32) };
-                    if ready <= 0 {
-                        continue;
+                    if wait(Some(file.as_fd()), stopped.as_fd(), None) {
+                        return;
                     }
                     match file.read(&mut buf) {
+                        // Readable but empty: not what the ABI describes; wait a beat rather than spin.
                         Ok(0) => std::thread::sleep(FOLLOW_POLL),
                         Ok(n) => {
                             if !hand_over(String::from_utf8_lossy(&buf[..n]).trim_end_matches('\n')) {
@@ -83,7 +143,13 @@ impl Follower {
                         }
                     }
                 } else {
-                    std::thread::sleep(FOLLOW_POLL);
+                    let timeout = if changes.is_some() { None } else { Some(FOLLOW_POLL) };
+                    if wait(changes.as_ref().map(|c| c.as_fd()), stopped.as_fd(), timeout) {
+                        return;
+                    }
+                    if let Some(c) = &changes {
+                        drain(c.as_fd());
+                    }
                     let Ok(len) = file.metadata().map(|m| m.len()) else { continue };
                     if len < offset {
                         // Rewritten shorter: follow the new contents from their start.
@@ -114,7 +180,10 @@ impl Follower {
 
 impl Drop for Follower {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        use std::os::fd::AsRawFd;
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: our eventfd and an 8-byte buffer, as eventfd(2) requires for a write.
+        let _ = unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), one.len()) };
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -18,12 +18,10 @@ use super::recheck::{Desk, Refused};
 use super::{current, Published, Shared};
 use crate::config::ProbeLevel;
 use crate::report::Health;
-use axum::body::Body;
-use axum::extract::{DefaultBodyLimit, FromRef, Path, State};
-use axum::http::{header, HeaderMap, Response, StatusCode};
-use axum::routing::{get, post};
-use axum::Extension;
-use axum::Router;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -45,6 +43,10 @@ pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
+/// What every answer carries: the published bytes themselves (`Bytes` shares them, so a scrape
+/// copies nothing and renders nothing), or a short constant.
+pub type Reply = Response<Full<Bytes>>;
+
 /// A request body larger than this is refused (413) before it is read whole: the one body the
 /// endpoint takes, `POST /v1/probes`'s, is a few bytes of JSON.
 pub const MAX_REQUEST_BODY: usize = 1024;
@@ -57,21 +59,35 @@ pub struct Endpoint {
     pub desk: Arc<Desk>,
 }
 
-impl FromRef<Endpoint> for Shared {
-    fn from_ref(e: &Endpoint) -> Shared {
-        e.shared.clone()
+/// Answers one request. GET (and HEAD, which hyper answers with the GET's headers and no body)
+/// of `/healthz`, `/v1/status`, `/metrics` from the published snapshot and of
+/// `/v1/probes/{id}` from the desk; POST of `/v1/probes` with its `body`. The rest is 405 (with
+/// `Allow`) or 404.
+pub fn answer<B>(e: &Endpoint, req: &Request<B>, cert: ClientCert, body: &[u8]) -> Reply {
+    let path = req.uri().path();
+    let run = path.strip_prefix("/v1/probes/").filter(|id| !id.is_empty() && !id.contains('/'));
+    let allowed = match path {
+        "/healthz" | "/v1/status" | "/metrics" => "GET,HEAD",
+        "/v1/probes" => "POST",
+        _ if run.is_some() => "GET,HEAD",
+        _ => return plain(StatusCode::NOT_FOUND, "not found\n"),
+    };
+    let method_ok = match allowed {
+        "POST" => req.method() == Method::POST,
+        _ => req.method() == Method::GET || req.method() == Method::HEAD,
+    };
+    if !method_ok {
+        let mut r = plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
+        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allowed));
+        return r;
     }
-}
-
-pub fn router(endpoint: Endpoint) -> Router {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/v1/status", get(status))
-        .route("/metrics", get(metrics))
-        .route("/v1/probes", post(request_probes))
-        .route("/v1/probes/{id}", get(probe_run))
-        .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
-        .with_state(endpoint)
+    match (path, run) {
+        (_, Some(id)) => probe_run(e, req.headers(), cert, id),
+        ("/healthz", _) => healthz(&e.shared),
+        ("/v1/status", _) => status(&e.shared, req.headers(), cert),
+        ("/v1/probes", _) => request_probes(e, req.headers(), cert, body),
+        _ => metrics(&e.shared, req.headers(), cert),
+    }
 }
 
 /// The accept queue the listener asks for. A flood of connections arrives in bursts; once the
@@ -127,6 +143,10 @@ impl Accept for TcpListener {
     type Stream = tokio::net::TcpStream;
     async fn accept(&self) -> std::io::Result<(Self::Stream, Peer)> {
         let (stream, addr) = TcpListener::accept(self).await?;
+        // An answer is written whole at once; Nagle's algorithm would only hold its last segment
+        // back for the client's delayed ACK (nginx sets `tcp_nodelay on` by default for the same
+        // reason). Failing to set it costs speed, not correctness.
+        let _ = stream.set_nodelay(true);
         Ok((stream, Peer::from(addr.ip())))
     }
 }
@@ -138,7 +158,6 @@ pub async fn serve<L: Accept>(
     tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    let app = router(endpoint);
     let admission = Arc::new(Admission::new(MAX_CONNECTIONS, MAX_PER_PEER));
     tokio::pin!(shutdown);
     loop {
@@ -162,18 +181,17 @@ pub async fn serve<L: Accept>(
                 continue;
             }
         };
-        let app = app.clone();
+        let endpoint = endpoint.clone();
         let tls = tls.clone();
         tokio::spawn(async move {
             let served = async {
                 match tls {
-                    None => connection(stream, app.layer(axum::Extension(ClientCert(false))), slot.busy.clone()).await,
+                    None => connection(stream, endpoint, ClientCert(false), slot.busy.clone()).await,
                     Some(acceptor) => match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream)).await {
                         Ok(Ok(tls_stream)) => {
                             // With a client CA, a certificate present after the handshake is one it signed.
                             let verified = tls_stream.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
-                            connection(tls_stream, app.layer(axum::Extension(ClientCert(verified))), slot.busy.clone())
-                                .await
+                            connection(tls_stream, endpoint, ClientCert(verified), slot.busy.clone()).await
                         }
                         Ok(Err(e)) => Err(format!("TLS handshake: {e}")),
                         Err(_) => Err("TLS handshake timed out".into()),
@@ -197,15 +215,28 @@ pub async fn serve<L: Accept>(
 /// One HTTP/1.1 connection with the header limits; `busy` counts its requests in flight.
 async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static>(
     stream: S,
-    app: Router,
+    endpoint: Endpoint,
+    cert: ClientCert,
     busy: Arc<AtomicUsize>,
 ) -> Result<(), String> {
-    let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-        let app = app.clone();
-        let busy = busy.clone();
+    let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+        let in_flight = InFlight::new(busy.clone());
+        let endpoint = endpoint.clone();
         async move {
-            let _in_flight = InFlight::new(busy);
-            tower::ServiceExt::oneshot(app, req).await
+            let _in_flight = in_flight;
+            // Only POST reads a body, bounded; every other answer is made at once from the
+            // published bytes, with nothing to wait for.
+            if req.method() != Method::POST {
+                return Ok::<_, std::convert::Infallible>(answer(&endpoint, &req, cert, &[]));
+            }
+            let (parts, body) = req.into_parts();
+            let head = Request::from_parts(parts, ());
+            let reply =
+                match http_body_util::BodyExt::collect(http_body_util::Limited::new(body, MAX_REQUEST_BODY)).await {
+                    Ok(b) => answer(&endpoint, &head, cert, &b.to_bytes()),
+                    Err(_) => plain(StatusCode::PAYLOAD_TOO_LARGE, format!("a body over {MAX_REQUEST_BODY} bytes\n")),
+                };
+            Ok(reply)
         }
     });
     hyper::server::conn::http1::Builder::new()
@@ -338,16 +369,20 @@ impl Admission {
     }
 }
 
-fn plain(status: StatusCode, body: impl Into<Body>) -> Response<Body> {
-    Response::builder()
-        .status(status)
-        .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
-        .body(body.into())
-        .unwrap_or_default()
+/// A response of `body` with `content_type`; the header value is a constant, so nothing is copied.
+fn reply(status: StatusCode, content_type: &'static str, body: Bytes) -> Reply {
+    let mut r = Response::new(Full::new(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
 }
 
-async fn healthz(State(shared): State<Shared>) -> Response<Body> {
-    match current(&shared) {
+fn plain(status: StatusCode, body: impl Into<Bytes>) -> Reply {
+    reply(status, "text/plain; charset=utf-8", body.into())
+}
+
+fn healthz(shared: &Shared) -> Reply {
+    match current(shared) {
         None => plain(StatusCode::SERVICE_UNAVAILABLE, "starting\n"),
         Some(p) => match p.health {
             Health::Healthy => plain(StatusCode::OK, "ok\n"),
@@ -362,7 +397,7 @@ async fn healthz(State(shared): State<Shared>) -> Response<Body> {
 }
 
 /// Checks the client certificate or the bearer token; `Some` is the refusal to send instead.
-fn refusal(p: &Published, headers: &HeaderMap, cert: ClientCert) -> Option<Response<Body>> {
+fn refusal(p: &Published, headers: &HeaderMap, cert: ClientCert) -> Option<Reply> {
     if cert.0 {
         return None;
     }
@@ -374,7 +409,7 @@ fn refusal(p: &Published, headers: &HeaderMap, cert: ClientCert) -> Option<Respo
         return None;
     }
     let mut r = plain(StatusCode::UNAUTHORIZED, "unauthorized\n");
-    r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+    r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     Some(r)
 }
 
@@ -395,11 +430,7 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// The published snapshot for a caller that proved itself; else the answer to send instead.
-fn published_for(
-    shared: &Shared,
-    headers: &HeaderMap,
-    cert: ClientCert,
-) -> Result<Arc<Published>, Box<Response<Body>>> {
+fn published_for(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Result<Arc<Published>, Box<Reply>> {
     let p = current(shared).ok_or_else(|| Box::new(plain(StatusCode::SERVICE_UNAVAILABLE, "starting\n")))?;
     match refusal(&p, headers, cert) {
         Some(r) => Err(Box::new(r)),
@@ -407,54 +438,41 @@ fn published_for(
     }
 }
 
-async fn status(
-    State(shared): State<Shared>,
-    Extension(cert): Extension<ClientCert>,
-    headers: HeaderMap,
-) -> Response<Body> {
-    let p = match published_for(&shared, &headers, cert) {
-        Ok(p) => p,
-        Err(r) => return *r,
-    };
-    Response::builder()
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(p.report_json.clone()))
-        .unwrap_or_default()
+fn status(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Reply {
+    match published_for(shared, headers, cert) {
+        Ok(p) => reply(StatusCode::OK, "application/json", p.report_json.clone()),
+        Err(r) => *r,
+    }
 }
 
-async fn metrics(
-    State(shared): State<Shared>,
-    Extension(cert): Extension<ClientCert>,
-    headers: HeaderMap,
-) -> Response<Body> {
-    let p = match published_for(&shared, &headers, cert) {
+/// The rendering the client negotiated, as published: only the choice is made per request.
+fn metrics(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Reply {
+    let p = match published_for(shared, headers, cert) {
         Ok(p) => p,
         Err(r) => return *r,
     };
-    let header_str = |name| headers.get(name).and_then(|v: &header::HeaderValue| v.to_str().ok()).unwrap_or("");
+    let header_str = |name| headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok()).unwrap_or("");
     let openmetrics = prefers_openmetrics(header_str(header::ACCEPT));
     let gzip = accepts_gzip(header_str(header::ACCEPT_ENCODING));
     let (ct, body) = match (openmetrics, gzip) {
-        (true, false) => (OPENMETRICS, p.metrics_openmetrics.clone()),
-        (true, true) => (OPENMETRICS, p.metrics_openmetrics_gzip.clone()),
-        (false, false) => (TEXT_FORMAT, p.metrics_text.clone()),
-        (false, true) => (TEXT_FORMAT, p.metrics_text_gzip.clone()),
+        (true, false) => (OPENMETRICS, &p.metrics_openmetrics),
+        (true, true) => (OPENMETRICS, &p.metrics_openmetrics_gzip),
+        (false, false) => (TEXT_FORMAT, &p.metrics_text),
+        (false, true) => (TEXT_FORMAT, &p.metrics_text_gzip),
     };
-    let mut r = Response::builder().header(header::CONTENT_TYPE, ct).header(header::VARY, "Accept, Accept-Encoding");
+    let mut r = reply(StatusCode::OK, ct, body.clone());
+    let h = r.headers_mut();
+    h.insert(header::VARY, HeaderValue::from_static("Accept, Accept-Encoding"));
     if gzip {
-        r = r.header(header::CONTENT_ENCODING, "gzip");
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
     }
-    r.body(Body::from(body)).unwrap_or_default()
+    r
 }
 
-fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+fn json(status: StatusCode, value: &serde_json::Value) -> Reply {
     let mut body = serde_json::to_vec_pretty(value).unwrap_or_default();
     body.push(b'\n');
-    Response::builder()
-        .status(status)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(Body::from(body))
-        .unwrap_or_default()
+    reply(status, "application/json", Bytes::from(body))
 }
 
 /// `POST /v1/probes`'s body: `{"level": "quick" | "standard" | "full"}`, or nothing for quick.
@@ -479,24 +497,19 @@ fn requested_level(body: &[u8]) -> Result<ProbeLevel, String> {
 
 /// The platform's re-check (`recheck` rules 1–3): 202 and the run, or why not — 409 while a run
 /// is going or a GPU is busy, 429 past the configured rate, 403 when requests are off.
-async fn request_probes(
-    State(e): State<Endpoint>,
-    Extension(cert): Extension<ClientCert>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response<Body> {
-    let p = match published_for(&e.shared, &headers, cert) {
+fn request_probes(e: &Endpoint, headers: &HeaderMap, cert: ClientCert, body: &[u8]) -> Reply {
+    let p = match published_for(&e.shared, headers, cert) {
         Ok(p) => p,
         Err(r) => return *r,
     };
-    let level = match requested_level(&body) {
+    let level = match requested_level(body) {
         Ok(l) => l,
         Err(why) => return json(StatusCode::BAD_REQUEST, &serde_json::json!({ "error": why })),
     };
     match e.desk.request(level, p.snapshot.clone()) {
         Ok(run) => {
             let mut r = json(StatusCode::ACCEPTED, &serde_json::json!(run));
-            if let Ok(v) = header::HeaderValue::from_str(&format!("/v1/probes/{}", run.id)) {
+            if let Ok(v) = HeaderValue::from_str(&format!("/v1/probes/{}", run.id)) {
                 r.headers_mut().insert(header::LOCATION, v);
             }
             r
@@ -515,7 +528,7 @@ async fn request_probes(
                 StatusCode::TOO_MANY_REQUESTS,
                 &serde_json::json!({ "error": "past probes.max_requests per probes.request_window", "retry_after_s": secs }),
             );
-            r.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from(secs));
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
             r
         }
         Err(Refused::Off) => json(
@@ -527,16 +540,11 @@ async fn request_probes(
 }
 
 /// `GET /v1/probes/{id}`: a run's record while it is current or among the last kept.
-async fn probe_run(
-    State(e): State<Endpoint>,
-    Extension(cert): Extension<ClientCert>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Response<Body> {
-    if let Err(r) = published_for(&e.shared, &headers, cert) {
+fn probe_run(e: &Endpoint, headers: &HeaderMap, cert: ClientCert, id: &str) -> Reply {
+    if let Err(r) = published_for(&e.shared, headers, cert) {
         return *r;
     }
-    match e.desk.run(&id) {
+    match e.desk.run(id) {
         Some(run) => json(StatusCode::OK, &serde_json::json!(run)),
         None => {
             let why = format!("no such probe run (the last {} are kept)", super::recheck::KEPT_RUNS);

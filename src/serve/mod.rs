@@ -5,9 +5,11 @@
 //!    and at once when NVML reports an Xid. Collecting is blocking I/O: it runs on the blocking
 //!    pool, one at a time; a request never triggers one. — `service::snapshotter` (and the first
 //!    one in `service::run`), `take_snapshot`.
-//! 2. Each snapshot is published whole (report JSON and both metrics renderings together) by
-//!    swapping one `Arc`; readers see the previous one until the swap, never a mix.
-//!    — `service::publish`, `Published`, `http::serve`.
+//! 2. Each snapshot is published whole (report JSON and both metrics renderings, plain and
+//!    gzipped, together) by swapping one `Arc`; readers see the previous one until the swap,
+//!    never a mix. Every body is made once, when the snapshot is taken: a request, and the push
+//!    of the periodic status, only hand out the same bytes (`Bytes`), never render or compress.
+//!    — `service::publish`, `Published`, `http::answer`, `metrics::renders`.
 //! 3. `READY=1` goes to systemd after the first publish, with a `STATUS=` line a person can read
 //!    in `systemctl status`; watchdog pings follow at half `WatchdogSec` while the service's
 //!    loops turn. The first snapshot's NVML part ends by `nvml.init_timeout` whatever NVML does,
@@ -47,6 +49,7 @@
 pub mod agent_checks;
 pub mod dbus;
 pub mod http;
+pub mod memory;
 pub mod metrics;
 pub mod own_cert;
 pub mod port;
@@ -64,7 +67,7 @@ use crate::config::Config;
 use crate::report::{self, Health};
 use crate::snapshot::Timestamp;
 use crate::sysroot::Sysroot;
-use axum::body::Bytes;
+use bytes::Bytes;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -77,6 +80,10 @@ pub const XID_WINDOW: Duration = Duration::from_secs(10);
 /// The watchdog stops being pinged when the loop has not turned for this long (rule 7): two
 /// snapshot intervals, so a snapshot hung on a wedged driver gets the service restarted.
 pub const LOOP_STALL: Duration = Duration::from_secs(60);
+/// How often an idle loop turns just to say it is alive (rule 7): a quarter of `LOOP_STALL`, so
+/// a loop that turns is never taken for a stalled one, and at rest the service wakes for it four
+/// times a minute rather than every second.
+pub const HEARTBEAT: Duration = Duration::from_secs(15);
 
 /// What rule 6 merges repeats of: one Xid code on one GPU, or one SXid code (with the driver's
 /// word for it) on one NVSwitch.
@@ -129,6 +136,11 @@ impl XidWindow {
     /// repeats, with their count.
     pub fn due(&mut self, now: std::time::Instant) -> Vec<report::Event> {
         self.close(|opened| now.duration_since(opened) >= XID_WINDOW)
+    }
+
+    /// When the oldest open window closes: the event task sleeps until then, not on a beat.
+    pub fn next_close(&self) -> Option<std::time::Instant> {
+        self.open.values().map(|(opened, _)| *opened + XID_WINDOW).min()
     }
 
     /// Every window, closed (the service is stopping): no counted repeat is left behind.
@@ -306,13 +318,6 @@ pub fn current(shared: &Shared) -> Option<Arc<Published>> {
         Ok(g) => g.clone(),
         Err(poisoned) => poisoned.into_inner().clone(),
     }
-}
-
-/// `bytes` gzipped (into memory, which cannot fail short of allocation).
-fn gzip(bytes: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    e.write_all(bytes).and_then(|()| e.finish()).unwrap_or_default()
 }
 
 /// A bearer token is a line of text; anything longer is a mistake, or an attack.
@@ -512,8 +517,8 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     let published = Published {
         health: report.health,
         report_json: Bytes::from(serde_json::to_vec(&report).unwrap_or_default()),
-        metrics_text_gzip: Bytes::from(gzip(m.text.as_bytes())),
-        metrics_openmetrics_gzip: Bytes::from(gzip(m.openmetrics.as_bytes())),
+        metrics_text_gzip: Bytes::from(metrics::gzip(m.text.as_bytes())),
+        metrics_openmetrics_gzip: Bytes::from(metrics::gzip(m.openmetrics.as_bytes())),
         metrics_text: Bytes::from(m.text),
         metrics_openmetrics: Bytes::from(m.openmetrics),
         token: inputs.token.clone(),

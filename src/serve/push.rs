@@ -264,7 +264,7 @@ impl Pusher {
         })
     }
 
-    async fn deliver(&self, seq: u64, epoch: &str, body: Vec<u8>) -> Outcome {
+    async fn deliver(&self, seq: u64, epoch: &str, body: bytes::Bytes) -> Outcome {
         // Read each time: a token rotated on disk is used from the next attempt on.
         let token = match std::fs::read_to_string(&self.token_file) {
             Ok(t) => t.trim().to_string(),
@@ -306,12 +306,12 @@ impl Pusher {
     /// `wake` is notified whenever an event was spooled.
     pub async fn run(
         self,
-        mut status: tokio::sync::watch::Receiver<Option<(u64, Vec<u8>)>>,
+        mut status: tokio::sync::watch::Receiver<Option<(u64, bytes::Bytes)>>,
         wake: Arc<tokio::sync::Notify>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         let mut backoff = Duration::ZERO;
-        let mut pending_status: Option<(u64, Vec<u8>)> = None;
+        let mut pending_status: Option<(u64, bytes::Bytes)> = None;
         loop {
             if *stop.borrow() {
                 return;
@@ -327,7 +327,7 @@ impl Pusher {
             }
             let attempt = if let Some(e) = self.spool.oldest() {
                 match crate::sysroot::read_regular(&e.path, true, MAX_SPOOL_BYTES) {
-                    Ok(body) => Some((e.seq, e.epoch.clone(), body, Some(e))),
+                    Ok(body) => Some((e.seq, e.epoch.clone(), bytes::Bytes::from(body), Some(e))),
                     Err(err) => {
                         tracing::error!(path = %e.path.display(), error = %err, "unreadable spooled event; moving it aside");
                         self.spool.refuse(&e);
@@ -515,7 +515,7 @@ mod tests {
             let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);
             let task = tokio::spawn(pusher.run(status_rx, Arc::new(tokio::sync::Notify::new()), stop_rx));
             tokio::time::sleep(Duration::from_millis(200)).await; // idle, waiting for work
-            status_tx.send(Some((7, b"{\"seq\":7}".to_vec()))).unwrap();
+            status_tx.send(Some((7, bytes::Bytes::from_static(b"{\"seq\":7}")))).unwrap();
             let got = tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(5))).await.unwrap();
             let request = got.expect("the status was never delivered");
             assert!(request.starts_with("POST /v1/agents/vm-1/reports"), "{request}");
@@ -564,7 +564,7 @@ mod tests {
 
     fn deliver_once(p: &Pusher) -> Outcome {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(p.deliver(1, "e1", b"{}".to_vec()))
+        rt.block_on(p.deliver(1, "e1", bytes::Bytes::from_static(b"{}")))
     }
 
     /// Every redirect is an error to retry: the event is not sent on, the token goes nowhere
@@ -634,7 +634,7 @@ mod tests {
             ..Default::default()
         };
         let pusher = Pusher::new(&config, "vm-1", Spool::open(dir.path(), "e1").unwrap()).unwrap();
-        let outcome = rt.block_on(pusher.deliver(1, "e1", b"{}".to_vec()));
+        let outcome = rt.block_on(pusher.deliver(1, "e1", bytes::Bytes::from_static(b"{}")));
         assert!(matches!(&outcome, Outcome::Retry(why, _) if why.contains("307")), "{outcome:?}");
         let got = https_got.recv_timeout(Duration::from_secs(5)).unwrap();
         assert!(got.contains("authorization: Bearer platform-secret"), "the HTTPS platform got the token: {got}");

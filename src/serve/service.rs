@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | [`run`] (the coordinator) | signals, configuration, start and stop order | SIGTERM, SIGINT, SIGHUP | everyone, through `Config` and stop channels |
 //! | [`snapshotter`] | `Inputs` (with the NVML session), the schedule, the Xid watcher (started once NVML answers) | ticks, "snapshot now" (an Xid, NVML answering after a deadline), probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the desk (idle probes) |
-//! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, a 1 s beat | the pusher (status), the snapshotter ("now") |
+//! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, the closing of its oldest window | the pusher (status), the snapshotter ("now") |
 //! | `http::serve` | the listener | connections | the desk (`POST /v1/probes`) |
 //! | `http::serve` over [`start_vsock`] | the vsock listener (the platform's channel), its own certificate's daily rotation | connections | the desk (`POST /v1/probes`) |
 //! | `push::Pusher::run` | the platform connection | spool wake-ups, status | — |
@@ -16,7 +16,7 @@
 
 use super::recheck::{self, Desk, Source};
 use super::{
-    dbus as bus, http, push, EventCounters, Inputs, Published, Seen, Seq, Shared, SpoolWriter, XidWindow,
+    dbus as bus, http, push, EventCounters, Inputs, Published, Seen, Seq, Shared, SpoolWriter, XidWindow, HEARTBEAT,
     INSTALL_EVENT_SENT, LOOP_STALL, SNAPSHOT_INTERVAL,
 };
 use crate::collect::kmsg::Follower;
@@ -26,6 +26,7 @@ use crate::config::{Config, ProbeLevel};
 use crate::report::{Event, Report};
 use crate::snapshot::{NvmlXid, Snapshot, SxidEvent, Timestamp};
 use anyhow::Context;
+use bytes::Bytes;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -53,10 +54,12 @@ enum ToSnapshotter {
     Probes(super::ProbeResults),
 }
 
-/// A report the snapshotter published, with its snapshot, for the event task.
+/// A report the snapshotter published, with its snapshot and its JSON (the very bytes
+/// /v1/status serves, pushed as they are), for the event task.
 struct Taken {
     report: Arc<Report>,
     snapshot: Arc<Snapshot>,
+    json: Bytes,
 }
 
 /// When each looping task last turned, for the watchdog (rule 7).
@@ -127,7 +130,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     // bus) is not kept waiting for it.
     let first = {
         let (inputs, n) = (inputs.clone(), take(&seq));
-        tokio::task::spawn_blocking(move || super::take_snapshot(&inputs, n))
+        tokio::task::spawn_blocking(move || super::memory::after(super::take_snapshot(&inputs, n)))
     };
     let (published, first_report) = tokio::select! {
         taken = first => taken.context("the first snapshot failed")?,
@@ -135,11 +138,15 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         _ = signals.int.recv() => return Ok(stopped_before_ready("SIGINT")),
     };
     inputs.nvml_budget = None;
-    let first = Taken { report: Arc::new(first_report), snapshot: published.snapshot.clone() };
+    let first = Taken {
+        report: Arc::new(first_report),
+        snapshot: published.snapshot.clone(),
+        json: published.report_json.clone(),
+    };
     let status = publish(&shared, published);
 
     // Push: events through the spool, status latest-wins (rules in serve::push).
-    let (status_tx, status_rx) = watch::channel::<Option<(u64, Vec<u8>)>>(None);
+    let (status_tx, status_rx) = watch::channel::<Option<(u64, Bytes)>>(None);
     let wake = Arc::new(tokio::sync::Notify::new());
     let (pusher, writer) = match &spool {
         None => (None, None),
@@ -155,6 +162,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     let dbus = dbus(shared.clone(), state_dir.clone(), margin, health_rx).await;
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
     tracing::info!(%status, "ready");
+    super::memory::release_startup_pages();
 
     let (settings_tx, settings_rx) = watch::channel(settings);
     let (taken_tx, taken_rx) = mpsc::unbounded_channel();
@@ -176,6 +184,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         stop: stop_loops.subscribe(),
         heartbeat: event_beat.clone(),
         first_snapshot: first.snapshot.clone(),
+        first_json: first.json.clone(),
     }));
     let probe_task = tokio::spawn(probes(probe_asks, desk.clone(), to_snapshotter.clone(), state_dir.clone(), margin));
     // Rule 1's probes at boot, before workloads start, when asked.
@@ -391,7 +400,7 @@ fn start_pusher(
     config: &Config,
     spool: &push::Spool,
     to: Pushing<'_>,
-    status: watch::Receiver<Option<(u64, Vec<u8>)>>,
+    status: watch::Receiver<Option<(u64, Bytes)>>,
     stop: watch::Receiver<bool>,
     counters: Arc<EventCounters>,
 ) -> anyhow::Result<(tokio::task::JoinHandle<()>, SpoolWriter)> {
@@ -512,7 +521,8 @@ async fn snapshotter(mut s: Snapshotter) {
     let mut ticker = tokio::time::interval(SNAPSHOT_INTERVAL);
     ticker.tick().await; // the first tick is immediate; the first snapshot is taken already
     let mut last_probe = Instant::now();
-    let mut beat = tokio::time::interval(Duration::from_secs(1));
+    let mut beat = tokio::time::interval(HEARTBEAT);
+    beat.tick().await; // immediate, like the ticker's
     s.watch_xids();
     loop {
         s.heartbeat.beat();
@@ -540,7 +550,7 @@ async fn snapshotter(mut s: Snapshotter) {
                 // Rule 7: the loop keeps turning while a snapshot runs within its bound (every
                 // NVML call is under a deadline), and stops beating past it.
                 let (bound, began) = (s.snapshot_bound(), Instant::now());
-                let mut running = tokio::task::spawn_blocking(move || super::take_snapshot(&inputs, n));
+                let mut running = tokio::task::spawn_blocking(move || super::memory::after(super::take_snapshot(&inputs, n)));
                 let taken = loop {
                     tokio::select! {
                         taken = &mut running => break taken,
@@ -556,7 +566,7 @@ async fn snapshotter(mut s: Snapshotter) {
                         continue;
                     }
                 };
-                let snapshot = p.snapshot.clone();
+                let (snapshot, json) = (p.snapshot.clone(), p.report_json.clone());
                 let status = publish(&s.shared, p);
                 let report = Arc::new(report);
                 if report.health != s.last.health {
@@ -564,7 +574,7 @@ async fn snapshotter(mut s: Snapshotter) {
                     tracing::warn!(%old, %new, "health changed");
                     let _ = s.health.send((old, new));
                 }
-                let _ = s.taken.send(Taken { report: report.clone(), snapshot: snapshot.clone() });
+                let _ = s.taken.send(Taken { report: report.clone(), snapshot: snapshot.clone(), json });
                 s.last = report;
                 let probes = &s.inputs.config.probes;
                 let level = if probes.at_boot == ProbeLevel::None { ProbeLevel::Quick } else { probes.at_boot };
@@ -589,7 +599,7 @@ struct Events {
     seq: Arc<Mutex<Seq>>,
     writer: Option<SpoolWriter>,
     counters: Arc<EventCounters>,
-    status: watch::Sender<Option<(u64, Vec<u8>)>>,
+    status: watch::Sender<Option<(u64, Bytes)>>,
     xids: mpsc::UnboundedReceiver<NvmlXid>,
     sxids: mpsc::UnboundedReceiver<SxidEvent>,
     taken: mpsc::UnboundedReceiver<Taken>,
@@ -597,6 +607,7 @@ struct Events {
     stop: watch::Receiver<bool>,
     heartbeat: Heartbeat,
     first_snapshot: Arc<Snapshot>,
+    first_json: Bytes,
 }
 
 impl Events {
@@ -611,8 +622,9 @@ impl Events {
         writer.send(r.seq, serde_json::to_vec(&r).unwrap_or_default());
     }
 
-    fn push_status(&self, report: &Report) {
-        let _ = self.status.send(Some((report.seq, serde_json::to_vec(report).unwrap_or_default())));
+    /// The periodic status: the published report's own bytes, serialised once per snapshot.
+    fn push_status(&self, seq: u64, json: &Bytes) {
+        let _ = self.status.send(Some((seq, json.clone())));
     }
 }
 
@@ -620,7 +632,7 @@ impl Events {
 /// happened; the status goes to the pusher every `platform.interval`.
 async fn events(mut e: Events) {
     let state_dir = e.settings.borrow().config.agent.state_dir.clone();
-    e.push_status(&e.last.clone());
+    e.push_status(e.last.seq, &e.first_json);
     let mut status_pushed = Instant::now();
     // The installer's end, once per install state, across restarts and reboots (first at
     // start: the install may have ended while the agent was down).
@@ -644,9 +656,11 @@ async fn events(mut e: Events) {
     super::mark_kernel_log_seen(&state_dir, &e.first_snapshot, &mut kmsg_seen);
 
     let mut xids = XidWindow::default();
-    let mut beat = tokio::time::interval(Duration::from_secs(1));
     loop {
         e.heartbeat.beat();
+        // Awake when the oldest Xid window closes, else only for the heartbeat (rest is rest).
+        let wake =
+            xids.next_close().map_or(HEARTBEAT, |at| at.saturating_duration_since(Instant::now()).min(HEARTBEAT));
         tokio::select! {
             // The stop, then Xids (spooled before anything else), then reports.
             biased;
@@ -669,7 +683,7 @@ async fn events(mut e: Events) {
                     let _ = e.snapshot_now.send(ToSnapshotter::Now);
                 }
             }
-            _ = beat.tick() => {
+            _ = tokio::time::sleep(wake) => {
                 for event in xids.due(Instant::now()) {
                     match &event {
                         Event::Xid { gpu, xid, count, .. } => tracing::warn!(%gpu, xid, repeats = count, "Xid repeated within {} s", super::XID_WINDOW.as_secs()),
@@ -689,7 +703,7 @@ async fn events(mut e: Events) {
                 // never more often than snapshots are taken); events go as they happen.
                 let interval = e.settings.borrow().config.platform.interval;
                 if status_pushed.elapsed() + Duration::from_secs(1) >= interval {
-                    e.push_status(&t.report);
+                    e.push_status(t.report.seq, &t.json);
                     status_pushed = Instant::now();
                 }
                 e.last = t.report;

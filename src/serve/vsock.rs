@@ -238,7 +238,7 @@ mod tests {
     }
 
     fn published() -> Shared {
-        let bytes = |s: &str| axum::body::Bytes::from(s.to_string());
+        let bytes = |s: &str| bytes::Bytes::from(s.to_string());
         Arc::new(RwLock::new(Some(Arc::new(Published {
             health: crate::report::Health::Healthy,
             report_json: bytes("{\"schema\":\"phq.status/v1\"}"),

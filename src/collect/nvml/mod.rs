@@ -825,8 +825,10 @@ pub struct XidWatcher {
     stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// How long one blocking wait lasts before the thread looks at its stop flag.
-const WATCH_WAIT_MS: u32 = 250;
+/// How long one blocking wait lasts before the thread looks at its stop flag. An Xid ends the
+/// wait at once whatever this is, and nobody waits for a dropped watcher's thread, so it only
+/// sets how often the thread wakes at rest: our choice, a few times a minute.
+const WATCH_WAIT_MS: u32 = 15_000;
 
 impl XidWatcher {
     /// Starts watching every GPU the session's NVML lists; events arrive on `tx`. `None`: NVML

@@ -108,10 +108,30 @@ fn plus(base: &Labels, key: &str, value: &str) -> Labels {
     l
 }
 
+/// Renderings and compressions made in this process: each snapshot adds three (`render`, and
+/// `gzip` of each format), and a scrape adds none, since it is answered with the bytes made with
+/// the snapshot. The test that scrapes one snapshot many times reads it.
+static RENDERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many times `render` and `gzip` have run in this process.
+pub fn renders() -> u64 {
+    RENDERS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A rendering gzipped, once per snapshot, for scrapers that send `Accept-Encoding: gzip` (as
+/// Prometheus does); into memory, which cannot fail short of allocation.
+pub fn gzip(body: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    RENDERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut e = flate2::write::GzEncoder::new(Vec::with_capacity(body.len() / 8), flate2::Compression::default());
+    e.write_all(body).and_then(|()| e.finish()).unwrap_or_default()
+}
+
 /// Renders a snapshot and its report as metrics, once (the HTTP task serves the result to every
 /// scrape): the agent's and NVML's families, the verdict, each GPU's families (`PER_GPU`), the
 /// dcgm-exporter names when asked, and the NVSwitches' SXids.
 pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
+    RENDERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut fam = Families { registry: Registry::default() };
     agent_families(&mut fam, r);
     nvml_families(&mut fam, s);
