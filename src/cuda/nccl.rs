@@ -39,8 +39,8 @@ api!("NCCL", "NCCL (libnccl.so.2, NVIDIA's collective communications library)", 
 pub type Nccl = Loaded<NcclApi>;
 
 /// `ncclDataType_t` ncclFloat32 and `ncclRedOp_t` ncclSum (nccl.h).
-const NCCL_FLOAT32: c_int = 7;
-const NCCL_SUM: c_int = 0;
+pub const NCCL_FLOAT32: c_int = 7;
+pub const NCCL_SUM: c_int = 0;
 
 static NCCL: Mutex<Option<Arc<Nccl>>> = Mutex::new(None);
 
@@ -54,7 +54,7 @@ pub fn nccl() -> std::result::Result<Arc<Nccl>, LoadError> {
 }
 
 /// `ncclResult_t` names (nccl.h).
-fn result_name(r: c_int) -> &'static str {
+pub fn result_name(r: c_int) -> &'static str {
     match r {
         1 => "ncclUnhandledCudaError",
         2 => "ncclSystemError",

@@ -247,6 +247,23 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Handle, ndev: c_int, devlis
     if bad != SUCCESS {
         return bad;
     }
+    // NCCL links the CUDA runtime statically, and its first runtime call refuses a driver older
+    // than that runtime with cudaErrorInsufficientDriver (35, "CUDA driver version is
+    // insufficient for CUDA runtime version": CUDA runtime API reference, cudaError); NCCL's
+    // CUDACHECK warns "Cuda failure %d '%s'" and answers ncclUnhandledCudaError
+    // (src/include/checks.h).
+    let mut too_old = false;
+    with(|w| {
+        let needs = w.scenario.nccl.as_ref().and_then(|n| n.needs_driver_version);
+        too_old = needs.is_some_and(|v| w.scenario.driver_version < v);
+        0
+    });
+    if too_old {
+        eprintln!(
+            "fake-nccl: NCCL WARN Cuda failure 35 'CUDA driver version is insufficient for CUDA runtime version'"
+        );
+        return UNHANDLED_CUDA_ERROR;
+    }
     // Each communicator lives in its device's primary context, as cudaSetDevice makes it.
     for o in &ordinals {
         let mut ctx = std::ptr::null_mut();
