@@ -410,6 +410,20 @@ fn every_number_the_agent_hard_codes_is_the_headers() {
         assert_eq!(d::blas_status(*v as i32), name, "{at}: blas_status({v})");
     }
 
+    // The NVML return codes the agent names itself (a fabric status arrives as a bare code).
+    let nvml_h = numbers(&r.nvml_h);
+    let codes: Vec<(&String, &i64)> =
+        nvml_h.iter().filter(|(n, _)| *n == "NVML_SUCCESS" || n.starts_with("NVML_ERROR_")).collect();
+    let mut named = 0;
+    for (name, v) in codes {
+        let ours = phq_agent::collect::nvml::return_code_name(*v as u32);
+        if ours.starts_with("NVML_") {
+            assert_eq!(&ours, name, "src/collect/nvml/mod.rs: return_code_name({v})");
+            named += 1;
+        }
+    }
+    assert!(named >= 10, "only {named} NVML codes named");
+
     let nccl_h = numbers(&r.nccl_h);
     let at = "src/cuda/nccl.rs";
     let ours = [("ncclFloat32", nccl::NCCL_FLOAT32), ("ncclSum", nccl::NCCL_SUM)];
@@ -627,6 +641,70 @@ fn probe_on_the_fake_driver_with_the_real_cublas_and_nccl() {
     assert_eq!(n["severity"], "warn", "{n}");
     assert!(n["summary"].as_str().unwrap().contains("NCCL 2.27.3"), "{n}");
     assert!(n["summary"].as_str().unwrap().contains("ncclCommInitAll"), "{n}");
+    // NCCL's own reason, the words the fake's `needs_driver_version` repeats.
+    let said = n["evidence"]["nccl_warning"].as_str().unwrap_or_default();
+    assert_eq!(said, "Cuda failure 'CUDA driver version is insufficient for CUDA runtime version'", "{n}");
     assert_eq!(finding(&report, "probe.allreduce")["severity"], "unknown");
     assert_eq!(out.status.code(), Some(1), "{stderr}");
+}
+
+/// `serve` with the real libnvidia-ml and libcuda on this GPU-less machine: `READY=1` in time,
+/// `/healthz` unhealthy with NVML's reason, the report's `nvml.init` naming the missing driver,
+/// and nothing crashed: the libraries load, refuse, and the service says so.
+#[test]
+fn serve_with_the_real_driver_libraries_is_ready_and_says_why_it_is_unhealthy() {
+    use std::os::unix::net::UnixDatagram;
+    const TOKEN: &str = "tok-real-libs-0000";
+    let Some(r) = real() else { return };
+    if driver_loaded() {
+        skip("this machine has an NVIDIA driver loaded: the GPU-less answers cannot be seen here");
+        return;
+    }
+    let Some(bus) = common::PrivateBus::start(common::HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::service_config(dir.path(), TOKEN, "");
+    let notify_path = dir.path().join("notify");
+    let notify = UnixDatagram::bind(&notify_path).unwrap();
+    notify.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut c = agent_command();
+    c.args(["serve", "--config"])
+        .arg(&cfg)
+        .arg("--sysroot")
+        .arg(repo().join("tests/fixtures/sysroots/h200-single"))
+        .arg("--nvml-lib")
+        .arg(&r.libnvml)
+        .arg("--cuda-lib")
+        .arg(&r.libcuda)
+        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+        .env("NOTIFY_SOCKET", &notify_path)
+        .env_remove("PHQ_FAKE_NVML_SCENARIO")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let started = Instant::now();
+    let mut child = c.spawn().unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let port = common::listening_port(&mut child);
+    let _child = Kill(child);
+    let port = port.expect("serve listens");
+    let mut buf = [0u8; 4096];
+    let mut messages = String::new();
+    while !messages.contains("READY=1") {
+        let n = notify.recv(&mut buf).expect("READY=1 within a minute");
+        messages.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert!(started.elapsed() < Duration::from_secs(60), "READY=1 after {:?}", started.elapsed());
+    let (status, body) = common::get_with_token(port, "/healthz", "");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("unhealthy"), "{body}");
+    let (status, body) = common::get_with_token(port, "/v1/status", TOKEN);
+    assert_eq!(status, 200, "{body}");
+    let report: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(finding(&report, "nvml.init")["evidence"]["kind"], "driver_not_loaded", "{body}");
+    assert!(finding(&report, "cuda.init").to_string().contains("CUDA_ERROR_NO_DEVICE"), "{body}");
 }

@@ -92,6 +92,21 @@ impl Nccl {
         })
     }
 
+    /// NCCL's last warning ("Cuda failure 35 '…'"): `ncclGetLastError`, which returns the text
+    /// of the last WARN whatever NCCL_DEBUG says (src/debug.cc, `ncclDebugLog`; its comm "is
+    /// currently unused and can be set to NULL", src/init.cc). Looked up apart from the table: an
+    /// NCCL older than 2.13 lacks it, and says nothing then.
+    pub fn last_error(&self) -> Option<String> {
+        // SAFETY: the file is loaded already (this value holds it), so dlopen returns the same
+        // handle and runs no initialiser again (dlopen(3)).
+        let lib = unsafe { Library::new(&self.file) }.ok()?;
+        // SAFETY: nccl.h declares `const char* ncclGetLastError(ncclComm_t comm)`.
+        let get = unsafe { lib.get::<unsafe extern "C" fn(Handle) -> *const c_char>(b"ncclGetLastError\0") }.ok()?;
+        // SAFETY: NULL is allowed (above); the text is NCCL's static buffer, copied at once.
+        let text = c_text(unsafe { get(std::ptr::null_mut()) });
+        (!text.is_empty()).then_some(text)
+    }
+
     /// One communicator per CUDA ordinal of `ordinals`, rank i on `ordinals[i]`.
     pub fn init_all(self: &Arc<Self>, ordinals: &[usize]) -> Result<Comms> {
         let list: Vec<c_int> = ordinals.iter().map(|o| *o as c_int).collect();

@@ -224,12 +224,13 @@ fn measure(req: &Request, say: &dyn Fn(&str), held: &mut Held) -> Result<Run, Pr
     let gpus: Vec<usize> = ranks.iter().map(|r| r.gpu).collect();
     say(&format!("ncclCommInitAll over GPUs {gpus:?} ({library})"));
     // A communicator that does not start is NCCL's failure to start, told apart from a fault of
-    // the links by the judge (`probe.nccl-start`), with what decides it: NCCL's version and the
-    // driver's CUDA.
+    // the links by the judge (`probe.nccl-start`), with what decides it: NCCL's version, the
+    // driver's CUDA and NCCL's own last warning.
     let not_started = |e: cuda::CudaError| ProbeError::NotStarted {
         error: e.to_string(),
         library: library.clone(),
         driver_cuda: drv.version().map_or_else(|e| e.to_string(), crate::collect::cuda::version_string),
+        warning: lib.last_error(),
     };
     let comms = &*held_comms.insert(lib.init_all(&gpus).map_err(not_started)?);
     let parts: Vec<nccl::Part<'_>> =

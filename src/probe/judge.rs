@@ -165,23 +165,25 @@ pub(crate) fn nccl_start_finding(report: &ProbeReport, a: &AllReduce) -> Option<
     let n = a.gpus.len();
     match &a.nccl {
         Outcome::Ok(r) => Some(Finding::pass(ID, format!("{} started on {n} GPUs", r.library))),
-        Outcome::Error(ProbeError::NotStarted { error, library, driver_cuda })
+        Outcome::Error(ProbeError::NotStarted { error, library, driver_cuda, warning })
             if pairs_without_access(report, a).is_empty() =>
         {
+            let said = warning.as_ref().map(|w| format!("NCCL's last warning: \"{w}\". ")).unwrap_or_default();
             Some(
                 Finding::warn(ID, format!("{library} did not start its communicators on {n} GPUs: {error}"))
                     .detail(format!(
-                        "The driver supports CUDA {driver_cuda}. Every pair of these GPUs has peer access, so the \
+                        "{said}The driver supports CUDA {driver_cuda}. Every pair of these GPUs has peer access, so the \
                          links are not what stopped it: NCCL runs on a CUDA runtime of its own, which refuses a \
                          driver older than the CUDA it was built for (cudaErrorInsufficientDriver), and its \
-                         other start failures are its configuration's. NCCL_DEBUG=WARN prints its reason."
+                         other start failures are its configuration's."
                     ))
                     .remedy(
                         "Install the NCCL build for the CUDA this driver supports, or a driver for NCCL's CUDA \
                          (`phq-agent install` pairs them); run with NCCL_DEBUG=WARN to see NCCL's own reason.",
                     )
                     .evidence("nccl", library)
-                    .evidence("driver_cuda", driver_cuda),
+                    .evidence("driver_cuda", driver_cuda)
+                    .evidence("nccl_warning", warning),
             )
         }
         Outcome::Error(_) => None,

@@ -22,9 +22,16 @@ pub enum ProbeError {
     Sticky { gpu: usize, code: i32, message: String },
     /// A library the measurement needs loads but does not start (NCCL's communicators): the
     /// guest's software, not the GPUs. `error` is the library's answer; `library` its version
-    /// and file; `driver_cuda` the CUDA version the driver supports.
+    /// and file; `driver_cuda` the CUDA version the driver supports; `warning` why, in its words.
     #[error("{error}")]
-    NotStarted { error: String, library: String, driver_cuda: String },
+    NotStarted {
+        error: String,
+        library: String,
+        driver_cuda: String,
+        /// The library's own last warning, where it keeps one (`ncclGetLastError`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        warning: Option<String>,
+    },
     /// A measurement in a child process (NCCL's) did not finish within its deadline and was
     /// killed during `step`.
     #[error("did not finish within its {deadline_s} s deadline, blocked at: {step}")]

@@ -544,7 +544,7 @@ impl CudaBackend {
         let (blas, note) = here.split();
         match (&blas, kernels) {
             (Err(e), None) => Err(ProbeError::Unavailable(format!(
-                "the GEMM probe needs cuBLAS ({e}) or the probe kernels, which the driver could not load"
+                "the GEMM probe needs cuBLAS (it ships with the CUDA toolkit: {e}) or the probe kernels, which the driver could not load"
             ))),
             (Err(e), Some(_)) if !p.gemm_n.is_multiple_of(16) => {
                 Err(ProbeError::Unavailable(format!("no cuBLAS ({e}), and the PTX GEMM needs n a multiple of 16")))
