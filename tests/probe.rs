@@ -1019,3 +1019,46 @@ fn without_nccl_the_all_reduce_is_unknown_and_says_how_to_install_it() {
     assert!(s.contains("no-libnccl.so.2") && s.contains("phq-agent install"), "{f}");
     assert_eq!(p.severity("probe.gemm", PCI[0]), "pass");
 }
+
+/// A toolkit built for a newer CUDA than the driver supports (`cuda-hgx-8gpu-toolkit-too-new`:
+/// driver CUDA 12.8, cuBLAS 12.9.1 and NCCL carrying a 12.9 runtime). cuBLAS loads and its
+/// `cublasCreate` answers CUBLAS_STATUS_NOT_INITIALIZED: the GEMMs run on the agent's own kernels
+/// and pass, and `probe.cublas` says why with both versions, for the tenant to fix — never a GEMM
+/// failure telling them to restart a healthy VM. NCCL's communicators do not start with every
+/// pair reachable: `probe.nccl-start` says so with NCCL's and the driver's versions, and the
+/// all-reduce is unknown, not a fault of the links.
+#[test]
+fn a_toolkit_newer_than_the_driver_falls_back_to_the_agents_kernels_and_says_why() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu-toolkit-too-new");
+    let p = r.run(&["--gpu", "0", "--gpu", "1", "--allreduce-size", "64M"]);
+    for gpu in &PCI[..2] {
+        let f = p.finding("probe.gemm", gpu);
+        assert_eq!(f["severity"], "pass", "{f}");
+        assert_eq!(f["evidence"]["gemm"]["library"], "PTX fallback (phq_sgemm)", "{f}");
+        let t = p.finding("probe.gemm-tensor", gpu);
+        assert_eq!(t["severity"], "pass", "{t}");
+        assert_eq!(t["evidence"]["gemm"]["library"], "PTX tensor cores, BF16 (phq_mma_gemm)", "{t}");
+        assert_eq!(p.severity("probe.gemm-tensor-fp16", gpu), "pass");
+    }
+    let c = p.machine_finding("probe.cublas");
+    assert_eq!(c["severity"], "warn", "{c}");
+    let why = c["detail"].as_str().unwrap();
+    assert!(why.contains("cuBLAS 12.9.1") && why.contains("CUBLAS_STATUS_NOT_INITIALIZED"), "{c}");
+    assert!(why.contains("the driver supports CUDA 12.8"), "{c}");
+    assert_eq!(c["action"], "fix_guest_software", "{c}");
+    assert_eq!(c["owner"], "tenant", "{c}");
+
+    let n = p.machine_finding("probe.nccl-start");
+    assert_eq!(n["severity"], "warn", "{n}");
+    let summary = n["summary"].as_str().unwrap();
+    assert!(summary.contains("NCCL 2.27.3") && summary.contains("ncclCommInitAll: ncclUnhandledCudaError"), "{n}");
+    let detail = n["detail"].as_str().unwrap();
+    assert!(detail.contains("The driver supports CUDA 12.8"), "{n}");
+    // NCCL's own reason, read back with ncclGetLastError.
+    assert!(detail.contains("NCCL's last warning: \"Cuda failure 'CUDA driver version is insufficient"), "{n}");
+    assert_eq!(n["owner"], "tenant", "{n}");
+    assert_eq!(p.machine_finding("probe.allreduce")["severity"], "unknown");
+    assert!(p.stderr.contains("NCCL WARN Cuda failure"), "{}", p.stderr);
+    // Warnings only: the tenant's move, nothing failed.
+    assert_eq!(p.code, 1, "{}", p.stderr);
+}

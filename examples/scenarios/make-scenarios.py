@@ -476,6 +476,18 @@ def cuda_h200_old_driver():
     return s
 
 
+def cuda_hgx_toolkit_too_new():
+    """The HGX whose driver supports CUDA 12.8 under a toolkit built for 12.9: its cuBLAS 12.9.1
+    and NCCL both carry a CUDA 12.9 runtime, which refuses the older driver, so cublasCreate
+    answers CUBLAS_STATUS_NOT_INITIALIZED and ncclCommInitAll fails (docs/fake-cuda-scenario.md).
+    Nothing is wrong with the GPUs."""
+    s = cuda_hgx()
+    s["driver_version"] = 12080
+    s["cublas"] = {"version": "12.9.1", "needs_driver_version": 12090}
+    s["nccl"]["needs_driver_version"] = 12090
+    return s
+
+
 CUDA_SCENARIOS = {
     "cuda-hgx-8gpu": cuda_hgx,
     "cuda-hgx-8gpu-ecc": cuda_hgx_ecc,
@@ -485,6 +497,7 @@ CUDA_SCENARIOS = {
     "cuda-hgx-8gpu-no-peer-pair": cuda_hgx_no_peer_pair,
     "cuda-hgx-8gpu-p2p-lost": cuda_hgx_p2p_lost,
     "cuda-hgx-8gpu-gen3x8": cuda_hgx_gen3x8,
+    "cuda-hgx-8gpu-toolkit-too-new": cuda_hgx_toolkit_too_new,
     "cuda-h100-pcie": cuda_h100_pcie,
     "cuda-h100-pcie-stuck-bit": cuda_h100_pcie_stuck_bit,
     "cuda-h100-pcie-stuck-at-the-ends": cuda_h100_pcie_stuck_at_the_ends,

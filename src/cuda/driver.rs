@@ -155,6 +155,7 @@ api!("the CUDA driver", "libcuda (the NVIDIA driver's CUDA library)", DriverApi 
 });
 
 api!("cuBLAS", "cuBLAS (libcublas, part of the CUDA toolkit)", BlasApi {
+    cublasGetProperty: fn(c_int, *mut c_int) -> c_int;
     cublasCreate_v2: fn(*mut Handle) -> c_int;
     cublasDestroy_v2: fn(Handle) -> c_int;
     cublasSetStream_v2: fn(Handle, Handle) -> c_int;
@@ -172,11 +173,16 @@ api!("cuBLAS", "cuBLAS (libcublas, part of the CUDA toolkit)", BlasApi {
 
 /// `cudaDataType_t` (library_types.h): CUDA_R_16BF, CUDA_R_16F and CUDA_R_32F; `cublasComputeType_t`
 /// (cublas_api.h): CUBLAS_COMPUTE_32F; `cublasGemmAlgo_t`: CUBLAS_GEMM_DEFAULT.
-const CUDA_R_16BF: c_int = 14;
-const CUDA_R_16F: c_int = 2;
-const CUDA_R_32F: c_int = 0;
-const CUBLAS_COMPUTE_32F: c_int = 68;
-const CUBLAS_GEMM_DEFAULT: c_int = -1;
+pub const CUDA_R_16BF: c_int = 14;
+pub const CUDA_R_16F: c_int = 2;
+pub const CUDA_R_32F: c_int = 0;
+pub const CUBLAS_COMPUTE_32F: c_int = 68;
+pub const CUBLAS_GEMM_DEFAULT: c_int = -1;
+
+/// `cuMemHostAlloc` flags (cuda.h): memory every context may use, and memory mapped into the
+/// device's address space.
+pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x01;
+pub const CU_MEMHOSTALLOC_DEVICEMAP: c_uint = 0x02;
 
 static CHOSEN: OnceLock<Option<PathBuf>> = OnceLock::new();
 
@@ -455,7 +461,6 @@ impl Ctx {
     /// them first, the calling thread's: a probe pins the thread near the GPU before calling
     /// this (`probe::affinity`), as nvbandwidth sets the CPU affinity before `cuMemHostAlloc`.
     pub fn pinned(self: &Arc<Self>, bytes: usize) -> Result<PinnedBuffer> {
-        const CU_MEMHOSTALLOC_PORTABLE: c_uint = 0x01;
         self.bind()?;
         let mut ptr = std::ptr::null_mut();
         // SAFETY: the out pointer is a valid local.
@@ -472,7 +477,7 @@ impl Ctx {
     /// through the device pointer `cuMemHostGetDevicePointer` gives (the spin kernel's flag, the
     /// host end of a latency chase). Zeroed.
     pub fn mapped(self: &Arc<Self>, bytes: usize) -> Result<PinnedBuffer> {
-        const CU_MEMHOSTALLOC_PORTABLE_DEVICEMAP: c_uint = 0x01 | 0x02;
+        const CU_MEMHOSTALLOC_PORTABLE_DEVICEMAP: c_uint = CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP;
         self.bind()?;
         let mut ptr = std::ptr::null_mut();
         // SAFETY: the out pointer is a valid local.
@@ -875,8 +880,28 @@ pub fn blas() -> std::result::Result<Arc<Blas>, LoadError> {
     cached(&BLAS, &candidates)
 }
 
+/// `libraryPropertyType` (library_types.h): MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL.
+pub const LIBRARY_PROPERTIES: [c_int; 3] = [0, 1, 2];
+
+impl Blas {
+    /// cuBLAS's own version, "12.9.1" (`cublasGetProperty`, which answers without a handle or a
+    /// GPU); `None` when it will not say.
+    pub fn version(&self) -> Option<String> {
+        let mut parts = Vec::new();
+        for p in LIBRARY_PROPERTIES {
+            let mut v = 0;
+            // SAFETY: the out pointer is a valid local; no handle is needed.
+            if unsafe { (self.api.cublasGetProperty)(p, &mut v) } != 0 {
+                return None;
+            }
+            parts.push(v.to_string());
+        }
+        Some(parts.join("."))
+    }
+}
+
 /// `cublasStatus_t` names (cublas_api.h).
-fn blas_status(s: c_int) -> &'static str {
+pub fn blas_status(s: c_int) -> &'static str {
     match s {
         1 => "CUBLAS_STATUS_NOT_INITIALIZED",
         3 => "CUBLAS_STATUS_ALLOC_FAILED",

@@ -39,8 +39,8 @@ api!("NCCL", "NCCL (libnccl.so.2, NVIDIA's collective communications library)", 
 pub type Nccl = Loaded<NcclApi>;
 
 /// `ncclDataType_t` ncclFloat32 and `ncclRedOp_t` ncclSum (nccl.h).
-const NCCL_FLOAT32: c_int = 7;
-const NCCL_SUM: c_int = 0;
+pub const NCCL_FLOAT32: c_int = 7;
+pub const NCCL_SUM: c_int = 0;
 
 static NCCL: Mutex<Option<Arc<Nccl>>> = Mutex::new(None);
 
@@ -54,7 +54,7 @@ pub fn nccl() -> std::result::Result<Arc<Nccl>, LoadError> {
 }
 
 /// `ncclResult_t` names (nccl.h).
-fn result_name(r: c_int) -> &'static str {
+pub fn result_name(r: c_int) -> &'static str {
     match r {
         1 => "ncclUnhandledCudaError",
         2 => "ncclSystemError",
@@ -90,6 +90,21 @@ impl Nccl {
         } else {
             format!("{}.{}.{}", v / 1000, v % 1000 / 100, v % 100)
         })
+    }
+
+    /// NCCL's last warning ("Cuda failure 35 '…'"): `ncclGetLastError`, which returns the text
+    /// of the last WARN whatever NCCL_DEBUG says (src/debug.cc, `ncclDebugLog`; its comm "is
+    /// currently unused and can be set to NULL", src/init.cc). Looked up apart from the table: an
+    /// NCCL older than 2.13 lacks it, and says nothing then.
+    pub fn last_error(&self) -> Option<String> {
+        // SAFETY: the file is loaded already (this value holds it), so dlopen returns the same
+        // handle and runs no initialiser again (dlopen(3)).
+        let lib = unsafe { Library::new(&self.file) }.ok()?;
+        // SAFETY: nccl.h declares `const char* ncclGetLastError(ncclComm_t comm)`.
+        let get = unsafe { lib.get::<unsafe extern "C" fn(Handle) -> *const c_char>(b"ncclGetLastError\0") }.ok()?;
+        // SAFETY: NULL is allowed (above); the text is NCCL's static buffer, copied at once.
+        let text = c_text(unsafe { get(std::ptr::null_mut()) });
+        (!text.is_empty()).then_some(text)
     }
 
     /// One communicator per CUDA ordinal of `ordinals`, rank i on `ordinals[i]`.

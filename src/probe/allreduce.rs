@@ -223,7 +223,16 @@ fn measure(req: &Request, say: &dyn Fn(&str), held: &mut Held) -> Result<Run, Pr
     let sync = |ranks: &[Rank]| ranks.iter().try_for_each(|r| r.stream.synchronize().map_err(on(r.gpu)));
     let gpus: Vec<usize> = ranks.iter().map(|r| r.gpu).collect();
     say(&format!("ncclCommInitAll over GPUs {gpus:?} ({library})"));
-    let comms = &*held_comms.insert(lib.init_all(&gpus).map_err(|e| ProbeError::Cuda(e.to_string()))?);
+    // A communicator that does not start is NCCL's failure to start, told apart from a fault of
+    // the links by the judge (`probe.nccl-start`), with what decides it: NCCL's version, the
+    // driver's CUDA and NCCL's own last warning.
+    let not_started = |e: cuda::CudaError| ProbeError::NotStarted {
+        error: e.to_string(),
+        library: library.clone(),
+        driver_cuda: drv.version().map_or_else(|e| e.to_string(), crate::collect::cuda::version_string),
+        warning: lib.last_error(),
+    };
+    let comms = &*held_comms.insert(lib.init_all(&gpus).map_err(not_started)?);
     let parts: Vec<nccl::Part<'_>> =
         ranks.iter().map(|r| nccl::Part { send: &r.send, recv: &r.recv, stream: &r.stream }).collect();
     let all_reduce = || comms.all_reduce_sum_f32(&parts, count).map_err(|e| ProbeError::Cuda(e.to_string()));

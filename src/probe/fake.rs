@@ -108,6 +108,7 @@ impl Backend for SimGpus {
             checked_on: "host".into(),
             first_wrong: None,
             seconds: 0.1,
+            cublas_cannot_start: None,
         })
     }
     fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams, half: Half) -> Result<GemmResult, ProbeError> {
@@ -122,6 +123,7 @@ impl Backend for SimGpus {
             checked_on: "device".into(),
             first_wrong: None,
             seconds: 0.1,
+            cublas_cannot_start: None,
         })
     }
 }

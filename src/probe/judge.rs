@@ -138,8 +138,96 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
             _ => None,
         };
         out.push(allreduce_finding(report, a, floor));
+        out.extend(nccl_start_finding(report, a));
     }
+    out.extend(cublas_finding(report));
     out
+}
+
+/// Pairs of the all-reduce's GPUs that the peer probes found without peer access, "2↔6".
+fn pairs_without_access(report: &ProbeReport, a: &AllReduce) -> Vec<String> {
+    let ordinal_of = |pci: &String| report.gpus.iter().find(|g| &g.pci == pci).map(|g| g.ordinal);
+    let members: Vec<usize> = a.gpus.iter().filter_map(ordinal_of).collect();
+    report
+        .peers
+        .iter()
+        .filter(|l| !l.peer_access && l.src < l.dst && members.contains(&l.src) && members.contains(&l.dst))
+        .map(|l| format!("{}↔{}", l.src, l.dst))
+        .collect()
+}
+
+/// `probe.nccl-start`: whether NCCL started its communicators. A start that fails with every
+/// pair reachable is the guest's software (most often an NCCL built for a newer CUDA than the
+/// driver supports: NCCL links the CUDA runtime statically), not the links; a pair without peer
+/// access is the links' and `probe.allreduce` names it.
+pub(crate) fn nccl_start_finding(report: &ProbeReport, a: &AllReduce) -> Option<Finding> {
+    const ID: &str = "probe.nccl-start";
+    let n = a.gpus.len();
+    match &a.nccl {
+        Outcome::Ok(r) => Some(Finding::pass(ID, format!("{} started on {n} GPUs", r.library))),
+        Outcome::Error(ProbeError::NotStarted { error, library, driver_cuda, warning })
+            if pairs_without_access(report, a).is_empty() =>
+        {
+            let said = warning.as_ref().map(|w| format!("NCCL's last warning: \"{w}\". ")).unwrap_or_default();
+            Some(
+                Finding::warn(ID, format!("{library} did not start its communicators on {n} GPUs: {error}"))
+                    .detail(format!(
+                        "{said}The driver supports CUDA {driver_cuda}. Every pair of these GPUs has peer access, so the \
+                         links are not what stopped it: NCCL runs on a CUDA runtime of its own, which refuses a \
+                         driver older than the CUDA it was built for (cudaErrorInsufficientDriver), and its \
+                         other start failures are its configuration's."
+                    ))
+                    .remedy(
+                        "Install the NCCL build for the CUDA this driver supports, or a driver for NCCL's CUDA \
+                         (`phq-agent install` pairs them); run with NCCL_DEBUG=WARN to see NCCL's own reason.",
+                    )
+                    .evidence("nccl", library)
+                    .evidence("driver_cuda", driver_cuda)
+                    .evidence("nccl_warning", warning),
+            )
+        }
+        Outcome::Error(_) => None,
+    }
+}
+
+/// `probe.cublas`: whether the GEMMs could use the toolkit's cuBLAS, one finding per run. A
+/// cuBLAS that loads but cannot start is the guest's software (a toolkit newer than the driver),
+/// never the GPU's: the GEMMs ran on the agent's own kernels and are judged as such.
+fn cublas_finding(report: &ProbeReport) -> Option<Finding> {
+    const ID: &str = "probe.cublas";
+    let ran: Vec<&GemmResult> = report
+        .gpus
+        .iter()
+        .flat_map(|g| [Some(&g.gemm), g.gemm_tensor.as_ref(), g.gemm_tensor_fp16.as_ref(), g.gemm_sustained.as_ref()])
+        .flatten()
+        .filter_map(|o| match o {
+            Outcome::Ok(r) => Some(r),
+            Outcome::Error(_) => None,
+        })
+        .collect();
+    if ran.is_empty() {
+        return None;
+    }
+    if let Some(why) = ran.iter().find_map(|r| r.cublas_cannot_start.as_ref()) {
+        return Some(
+            Finding::warn(ID, "cuBLAS is installed but cannot start: the GEMM probes ran on the agent's own kernels")
+                .detail(format!(
+                    "{why}. cuBLAS starts a CUDA runtime of its own in cublasCreate, which refuses a driver older \
+                     than the CUDA toolkit cuBLAS came with (cudaErrorInsufficientDriver). The GPUs were measured \
+                     with the agent's kernels and are not at fault; an application using this cuBLAS would fail."
+                ))
+                .remedy(
+                    "Install the CUDA toolkit (and its cuBLAS) that this driver supports, or a driver for the \
+                     toolkit's CUDA (see cuda.toolkit-driver-compatible; `phq-agent install` pairs them).",
+                )
+                .evidence("cublas", why),
+        );
+    }
+    Some(if ran.iter().any(|r| r.library.starts_with("cuBLAS")) {
+        Finding::pass(ID, "cuBLAS started: the GEMMs ran through it")
+    } else {
+        Finding::pass(ID, "cuBLAS is not installed: the GEMMs ran on the agent's own kernels")
+    })
 }
 
 /// `probe.allreduce`: the figure as NCCL chooses against Azure's floor for the board; the NVLS-off
@@ -151,19 +239,15 @@ pub(crate) fn allreduce_finding(report: &ProbeReport, a: &AllReduce, floor: Opti
         Some(Outcome::Ok(r)) => Some(r.busbw_gbps.median),
         _ => None,
     };
-    // Pairs of the all-reduce's GPUs that the peer probes found without peer access.
-    let ordinal_of = |pci: &String| report.gpus.iter().find(|g| &g.pci == pci).map(|g| g.ordinal);
-    let members: Vec<usize> = a.gpus.iter().filter_map(ordinal_of).collect();
-    let no_access: Vec<String> = report
-        .peers
-        .iter()
-        .filter(|l| !l.peer_access && l.src < l.dst && members.contains(&l.src) && members.contains(&l.dst))
-        .map(|l| format!("{}↔{}", l.src, l.dst))
-        .collect();
+    let no_access = pairs_without_access(report, a);
     let f = match &a.nccl {
         Outcome::Error(ProbeError::Unavailable(why)) => {
             Finding::unknown(ID, format!("all-reduce over {n} GPUs: {why}"))
         }
+        Outcome::Error(ProbeError::NotStarted { error, .. }) if no_access.is_empty() => Finding::unknown(
+            ID,
+            format!("all-reduce over {n} GPUs not measured: NCCL did not start ({error}; see probe.nccl-start)"),
+        ),
         Outcome::Error(e @ ProbeError::Hung { step, .. }) => {
             let why = if step.starts_with("ncclCommInitAll") {
                 "NCCL did not finish starting: a start slower than `probes.nccl_allowance` (raise it if NCCL_DEBUG=INFO \

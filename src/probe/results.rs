@@ -20,6 +20,18 @@ pub enum ProbeError {
     /// GPU is unusable until reset, and the run stops using it.
     #[error("{message}")]
     Sticky { gpu: usize, code: i32, message: String },
+    /// A library the measurement needs loads but does not start (NCCL's communicators): the
+    /// guest's software, not the GPUs. `error` is the library's answer; `library` its version
+    /// and file; `driver_cuda` the CUDA version the driver supports; `warning` why, in its words.
+    #[error("{error}")]
+    NotStarted {
+        error: String,
+        library: String,
+        driver_cuda: String,
+        /// The library's own last warning, where it keeps one (`ncclGetLastError`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        warning: Option<String>,
+    },
     /// A measurement in a child process (NCCL's) did not finish within its deadline and was
     /// killed during `step`.
     #[error("did not finish within its {deadline_s} s deadline, blocked at: {step}")]
@@ -91,6 +103,10 @@ pub struct GemmResult {
     /// GPU time the timed products took, seconds.
     #[serde(default)]
     pub seconds: f64,
+    /// Why cuBLAS was not used although it is installed: it loads but cannot start (the
+    /// agent's kernels ran instead; `probe.cublas`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cublas_cannot_start: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

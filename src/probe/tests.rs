@@ -101,9 +101,9 @@ fn healthy_hgx_passes_and_measures_every_ordered_pair() {
     assert!(r.peers.iter().all(|l| l.scope == "nvlink"));
     let f = judge(&r, &t);
     assert!(f.iter().all(|x| x.severity == Severity::Pass), "{f:#?}");
-    // Eleven checks per GPU (FP32, BF16 and FP16 GEMMs among them) and the run's NVLink
-    // scope; the quick level runs no all-reduce.
-    assert_eq!(f.len(), 8 * 11 + 1);
+    // Eleven checks per GPU (FP32, BF16 and FP16 GEMMs among them), the run's NVLink scope and
+    // whether its GEMMs could use cuBLAS; the quick level runs no all-reduce.
+    assert_eq!(f.len(), 8 * 11 + 2);
     assert!(f.iter().any(|x| x.id == "probe.gemm-tensor-fp16" && x.summary.starts_with("FP16 tensor-core GEMM")));
     let scope = f.iter().find(|x| x.id == "probe.nvlink-scope").unwrap();
     assert_eq!(scope.summary, "8 GPU(s), all-to-all over NVLink, 18 links each, 56/56 pairs ≥ 335 GB/s");

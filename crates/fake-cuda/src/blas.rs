@@ -262,6 +262,31 @@ pub(crate) fn overwrite(w: &mut World, base: u64, off: usize, len: usize) {
     }
 }
 
+/// `cublasGetProperty`: MAJOR_VERSION (0), MINOR_VERSION (1) or PATCH_LEVEL (2) of
+/// `libraryPropertyType` (library_types.h), from the scenario's `cublas.version`.
+///
+/// # Safety
+/// `value` must be writable.
+#[no_mangle]
+pub unsafe extern "C" fn cublasGetProperty(kind: c_int, value: *mut c_int) -> Status {
+    if value.is_null() {
+        return INVALID_VALUE;
+    }
+    let mut out = NOT_INITIALIZED;
+    with(|w| {
+        let part = w.scenario.cublas.version.split('.').nth(kind.max(0) as usize).and_then(|p| p.parse().ok());
+        out = match (kind, part) {
+            (0..=2, Some(v)) => {
+                *value = v;
+                SUCCESS
+            }
+            _ => INVALID_VALUE,
+        };
+        0
+    });
+    out
+}
+
 /// # Safety
 /// `h` must be writable.
 #[no_mangle]
@@ -271,6 +296,14 @@ pub unsafe extern "C" fn cublasCreate_v2(h: *mut Handle) -> Status {
     }
     let mut out = NOT_INITIALIZED;
     with(|w| {
+        // cuBLAS runs on a CUDA runtime of its own, which refuses a driver older than the
+        // runtime ("cudaErrorInsufficientDriver: the installed NVIDIA CUDA driver is older than
+        // the CUDA runtime library", CUDA runtime API reference, cudaError); cuBLAS answers
+        // any error of "the CUDA Runtime API called by the cuBLAS routine" with
+        // CUBLAS_STATUS_NOT_INITIALIZED (cuBLAS library guide, cublasStatus_t).
+        if w.scenario.cublas.needs_driver_version.is_some_and(|v| w.scenario.driver_version < v) {
+            return 0;
+        }
         if let Ok(ctx) = w.current_ctx_pub() {
             let id = w.new_handle();
             w.blas.insert(id, BlasHandle { ctx, stream: 0 });

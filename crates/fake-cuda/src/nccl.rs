@@ -184,6 +184,26 @@ fn hang(why: &str) -> ! {
     }
 }
 
+/// The text of NCCL's last warning: src/debug.cc (`ncclDebugLog`) keeps every WARN's text in
+/// `ncclLastError` whatever NCCL_DEBUG says, and `ncclGetLastError` returns it (src/init.cc:
+/// "comm is currently unused and can be set to NULL").
+static LAST_ERROR: std::sync::Mutex<Option<std::ffi::CString>> = std::sync::Mutex::new(None);
+
+/// A warning: kept for `ncclGetLastError`, and on stderr for the person reading the test.
+fn warn(text: &str) {
+    eprintln!("fake-nccl: NCCL WARN {text}");
+    if let Ok(c) = std::ffi::CString::new(text) {
+        *LAST_ERROR.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGetLastError(_comm: Handle) -> *const c_char {
+    let last = LAST_ERROR.lock().unwrap_or_else(|e| e.into_inner());
+    // The text stays in the static until the next warning replaces it, as NCCL's buffer does.
+    last.as_ref().map_or(c"".as_ptr(), |c| c.as_ptr())
+}
+
 /// # Safety
 /// `version` must be writable.
 #[no_mangle]
@@ -247,6 +267,22 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Handle, ndev: c_int, devlis
     if bad != SUCCESS {
         return bad;
     }
+    // NCCL links the CUDA runtime statically, and its first runtime call refuses a driver older
+    // than that runtime with cudaErrorInsufficientDriver (35, "CUDA driver version is
+    // insufficient for CUDA runtime version": CUDA runtime API reference, cudaError); NCCL's
+    // CUDACHECK warns "Cuda failure '%s'" with the runtime's text and answers
+    // ncclUnhandledCudaError (src/include/checks.h; NVIDIA's NCCL 2.27.3 says exactly this on a
+    // machine without a driver, tests/real_libs.rs).
+    let mut too_old = false;
+    with(|w| {
+        let needs = w.scenario.nccl.as_ref().and_then(|n| n.needs_driver_version);
+        too_old = needs.is_some_and(|v| w.scenario.driver_version < v);
+        0
+    });
+    if too_old {
+        warn("Cuda failure 'CUDA driver version is insufficient for CUDA runtime version'");
+        return UNHANDLED_CUDA_ERROR;
+    }
     // Each communicator lives in its device's primary context, as cudaSetDevice makes it.
     for o in &ordinals {
         let mut ctx = std::ptr::null_mut();
@@ -277,11 +313,11 @@ pub unsafe extern "C" fn ncclCommInitAll(comms: *mut Handle, ndev: c_int, devlis
             0
         });
         if let Some((a, b)) = refused {
-            eprintln!(
-                "fake-nccl: NCCL WARN P2P is disabled between NVLINK connected GPUs {a} and {b}. This should not be \
-                 the case given their connectivity, and is probably due to a hardware issue. If you still want to \
-                 proceed, you can set NCCL_IGNORE_DISABLED_P2P=1."
-            );
+            warn(&format!(
+                "P2P is disabled between NVLINK connected GPUs {a} and {b}. This should not be the case given their \
+                 connectivity, and is probably due to a hardware issue. If you still want to proceed, you can set \
+                 NCCL_IGNORE_DISABLED_P2P=1."
+            ));
             return UNHANDLED_CUDA_ERROR;
         }
     }

@@ -27,6 +27,34 @@ pub struct Scenario {
     /// A kernel that never finishes, or a synchronisation that never returns (`hang.rs`).
     #[serde(default)]
     pub hang: Option<Hang>,
+    /// The cuBLAS this library also stands for (`blas.rs`): its version, and the driver it needs.
+    #[serde(default)]
+    pub cublas: Cublas,
+}
+
+/// `{"version": "12.9.1", "needs_driver_version": 12090}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cublas {
+    /// What `cublasGetProperty` reports, major.minor.patch.
+    #[serde(default = "default_cublas_version")]
+    pub version: String,
+    /// The oldest driver (`cuDriverGetVersion`) the CUDA runtime inside this cuBLAS starts on;
+    /// absent: any. On an older one `cublasCreate_v2` answers CUBLAS_STATUS_NOT_INITIALIZED
+    /// (`blas.rs` cites why).
+    #[serde(default)]
+    pub needs_driver_version: Option<i32>,
+}
+
+impl Default for Cublas {
+    fn default() -> Self {
+        Cublas { version: default_cublas_version(), needs_driver_version: None }
+    }
+}
+
+/// cuBLAS 12.8.4: the one CUDA 12.8 (the default driver's version) ships.
+fn default_cublas_version() -> String {
+    "12.8.4".into()
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -36,6 +64,10 @@ pub struct Nccl {
     /// (the ring's slowest link sets the rate).
     #[serde(default)]
     pub nvls_busbw_gbps: Option<f64>,
+    /// The oldest driver (`cuDriverGetVersion`) the CUDA runtime NCCL is built with starts on;
+    /// absent: any. On an older one `ncclCommInitAll` fails (`nccl.rs` cites why).
+    #[serde(default)]
+    pub needs_driver_version: Option<i32>,
 }
 
 /// `{"kernel": "memtest_fill"}`: that entry, once launched, never finishes; `{"synchronize":

@@ -375,6 +375,7 @@ impl<'a> GemmRun<'a> {
             checked_on: if self.device_check.is_some() { "device" } else { "host" }.into(),
             first_wrong: self.first_wrong,
             seconds: self.seconds,
+            cublas_cannot_start: None,
         }
     }
 }
@@ -463,28 +464,92 @@ pub(crate) const CUBLAS_BF16_GEMM: &str = "cuBLAS GemmEx, BF16 (tensor cores)";
 pub(crate) const PTX_MMA_FP16_GEMM: &str = "PTX tensor cores, FP16 (phq_mma_gemm)";
 pub(crate) const CUBLAS_FP16_GEMM: &str = "cuBLAS GemmEx, FP16 (tensor cores)";
 
+/// cuBLAS for one GPU (`CudaBackend::blas_here`).
+enum BlasHere {
+    Ready(Arc<cuda::Blas>),
+    /// Not installed: why the loader found none.
+    Missing(String),
+    /// Installed, and `cublasCreate` refused in this GPU's context: `cannot_start`'s text.
+    CannotStart(String),
+}
+
+impl BlasHere {
+    /// cuBLAS to use, or why not; and what a result must carry when it loads but cannot start.
+    fn split(self) -> (Result<Arc<cuda::Blas>, String>, Option<String>) {
+        match self {
+            BlasHere::Ready(b) => (Ok(b), None),
+            BlasHere::Missing(why) => (Err(why), None),
+            BlasHere::CannotStart(why) => (Err(why.clone()), Some(why)),
+        }
+    }
+}
+
+impl GemmResult {
+    fn with_cublas(self, cannot_start: Option<String>) -> GemmResult {
+        GemmResult { cublas_cannot_start: cannot_start, ..self }
+    }
+}
+
 fn ctx_error(text: &str) -> CudaError {
     CudaError { call: "gemm", code: 801, name: "CUDA_ERROR_NOT_SUPPORTED".into(), text: text.into(), sticky: false }
 }
 
 impl CudaBackend {
-    /// cuBLAS when the toolkit's library loads, else the agent's PTX GEMM; checked on the GPU
-    /// when the kernels load.
+    /// cuBLAS for `gpu`: loaded, and a handle made once in its context (`cublasCreate` needs a
+    /// current context, and is where cuBLAS's own CUDA runtime starts). A cuBLAS that loads but
+    /// cannot start is left out as a missing one is, so the GEMMs run on the agent's kernels,
+    /// and each result carries why (`probe.cublas`): the GPU is not at fault.
+    fn blas_here(&mut self, gpu: usize, ctx: &Arc<Ctx>) -> Result<BlasHere, ProbeError> {
+        let blas = match cuda::blas() {
+            Ok(b) => b,
+            Err(e) => return Ok(BlasHere::Missing(e.to_string())),
+        };
+        if !self.cublas.contains_key(&gpu) {
+            let stream = ctx.stream().map_err(on(gpu))?;
+            let tried = match BlasHandle::new(&blas, &stream) {
+                Ok(_handle) => Ok(()),
+                // A cuBLAS status, not a driver error: the library, not the GPU, refused.
+                Err(e) if e.call.starts_with("cublas") => Err(self.cannot_start(&blas, &e)),
+                Err(e) => return Err(on(gpu)(e)),
+            };
+            self.cublas.insert(gpu, tried);
+        }
+        Ok(match &self.cublas[&gpu] {
+            Ok(()) => BlasHere::Ready(blas),
+            Err(why) => BlasHere::CannotStart(why.clone()),
+        })
+    }
+
+    /// What `probe.cublas` says: cuBLAS's version and file, its answer, the driver's CUDA.
+    fn cannot_start(&self, blas: &cuda::Blas, e: &CudaError) -> String {
+        let version = blas.version().map(|v| format!(" {v}")).unwrap_or_default();
+        let driver = match self.drv.version() {
+            Ok(v) => format!("the driver supports CUDA {}", crate::collect::cuda::version_string(v)),
+            Err(e) => format!("the driver would not give its CUDA version ({e})"),
+        };
+        format!("cuBLAS{version} ({}) loads but cannot start: {e}; {driver}", blas.file.display())
+    }
+
+    /// cuBLAS when the toolkit's library loads and starts, else the agent's PTX GEMM; checked on
+    /// the GPU when the kernels load.
     pub(super) fn gemm_fp32(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
-        let blas = cuda::blas();
         let _near = self.near(gpu);
         let ctx = self.ctx(gpu)?;
+        let here = self.blas_here(gpu, &ctx)?;
         let kernels = match self.with_kernels(gpu) {
             Ok((_, k)) => Some(k),
             Err(ProbeError::Unavailable(_)) => None,
             Err(e) => return Err(e),
         };
+        let (blas, note) = here.split();
         match (&blas, kernels) {
             (Err(e), None) => Err(ProbeError::Unavailable(format!(
                 "the GEMM probe needs cuBLAS (it ships with the CUDA toolkit: {e}) or the probe kernels, which the driver could not load"
             ))),
-            (Err(e), Some(_)) if !p.gemm_n.is_multiple_of(16) => Err(ProbeError::Unavailable(format!("no cuBLAS ({e}), and the PTX GEMM needs n a multiple of 16"))),
-            _ => gemm(&ctx, blas.as_ref().ok(), kernels, p).map_err(on(gpu)),
+            (Err(e), Some(_)) if !p.gemm_n.is_multiple_of(16) => {
+                Err(ProbeError::Unavailable(format!("no cuBLAS ({e}), and the PTX GEMM needs n a multiple of 16")))
+            }
+            _ => gemm(&ctx, blas.as_ref().ok(), kernels, p).map(|r| r.with_cublas(note)).map_err(on(gpu)),
         }
     }
 
@@ -492,9 +557,10 @@ impl CudaBackend {
     /// `phq_mma_gemm` otherwise; every entry of every timed product checked on the GPU against
     /// the exact table (read back in part when the kernels cannot load).
     pub(super) fn gemm_half(&mut self, gpu: usize, p: &LevelParams, half: Half) -> Result<GemmResult, ProbeError> {
-        let blas = cuda::blas().ok();
         let _near = self.near(gpu);
         let ctx = self.ctx(gpu)?;
+        let (blas, note) = self.blas_here(gpu, &ctx)?.split();
+        let blas = blas.ok();
         let k = match self.with_kernels(gpu) {
             Ok((_, k)) => Some(k),
             Err(ProbeError::Unavailable(_)) if blas.is_some() => None,
@@ -516,7 +582,7 @@ impl CudaBackend {
             run.queue(p.gemm_reps).map_err(on(gpu))?;
             run.finish().map_err(on(gpu))?;
         }
-        Ok(run.result())
+        Ok(run.result().with_cublas(note))
     }
 
     /// Every GPU at once (`gemm_sustained`) on the tensor cores: cuBLAS where it loads, the
@@ -527,14 +593,19 @@ impl CudaBackend {
         p: &LevelParams,
         secs: f64,
     ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
-        let blas = cuda::blas().ok();
-        // Contexts and kernels first (they need `self` mutably); then the runs borrow the kernels.
+        // Contexts, cuBLAS and kernels first (they need `self` mutably); then the runs borrow
+        // the kernels.
         let mut ready = Vec::new();
+        let mut notes = std::collections::HashMap::new();
         for &g in gpus {
-            let r = self.ctx(g).and_then(|c| match self.with_kernels(g) {
-                Ok(_) => Ok((c, true)),
-                Err(ProbeError::Unavailable(_)) => Ok((c, false)),
-                Err(e) => Err(e),
+            let r = self.ctx(g).and_then(|c| {
+                let (blas, note) = self.blas_here(g, &c)?.split();
+                notes.insert(g, note);
+                match self.with_kernels(g) {
+                    Ok(_) => Ok((c, blas.ok(), true)),
+                    Err(ProbeError::Unavailable(_)) => Ok((c, blas.ok(), false)),
+                    Err(e) => Err(e),
+                }
             });
             ready.push((g, r));
         }
@@ -542,7 +613,7 @@ impl CudaBackend {
         let mut runs: Vec<(usize, Result<GemmRun<'_>, ProbeError>)> = ready
             .into_iter()
             .map(|(g, r)| {
-                let run = r.and_then(|(ctx, has)| {
+                let run = r.and_then(|(ctx, blas, has)| {
                     let k = if has { loaded.get(&g).and_then(|x| x.as_ref().ok()) } else { None };
                     if blas.is_none() && k.is_none() {
                         return Err(ProbeError::Unavailable(
@@ -558,7 +629,7 @@ impl CudaBackend {
             })
             .collect();
         gemm_sustained(&mut runs, p.gemm_reps, secs);
-        runs.into_iter().map(|(g, r)| (g, r.map(GemmRun::result))).collect()
+        runs.into_iter().map(|(g, r)| (g, r.map(|run| run.result().with_cublas(notes.remove(&g).flatten())))).collect()
     }
 }
 

@@ -54,6 +54,8 @@ pub struct CudaBackend {
     placement: HashMap<usize, String>,
     /// Each GPU's probe kernels, loaded on first use; why not, when the driver refused them.
     kernels: HashMap<usize, Result<Loaded, String>>,
+    /// Whether cuBLAS started in each GPU's context, or why not (`gemm.rs`): tried once.
+    cublas: HashMap<usize, Result<(), String>>,
     /// The level being run, for the memory test's patterns.
     pub level: crate::config::ProbeLevel,
 }
@@ -107,6 +109,7 @@ impl CudaBackend {
             pcis,
             placement: HashMap::new(),
             kernels: HashMap::new(),
+            cublas: HashMap::new(),
             level: crate::config::ProbeLevel::Quick,
         };
         Ok((backend, info))
@@ -243,6 +246,7 @@ impl Backend for CudaBackend {
         progress: &mut dyn FnMut(&str),
     ) -> Result<Run, ProbeError> {
         self.kernels.clear();
+        self.cublas.clear();
         self.contexts.clear();
         allreduce::run(gpus, p, nvls, limit, progress)
     }
@@ -250,6 +254,7 @@ impl Backend for CudaBackend {
     fn release(&mut self, gpu: usize) {
         // The module before the context it lives in.
         self.kernels.remove(&gpu);
+        self.cublas.remove(&gpu);
         self.contexts.remove(&gpu);
     }
 
