@@ -234,7 +234,10 @@ async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Se
             let reply =
                 match http_body_util::BodyExt::collect(http_body_util::Limited::new(body, MAX_REQUEST_BODY)).await {
                     Ok(b) => answer(&endpoint, &head, cert, &b.to_bytes()),
-                    Err(_) => plain(StatusCode::PAYLOAD_TOO_LARGE, format!("a body over {MAX_REQUEST_BODY} bytes\n")),
+                    Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                        plain(StatusCode::PAYLOAD_TOO_LARGE, format!("a body over {MAX_REQUEST_BODY} bytes\n"))
+                    }
+                    Err(e) => plain(StatusCode::BAD_REQUEST, format!("the body could not be read: {e}\n")),
                 };
             Ok(reply)
         }
