@@ -220,12 +220,19 @@ impl Sysroot {
 
     /// Reads a file as bytes, at most `MAX_FILE_BYTES`.
     pub fn read_bytes(&self, rel: &str) -> Result<Vec<u8>, PathError> {
+        let buf = self.read_bytes_unrecorded(rel)?;
+        self.record(Recorded::File { path: rel.to_string(), contents: buf.clone() });
+        Ok(buf)
+    }
+
+    /// As `read_bytes`, but kept out of a bundle's recording: for a reader that looks at many
+    /// files to find the few that matter (every process's state) and reads those again.
+    pub fn read_bytes_unrecorded(&self, rel: &str) -> Result<Vec<u8>, PathError> {
         let err = |source| PathError { path: Self::display(rel), source };
         let path = self.resolve(rel)?;
         let (file, _) = open_regular(&path, false).map_err(err)?;
         let mut buf = Vec::new();
         file.take(MAX_FILE_BYTES).read_to_end(&mut buf).map_err(err)?;
-        self.record(Recorded::File { path: rel.to_string(), contents: buf.clone() });
         Ok(buf)
     }
 

@@ -8,7 +8,7 @@
 //! candidate counts only if it is still in D a second later without having been scheduled in
 //! between (its voluntary and involuntary context switches in `/proc/<pid>/status` unchanged —
 //! the test the hung-task detector itself makes, `check_hung_task`'s switch count). A fixture
-//! or bundle is read once.
+//! or bundle is read once. Only the processes in state D are recorded into a support bundle.
 
 use crate::snapshot::{BlockedProcess, Fact};
 use crate::sysroot::Sysroot;
@@ -26,6 +26,12 @@ pub fn blocked_in_driver(root: &Sysroot) -> Fact<Vec<BlockedProcess>> {
     };
     let mut found: Vec<(BlockedProcess, Option<u64>)> = vec![];
     for pid in pids {
+        // Every process is looked at, but only one in state D is read again, recorded: a support
+        // bundle carries the blocked processes, not the names of all the tenant's programs.
+        let unrecorded = root.read_bytes_unrecorded(&format!("proc/{pid}/stat")).ok();
+        if unrecorded.and_then(|b| parse_stat(&String::from_utf8_lossy(&b))).is_none_or(|(_, s)| s != 'D') {
+            continue;
+        }
         let Some((comm, 'D')) = state(root, pid) else { continue };
         let devices = nvidia_fds(root, pid);
         if !devices.is_empty() {
@@ -83,6 +89,29 @@ fn nvidia_fds(root: &Sysroot, pid: u32) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bundle_records_the_blocked_processes_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let proc = dir.path().join("proc");
+        for (pid, stat) in [("1", "1 (systemd) S 0"), ("4242", "4242 (trainer) D 1"), ("77", "77 (secret-job) R 1")] {
+            std::fs::create_dir_all(proc.join(pid).join("fd")).unwrap();
+            std::fs::write(proc.join(pid).join("stat"), stat).unwrap();
+        }
+        std::os::unix::fs::symlink("/dev/nvidia0", proc.join("4242/fd/3")).unwrap();
+        let root = Sysroot::recording(dir.path());
+        let found = blocked_in_driver(&root);
+        assert_eq!(found.value().map(Vec::len), Some(1));
+        let files: Vec<String> = root
+            .recorded()
+            .into_iter()
+            .filter_map(|r| match r {
+                crate::sysroot::Recorded::File { path, .. } => Some(path),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(files, vec!["proc/4242/stat".to_string()], "no other process's name in the bundle");
+    }
 
     #[test]
     fn the_state_is_read_after_the_last_parenthesis() {
