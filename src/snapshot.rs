@@ -640,18 +640,19 @@ pub struct EccCounts {
     pub uncorrected: u64,
 }
 
-/// The reasons of `nvmlDeviceGetViolationStatus` (`nvmlPerfPolicyType_t`), as the snapshot names
-/// them, with DCGM's field for each (dcgm_fields.h, `DCGM_FI_DEV_*_VIOLATION`, 240-247, "time
-/// in ns").
-pub const VIOLATION_REASONS: &[(&str, &str)] = &[
-    ("power", "DCGM_FI_DEV_POWER_VIOLATION"),
-    ("thermal", "DCGM_FI_DEV_THERMAL_VIOLATION"),
-    ("sync_boost", "DCGM_FI_DEV_SYNC_BOOST_VIOLATION"),
-    ("board_limit", "DCGM_FI_DEV_BOARD_LIMIT_VIOLATION"),
-    ("low_utilization", "DCGM_FI_DEV_LOW_UTIL_VIOLATION"),
-    ("reliability", "DCGM_FI_DEV_RELIABILITY_VIOLATION"),
-    ("total_app_clocks", "DCGM_FI_DEV_TOTAL_APP_CLOCKS_VIOLATION"),
-    ("total_base_clocks", "DCGM_FI_DEV_TOTAL_BASE_CLOCKS_VIOLATION"),
+/// The reasons of `nvmlDeviceGetViolationStatus`, as the snapshot names them, in the order of
+/// nvml.h's `nvmlPerfPolicyType_t` (power 0 … reliability 5, total app clocks 10, total base
+/// clocks 11). DCGM serves the first six as `DCGM_FI_DEV_*_VIOLATION`, fields 240-245
+/// (dcgm_fields.h, "time in ns"; `serve::metrics::dcgm`).
+pub const VIOLATION_REASONS: &[&str] = &[
+    "power",
+    "thermal",
+    "sync_boost",
+    "board_limit",
+    "low_utilization",
+    "reliability",
+    "total_app_clocks",
+    "total_base_clocks",
 ];
 
 /// One memory location's ECC counts (`nvmlDeviceGetMemoryErrorCounter`): since the last reset
@@ -788,12 +789,12 @@ pub struct NvmlGpu {
     pub ecc_mode: Nv<CurrentPending>,
     pub ecc_volatile: Nv<EccCounts>,
     pub ecc_aggregate: Nv<EccCounts>,
-    /// On-die SRAM apart from the HBM (DRAM): row remapping heals HBM only.
     /// How long NVML has held the clocks back, per reason, since the driver loaded, in ns
     /// (`nvmlDeviceGetViolationStatus`; keys `VIOLATION_REASONS`). Reasons the GPU does not
     /// count are left out; none at all is `NotSupported`.
     #[serde(default)]
     pub violations_ns: Nv<std::collections::BTreeMap<String, u64>>,
+    /// On-die SRAM apart from the HBM (DRAM): row remapping heals HBM only.
     #[serde(default)]
     pub ecc_sram: Nv<EccLocation>,
     #[serde(default)]

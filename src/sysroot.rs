@@ -250,24 +250,7 @@ impl Sysroot {
     /// The final name of a symlink's target (`driver -> ../../bus/pci/drivers/nvidia` gives
     /// `nvidia`). `Ok(None)` when there is no link.
     pub fn link_name(&self, rel: &str) -> Result<Option<String>, PathError> {
-        let rel_path = Path::new(rel.trim_start_matches('/'));
-        let (Some(parent), Some(name)) = (rel_path.parent(), rel_path.file_name()) else {
-            return Ok(None);
-        };
-        let parent = match self.resolve(&parent.to_string_lossy()) {
-            Ok(p) => p,
-            Err(e) if e.is_not_found() => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        match fs::read_link(parent.join(name)) {
-            Ok(target) => {
-                let target_s = target.to_string_lossy().into_owned();
-                self.record(Recorded::Link { path: rel.to_string(), target: target_s });
-                Ok(target.file_name().map(|n| n.to_string_lossy().into_owned()))
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(PathError { path: Self::display(rel), source }),
-        }
+        Ok(self.link_target(rel)?.and_then(|t| Path::new(&t).file_name().map(|n| n.to_string_lossy().into_owned())))
     }
 
     /// A symlink's whole target as written (`/proc/42/fd/3 -> /dev/nvidia0`); `Ok(None)` when
@@ -288,7 +271,7 @@ impl Sysroot {
                 self.record(Recorded::Link { path: rel.to_string(), target: target.clone() });
                 Ok(Some(target))
             }
-            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::InvalidInput) => Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(source) => Err(PathError { path: Self::display(rel), source }),
         }
     }

@@ -443,9 +443,7 @@ pub(crate) mod testutil {
             ecc_mode: Nv::Value(CurrentPending { current: true, pending: true }),
             ecc_volatile: Nv::Value(EccCounts { corrected: 0, uncorrected: 0 }),
             ecc_aggregate: Nv::Value(EccCounts { corrected: 0, uncorrected: 0 }),
-            violations_ns: Nv::Value(
-                crate::snapshot::VIOLATION_REASONS.iter().map(|(r, _)| (r.to_string(), 0)).collect(),
-            ),
+            violations_ns: Nv::Value(crate::snapshot::VIOLATION_REASONS.iter().map(|r| (r.to_string(), 0)).collect()),
             ecc_sram: Nv::Value(crate::snapshot::EccLocation {
                 volatile: EccCounts { corrected: 0, uncorrected: 0 },
                 aggregate: EccCounts { corrected: 0, uncorrected: 0 },

@@ -305,7 +305,7 @@ fn violations(d: &Device, t: &Tracker) -> Nv<std::collections::BTreeMap<String, 
         P::TotalBaseClocks,
     ];
     let mut out = std::collections::BTreeMap::new();
-    for (policy, (name, _)) in policies.into_iter().zip(crate::snapshot::VIOLATION_REASONS) {
+    for (policy, name) in policies.into_iter().zip(crate::snapshot::VIOLATION_REASONS) {
         match d.violation_status(policy) {
             Ok(v) => {
                 out.insert(name.to_string(), v.violation_time);
