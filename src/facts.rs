@@ -156,10 +156,10 @@ pub const MAX_CORRECTED_ECC: u64 = 10_000;
 
 /// The reasons whose held-back time is a fault rather than the GPU doing its job, and the share
 /// of the time since boot above which `gpu.throttle-time` warns. Power capping, sync boost and
-/// low utilisation hold clocks back in normal work (DCGM's diagnostic fails a GPU for thermal
-/// violations during its stress tests, not for power: its targeted-stress and diagnostic plugins
-/// read DCGM_FI_DEV_THERMAL_VIOLATION); thermal, board-limit and reliability slowdowns come from
-/// the host's cooling or the board. 1 % is our margin: about 15 minutes a day.
+/// low utilisation hold clocks back in normal work (DCGM's diagnostic reports thermal violations
+/// during a test as an error, DCGM_FR_THERMAL_VIOLATIONS, and only records the power violation
+/// among its standard information fields: DCGM's nvvs/src/DcgmRecorder.cpp); thermal,
+/// board-limit and reliability slowdowns come from the host's cooling or the board. 1 % is our margin: about 15 minutes a day.
 pub const FAULT_VIOLATIONS: &[&str] = &["thermal", "board_limit", "reliability"];
 pub const MAX_VIOLATION_SHARE: f64 = 0.01;
 
