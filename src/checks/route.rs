@@ -128,8 +128,9 @@ pub const RULES: &[Rule] = &[
     rule("host.virtualization", FixVmSpec, FixVmSpec, Tenant),
     rule("host.kernel-headers", FixGuestSoftware, FixGuestSoftware, Tenant),
     rule("host.secure-boot", FixGuestSoftware, FixGuestSoftware, Tenant),
-    // A task stuck in the driver: the guest reboots itself first (gpud's repair for hung tasks
-    // is a system reboot too); the remedy names the platform's restart when that hangs.
+    // A task stuck in the driver: our choice is that the guest reboots itself first (a stuck
+    // task cannot be killed and blocks a GPU reset); the remedy names the platform's restart
+    // when that reboot hangs.
     rule("host.hung-tasks", RebootVm, RebootVm, Tenant),
     rule("pci.gpu-present", RestartVm, RestartVm, Platform),
     rule("pci.gpu-count", RestartVm, RestartVm, Platform),

@@ -1,7 +1,7 @@
 //! Processes blocked in the NVIDIA driver: in uninterruptible sleep (state `D` in
 //! `/proc/<pid>/stat`) while holding a `/dev/nvidia*` node open. A GPU that stops answering shows
 //! this way before any Xid: the process that asked is stuck inside the driver and cannot even be
-//! killed (gpud's os component watches the same; the kernel's hung-task detector reports such a
+//! killed (issue 42 names gpud's os component as watching the same; the kernel's hung-task detector reports such a
 //! task only after `hung_task_timeout_secs`, 120 s by default).
 //!
 //! A moment in state D is normal (an ioctl that waits for the GPU), so on a live machine a
