@@ -17,3 +17,4 @@ pub mod report;
 pub mod serve;
 pub mod snapshot;
 pub mod sysroot;
+pub mod text;

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 const ROOMS: &[&[&str]] = &[
     // The one door to the file system, the one atomic writer, the numbers every judgement uses,
     // and the CUDA libraries' bindings.
-    &["sysroot", "durable", "facts", "cuda"],
+    &["sysroot", "durable", "facts", "cuda", "text"],
     // The data model everything is read into.
     &["snapshot"],
     // Reading the machine.

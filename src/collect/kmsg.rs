@@ -324,7 +324,9 @@ pub fn parse_hung_task(msg: &str) -> Option<crate::snapshot::HungTaskLine> {
     let mut c = Cursor(after);
     let seconds = c.digits()?.parse().ok()?;
     c.tag(" seconds.")?;
-    Some(crate::snapshot::HungTaskLine { comm: comm.to_string(), pid: pid.parse().ok()?, seconds, usec: None })
+    // The kernel escapes control bytes in /dev/kmsg, but a bundle's or a fixture's log is text.
+    let comm = crate::text::printable(comm).into_owned();
+    Some(crate::snapshot::HungTaskLine { comm, pid: pid.parse().ok()?, seconds, usec: None })
 }
 
 /// A little reader over the start of a message.

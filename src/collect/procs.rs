@@ -56,7 +56,8 @@ fn state(root: &Sysroot, pid: u32) -> Option<(String, char)> {
 pub fn parse_stat(stat: &str) -> Option<(String, char)> {
     let open = stat.find('(')?;
     let close = stat.rfind(')')?;
-    let comm = stat.get(open + 1..close)?.to_string();
+    // The name is the process's own choice (prctl PR_SET_NAME), escape sequences included.
+    let comm = crate::text::printable(stat.get(open + 1..close)?).into_owned();
     let state = stat.get(close + 1..)?.trim_start().chars().next()?;
     Some((comm, state))
 }
@@ -118,5 +119,7 @@ mod tests {
         assert_eq!(parse_stat("42 (python3) D 1 42 42 0"), Some(("python3".into(), 'D')));
         assert_eq!(parse_stat("43 (a) R (b)) S 1"), Some(("a) R (b)".into(), 'S')), "a name that fakes a state");
         assert_eq!(parse_stat("44 python3 D"), None);
+        // A name that would move a terminal's cursor reaches no terminal as such.
+        assert_eq!(parse_stat("45 (\u{1b}[2Jx) D 1"), Some(("\u{fffd}[2Jx".into(), 'D')));
     }
 }

@@ -13,6 +13,7 @@
 //! Parsing goes through `serde_json::Value` first so both rules hold for every field, whatever
 //! type it later becomes.
 
+pub use crate::text::printable;
 use anyhow::{bail, Context, Result};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -85,28 +86,6 @@ fn tidy(v: &mut Value, at: &mut String) -> Result<()> {
     Ok(())
 }
 
-/// Whether `c` may reach a terminal or a page from someone else's text.
-fn unprintable(c: char) -> bool {
-    match c {
-        '\n' | '\t' => false,
-        // C0, DEL, C1 (ECMA-48: ESC starts a sequence; in UTF-8, U+009B is CSI on terminals
-        // that take 8-bit controls).
-        '\u{0}'..='\u{1f}' | '\u{7f}'..='\u{9f}' => true,
-        // Unicode's bidirectional formatting characters (UAX #9, "Explicit Directional
-        // Formatting"), the marks among them: text that reads differently than it is.
-        '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' => true,
-        _ => false,
-    }
-}
-
-/// `s` with every unprintable character (see `unprintable`) replaced by U+FFFD.
-pub fn printable(s: &str) -> std::borrow::Cow<'_, str> {
-    if !s.chars().any(unprintable) {
-        return std::borrow::Cow::Borrowed(s);
-    }
-    std::borrow::Cow::Owned(s.chars().map(|c| if unprintable(c) { '\u{fffd}' } else { c }).collect())
-}
-
 /// A snapshot from a bundle, bounded in GPUs and kernel-log events.
 pub fn check_snapshot(s: &crate::snapshot::Snapshot, what: &str) -> Result<()> {
     let gpus = s.gpus().len().max(s.nvml().map_or(0, |n| n.devices.len()));
@@ -143,6 +122,7 @@ pub fn check_report(r: &super::Report, what: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::text::unprintable;
     use proptest::prelude::*;
 
     #[test]
