@@ -299,7 +299,16 @@ mod tests {
             Some(connector) => {
                 let name = rustls_pki_types::ServerName::try_from("phq-agent").unwrap();
                 let mut s = connector.connect(name, stream).await.map_err(|e| format!("handshake: {e}"))?;
-                s.write_all(request.as_bytes()).await.map_err(|e| e.to_string())?;
+                // In TLS 1.3 the client's handshake ends before the server has judged its
+                // certificate (RFC 8446 §4.4.2), so a refusal arrives as an alert after it, and
+                // when the server has already closed, the write fails first (EPIPE). The alert
+                // is then waiting unread: read it, so the error names the refusal, not the pipe.
+                if let Err(write) = s.write_all(request.as_bytes()).await {
+                    return Err(match s.read_to_end(&mut answer).await {
+                        Err(e) => format!("{e} (after the write failed: {write})"),
+                        Ok(_) => write.to_string(),
+                    });
+                }
                 s.read_to_end(&mut answer).await.map_err(|e| e.to_string())?;
             }
         }
