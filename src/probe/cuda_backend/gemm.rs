@@ -100,12 +100,7 @@ fn upload_half(
     while line < n {
         let k = per.min(n - line);
         for l in 0..k {
-            let dst = &mut staging.as_mut_slice()[l * n * 2..(l + 1) * n * 2];
-            for (e, slot) in dst.chunks_exact_mut(2).enumerate() {
-                let (row, col) = if row_major { (line + l, e) } else { (e, line + l) };
-                let bits = half.bits(gemm_value(row, col, salt));
-                slot.copy_from_slice(&bits.to_ne_bytes());
-            }
+            half_line(&mut staging.as_mut_slice()[l * n * 2..(l + 1) * n * 2], line + l, (salt, row_major), half);
         }
         // SAFETY: the staging buffer is not touched again until the stream is synchronized.
         unsafe { stream.copy_h2d(m, line * n * 2, staging, k * n * 2) }?;
@@ -113,6 +108,24 @@ fn upload_half(
         line += k;
     }
     Ok(())
+}
+
+/// One row of A (`row_major`) or column of B, `dst.len() / 2` entries: `gemm_value` depends on
+/// the position along the line modulo 17 only, so the first 17 entries are made and the rest
+/// copied from them, doubling — a 16384² matrix is 17 values and a few dozen copies per line,
+/// not 16384 conversions.
+fn half_line(dst: &mut [u8], line: usize, (salt, row_major): (usize, bool), half: Half) {
+    let period = dst.len().min(17 * 2);
+    for (e, slot) in dst[..period].chunks_exact_mut(2).enumerate() {
+        let (row, col) = if row_major { (line, e) } else { (e, line) };
+        slot.copy_from_slice(&half.bits(gemm_value(row, col, salt)).to_ne_bytes());
+    }
+    let mut filled = period;
+    while filled < dst.len() {
+        let more = filled.min(dst.len() - filled);
+        dst.copy_within(..more, filled);
+        filled += more;
+    }
 }
 
 /// How many entries of C each timed sample reads back and checks exactly.
@@ -651,6 +664,20 @@ mod tests {
         for (i, j) in [(0, 0), (5, 33), (39, 17), (16, 1)] {
             let want: i64 = (0..n).map(|k| gemm_value(i, k, SALT_A) * gemm_value(k, j, SALT_B)).sum();
             assert_eq!(table[i % 17][j % 17], want);
+        }
+        // A 16-bit line made from its first period is every entry's own value, either way.
+        for (n, line, row_major) in [(40, 3, true), (40, 22, false), (16, 5, true), (17, 0, false), (1000, 999, true)] {
+            for half in [Half::Bf16, Half::Fp16] {
+                let mut got = vec![0u8; n * 2];
+                half_line(&mut got, line, (SALT_B, row_major), half);
+                let want: Vec<u8> = (0..n)
+                    .flat_map(|e| {
+                        let (row, col) = if row_major { (line, e) } else { (e, line) };
+                        half.bits(gemm_value(row, col, SALT_B)).to_ne_bytes()
+                    })
+                    .collect();
+                assert_eq!(got, want, "n {n}, line {line}, row_major {row_major}, {half:?}");
+            }
         }
         // The values span [-8, 8], both signs.
         let vals: std::collections::BTreeSet<i64> = (0..17).map(|r| gemm_value(r, 0, SALT_A)).collect();
