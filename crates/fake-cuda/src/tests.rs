@@ -458,3 +458,48 @@ unsafe fn nccl_rules() {
     }
     assert_eq!(ncclCommDestroy(comms[0]), INVALID_ARGUMENT, "destroyed already");
 }
+
+/// Pattern memory read a word at a time is the same bytes as read one byte at a time, from
+/// any start and for any length, the cut words at both ends included.
+#[test]
+fn pattern_bytes_from_any_address_are_each_bytes_own() {
+    for mode in [1, 2, 3] {
+        for addr in [0x1000u64, 0x1003, 0x1007, 0x2001] {
+            for len in [0, 1, 5, 8, 13, 64, 67] {
+                let mut got = vec![0u8; len];
+                crate::pattern_bytes(&mut got, addr, mode, 0x9e37_79b9);
+                let want: Vec<u8> = (0..len as u64)
+                    .map(|i| {
+                        let a = addr + i;
+                        crate::kernels::pattern(a & !7, mode, 0x9e37_79b9).to_le_bytes()[(a & 7) as usize]
+                    })
+                    .collect();
+                assert_eq!(got, want, "mode {mode}, address {addr:#x}, {len} bytes");
+            }
+        }
+    }
+}
+
+/// A repeated word written from any phase and for any length is the word's bytes in turn; a
+/// run of bytes is a repeated word only when every word is the first, the last byte included.
+#[test]
+fn repeated_words_are_filled_and_recognised_byte_for_byte() {
+    let word = 0xa1b2_c3d4u32;
+    for phase in 0..4 {
+        for len in [0, 1, 3, 4, 7, 64, 1000, 4099] {
+            let mut got = vec![0u8; len];
+            crate::fill_pattern(&mut got, word, phase);
+            let want: Vec<u8> = (0..len).map(|i| word.to_le_bytes()[(phase + i) % 4]).collect();
+            assert_eq!(got, want, "phase {phase}, {len} bytes");
+        }
+    }
+    let mut run = vec![0u8; 4096];
+    crate::fill_pattern(&mut run, word, 0);
+    assert_eq!(crate::uniform_word(&run), Some(word));
+    for at in [0, 5, 4095] {
+        let mut other = run.clone();
+        other[at] ^= 1;
+        assert_eq!(crate::uniform_word(&other), None, "a byte changed at {at}");
+    }
+    assert_eq!(crate::uniform_word(&run[..6]), None, "not whole words");
+}
