@@ -1,5 +1,5 @@
 //! When the driver hangs, `doctor` still answers: with the fake NVML's `nvmlInit_v2` blocked for
-//! 120 s (a GPU fallen off the bus, Xid 79), the real binary over the Xid 79 guest exits within
+//! 20 s (a GPU fallen off the bus, Xid 79), the real binary over the Xid 79 guest exits within
 //! its NVML init deadline plus a second, with every finding that does not come from NVML and
 //! `nvml.responsive` failing.
 

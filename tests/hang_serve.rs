@@ -1,5 +1,5 @@
 //! When the driver hangs, `serve` stays a good systemd citizen: the real binary over the Xid 79
-//! guest, with the fake NVML's `nvmlInit_v2` blocked for 120 s, real HTTP on 127.0.0.1, a
+//! guest, with the fake NVML's `nvmlInit_v2` blocked for 20 s, real HTTP on 127.0.0.1, a
 //! private bus and sd_notify messages on a datagram socket. It is ready by its init deadline
 //! with a report that says why it is unhealthy, keeps feeding the watchdog and serving, and
 //! once NVML answers the next snapshot is complete again, without a restart.
@@ -17,7 +17,9 @@ const TOKEN: &str = "tok-9d2e4a1c0000400080000000";
 /// `nvml.init_timeout` for the test, and how long the fake's `nvmlInit_v2` blocks (the
 /// scenario's `until_ms`, counted from the first call).
 const INIT_TIMEOUT: Duration = Duration::from_secs(3);
-const BLOCKED_FOR: Duration = Duration::from_secs(120);
+/// Shorter than the service's 30 s tick, so "at once" and "at the next tick" are 10 s apart;
+/// longer than the init deadline many times over.
+const BLOCKED_FOR: Duration = Duration::from_secs(20);
 
 /// GET with the service's token: (status, body).
 fn get(port: u16, path: &str) -> (u16, String) {
@@ -124,7 +126,7 @@ fn serve_is_ready_by_the_init_deadline_says_why_and_resumes_when_nvml_answers() 
     eprintln!("complete again {resumed:?} after start (nvmlInit_v2 blocked {BLOCKED_FOR:?})");
     assert!(resumed >= BLOCKED_FOR - Duration::from_secs(1), "{resumed:?}");
     // The ticks fall about 3 s after each half minute (the first snapshot takes the init
-    // deadline): a resumption left to the next tick would come after 123 s.
+    // deadline): a resumption left to the next tick would come after 33 s.
     assert!(
         resumed <= BLOCKED_FOR + Duration::from_millis(2500),
         "a snapshot at once, not at the next tick: {resumed:?}"

@@ -125,10 +125,10 @@ def xid79():
 
 def xid79_init_hangs():
     """The Xid 79 machine while the driver is still in recovery: nvmlInit_v2 blocks for the first
-    120 s (nvidia-smi hanging for minutes is what operators meet first with Xid 79 and 119:
+    20 s (nvidia-smi hanging for minutes is what operators meet first with Xid 79 and 119:
     NVIDIA/open-gpu-kernel-modules issue #446; the fake's `hang` cites the sources)."""
     s = xid79()
-    s["hangs"] = [{"function": "nvmlInit_v2", "until_ms": 120000}]
+    s["hangs"] = [{"function": "nvmlInit_v2", "until_ms": 20000}]
     return s
 
 
