@@ -409,7 +409,7 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     // The port was PID 1's from sockets.target on, before any user could run a program, and
     // a user's bind was refused; the agent served the socket it was passed (the answers above:
     // it could not have bound the port itself while systemd held it).
-    let squat = console_text.lines().filter(|l| l.contains("phq-squat: ")).last();
+    let squat = console_text.lines().rfind(|l| l.contains("phq-squat: "));
     let squat =
         squat.unwrap_or_else(|| panic!("the squat check said nothing on the console:\n{}", tail(&console_text)));
     assert!(
