@@ -488,6 +488,13 @@ fn render_fills_in_the_variables_and_leaves_everything_else_alone() {
                 std::path::Path::new("/etc/phq-agent/vsock-ca.pem"),
                 "{file}: where the agent looks"
             );
+            // systemd binds the vsock port before the agent reads its config: the socket unit's
+            // drop-in must name the same port, after an empty ListenStream= that drops the
+            // unit's own 9440 (systemd.socket(5)), or the agent is passed 9440 and says so.
+            let socket = written("/etc/systemd/system/phq-agent-vsock.socket.d/port.conf");
+            let listens: Vec<&str> = socket.lines().filter_map(|l| l.strip_prefix("ListenStream=")).collect();
+            assert!(socket.starts_with("[Socket]\n"), "{file}: {socket}");
+            assert_eq!(listens, ["", &format!("vsock:4294967295:{}", config.vsock.port)], "{file}: {socket}");
         }
     }
 }

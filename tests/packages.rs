@@ -55,6 +55,7 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
         "lib/systemd/system/phq-agent.service",
         "lib/systemd/system/phq-agent-install.service",
         "lib/systemd/system/phq-agent.socket",
+        "lib/systemd/system/phq-agent-vsock.socket",
         "usr/lib/sysusers.d/phq-agent.conf",
         "usr/lib/tmpfiles.d/phq-agent.conf",
         "usr/share/dbus-1/system.d/ch.phoeniqs.Agent1.conf",
@@ -75,6 +76,8 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
     // The port is systemd's from sockets.target on (issue 37): the socket is enabled there.
     let sockets = root.join("etc/systemd/system/sockets.target.wants");
     assert!(link_exists(&sockets.join("phq-agent.socket")), "phq-agent.socket is not enabled");
+    // The vsock port is systemd's the same way.
+    assert!(link_exists(&sockets.join("phq-agent-vsock.socket")), "phq-agent-vsock.socket is not enabled");
     // One socket unit, the service's: cargo-deb looks for `<package>.socket` for every unit it
     // is given, so the installer's unit scripts live in a directory of their own.
     assert!(!root.join("lib/systemd/system/phq-agent-install.socket").exists(), "a second socket unit on 9440");
@@ -139,6 +142,7 @@ fn rpm_carries_the_same_files_and_scripts() {
         "/usr/lib/systemd/system/phq-agent.service",
         "/usr/lib/systemd/system/phq-agent-install.service",
         "/usr/lib/systemd/system/phq-agent.socket",
+        "/usr/lib/systemd/system/phq-agent-vsock.socket",
         "/usr/share/man/man1/phq-agent.1.gz",
         "/usr/share/man/man1/phq-agent-probe.1.gz",
         "/usr/share/bash-completion/completions/phq-agent",
@@ -155,7 +159,7 @@ fn rpm_carries_the_same_files_and_scripts() {
     let scripts = q(&["--scripts"]);
     assert!(
         scripts.contains("systemd-sysusers phq-agent.conf")
-            && scripts.contains("systemctl enable phq-agent.service phq-agent.socket"),
+            && scripts.contains("systemctl enable phq-agent.service phq-agent.socket phq-agent-vsock.socket"),
         "{scripts}"
     );
     assert!(q(&["--requires"]).contains("systemd"));

@@ -126,3 +126,42 @@ fn the_binary_needs_no_glibc_newer_than_rhel_9s() {
     assert!(newest <= FLOOR, "{} needs GLIBC_{}.{}", release.display(), newest.0, newest.1);
     eprintln!("newest glibc symbol of the release binary: GLIBC_{}.{}", newest.0, newest.1);
 }
+
+/// The socket units as systemd reads them: `systemd-analyze verify` finds no setting it cannot
+/// parse in phq-agent-vsock.socket (the vsock address included) or beside it, each socket names
+/// its descriptors as the agent looks for them, and the service is passed both.
+#[test]
+fn the_socket_units_parse_and_name_their_sockets_as_the_agent_reads_them() {
+    use phq_agent::serve::port::Purpose;
+    if !common::needs(&[("systemd-analyze", "systemd")]) {
+        return;
+    }
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let units = [
+        ("packaging/systemd/phq-agent.service", Purpose::Http),
+        ("packaging/systemd/phq-agent.socket", Purpose::Http),
+        ("packaging/systemd/vsock/phq-agent-vsock.socket", Purpose::Vsock),
+    ];
+    let mut names = Vec::new();
+    for (unit, purpose) in units {
+        let name = Path::new(unit).file_name().unwrap();
+        let text = std::fs::read_to_string(repo.join(unit)).unwrap();
+        if unit.ends_with(".socket") {
+            assert!(text.contains(&format!("\nFileDescriptorName={}\n", purpose.fd_name())), "{unit}");
+            assert!(text.contains("\nService=phq-agent.service\n") && text.contains("\nWantedBy=sockets.target\n"));
+        }
+        std::fs::write(dir.path().join(name), text).unwrap();
+        names.push(dir.path().join(name));
+    }
+    let service = std::fs::read_to_string(repo.join(units[0].0)).unwrap();
+    assert!(service.contains("\nSockets=phq-agent.socket phq-agent-vsock.socket\n"), "{service}");
+    let out = Command::new("systemd-analyze").args(["verify", "--man=no"]).args(&names).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    let complaints: Vec<&str> = text
+        .lines()
+        // The binary is not installed here; PID 1's own environment is not ours to read.
+        .filter(|l| !l.contains("/usr/bin/phq-agent is not executable") && !l.contains("$container"))
+        .collect();
+    assert!(complaints.is_empty(), "systemd-analyze verify:\n{}", complaints.join("\n"));
+}

@@ -617,6 +617,112 @@ fn serve_takes_the_socket_systemd_passes() {
     drop(child);
 }
 
+/// A vsock port no one holds: one the kernel picks (VMADDR_PORT_ANY), released at once for
+/// systemd-socket-activate to bind next, as the TCP port above is. `None` where this machine
+/// cannot make an AF_VSOCK socket.
+fn free_vsock_port() -> Option<u32> {
+    // SAFETY: plain socket(2); checked before use, closed below.
+    let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: sockaddr_vm is plain data; zeroes are its reserved fields' required value.
+    let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
+    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
+    addr.svm_cid = libc::VMADDR_CID_ANY;
+    addr.svm_port = libc::VMADDR_PORT_ANY;
+    let mut len = std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t;
+    // SAFETY: `addr` is a whole sockaddr_vm and `len` says so; getsockname writes no more.
+    let ok = unsafe {
+        libc::bind(fd, (&addr as *const libc::sockaddr_vm).cast(), len) == 0
+            && libc::getsockname(fd, (&mut addr as *mut libc::sockaddr_vm).cast(), &mut len) == 0
+    };
+    // SAFETY: `fd` is this function's own.
+    unsafe { libc::close(fd) };
+    ok.then_some(addr.svm_port)
+}
+
+/// Both ports bound by systemd (phq-agent.socket and phq-agent-vsock.socket), passed with their
+/// names as systemd passes them (`systemd-socket-activate --fdname`, LISTEN_FDNAMES): `serve`
+/// answers on the TCP socket named `http`, and says in one line what it did with the one named
+/// `vsock` — served it where this machine has a vsock device (the config's other vsock.port is
+/// said and not used), closed it where it has none.
+#[test]
+fn serve_takes_both_sockets_systemd_passes_by_name() {
+    if !needs(&[("systemd-socket-activate", "systemd")]) {
+        return;
+    }
+    let Some(vport) = free_vsock_port() else {
+        skip("socket(AF_VSOCK) fails on this machine (modprobe vsock)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let other = vport.wrapping_add(1);
+    let cfg = service_config(dir.path(), TOKEN, &format!("[vsock]\nport = {other}\ntls = false\n"));
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let serve = serve_command(&cfg, &repo().join("examples/scenarios/hgx-8gpu-healthy.json"), &bus);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut activate = Command::new("systemd-socket-activate");
+    activate
+        .arg(format!("--listen=127.0.0.1:{port}"))
+        .arg(format!("--listen=vsock:4294967295:{vport}"))
+        .arg("--fdname=http:vsock");
+    for (k, v) in serve.get_envs() {
+        if let Some(v) = v {
+            activate.arg(format!("--setenv={}={}", k.to_string_lossy(), v.to_string_lossy()));
+        }
+    }
+    let log = dir.path().join("serve.log");
+    let mut child = activate
+        .arg(serve.get_program())
+        .args(serve.get_args())
+        .arg("-v")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let started = Instant::now();
+    while listening_ports(child.id()).is_empty() {
+        assert!(child.try_wait().unwrap().is_none(), "systemd-socket-activate exited");
+        assert!(started.elapsed() < Duration::from_secs(10), "systemd-socket-activate did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let child = Kill(child);
+    let (code, resp) = get(port, "/healthz", "");
+    assert!(code == 200 || code == 503, "{resp}");
+    let said = |needle: &str| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains(needle) || Instant::now() > deadline {
+                return text;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let has_device = phq_agent::serve::vsock::local_cid(Path::new("/dev/vsock")).ok().flatten().is_some();
+    let err = said(if has_device { "over vsock" } else { "no vsock device" });
+    drop(child);
+    assert!(err.contains(&format!("the socket systemd passed (127.0.0.1:{port}, phq-agent.socket)")), "{err}");
+    if has_device {
+        assert!(
+            err.contains(&format!("the socket systemd passed (vsock port {vport}, phq-agent-vsock.socket)")),
+            "{err}"
+        );
+        assert!(err.contains(&format!("vsock.port ({other}) names another port and is not used")), "{err}");
+    } else {
+        assert_eq!(err.matches("no vsock device").count(), 1, "one line: {err}");
+        assert!(err.contains("the socket systemd passed (phq-agent-vsock.socket) is closed"), "{err}");
+    }
+}
+
 #[test]
 fn grafana_dashboard_queries_only_metrics_the_agent_serves() {
     let Some((a, _)) = start(0o600, None) else { return };

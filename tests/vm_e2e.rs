@@ -169,6 +169,36 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         "[Socket]\nListenStream=\nListenStream=127.0.0.1:9440\n",
     )
     .unwrap();
+    // A user's program at the first moment one can run (after basic.target, so after
+    // sockets.target) tries to take the agent's vsock port, as `nobody`, with Python's AF_VSOCK
+    // (python3 is in the image for cloud-init). It says on the console what systemd reports for
+    // phq-agent-vsock.socket and what its bind got. Once the package is installed: from boot 2 on.
+    std::fs::write(
+        root.join("usr/local/bin/phq-squat"),
+        format!(
+            "import socket, subprocess\n\
+             unit = subprocess.run(['systemctl', 'show', '-p', 'ActiveState', '-p', 'Listen', \
+             'phq-agent-vsock.socket'], capture_output=True, text=True).stdout.split()\n\
+             s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)\n\
+             try:\n    s.bind((socket.VMADDR_CID_ANY, {VSOCK_PORT}))\n    s.listen()\n    got = 'bound'\n\
+             except OSError as e:\n    got = 'refused: ' + str(e)\n\
+             print('phq-squat:', ' '.join(unit), '; bind of vsock port {VSOCK_PORT} as nobody:', got, flush=True)\n"
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        root.join("etc/systemd/system/phq-squat.service"),
+        "[Unit]\nDescription=an unprivileged user tries to take the agent's vsock port\n\
+         ConditionPathExists=/lib/systemd/system/phq-agent-vsock.socket\n\
+         [Service]\nType=oneshot\nUser=nobody\nExecStart=/usr/bin/python3 /usr/local/bin/phq-squat\n\
+         StandardOutput=journal+console\n[Install]\nWantedBy=multi-user.target\n",
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(
+        "/etc/systemd/system/phq-squat.service",
+        root.join("etc/systemd/system/multi-user.target.wants/phq-squat.service"),
+    )
+    .unwrap();
     // A persistent journal, read from the disk image afterwards.
     std::fs::create_dir_all(root.join("var/log/journal")).unwrap();
     // The guest has no way to Debian's mirrors: its apt sources are the stand-ins, Debian's
@@ -376,6 +406,19 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     for (what, got) in &over_vsock[3..] {
         assert!(got.is_err(), "{what} was answered: {got:?}");
     }
+    // The port was PID 1's from sockets.target on, before any user could run a program, and
+    // a user's bind was refused; the agent served the socket it was passed (the answers above:
+    // it could not have bound the port itself while systemd held it).
+    let squat = console_text.lines().rfind(|l| l.contains("phq-squat: "));
+    let squat =
+        squat.unwrap_or_else(|| panic!("the squat check said nothing on the console:\n{}", tail(&console_text)));
+    assert!(
+        squat.contains("ActiveState=active")
+            && squat.contains("Listen=vsock:")
+            && squat.contains(&format!(":{VSOCK_PORT}")),
+        "{squat}"
+    );
+    assert!(squat.contains("as nobody: refused: [Errno 98] Address already in use"), "{squat}");
 }
 
 /// The vsock port the user-data gives the agent, and the guest's CID.
@@ -547,6 +590,10 @@ fn guest_journal(disk: &std::path::Path, out: &std::path::Path) -> String {
             "phq-agent-install",
             "-u",
             "cloud-final",
+            "-u",
+            "phq-agent-vsock.socket",
+            "-u",
+            "phq-squat",
         ])
         .output();
     match out {

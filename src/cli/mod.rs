@@ -184,7 +184,7 @@ impl Cli {
             Ok(code) => code,
             Err(e) => {
                 eprint!("{}", error_text(&e));
-                if e.downcast_ref::<crate::serve::port::PortTaken>().is_some() {
+                if crate::serve::port::is_port_taken(&e) {
                     crate::serve::port::EXIT_PORT_TAKEN
                 } else {
                     EXIT_UNKNOWN

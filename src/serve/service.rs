@@ -239,7 +239,7 @@ fn start_tcp(
 ) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
     if !config.http.enabled {
         tracing::info!("http.enabled = false: no TCP listener; only the vsock listener and D-Bus answer");
-        if std::env::var_os("LISTEN_FDS").is_some() {
+        if super::port::take_passed(super::port::Purpose::Http)?.is_some() {
             tracing::warn!(
                 "systemd passed a TCP socket (phq-agent.socket) that this configuration does not serve: systemd \
                  keeps it bound, so connections are taken and never answered; a drop-in with `ListenStream=` and \
@@ -261,10 +261,14 @@ fn start_vsock(
     endpoint: &http::Endpoint,
     stop: &watch::Sender<bool>,
 ) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+    use super::port::{take_passed, Purpose};
     use super::vsock;
     let v = &config.vsock;
+    // Taken first, so that every way out below closes it (systemd keeps its own copy bound).
+    let passed = take_passed(Purpose::Vsock)?;
+    let closed = if passed.is_some() { "; the socket systemd passed (phq-agent-vsock.socket) is closed" } else { "" };
     if !v.enabled {
-        tracing::info!("vsock.enabled = false: no vsock listener");
+        tracing::info!("vsock.enabled = false: no vsock listener{closed}");
         return Ok(None);
     }
     // At warn, which the unit logs: the one line a person reads to learn why the platform's
@@ -272,7 +276,7 @@ fn start_vsock(
     let no_device = |why: String| {
         tracing::warn!(
             "no vsock device ({why}): serving without the platform's vsock channel; KubeVirt attaches one with \
-             spec.domain.devices.autoattachVSOCK: true"
+             spec.domain.devices.autoattachVSOCK: true{closed}"
         );
         Ok(None)
     };
@@ -285,19 +289,22 @@ fn start_vsock(
     if v.tls && std::fs::metadata(&v.client_ca).map_or(true, |m| m.len() == 0) {
         tracing::warn!(
             "{} (vsock.client_ca) is absent or empty: not listening on vsock port {} until KubeVirt's CA bundle is \
-             written there (cloud-init does) and the service restarted",
+             written there (cloud-init does) and the service restarted{closed}",
             v.client_ca.display(),
             v.port
         );
         return Ok(None);
     }
     let tls = super::tls::vsock_acceptor(v, &config.agent.state_dir)?;
-    let listener = match vsock::VsockListener::bind(v.port) {
+    let (listener, on) = match super::port::vsock_listener(passed, v.port, vsock::VsockListener::bind) {
         Ok(l) => l,
-        Err(e) if vsock::means_no_device(&e) => return no_device(e.to_string()),
-        Err(e) => anyhow::bail!("cannot listen on vsock port {} (vsock.port): {e}", v.port),
+        Err(e) => match e.downcast::<std::io::Error>() {
+            Ok(e) if vsock::means_no_device(&e) => return no_device(e.to_string()),
+            Ok(e) => anyhow::bail!("cannot listen on vsock port {} (vsock.port): {e}", v.port),
+            Err(e) => return Err(e),
+        },
     };
-    tracing::info!(port = listener.port(), tls = %tls.said, "serving /healthz, /v1/status, /metrics over vsock");
+    tracing::info!(port = listener.port(), listen = %on, tls = %tls.said, "serving /healthz, /v1/status, /metrics over vsock");
     if let Some(own) = tls.own {
         tokio::spawn(rotate_daily(own));
     }

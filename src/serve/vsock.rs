@@ -68,6 +68,29 @@ impl VsockListener {
         Ok(VsockListener { fd: register(fd)?, port })
     }
 
+    /// Takes a listening AF_VSOCK stream socket made elsewhere (`phq-agent-vsock.socket`, checked
+    /// by `port::adopt_vsock`): its port is the one it is bound to (getsockname(2)), and it is
+    /// made non-blocking for the reactor.
+    pub fn adopt(fd: OwnedFd) -> io::Result<VsockListener> {
+        let mut addr = sockaddr(0, 0);
+        let mut len = size_of::<libc::sockaddr_vm>() as libc::socklen_t;
+        // SAFETY: `addr` and `len` are valid for writes of a sockaddr_vm and its length.
+        let r = unsafe { libc::getsockname(fd.as_raw_fd(), (&mut addr as *mut libc::sockaddr_vm).cast(), &mut len) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if addr.svm_family != libc::AF_VSOCK as libc::sa_family_t {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not bound to a vsock address"));
+        }
+        // SAFETY: fcntl(2) on a descriptor this function owns; it fails cleanly if it cannot.
+        let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+        // SAFETY: as above.
+        if flags < 0 || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(VsockListener { fd: register(fd)?, port: addr.svm_port })
+    }
+
     pub fn port(&self) -> u32 {
         self.port
     }
