@@ -33,17 +33,39 @@ pub fn platform_reachable(config: &Config, push: &PushState) -> Finding {
     f.evidence("url", &config.platform.url).evidence("spooled", push.spooled)
 }
 
+/// How `/v1/status` and `/metrics` are locked, on each channel the config opens: TCP (`[http]`)
+/// and the platform's vsock (`[vsock]`). The bearer token guards TCP unless client certificates
+/// do, and plain vsock always; vsock with TLS is guarded by its client certificate alone.
 pub fn endpoint_auth(config: &Config, token_loaded: bool) -> Finding {
     const ID: &str = "agent.endpoint-auth";
-    let tls = !config.http.tls_cert.is_empty();
-    let mtls = tls && !config.http.client_ca.is_empty();
-    let f = if !token_loaded && !mtls {
-        Finding::fail(ID, format!("no bearer token: /v1/status and /metrics answer 503 to everyone ({} is missing)", config.http.token_file.display()))
-            .remedy(format!("Create it: `install -m 600 /dev/null {p} && head -c 32 /dev/urandom | base64 > {p}`, give the same token to the platform's poller and Prometheus, then `systemctl reload phq-agent`.", p = config.http.token_file.display()))
-    } else if !tls && !config.http.listen.ip().is_loopback() {
-        Finding::pass(ID, "bearer token required; served over plain HTTP").detail(
-            "The token crosses the cluster network in clear text; set http.tls_cert and http.tls_key to serve HTTPS.",
-        )
+    let (h, v) = (&config.http, &config.vsock);
+    let tls = !h.tls_cert.is_empty();
+    let mtls = tls && !h.client_ca.is_empty();
+    let vsock = match (v.enabled, v.tls) {
+        (false, _) => "No vsock listener (vsock.enabled = false).".to_string(),
+        (true, true) => format!(
+            "vsock port {}: a client certificate chained to {} (KubeVirt's CA) is required, over TLS 1.3.",
+            v.port,
+            v.client_ca.display()
+        ),
+        (true, false) => format!("vsock port {}: plain (vsock.tls = false), the bearer token is required.", v.port),
+    };
+    let token_guards: Vec<&str> = [(h.enabled && !mtls, "TCP"), (v.enabled && !v.tls, "plain vsock")]
+        .iter()
+        .filter(|c| c.0)
+        .map(|c| c.1)
+        .collect();
+    let f = if !token_loaded && !token_guards.is_empty() {
+        Finding::fail(ID, format!("no bearer token: /v1/status and /metrics answer 503 to everyone over {} ({} is missing)", token_guards.join(" and "), h.token_file.display()))
+            .detail(vsock)
+            .remedy(format!("Create it: `install -m 600 /dev/null {p} && head -c 32 /dev/urandom | base64 > {p}`, give the same token to the platform's poller and Prometheus, then `systemctl reload phq-agent`.", p = h.token_file.display()))
+    } else if !h.enabled {
+        Finding::pass(ID, "no TCP listener (http.enabled = false): only the platform's vsock channel and D-Bus answer")
+            .detail(vsock)
+    } else if !tls && !h.listen.ip().is_loopback() {
+        Finding::pass(ID, "bearer token required; served over plain HTTP").detail(format!(
+            "The token crosses the cluster network in clear text; set http.tls_cert and http.tls_key to serve HTTPS. {vsock}"
+        ))
     } else {
         Finding::pass(
             ID,
@@ -55,8 +77,23 @@ pub fn endpoint_auth(config: &Config, token_loaded: bool) -> Finding {
                 "bearer token required; loopback only"
             },
         )
+        .detail(vsock)
     };
-    f.evidence("listen", config.http.listen.to_string()).evidence("tls", tls).evidence("client_ca", mtls)
+    f.evidence("listen", if h.enabled { h.listen.to_string() } else { "off".into() })
+        .evidence("tls", tls)
+        .evidence("client_ca", mtls)
+        .evidence(
+            "vsock",
+            if v.enabled {
+                if v.tls {
+                    "tls"
+                } else {
+                    "plain"
+                }
+            } else {
+                "off"
+            },
+        )
 }
 
 #[cfg(test)]
@@ -91,6 +128,25 @@ mod tests {
         c.http.tls_cert = "/c.pem".into();
         c.http.tls_key = "/k.pem".into();
         c.http.client_ca = "/ca.pem".into();
-        assert_eq!(endpoint_auth(&c, false).severity, Severity::Pass);
+        let f = endpoint_auth(&c, false);
+        assert_eq!(f.severity, Severity::Pass, "{f:?}");
+        assert!(f.detail.contains("vsock port 9440: a client certificate chained to"), "{}", f.detail);
+
+        // Plain vsock wants the token even where TCP has client certificates.
+        c.vsock.tls = false;
+        let f = endpoint_auth(&c, false);
+        assert_eq!(f.severity, Severity::Fail);
+        assert!(f.summary.contains("over plain vsock ("), "{}", f.summary);
+
+        // TCP off and vsock over TLS: the client certificate is the lock, no token needed.
+        let mut c = Config::default();
+        c.http.enabled = false;
+        let f = endpoint_auth(&c, false);
+        assert_eq!(f.severity, Severity::Pass, "{f:?}");
+        assert!(f.summary.starts_with("no TCP listener"), "{}", f.summary);
+        c.vsock.tls = false;
+        assert_eq!(endpoint_auth(&c, false).severity, Severity::Fail, "plain vsock with no token");
+        c.vsock.enabled = false;
+        assert_eq!(endpoint_auth(&c, false).severity, Severity::Pass, "nothing listens but D-Bus");
     }
 }
