@@ -145,9 +145,11 @@ pub fn estimate(
             })
             .sum();
         let memory_bytes = memory_bytes as u64;
-        let n = p.gemm_n as f64;
+        // As the probe sizes it: the agent's own FP32 kernel at half the side (gemm::ptx_sgemm_n).
+        let n = if cublas { p.gemm_n } else { gemm::ptx_sgemm_n(p.gemm_n) } as f64;
         let gemm_s = (1 + gemm::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3) / (tflops * 1e12)
             + secs(2.0 * n * n * 4.0, h2d);
+        let n = p.gemm_n as f64;
         let products = (1 + gemm::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3);
         let tensor_tflops = if cublas { CUBLAS_BF16_TFLOPS } else { PTX_MMA_TFLOPS };
         let gemm_tensor_s = 2.0 * (products / (tensor_tflops * 1e12) + secs(2.0 * n * n * 2.0, h2d));
@@ -264,15 +266,16 @@ pub fn render(plan: &Plan) -> String {
     );
     let _ = writeln!(
         s,
-        "  copies: {} MiB × {} per sample × {} samples + a warm-up; memory test: 90% of each GPU's memory, {} passes on the GPU, all GPUs at once; GEMM ({}) {}² × {} × {} samples + a warm-up",
+        "  copies: {} MiB × {} per sample × {} samples + a warm-up; memory test: 90% of each GPU's memory, {} passes on the GPU, all GPUs at once; GEMM ({}) {}² × {} × {} samples + a warm-up; tensor-core GEMMs {}²",
         plan.params.buffer_bytes >> 20,
         plan.params.copies_per_sample,
         plan.params.samples,
         kernels::steps(plan.level, 0, std::time::Duration::from_secs(plan.params.fade_secs.into())).len(),
         plan.gemm_library,
-        plan.params.gemm_n,
+        if plan.gemm_library == gemm::PTX_GEMM { gemm::ptx_sgemm_n(plan.params.gemm_n) } else { plan.params.gemm_n },
         plan.params.gemm_reps,
-        gemm::GEMM_SAMPLES
+        gemm::GEMM_SAMPLES,
+        plan.params.gemm_n
     );
     for g in &plan.gpus {
         let _ = writeln!(
@@ -367,6 +370,22 @@ mod tests {
         assert!(s.total_s > q.total_s);
     }
 
+    /// On the agent's own kernels (no cuBLAS) every level fits too: quick and standard their
+    /// budgets, and the full level 600 s (twice cuBLAS's 300), with its GEMM at half the side.
+    #[test]
+    fn without_cublas_every_level_fits_its_budget_on_an_hgx() {
+        let own = |level| estimate(&hgx(8), &Options::at(level), &|_| Some(80 << 30), false);
+        let (q, s, f) = (own(ProbeLevel::Quick), own(ProbeLevel::Standard), own(ProbeLevel::Full));
+        assert!(q.total_s <= QUICK_BUDGET_S, "{}", render(&q));
+        assert!(s.total_s <= STANDARD_BUDGET_S, "{}", render(&s));
+        assert!(f.total_s <= 600.0, "{}", render(&f));
+        assert!(render(&q).contains("GEMM (PTX fallback (phq_sgemm)) 2048² × 5 × 3 samples"), "{}", render(&q));
+        // And with cuBLAS the full level stays within 300 s.
+        let full = total(ProbeLevel::Full);
+        assert!(full.total_s <= 300.0, "{}", render(&full));
+        assert!(render(&full).contains("GEMM (cuBLAS) 16384² × 10"), "{}", render(&full));
+    }
+
     #[test]
     fn the_plan_counts_what_the_probes_move() {
         let p = estimate(&hgx(1), &Options::at(ProbeLevel::Quick), &|_| Some(80 << 30), true);
@@ -431,13 +450,14 @@ mod tests {
         let without = estimate(&hgx(1), &opts, &|_| Some(80 << 30), false);
         assert_eq!(without.gemm_library, crate::probe::cuda_backend::gemm::PTX_GEMM);
         assert!(render(&without).contains("PTX fallback"), "{}", render(&without));
-        // The same products at 3 TFLOP/s instead of the H100 SXM's cuBLAS floor.
+        // An eighth of the products (half the side, gemm::ptx_sgemm_n) at 3 TFLOP/s instead of the
+        // H100 SXM's cuBLAS floor; the upload, of a quarter of the bytes.
         let n = without.params.gemm_n as f64;
         let products = (1 + crate::probe::cuda_backend::gemm::GEMM_SAMPLES as u32 * without.params.gemm_reps) as f64;
         let upload = with.gpus[0].gemm_s
             - products * 2.0 * n.powi(3) / (facts::probe_floors(0x2330).gemm_tflops.unwrap() * 1e12);
-        let want = products * 2.0 * n.powi(3) / (PTX_SGEMM_TFLOPS * 1e12) + upload;
+        let want = products * 2.0 * (n / 2.0).powi(3) / (PTX_SGEMM_TFLOPS * 1e12) + upload / 4.0;
         assert!((without.gpus[0].gemm_s - want).abs() < 1e-9, "{:?}", without.gpus[0]);
-        assert!(without.gpus[0].gemm_s > with.gpus[0].gemm_s);
+        assert!(without.gpus[0].gemm_s > with.gpus[0].gemm_s / 8.0);
     }
 }

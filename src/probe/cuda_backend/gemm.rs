@@ -402,7 +402,8 @@ fn gemm(
     k: Option<&Loaded>,
     p: &LevelParams,
 ) -> cuda::Result<GemmResult> {
-    let mut run = GemmRun::new(ctx, blas, k, p.gemm_n)?;
+    let n = if blas.is_none() { ptx_sgemm_n(p.gemm_n) } else { p.gemm_n };
+    let mut run = GemmRun::new(ctx, blas, k, n)?;
     run.warm_up()?;
     for _ in 0..GEMM_SAMPLES {
         run.queue(p.gemm_reps)?;
@@ -469,6 +470,18 @@ fn gemm_sustained(runs: &mut [(usize, Result<GemmRun<'_>, ProbeError>)], reps: u
 
 /// The library name a GEMM by the agent's own kernel reports.
 pub(crate) const PTX_GEMM: &str = "PTX fallback (phq_sgemm)";
+
+/// The side of the agent's own FP32 GEMM (`phq_sgemm`, where cuBLAS is missing) at a level whose
+/// GEMM is `level_n`: half of it, an eighth of the work. Planned at `budget::PTX_SGEMM_TFLOPS`
+/// (3) against cuBLAS's floors of 15 to 38 TFLOP/s, the level's own size took five to twelve
+/// times cuBLAS's GEMM time and put the quick and standard levels over their budgets on an 8-GPU
+/// HGX (`probe --dry-run`: 11.2 s of 10, 153.7 s of 120) and the full level at 1,025 s. Nothing
+/// it proves is lost at half the side: no floor applies to this kernel (it is checked for right
+/// results, every entry on the GPU), and 2048² is still 16,384 tiles of 16 × 16, over a hundred
+/// waves of an H100's 132 SMs. Our choice; the halved side stays a multiple of the tile.
+pub(crate) fn ptx_sgemm_n(level_n: usize) -> usize {
+    level_n / 2
+}
 /// … and by its tensor-core kernel.
 pub(crate) const PTX_MMA_GEMM: &str = "PTX tensor cores, BF16 (phq_mma_gemm)";
 /// … and the tensor-core GEMM through cuBLAS.
