@@ -130,3 +130,63 @@ fn assemble(module: &str) {
         "a kernel spills:\n{said}"
     );
 }
+
+/// The disassembly of `ptx` (PTX text) as ptxas builds it for Hopper, or None where the tools
+/// are missing (the caller skips).
+fn sass(ptx: &str) -> Option<String> {
+    let (ptxas, nvdisasm) = (ptxas()?, nvdisasm()?);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (src, cubin) = (dir.path().join("k.ptx"), dir.path().join("k.cubin"));
+    std::fs::write(&src, ptx).expect("write the PTX");
+    let run = Command::new(&ptxas).args(["-arch=sm_90", "-o"]).arg(&cubin).arg(&src).output().unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let dis = Command::new(&nvdisasm).arg(&cubin).output().unwrap_or_else(|e| panic!("{}: {e}", nvdisasm.display()));
+    assert!(dis.status.success(), "{}", String::from_utf8_lossy(&dis.stderr));
+    Some(String::from_utf8_lossy(&dis.stdout).into_owned())
+}
+
+/// Whether `entry`'s machine code loads from global memory inside a loop: some backward branch
+/// (`BRA` to a label above it) encloses an `LDG`. A load ptxas hoisted out of the loop or
+/// deleted as dead is not inside one.
+fn loads_inside_a_loop(sass: &str, entry: &str) -> bool {
+    let head = format!(".text.{entry}:");
+    let body = sass.split(&head).nth(1).unwrap_or_else(|| panic!("no {head} in the disassembly"));
+    let lines: Vec<&str> = body.split("\n.text.").next().unwrap_or(body).lines().collect();
+    let label_at = |name: &str| lines.iter().position(|l| l.trim() == format!("{name}:"));
+    lines.iter().enumerate().any(|(at, line)| {
+        let target = line.split("BRA `(").nth(1).and_then(|t| t.split(')').next());
+        match target.and_then(label_at) {
+            Some(top) if top < at => lines[top..at].iter().any(|l| l.contains("LDG")),
+            _ => false,
+        }
+    })
+}
+
+/// The loads the probes' figures stand on are in the loops ptxas makes of them: the spin gate
+/// re-reads its flag every turn (else on a GPU the gate never opens, and every sample waits out
+/// its timeout), the chase's dependent loads are all there (else the latency is of nothing),
+/// and the memory test's check reads memory in its loop. The fake's interpreter cannot see this
+/// (it re-reads memory on every load); the machine code can. Each rule is shown to have teeth
+/// on a one-line mutant that ptxas accepts: the spin's load without `.volatile` (hoisted out of
+/// the loop) and the chase without its final store (every load dead, deleted).
+#[test]
+fn the_loads_the_figures_stand_on_stay_inside_their_loops() {
+    let shipped = std::fs::read_to_string(common::repo().join(KERNELS)).expect("kernels");
+    let Some(code) = sass(&shipped) else {
+        common::skip(
+            "needs ptxas and nvdisasm (scripts/test fetches them from NVIDIA's wheels; or set PHQ_PTXAS, PHQ_NVDISASM)",
+        );
+        return;
+    };
+    for entry in ["phq_spin", "phq_chase", "phq_mem_check"] {
+        assert!(loads_inside_a_loop(&code, entry), "{entry}: no global load inside a loop in its machine code");
+    }
+    let mutant = |from: &str, to: &str| {
+        assert_eq!(shipped.matches(from).count(), 1, "the mutation's line {from:?} is not in the kernels once");
+        sass(&shipped.replacen(from, to, 1)).expect("the tools were there a moment ago")
+    };
+    let hoisted = mutant("ld.volatile.global.u32 %r1, [%rd1];", "ld.global.u32 %r1, [%rd1];");
+    assert!(!loads_inside_a_loop(&hoisted, "phq_spin"), "a non-volatile spin load was not seen hoisted");
+    let dead = mutant("st.global.u64 [%rd3], %rd1;", "");
+    assert!(!loads_inside_a_loop(&dead, "phq_chase"), "a chase whose loads are dead was not seen");
+}

@@ -760,8 +760,10 @@ fn split_operands(s: &str) -> Vec<String> {
     out
 }
 
-/// An integer or floating-point literal (PTX, "Constants"): decimal, `0x` hex, a `U` suffix,
-/// a leading `-`; `0fXXXXXXXX` is the bits of an f32, `0dXXXXXXXXXXXXXXXX` of an f64.
+/// An integer or floating-point literal (PTX ISA, "Integer Constants" and "Floating-Point
+/// Constants"): as in C, decimal (a nonzero first digit), `0x` hex, `0b` binary and octal (a
+/// leading `0`: `0123` is 83, and `08` is no literal at all), a `U` suffix, a leading `-`;
+/// `0fXXXXXXXX` is the bits of an f32, `0dXXXXXXXXXXXXXXXX` of an f64.
 fn literal(s: &str) -> Option<u64> {
     let s = s.trim();
     if let Some(h) = s.strip_prefix("0f").or_else(|| s.strip_prefix("0F")) {
@@ -777,6 +779,10 @@ fn literal(s: &str) -> Option<u64> {
     let body = body.trim_end_matches('U');
     let v = if let Some(h) = body.strip_prefix("0x").or_else(|| body.strip_prefix("0X")) {
         u64::from_str_radix(h, 16).ok()?
+    } else if let Some(b) = body.strip_prefix("0b").or_else(|| body.strip_prefix("0B")) {
+        u64::from_str_radix(b, 2).ok()?
+    } else if let Some(o) = body.strip_prefix('0').filter(|o| !o.is_empty()) {
+        u64::from_str_radix(o, 8).ok()?
     } else if body.chars().all(|c| c.is_ascii_digit()) && !body.is_empty() {
         body.parse::<u64>().ok()?
     } else {
@@ -1226,6 +1232,12 @@ mod tests {
         assert_eq!(literal("0f3F800000"), Some(0x3F80_0000));
         assert_eq!(literal("0x10"), Some(16));
         assert_eq!(literal("-1"), Some(u64::MAX));
+        // As in C: a leading 0 is octal, 0b binary; a plain 0 is zero; 8 and 9 are no octal digits.
+        assert_eq!(literal("0123"), Some(83));
+        assert_eq!(literal("0123U"), Some(83));
+        assert_eq!(literal("0b101"), Some(5));
+        assert_eq!(literal("0"), Some(0));
+        assert_eq!(literal("089"), None);
         let e = parse(".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry k()\n{\n bra NOWHERE;\n}\n")
             .unwrap_err();
         assert!(e.message.contains("no label NOWHERE") && e.line == 6, "{e}");
