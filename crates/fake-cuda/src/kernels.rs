@@ -314,7 +314,7 @@ fn run_ptx(
             return code;
         }
     }
-    let start_ns = (w.stream_clock(stream) * 1e9) as u64;
+    let start_ns = GLOBALTIMER_EPOCH_NS + (w.stream_clock(stream) * 1e9) as u64;
     let couplings = (w.scenario.devices.iter().enumerate())
         .flat_map(|(d, spec)| {
             let base = BASE + d as u64 * SPAN;
@@ -414,6 +414,14 @@ impl Args {
         u32::from_le_bytes(self.bytes(i))
     }
 }
+
+/// What `%globaltimer` reads when the fake's clock starts: a GPU's timer is an absolute count of
+/// nanoseconds (PTX ISA, "Special Registers: %globaltimer": a 64-bit global nanosecond timer),
+/// shared by every kernel, not a count from the launch or from zero. Fixed here for repeatable
+/// runs, about 1.8e18 (the order of Unix time in nanoseconds), at a value whose low 32 bits wrap
+/// 65 µs after the start: a kernel that kept the timer or its deadline in 32 bits would see time
+/// run backwards in the first spin it makes, as it could on a GPU at any moment.
+pub(crate) const GLOBALTIMER_EPOCH_NS: u64 = 0x1900_0000_FFFF_0000;
 
 /// The 64-bit word the memory-test patterns put at byte address `a` (kernels.ptx, the pattern
 /// both memory-test kernels compute inline):
