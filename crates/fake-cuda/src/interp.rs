@@ -18,6 +18,11 @@
 //! - a shared access outside the block's shared variables: 700;
 //! - a read of a register never written (compute-sanitizer's initcheck reports uninitialised
 //!   device memory; a register is the same mistake one level down): CUDA_ERROR_LAUNCH_FAILED;
+//! - a read of a shared word no thread of the block has written: a block's shared memory starts
+//!   with whatever the SM last held there (CUDA C++ Programming Guide, "__shared__": a shared
+//!   variable cannot be initialised in its declaration; its content at block start is
+//!   undefined), so the fake fills it with garbage and refuses the read as it refuses an
+//!   unwritten register: CUDA_ERROR_LAUNCH_FAILED;
 //! - two threads of a block touching one shared word between barriers, one of them writing
 //!   (compute-sanitizer's racecheck: write-after-write, read-after-write, write-after-read
 //!   hazards): CUDA_ERROR_LAUNCH_FAILED;
@@ -124,6 +129,20 @@ struct Word {
     readers: bool,
 }
 
+/// What a block's shared memory holds before the block writes it: bytes of an xorshift stream
+/// seeded by the block's index, never the zeroes a kernel might silently count on.
+fn garbage(len: usize, block: u32) -> Vec<u8> {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(block).wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
 struct Block {
     shared: Vec<u8>,
     words: Vec<Word>,
@@ -185,8 +204,8 @@ pub fn run(
     }
     let words = (f.shared_bytes as usize).div_ceil(4);
     let mut bstate: Vec<Block> = (0..blocks)
-        .map(|_| Block {
-            shared: vec![0u8; f.shared_bytes as usize],
+        .map(|b| Block {
+            shared: garbage(f.shared_bytes as usize, b),
             words: vec![Word::default(); words],
             epoch: 1,
             running: per_block,
@@ -803,6 +822,9 @@ impl Launch<'_> {
                         word.writer = local;
                         word.written = bs.epoch;
                     } else {
+                        if word.written == 0 {
+                            return Err(self.fault(t, i, LAUNCH_FAILED, format!("a read of shared word {:#x}, which no thread of this block has written: on a GPU it holds whatever the SM left there", w * 4)));
+                        }
                         if other_wrote {
                             let [x, y, z] = coords(word.writer, self.block);
                             return Err(self.fault(t, i, LAUNCH_FAILED, format!("a race on shared word {:#x} (read-after-write): thread ({x},{y},{z}) wrote it since the last barrier", w * 4)));
@@ -932,6 +954,29 @@ mod tests {
         let f = launch(&raw(""), 1, 2, &mut mem).unwrap_err();
         assert!(f.message.contains("read-after-write"), "{f}");
         launch(&raw(" bar.sync 0;\n"), 1, 2, &mut mem).unwrap();
+    }
+
+    /// Shared memory is not zero at a block's start: a read of a word no thread wrote is refused
+    /// with where it happened, and the same word read after a barrier that follows its write is
+    /// fine.
+    #[test]
+    fn a_shared_word_read_before_any_write_is_refused() {
+        let kernel = |write_first: bool| {
+            let write = if write_first { " mov.u32 %r2, 7;\n st.shared.u32 [%r1], %r2;\n bar.sync 0;\n" } else { "" };
+            format!(
+                ".visible .entry k(.param .u64 p)\n{{\n .reg .b32 %r<4>;\n .reg .b64 %rd<3>;\n .shared .align 4 .b32 s[4];\n\
+                 mov.u32 %r1, s;\n{write} ld.shared.u32 %r3, [%r1];\n ld.param.u64 %rd1, [p];\n st.global.u32 [%rd1], %r3;\n ret;\n}}\n"
+            )
+        };
+        let mut mem = Flat { base: 0x1000, bytes: vec![0; 8] };
+        let f = launch(&kernel(false), 1, 1, &mut mem).unwrap_err();
+        assert!(f.message.contains("a read of shared word 0x0, which no thread of this block has written"), "{f}");
+        assert_eq!(f.code, LAUNCH_FAILED);
+        launch(&kernel(true), 1, 1, &mut mem).unwrap();
+        assert_eq!(&mem.bytes[..4], &7u32.to_le_bytes());
+        // And what it held before the write was no run of zeroes.
+        assert!(super::garbage(64, 0).iter().filter(|b| **b == 0).count() < 8);
+        assert_ne!(super::garbage(64, 0), super::garbage(64, 1), "each block its own");
     }
 
     #[test]
