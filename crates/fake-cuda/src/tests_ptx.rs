@@ -496,6 +496,31 @@ fn sgemm_and_gemm_check_match_the_ptx() {
         let what = format!("gemm_check n = {n}, grid {grid} × {block}");
         p.launch(&what, "phq_gemm_check", &[A::U64(c), A::U32(n as u32), A::U64(table), A::U64(result)], grid, block);
         p.same_result(&what, result);
+
+        // And against a C that is the table's own product but for three planted entries: few
+        // enough that every mismatch is kept, so the records themselves are compared, each
+        // (index, the word read, the word expected) exactly, on both paths.
+        let t_at = |i: usize, j: usize| &t[4 * ((i % 17) * 17 + j % 17)..][..4];
+        let mut right: Vec<u8> = (0..n * n).flat_map(|e| t_at(e % n, e / n).to_vec()).collect();
+        let planted: Vec<usize> = [3, n * n / 2 + 1, n * n - 1].to_vec();
+        let mut want = Vec::new();
+        for (k, e) in planted.iter().enumerate() {
+            let bits = (100.0 + k as f32).to_le_bytes();
+            right[4 * e..4 * e + 4].copy_from_slice(&bits);
+            let expected = u32::from_le_bytes(t_at(e % n, e / n).try_into().unwrap());
+            want.push([*e as u64, u64::from(u32::from_le_bytes(bits)), u64::from(expected)]);
+        }
+        p.write(c, &right);
+        p.write(result, &[0u8; 200]);
+        let what = format!("gemm_check n = {n} with 3 planted entries, grid {grid} × {block}");
+        p.launch(&what, "phq_gemm_check", &[A::U64(c), A::U32(n as u32), A::U64(table), A::U64(result)], grid, block);
+        assert_eq!(p.same_result(&what, result), 3, "{what}");
+        let b = p.ptx.read(result, 200);
+        let mut got: Vec<[u64; 3]> = (0..3)
+            .map(|r| std::array::from_fn(|k| u64::from_le_bytes(b[8 + 24 * r + 8 * k..][..8].try_into().unwrap())))
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, want, "{what}: the records are (index, read, expected)");
     }
 }
 
