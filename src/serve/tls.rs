@@ -75,19 +75,8 @@ pub fn vsock_acceptor(vsock: &crate::config::VsockConfig, state_dir: &std::path:
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let ca = vsock.client_ca.display().to_string();
-    let mut roots = RootCertStore::empty();
-    for c in CertificateDer::pem_file_iter(&vsock.client_ca).map_err(|e| anyhow!("{ca} (vsock.client_ca): {e}"))? {
-        roots
-            .add(c.map_err(|e| anyhow!("{ca} (vsock.client_ca): {e}"))?)
-            .map_err(|e| anyhow!("{ca} (vsock.client_ca): {e}"))?;
-    }
-    if roots.is_empty() {
-        anyhow::bail!("{ca} (vsock.client_ca): no certificate in it");
-    }
-    // No `allow_unauthenticated`: a client without a certificate fails the handshake.
-    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-        .build()
-        .map_err(|e| anyhow!("{ca} (vsock.client_ca): {e}"))?;
+    // KubeVirt's bundle, read again at the first handshake after the file changes (client_ca.rs).
+    let verifier = super::client_ca::ReloadingCa::new(&vsock.client_ca, provider.clone())?;
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .context("TLS 1.3")?
@@ -105,6 +94,12 @@ pub fn vsock_acceptor(vsock: &crate::config::VsockConfig, state_dir: &std::path:
             builder.with_single_cert(certs, key).map_err(|e| anyhow!("{} / {}: {e}", vsock.cert, vsock.key))?;
         (config, None, format!("server certificate {}", vsock.cert))
     };
+    // No session resumption: a resumed TLS 1.3 session skips the client certificate (RFC 8446
+    // §2.2, the PSK stands in for it), so a client the bundle no longer trusts (a rotated or
+    // replaced CA) would keep its access for the ticket's lifetime. The platform polls every
+    // 30 s or so; a full handshake each time costs a few milliseconds.
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    config.send_tls13_tickets = 0;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(VsockTls {
         acceptor: Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))),

@@ -242,6 +242,8 @@ mod tests {
         ca: String,
         client: (String, String),
         stranger: (String, String),
+        /// The stranger's CA: the bundle a rotation would bring.
+        other_ca: String,
     }
 
     fn pki() -> Pki {
@@ -257,7 +259,7 @@ mod tests {
             (cert.pem(), key.serialize_pem())
         };
         let (ca, other) = (ca_of("KubeVirt test CA"), ca_of("another CA"));
-        Pki { ca: ca.pem(), client: leaf(&ca), stranger: leaf(&other) }
+        Pki { ca: ca.pem(), client: leaf(&ca), stranger: leaf(&other), other_ca: other.pem() }
     }
 
     fn published() -> Shared {
@@ -395,6 +397,50 @@ mod tests {
             // Plain HTTP on the TLS port is not HTTP to it either.
             let plain = get(&socket, None, "/healthz", "").await;
             assert!(plain.as_ref().map_or(true, |a| !a.starts_with("HTTP/1.1 200")), "{plain:?}");
+        });
+    }
+
+    /// KubeVirt's CA rotates: a bundle put in place of the old one is what the next handshake is
+    /// checked against, without a restart; a broken or missing file leaves the last good bundle
+    /// in force (client_ca.rs).
+    #[test]
+    fn a_replaced_ca_bundle_is_in_force_at_the_next_handshake() {
+        let pki = pki();
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        // As a platform replaces it: a new file renamed over the old one.
+        let put = |text: &str| {
+            let tmp = dir.path().join("ca.pem.new");
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, &ca).unwrap();
+        };
+        put(&pki.ca);
+        let config = crate::config::VsockConfig { client_ca: ca.clone(), ..Default::default() };
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let socket = start(&rt, dir.path(), &config);
+        let server_cert = dir.path().join("state/vsock/server.crt");
+        let tls13: &[&'static rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+        rt.block_on(async {
+            let (platform, rotated) =
+                (client(&server_cert, Some(&pki.client), tls13), client(&server_cert, Some(&pki.stranger), tls13));
+            let status = |got: Result<String, String>| match got {
+                Ok(a) => status_of(&a).to_string(),
+                Err(e) => e,
+            };
+            assert_eq!(status(get(&socket, Some(&platform), "/healthz", "").await), "HTTP/1.1 200 OK");
+            assert!(status(get(&socket, Some(&rotated), "/healthz", "").await).contains("UnknownCA"));
+
+            put(&pki.other_ca);
+            assert_eq!(status(get(&socket, Some(&rotated), "/healthz", "").await), "HTTP/1.1 200 OK", "the new CA");
+            assert!(status(get(&socket, Some(&platform), "/healthz", "").await).contains("UnknownCA"), "the old CA");
+
+            for broken in ["not a certificate\n", ""] {
+                put(broken);
+                assert_eq!(status(get(&socket, Some(&rotated), "/healthz", "").await), "HTTP/1.1 200 OK", "{broken:?}");
+            }
+            std::fs::remove_file(&ca).unwrap();
+            assert_eq!(status(get(&socket, Some(&rotated), "/healthz", "").await), "HTTP/1.1 200 OK", "file gone");
+            assert!(status(get(&socket, Some(&platform), "/healthz", "").await).contains("UnknownCA"));
         });
     }
 
