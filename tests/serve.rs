@@ -580,27 +580,8 @@ fn serve_takes_the_socket_systemd_passes() {
             activate.arg(format!("--setenv={}={}", k.to_string_lossy(), v.to_string_lossy()));
         }
     }
-    let mut child = activate
-        .arg(serve.get_program())
-        .args(serve.get_args())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
     let started = Instant::now();
-    while listening_ports(child.id()).is_empty() {
-        assert!(child.try_wait().unwrap().is_none(), "systemd-socket-activate exited");
-        assert!(started.elapsed() < Duration::from_secs(10), "systemd-socket-activate did not listen");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let child = Kill(child);
+    let child = activated(activate.arg(serve.get_program()).args(serve.get_args()).stderr(Stdio::null()));
     // The first connection starts the service, which then accepts it on the passed socket.
     let (code, resp) = get(port, "/healthz", "");
     assert!(code == 200 || code == 503, "{resp}");
@@ -673,28 +654,9 @@ fn serve_takes_both_sockets_systemd_passes_by_name() {
         }
     }
     let log = dir.path().join("serve.log");
-    let mut child = activate
-        .arg(serve.get_program())
-        .args(serve.get_args())
-        .arg("-v")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let started = Instant::now();
-    while listening_ports(child.id()).is_empty() {
-        assert!(child.try_wait().unwrap().is_none(), "systemd-socket-activate exited");
-        assert!(started.elapsed() < Duration::from_secs(10), "systemd-socket-activate did not listen");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let child = Kill(child);
+    let child = activated(
+        activate.arg(serve.get_program()).args(serve.get_args()).arg("-v").stderr(std::fs::File::create(&log).unwrap()),
+    );
     let (code, resp) = get(port, "/healthz", "");
     assert!(code == 200 || code == 503, "{resp}");
     let said = |needle: &str| {
@@ -803,4 +765,26 @@ fn tcp_off_serves_no_tcp_and_says_what_became_of_vsock() {
     } else {
         assert_eq!(err.matches("no vsock device").count(), 1, "one line: {err}");
     }
+}
+
+/// `systemd-socket-activate` (and the service it starts), killed when dropped.
+struct Activated(std::process::Child);
+
+impl Drop for Activated {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `activate` and waits until it listens on the socket it will pass.
+fn activated(activate: &mut Command) -> Activated {
+    let mut child = activate.stdout(Stdio::null()).spawn().unwrap();
+    let started = Instant::now();
+    while listening_ports(child.id()).is_empty() {
+        assert!(child.try_wait().unwrap().is_none(), "systemd-socket-activate exited");
+        assert!(started.elapsed() < Duration::from_secs(10), "systemd-socket-activate did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Activated(child)
 }
