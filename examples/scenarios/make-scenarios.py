@@ -544,7 +544,26 @@ def cuda_hgx_toolkit_too_new():
     return s
 
 
+def cuda_h100_nvl_pair():
+    """The bridged H100 NVL pair (NVML's h100-nvl-pair): peer copies at 257 GB/s, what healthy NC
+    H100 v5 pairs measure (azurehpc-health-checks#162: 256.63 GB/s each way). HBM and SGEMM are
+    the scenario's choice, DCGM's H100 NVL floors (2043 GB/s, 25.6 TFLOP/s) over its 0.75."""
+    gpus = [cuda_gpu("NVIDIA H100 NVL", b, i, 100485038080, 55.0, 2724.0, 34.1) for i, b in enumerate(NVL_BUSES)]
+    return {"driver_version": CUDA_DRIVER_API, "devices": gpus,
+            "peers": {"access": True, "gbps": 257.0, "nvlink": True, "pairs": []}}
+
+
+def cuda_h100_nvl_pair_slow():
+    """The bridged pair copying at 171 GB/s, the share of 8 of its 12 links (257 x 8 / 12): below
+    the bridged floor of 223 GB/s."""
+    s = cuda_h100_nvl_pair()
+    s["peers"]["gbps"] = 171.0
+    return s
+
+
 CUDA_SCENARIOS = {
+    "cuda-h100-nvl-pair": cuda_h100_nvl_pair,
+    "cuda-h100-nvl-pair-slow": cuda_h100_nvl_pair_slow,
     "cuda-hgx-8gpu": cuda_hgx,
     "cuda-hgx-8gpu-ecc": cuda_hgx_ecc,
     "cuda-hgx-8gpu-exclusive": cuda_hgx_exclusive,
