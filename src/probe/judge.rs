@@ -702,7 +702,7 @@ fn p2p_finding(report: &ProbeReport, g: &GpuProbes, floor: Option<f64>, bridge_o
             (Some(fl), Some((dst, v))) if v < fl => Finding::fail(ID, format!("slowest NVLink peer copy {v:.0} GB/s (to GPU {dst}), below the floor of {fl:.0} GB/s"))
                 .detail(scope.clone())
                 .remedy("Check nvlink.links-active and nvlink.errors for the pair; restart the VM; report the GPUs to the platform if it stays low."),
-            (Some(fl), _) if !(pcie.is_empty() && none.is_empty()) && !bridge_optional => {
+            (Some(fl), _) if !bridge_optional && (!pcie.is_empty() || !none.is_empty()) => {
                 let without: Vec<usize> = pcie.iter().chain(&none).copied().collect();
                 let summary = if nvlink.is_empty() {
                     "no NVLink between these GPUs in this VM".to_string()
