@@ -181,6 +181,39 @@ pub const TEMPERATURE_MARGIN_C: u32 = 5;
 /// NVLinks per H100/H200 SXM GPU (NVLink 4). Source: `nvidia-smi nvlink -s` on HGX H100.
 pub const NVLINKS_PER_SXM_GPU: usize = 18;
 
+/// How a SKU's GPUs use NVLink, and so how many links NVML should show active on each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NvlinkUse {
+    /// SXM on an HGX board: every link NVML lists runs to the NVSwitches.
+    Switched,
+    /// PCIe cards joined in pairs by NVLink bridges, which wire `links` of the links NVML lists.
+    /// `bridge_required`: the product is the bridged pair (H100 NVL), so a peer of the same SKU in
+    /// the VM without links is a fault; otherwise the bridge is an option (H100 PCIe), and a card
+    /// without active links simply has none fitted.
+    Bridged { links: usize, bridge_required: bool },
+}
+
+/// NVLinks an NVLink bridge set wires on an H100 PCIe or H100 NVL pair: 12 of the 18 NVML lists.
+/// Sources: NVIDIA's H100 PCIe product brief (PB-11133-001) and H100 NVL product page give the
+/// bridged pair 600 GB/s bidirectional, which is 12 NVLink 4 links at 50 GB/s each (NVLink 4's
+/// 900 GB/s over 18 links on SXM); Azure's NC H100 v5 VMs show exactly 12 active and links
+/// 4, 5, 10, 11, 16, … inactive "by design" (azurehpc-health-checks#162).
+pub const NVLINKS_PER_BRIDGED_H100: usize = 12;
+
+/// The NVLink use of a SKU, or `None` where no public source says how many links it wires (H800
+/// and H200 NVL, unknown ids): those GPUs are judged by every link NVML lists.
+pub fn nvlink_use(device_id: u16) -> Option<NvlinkUse> {
+    match device_id {
+        // H100 SXM5 80 GB and its 94/64/96 GB variants; H200 SXM (NVLINKS_PER_SXM_GPU).
+        0x2330 | 0x2339 | 0x2337 | 0x2338 | 0x2335 => Some(NvlinkUse::Switched),
+        // H100 NVL: sold as a bridged pair (NVIDIA's H100 NVL: two cards, NVLink bridge).
+        0x2321 => Some(NvlinkUse::Bridged { links: NVLINKS_PER_BRIDGED_H100, bridge_required: true }),
+        // H100 PCIe: bridges optional (H100 PCIe product brief: "NVLink bridge" as an option).
+        0x2331 => Some(NvlinkUse::Bridged { links: NVLINKS_PER_BRIDGED_H100, bridge_required: false }),
+        _ => None,
+    }
+}
+
 /// Clock-event reasons and how bad each is while it is active. Source: NVML
 /// `nvmlClocksEventReason*` documentation; DCGM treats HW slowdown and power brake as
 /// failures of the node's cooling or power, SW thermal as a warning.
@@ -211,7 +244,8 @@ pub struct ProbeFloors {
     pub d2h_gbps: Option<f64>,
     /// Device-local copy, counting bytes read plus bytes written (the basis of DCGM's figures).
     pub d2d_gbps: Option<f64>,
-    /// One GPU↔GPU peer copy over NVLink through NVSwitches.
+    /// One GPU↔GPU peer copy over NVLink: through NVSwitches on SXM, over the bridges of a
+    /// bridged PCIe pair.
     pub p2p_gbps: Option<f64>,
     /// FP32 GEMM, TFLOP/s.
     pub gemm_tflops: Option<f64>,
@@ -225,6 +259,14 @@ const PCIE_GEN5_FLOOR_GBPS: f64 = 48.0;
 /// NVLink 4 fabric (18 links), so the same floor. H800 has 8 NVLinks and reaches ~160 GB/s
 /// (deepseek-ai/DeepEP#16): no public floor, so its pairs are measured, not judged.
 const NVSWITCH_P2P_FLOOR_GBPS: f64 = 335.0;
+
+/// GPU↔GPU over the NVLink bridges of an H100 NVL or H100 PCIe pair: the NVSwitch floor scaled to
+/// the bridge's 12 of 18 links, 335 × 12 / 18 ≈ 223 GB/s. Healthy bridged pairs measure about
+/// 257 GB/s (azurehpc-health-checks#162, NC H100 v5, where Azure's SXM floor of 335 fails every
+/// healthy pair): a margin of 15 %, a little wider than the SXM floor's 12 % under the ~376 GB/s
+/// healthy SXM pairs reach (NVIDIA/nccl#1264).
+const BRIDGED_P2P_FLOOR_GBPS: f64 =
+    NVSWITCH_P2P_FLOOR_GBPS * NVLINKS_PER_BRIDGED_H100 as f64 / NVLINKS_PER_SXM_GPU as f64;
 
 /// Per SKU: DCGM's diagnostic floors (`diag-skus.yaml.in`): the memory-bandwidth test's floor
 /// (read + write, TB/s → GB/s) and the targeted-stress FP32 GEMM target (TFLOP/s). The variants
@@ -243,11 +285,13 @@ pub fn probe_floors(device_id: u16) -> ProbeFloors {
         0x2330 | 0x2339 | 0x2337 | 0x2338 => sku(1905.0, 29.3, Some(NVSWITCH_P2P_FLOOR_GBPS)),
         // H800 SXM: H100 SXM silicon with 8 NVLinks.
         0x2324 => sku(1905.0, 29.3, None),
-        // H100 PCIe and H800 PCIe.
-        0x2331 | 0x2322 => sku(1230.0, 15.4, None),
+        // H100 PCIe: its bridged pairs' floor (a pair without a bridge has no NVLink pair to judge).
+        0x2331 => sku(1230.0, 15.4, Some(BRIDGED_P2P_FLOOR_GBPS)),
+        // H800 PCIe.
+        0x2322 => sku(1230.0, 15.4, None),
         // H100 NVL. A second id for it could not be confirmed from a public source (NVIDIA's
         // gpu-admin-tools lists 0x233D only as "H100"), so 0x233D gets no floors.
-        0x2321 => sku(2043.0, 25.6, None),
+        0x2321 => sku(2043.0, 25.6, Some(BRIDGED_P2P_FLOOR_GBPS)),
         // H200 SXM: 0.75 × 3.11 TB/s measured.
         0x2335 => sku(2333.0, 37.5, Some(NVSWITCH_P2P_FLOOR_GBPS)),
         // H200 NVL.

@@ -772,6 +772,7 @@ fn every_finding_routes_as_the_documented_table_says() {
     assert!(section.contains("`RESTART_BM` → `reboot_host`/platform"));
     let sysroot_of = |scenario: &str| match scenario {
         s if s.starts_with("h100-pcie") => "h100-pcie-single",
+        s if s.starts_with("h100-nvl") => "h100-nvl-pair",
         s if s.starts_with("h200") => "h200-single",
         s if s.starts_with("hgx-8gpu-xid79") => "hgx-8gpu-xid79",
         _ => "hgx-8gpu-healthy",
@@ -995,4 +996,47 @@ fn doctor_reports_the_vsock_cid_or_none() {
     assert_eq!(report["host"]["vsock_cid"], 42);
     let table = run(false);
     assert!(table.lines().next().unwrap().contains("vsock CID 42"), "{table}");
+}
+
+/// An H100 NVL pair's bridges wire 12 of the 18 links NVML lists: the six others are inactive by
+/// design and no alarm; one wired link down fails its GPU by name; a start where no link trained
+/// (Azure/azhpc-images#443) fails both GPUs as the platform's move.
+#[test]
+fn a_bridged_h100_nvl_pair_is_judged_by_the_links_its_bridge_wires() {
+    let finding = |r: &Value, gpu: &str| -> Value {
+        r["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["id"] == "nvlink.links-active" && f["gpu"] == gpu)
+            .unwrap_or_else(|| panic!("no nvlink.links-active for {gpu}: {r:#}"))
+            .clone()
+    };
+    let (a, b) = ("0000:09:00.0", "0000:0a:00.0");
+
+    let (_, r, _) = common::doctor("h100-nvl-pair", "h100-nvl-pair", None, None, &[]);
+    for gpu in [a, b] {
+        let f = finding(&r, gpu);
+        assert_eq!(f["severity"], "pass", "{f:#}");
+        assert_eq!(f["summary"], "12/18 NVLinks active, the 12 an H100 NVL bridge wires", "{f:#}");
+    }
+
+    let (code, r, _) = common::doctor("h100-nvl-pair", "h100-nvl-pair-link-down", None, None, &[]);
+    assert_eq!(code, 2);
+    assert_eq!(finding(&r, a)["severity"], "pass");
+    let f = finding(&r, b);
+    assert_eq!(f["severity"], "fail", "{f:#}");
+    assert_eq!(f["summary"], "1 of the 12 bridged NVLinks down (11/18 active)");
+    assert!(f["detail"].as_str().unwrap().contains("links 4, 5, 7, 10, 11, 16, 17"), "{f:#}");
+    assert_eq!(f["owner"], "platform");
+
+    let (code, r, _) = common::doctor("h100-nvl-pair", "h100-nvl-pair-links-absent", None, None, &[]);
+    assert_eq!(code, 2);
+    for (gpu, peer) in [(a, b), (b, a)] {
+        let f = finding(&r, gpu);
+        assert_eq!(f["severity"], "fail", "{f:#}");
+        assert_eq!(f["summary"], format!("no NVLink active to its bridged peer {peer} (12 expected)"));
+        assert_eq!(f["owner"], "platform");
+        assert!(f["remedy"].as_str().unwrap().starts_with("The platform's move"), "{f:#}");
+    }
 }

@@ -1062,3 +1062,22 @@ fn a_toolkit_newer_than_the_driver_falls_back_to_the_agents_kernels_and_says_why
     // Warnings only: the tenant's move, nothing failed.
     assert_eq!(p.code, 1, "{}", p.stderr);
 }
+
+/// A bridged H100 NVL pair is held to the bridge's floor (223 GB/s: the NVSwitch floor for its 12
+/// of 18 links), not the SXM board's 335: the 257 GB/s healthy pairs copy at passes, a pair at
+/// the share of 8 links fails.
+#[test]
+fn a_bridged_h100_nvl_pair_is_held_to_the_bridges_floor() {
+    let r = Run::new("h100-nvl-pair", "h100-nvl-pair", "cuda-h100-nvl-pair");
+    let p = r.run(&[]);
+    for gpu in ["0000:09:00.0", "0000:0a:00.0"] {
+        let f = p.finding("probe.p2p-bandwidth", gpu);
+        assert_eq!(f["severity"], "pass", "{f}");
+    }
+    assert!(p.peers().iter().all(|l| l["scope"] == "nvlink"), "{:?}", p.peers());
+    let r = Run::new("h100-nvl-pair", "h100-nvl-pair", "cuda-h100-nvl-pair-slow");
+    let p = r.run(&[]);
+    let f = p.finding("probe.p2p-bandwidth", "0000:09:00.0");
+    assert_eq!(f["severity"], "fail", "{f}");
+    assert!(f["summary"].as_str().unwrap().contains("below the floor of 223 GB/s"), "{f}");
+}

@@ -273,6 +273,59 @@ def hgx_sram_uncorrectable():
     return s
 
 
+# The links an H100 NVL / H100 PCIe bridge leaves unwired, as NVML listed them inactive on Azure's
+# NC H100 v5 (azurehpc-health-checks#162 names 4, 5, 10, 11, 16, ...; 17 for the sixth is this
+# scenario's choice): 12 of the 18 links run over the bridges (facts::NVLINKS_PER_BRIDGED_H100).
+NVL_UNWIRED = {4, 5, 10, 11, 16, 17}
+NVL_BUSES = [0x09, 0x0A]
+
+
+def h100_nvl(i, bus, peer):
+    return {
+        "name": "NVIDIA H100 NVL",
+        "uuid": f"GPU-9d3e5f70-{i:04x}-4000-8000-0000000000{bus:02x}",
+        "pci": {"bus_id": f"00000000:{bus:02X}:00.0", "pci_device_id": "0x232110DE"},
+        # 94 GB of HBM3 (NVIDIA's H100 NVL); the byte count is the scenario's choice.
+        "memory": {"total_bytes": 100485038080, "used_bytes": 0},
+        "temperature_c": 34 + i,
+        "persistence_mode": True,
+        # A card, not a baseboard module: NVML's module id is 0 off a baseboard.
+        "module_id": 0,
+        "processes": [],
+        "utilization": {"gpu": 0, "memory": 0},
+        # Each wired link runs to the bridged peer (nvmlDeviceGetNvLinkRemotePciInfo_v2 names it);
+        # an unwired one answers no remote end.
+        "nvlinks": [{"active": link not in NVL_UNWIRED, **({} if link in NVL_UNWIRED else {"remote_pci": f"00000000:{peer:02X}:00.0"})}
+                    for link in range(18)],
+        "nvlink_p2p": "ok",
+    }
+
+
+def h100_nvl_pair():
+    """Two H100 NVL cards joined by their NVLink bridges, as Azure's NC80adis H100 v5 gives them:
+    12 of the 18 links NVML lists active on each, the rest unwired by design."""
+    a, b = NVL_BUSES
+    return {**DRIVER, "devices": [h100_nvl(0, a, b), h100_nvl(1, b, a)]}
+
+
+def h100_nvl_pair_link_down():
+    """The bridged pair with link 7 of GPU 0000:0a:00.0 down: 11 of its 12 wired links active."""
+    s = h100_nvl_pair()
+    s["devices"][1]["nvlinks"][7] = {"active": False}
+    return s
+
+
+def h100_nvl_pair_links_absent():
+    """The bridged pair after a start where no link trained (Azure/azhpc-images#443: 29 of 50
+    starts, `nvidia-smi topo -m` showing SYS between the two GPUs): every link inactive on both,
+    and NVML reports no NVLink path between them."""
+    s = h100_nvl_pair()
+    for d in s["devices"]:
+        d["nvlinks"] = [{"active": False} for _ in range(18)]
+        d["nvlink_p2p"] = "not_supported"
+    return s
+
+
 def init_error(code):
     return {"init_error": code}
 
@@ -291,6 +344,9 @@ SCENARIOS = {
     "hgx-8gpu-mixed-vbios": hgx_mixed_vbios,
     "hgx-8gpu-sram-uncorrectable": hgx_sram_uncorrectable,
     "h100-pcie-vm-unsupported": vm_unsupported,
+    "h100-nvl-pair": h100_nvl_pair,
+    "h100-nvl-pair-link-down": h100_nvl_pair_link_down,
+    "h100-nvl-pair-links-absent": h100_nvl_pair_links_absent,
     "h200-vm": h200_vm,
     "h200-vm-agent-context": h200_vm_agent_context,
     "h200-vm-ecc-rising": h200_vm_ecc_rising,
@@ -488,7 +544,26 @@ def cuda_hgx_toolkit_too_new():
     return s
 
 
+def cuda_h100_nvl_pair():
+    """The bridged H100 NVL pair (NVML's h100-nvl-pair): peer copies at 257 GB/s, what healthy NC
+    H100 v5 pairs measure (azurehpc-health-checks#162: 256.63 GB/s each way). HBM and SGEMM are
+    the scenario's choice, DCGM's H100 NVL floors (2043 GB/s, 25.6 TFLOP/s) over its 0.75."""
+    gpus = [cuda_gpu("NVIDIA H100 NVL", b, i, 100485038080, 55.0, 2724.0, 34.1) for i, b in enumerate(NVL_BUSES)]
+    return {"driver_version": CUDA_DRIVER_API, "devices": gpus,
+            "peers": {"access": True, "gbps": 257.0, "nvlink": True, "pairs": []}}
+
+
+def cuda_h100_nvl_pair_slow():
+    """The bridged pair copying at 171 GB/s, the share of 8 of its 12 links (257 x 8 / 12): below
+    the bridged floor of 223 GB/s."""
+    s = cuda_h100_nvl_pair()
+    s["peers"]["gbps"] = 171.0
+    return s
+
+
 CUDA_SCENARIOS = {
+    "cuda-h100-nvl-pair": cuda_h100_nvl_pair,
+    "cuda-h100-nvl-pair-slow": cuda_h100_nvl_pair_slow,
     "cuda-hgx-8gpu": cuda_hgx,
     "cuda-hgx-8gpu-ecc": cuda_hgx_ecc,
     "cuda-hgx-8gpu-exclusive": cuda_hgx_exclusive,

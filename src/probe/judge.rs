@@ -39,14 +39,9 @@ pub fn judge_here(report: &ProbeReport, targets: &[Target], state_dir: &std::pat
 /// Turns a report into `probe.*` findings against the floors of each GPU's SKU.
 pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
     let mut out = Vec::new();
-    let floors_of = |pci: &str| -> ProbeFloors {
-        targets
-            .iter()
-            .find(|t| t.pci == pci)
-            .and_then(|t| t.device_id)
-            .map(facts::probe_floors)
-            .unwrap_or(facts::probe_floors(0))
-    };
+    let device_of = |pci: &str| targets.iter().find(|t| t.pci == pci).and_then(|t| t.device_id);
+    let floors_of =
+        |pci: &str| -> ProbeFloors { device_of(pci).map(facts::probe_floors).unwrap_or(facts::probe_floors(0)) };
     for s in &report.skipped {
         for id in crate::checks::CATALOG.iter().filter(|id| id.starts_with("probe.")) {
             out.push(Finding::unknown(id, format!("skipped: {}", s.reason)).gpu(&s.pci));
@@ -119,7 +114,11 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
             };
             out.push(beside(f.gpu(&g.pci), seen("gemm_sustained")));
         }
-        out.push(p2p_finding(report, g, f.p2p_gbps));
+        // An H100 PCIe may have no bridge fitted: its pairs over PCIe are then no fault.
+        let bridge_optional = device_of(&g.pci)
+            .and_then(facts::nvlink_use)
+            .is_some_and(|u| matches!(u, facts::NvlinkUse::Bridged { bridge_required: false, .. }));
+        out.push(p2p_finding(report, g, f.p2p_gbps, bridge_optional));
     }
     if let Some(n) = &report.nvlink {
         out.push(scope_finding(report, n, &floors_of));
@@ -653,7 +652,7 @@ fn gemm_finding(id: &str, o: &Outcome<GemmResult>, floor: Option<f64>) -> Findin
     }
 }
 
-fn p2p_finding(report: &ProbeReport, g: &GpuProbes, floor: Option<f64>) -> Finding {
+fn p2p_finding(report: &ProbeReport, g: &GpuProbes, floor: Option<f64>, bridge_optional: bool) -> Finding {
     const ID: &str = "probe.p2p-bandwidth";
     let row: Vec<&PeerLink> = report.peers.iter().filter(|l| l.src == g.ordinal).collect();
     if row.is_empty() {
@@ -703,7 +702,7 @@ fn p2p_finding(report: &ProbeReport, g: &GpuProbes, floor: Option<f64>) -> Findi
             (Some(fl), Some((dst, v))) if v < fl => Finding::fail(ID, format!("slowest NVLink peer copy {v:.0} GB/s (to GPU {dst}), below the floor of {fl:.0} GB/s"))
                 .detail(scope.clone())
                 .remedy("Check nvlink.links-active and nvlink.errors for the pair; restart the VM; report the GPUs to the platform if it stays low."),
-            (Some(fl), _) if !(pcie.is_empty() && none.is_empty()) => {
+            (Some(fl), _) if !bridge_optional && (!pcie.is_empty() || !none.is_empty()) => {
                 let without: Vec<usize> = pcie.iter().chain(&none).copied().collect();
                 let summary = if nvlink.is_empty() {
                     "no NVLink between these GPUs in this VM".to_string()
@@ -711,7 +710,7 @@ fn p2p_finding(report: &ProbeReport, g: &GpuProbes, floor: Option<f64>) -> Findi
                     format!("no NVLink to GPU(s) {without:?} in this VM")
                 };
                 Finding::warn(ID, summary)
-                    .detail(format!("{scope}. SXM GPUs reach {fl:.0} GB/s and more over NVLink; without it collectives crawl over PCIe."))
+                    .detail(format!("{scope}. This SKU's pairs reach {fl:.0} GB/s and more over NVLink; without it collectives crawl over PCIe."))
                     .remedy("If the VM should have NVLink: pass the NVSwitches through (or have the host's fabric manager share them) and check fabric.state.")
             }
             _ => match slowest {

@@ -209,3 +209,20 @@ fn unusable_gpus_are_skipped_with_their_reason() {
     let f = judge(&r, &t);
     assert_eq!(sev(&f, "probe.gemm", "0000:0a:00.0"), Severity::Unknown);
 }
+
+#[test]
+fn a_pcie_pair_is_a_warning_only_where_the_sku_promises_nvlink() {
+    // Two cards without NVLink between them: an H100 PCIe may have no bridge fitted (no alarm),
+    // an H100 NVL is sold bridged (the pair lacks its NVLink: a warning).
+    for (device, want) in [(0x2331, Severity::Pass), (0x2321, Severity::Warn)] {
+        let mut b = SimGpus::hgx();
+        b.p2p = 40.0;
+        let mut t = targets(2);
+        t.iter_mut().for_each(|t| {
+            t.nvlinks_active = 0;
+            t.device_id = Some(device);
+        });
+        let f = judge(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t);
+        assert_eq!(sev(&f, "probe.p2p-bandwidth", "0000:09:00.0"), want, "{device:#x}");
+    }
+}
