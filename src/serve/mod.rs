@@ -47,6 +47,7 @@
 //!    `service::events`, `XidWindow`, `unseen_kernel_xids`.
 
 pub mod agent_checks;
+pub mod bug_bundle;
 pub mod dbus;
 pub mod http;
 pub mod memory;

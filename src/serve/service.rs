@@ -185,6 +185,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         heartbeat: event_beat.clone(),
         first_snapshot: first.snapshot.clone(),
         first_json: first.json.clone(),
+        last_snapshot: first.snapshot.clone(),
+        bundler: super::bug_bundle::Bundler::new(state_dir.clone(), root.is_live()),
     }));
     let probe_task = tokio::spawn(probes(probe_asks, desk.clone(), to_snapshotter.clone(), state_dir.clone(), margin));
     // Rule 1's probes at boot, before workloads start, when asked.
@@ -615,6 +617,9 @@ struct Events {
     heartbeat: Heartbeat,
     first_snapshot: Arc<Snapshot>,
     first_json: Bytes,
+    /// The snapshot `last` was judged from, for a fatal Xid's support bundle.
+    last_snapshot: Arc<Snapshot>,
+    bundler: super::bug_bundle::Bundler,
 }
 
 impl Events {
@@ -673,6 +678,8 @@ async fn events(mut e: Events) {
             biased;
             _ = stopped(e.stop.clone()) => break,
             Some(x) = e.xids.recv() => {
+                // A fatal Xid's support bundle, on a thread of its own (bug_bundle's rules).
+                e.bundler.on_xid(&x.gpu, x.xid, e.last_snapshot.clone(), e.last.clone());
                 // Rule 6: the first of a kind goes at once and is judged at once; repeats wait.
                 if let Some(event) = xids.note(Seen::Xid { gpu: x.gpu.clone(), xid: x.xid }, Instant::now()) {
                     tracing::warn!(gpu = %x.gpu, xid = x.xid, "Xid");
@@ -714,6 +721,7 @@ async fn events(mut e: Events) {
                     status_pushed = Instant::now();
                 }
                 e.last = t.report;
+                e.last_snapshot = t.snapshot;
             }
         }
     }
