@@ -227,3 +227,60 @@ fn a_fatal_xid_makes_a_bundle_with_the_log_and_a_non_fatal_one_none() {
         "{metrics}"
     );
 }
+
+/// The service goes on while the script hangs: Xid 79 starts a bundle whose script sleeps; while
+/// it does, /healthz answers and a later Xid still reaches the metrics (the event task is not
+/// waiting on the script); at the deadline the bundle is made and says the script timed out.
+#[test]
+fn a_hanging_script_never_holds_up_the_service() {
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let started = dir.path().join("started");
+    let s = script(dir.path(), "hang.sh", &format!("echo $$ > {started:?}\nsleep 1000"));
+    let mut scenario: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("examples/scenarios/hgx-8gpu-healthy.json")).unwrap(),
+    )
+    .unwrap();
+    scenario["devices"][3]["xid_events"] = serde_json::json!([{"xid": 79, "after_ms": 1500}]);
+    scenario["devices"][2]["xid_events"] = serde_json::json!([{"xid": 13, "after_ms": 4000}]);
+    let scenario_path = dir.path().join("scenario.json");
+    std::fs::write(&scenario_path, serde_json::to_vec(&scenario).unwrap()).unwrap();
+    let cfg = service_config(dir.path(), "t0ken-bug-report", "[probes]\nat_boot = \"none\"\n");
+    let mut cmd = serve_command(&cfg, &scenario_path, &bus);
+    // Long enough that the 13 comes while the script still sleeps.
+    cmd.env("PHQ_BUG_REPORT_SCRIPT", &s).env("PHQ_BUG_REPORT_TIMEOUT", "20s");
+    let mut agent = Killed(cmd.spawn().unwrap());
+    let port = listening_port(&mut agent.0).expect("the service listens");
+    let until = Instant::now() + Duration::from_secs(60);
+    while !started.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(started.exists(), "the fatal Xid did not start the script");
+    let script_pid = std::fs::read_to_string(&started).unwrap().trim().to_string();
+    let has_13 = |m: &str| m.lines().any(|l| l.starts_with("phq_gpu_xid_errors_total{") && l.contains("xid=\"13\""));
+    let mut metrics = String::new();
+    while !has_13(&metrics) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(100));
+        metrics = get_with_token(port, "/metrics", "t0ken-bug-report").1;
+    }
+    assert!(has_13(&metrics), "the Xid after the fatal one never reached the metrics");
+    assert!(alive(&PathBuf::from(format!("/proc/{script_pid}"))), "the script should still be sleeping");
+    // It answers (503: the GPU fell off the bus).
+    assert_eq!(get_with_token(port, "/healthz", "").0, 503);
+    // Then the deadline: the bundle, saying so, and the script gone.
+    let bundles = dir.path().join("state/bundles");
+    let bundle = loop {
+        let found = std::fs::read_dir(&bundles).ok().and_then(|rd| {
+            rd.filter_map(|e| e.ok()).map(|e| e.path()).find(|p| p.to_string_lossy().ends_with(".tar.gz"))
+        });
+        if let Some(b) = found {
+            break b;
+        }
+        assert!(Instant::now() < until + Duration::from_secs(60), "no bundle after the script's deadline");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(member(&bundle, "nvidia-bug-report.log.gz").is_none());
+    let notes = notes(&bundle);
+    assert!(notes.iter().any(|n| n.contains("did not finish within 20s")), "{notes:?}");
+    assert!(!alive(&PathBuf::from(format!("/proc/{script_pid}"))), "the script outlived its deadline");
+}

@@ -181,10 +181,12 @@ fn run_in(options: &Options, dir: &Path) -> BugReport {
                 last_line(&dir.join("output.txt")).map(|l| format!(": {l}")).unwrap_or_default()
             ))
         }
-        None => return BugReport::note(format!(
+        None => {
+            return BugReport::note(format!(
             "{LOG_NAME}: not collected: {script} --safe-mode did not finish within {:?}; its process group was killed",
             options.deadline
-        )),
+        ))
+        }
     }
     let log = dir.join(LOG_NAME);
     match read_capped(&log, options.max_bytes) {
