@@ -284,3 +284,45 @@ fn a_hanging_script_never_holds_up_the_service() {
     assert!(notes.iter().any(|n| n.contains("did not finish within 20s")), "{notes:?}");
     assert!(!alive(&PathBuf::from(format!("/proc/{script_pid}"))), "the script outlived its deadline");
 }
+
+/// A service that stops while the script runs leaves nothing of it behind: the script and the
+/// child it started are killed with their group.
+#[test]
+fn a_service_that_stops_takes_the_script_with_it() {
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let pids = dir.path().join("pids");
+    let s = script(
+        dir.path(),
+        "hang.sh",
+        &format!("sleep 1000 &\necho $$ $! > {pids:?}.tmp\nmv {pids:?}.tmp {pids:?}\nwait"),
+    );
+    let mut scenario: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("examples/scenarios/hgx-8gpu-healthy.json")).unwrap(),
+    )
+    .unwrap();
+    scenario["devices"][3]["xid_events"] = serde_json::json!([{"xid": 79, "after_ms": 1500}]);
+    let scenario_path = dir.path().join("scenario.json");
+    std::fs::write(&scenario_path, serde_json::to_vec(&scenario).unwrap()).unwrap();
+    let cfg = service_config(dir.path(), "t0ken-bug-report", "[probes]\nat_boot = \"none\"\n");
+    let mut cmd = serve_command(&cfg, &scenario_path, &bus);
+    cmd.env("PHQ_BUG_REPORT_SCRIPT", &s).env("PHQ_BUG_REPORT_TIMEOUT", "10m");
+    let mut agent = Killed(cmd.spawn().unwrap());
+    let until = Instant::now() + Duration::from_secs(60);
+    while !pids.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pids = std::fs::read_to_string(&pids).expect("the fatal Xid started the script");
+    // SAFETY (of intent): the pid is our own child's.
+    unsafe { libc::kill(agent.0.id() as i32, libc::SIGTERM) };
+    let status = agent.0.wait().unwrap();
+    assert!(status.success(), "{status}");
+    for pid in pids.split_whitespace() {
+        let proc = PathBuf::from(format!("/proc/{pid}"));
+        let until = Instant::now() + Duration::from_secs(30);
+        while alive(&proc) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(!alive(&proc), "process {pid} of the script outlived the service");
+    }
+}

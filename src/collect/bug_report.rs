@@ -21,6 +21,8 @@
 use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Where the driver installs the script (module comment).
@@ -54,6 +56,9 @@ pub struct Options {
     pub max_bytes: u64,
     /// The script named by `SCRIPT_ENV` rather than the driver's own path.
     pub named: bool,
+    /// While the script runs, its process group's id (else 0), for an owner that must kill it
+    /// when it stops early (`kill_group`).
+    pub group: Option<Arc<AtomicI32>>,
 }
 
 impl Options {
@@ -69,6 +74,7 @@ impl Options {
             deadline,
             max_bytes: MAX_LOG_BYTES,
             named: named.is_some(),
+            group: None,
         })
     }
 }
@@ -171,7 +177,10 @@ fn run_in(options: &Options, dir: &Path) -> BugReport {
         Ok(c) => c,
         Err(e) => return BugReport::note(format!("{LOG_NAME}: not collected: cannot run {script}: {e}")),
     };
-    let ended = wait_group(child, options.deadline);
+    let unset = AtomicI32::new(0);
+    let group = options.group.as_deref().unwrap_or(&unset);
+    group.store(child.id() as i32, Ordering::Release);
+    let ended = wait_group(child, options.deadline, group);
     let took = started.elapsed();
     match ended {
         Some(status) if status.success() => {}
@@ -200,7 +209,11 @@ fn run_in(options: &Options, dir: &Path) -> BugReport {
 
 /// Waits for the script until `deadline`; then, or once it has exited, kills its process group
 /// so nothing it started is left. The exit status, or `None` when the deadline came first.
-fn wait_group(mut child: std::process::Child, deadline: Duration) -> Option<std::process::ExitStatus> {
+fn wait_group(
+    mut child: std::process::Child,
+    deadline: Duration,
+    group: &AtomicI32,
+) -> Option<std::process::ExitStatus> {
     let pid = child.id() as libc::pid_t;
     let until = Instant::now() + deadline;
     let exited = loop {
@@ -214,8 +227,7 @@ fn wait_group(mut child: std::process::Child, deadline: Duration) -> Option<std:
     };
     // The script is a zombie or still running, so its pid (the group's id) is not yet free to
     // be reused: the signal reaches its group and nothing else.
-    // SAFETY: killpg has no memory preconditions; a group already empty is ESRCH.
-    unsafe { libc::killpg(pid, libc::SIGKILL) };
+    kill_group(group);
     if exited {
         return child.wait().ok();
     }
@@ -229,6 +241,16 @@ fn wait_group(mut child: std::process::Child, deadline: Duration) -> Option<std:
     tracing::warn!(pid, "the bug report script, killed at its deadline, has not exited; reaped when it does");
     let _ = std::thread::Builder::new().name("bug-report-reap".into()).spawn(move || child.wait());
     None
+}
+
+/// Kills the process group `group` holds, once: whoever takes the id first (the deadline, or
+/// an owner stopping) sends the signal, before the script is reaped, so the id is still its.
+pub fn kill_group(group: &AtomicI32) {
+    let pgid = group.swap(0, Ordering::AcqRel);
+    if pgid > 0 {
+        // SAFETY: killpg has no memory preconditions; a group already empty is ESRCH.
+        unsafe { libc::killpg(pgid, libc::SIGKILL) };
+    }
 }
 
 /// Whether `pid` (our child) has exited, without reaping it (`WNOWAIT`).

@@ -19,7 +19,7 @@ use crate::collect::bug_report::{self, BugReport};
 use crate::report::Report;
 use crate::snapshot::Snapshot;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,12 +44,27 @@ pub struct Bundler {
     live: bool,
     last: Option<Instant>,
     running: Arc<AtomicBool>,
+    /// The running script's process group, killed when the service stops (`Drop`): a script
+    /// started by a thread that dies takes a signal itself (`PR_SET_PDEATHSIG`), its children not.
+    group: Arc<AtomicI32>,
+}
+
+impl Drop for Bundler {
+    fn drop(&mut self) {
+        bug_report::kill_group(&self.group);
+    }
 }
 
 impl Bundler {
     /// `live`: the service watches this machine (no `--sysroot`).
     pub fn new(state_dir: PathBuf, live: bool) -> Bundler {
-        Bundler { state_dir, live, last: None, running: Arc::new(AtomicBool::new(false)) }
+        Bundler {
+            state_dir,
+            live,
+            last: None,
+            running: Arc::new(AtomicBool::new(false)),
+            group: Arc::new(AtomicI32::new(0)),
+        }
     }
 
     /// Rules 1, 2 and 4: starts a bundle for a fatal Xid unless one was begun within
@@ -64,7 +79,7 @@ impl Bundler {
             return false;
         }
         let options = match bug_report::Options::from_env() {
-            Ok(o) => o,
+            Ok(o) => bug_report::Options { group: Some(self.group.clone()), ..o },
             Err(e) => {
                 tracing::warn!(error = %e, "fatal Xid: no support bundle");
                 return false;
