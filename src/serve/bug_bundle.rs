@@ -10,6 +10,10 @@
 //! 3. The newest `KEEP` bundles are kept, older ones removed after each new one.
 //! 4. Never on the event task: the script and the writing run on a thread of their own, under the
 //!    script's deadline; the event task only starts it. One log line says where the bundle is.
+//! 5. A service that stops kills a script still running, and what it started (`Drop`).
+//!
+//! The shipped unit runs the service as `phq-agent`, and NVIDIA's script refuses any user but
+//! root: then the bundle holds everything else, and its note quotes the refusal.
 //!
 //! Must not: run the bug report script of a `--sysroot` fixture (`collect::bug_report::collect`
 //! keeps that rule), or fail the service: a bundle that cannot be written is a warning.

@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | [`run`] (the coordinator) | signals, configuration, start and stop order | SIGTERM, SIGINT, SIGHUP | everyone, through `Config` and stop channels |
 //! | [`snapshotter`] | `Inputs` (with the NVML session), the schedule, the Xid watcher (started once NVML answers) | ticks, "snapshot now" (an Xid, NVML answering after a deadline), probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the desk (idle probes) |
-//! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, the closing of its oldest window | the pusher (status), the snapshotter ("now") |
+//! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, the closing of its oldest window | the pusher (status), the snapshotter ("now"), a fatal Xid's bundle thread (`bug_bundle`) |
 //! | `http::serve` | the listener | connections | the desk (`POST /v1/probes`) |
 //! | `http::serve` over [`start_vsock`] | the vsock listener (the platform's channel), its own certificate's daily rotation | connections | the desk (`POST /v1/probes`) |
 //! | `push::Pusher::run` | the platform connection | spool wake-ups, status | — |
