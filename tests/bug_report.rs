@@ -326,3 +326,48 @@ fn a_service_that_stops_takes_the_script_with_it() {
         assert!(!alive(&proc), "process {pid} of the script outlived the service");
     }
 }
+
+/// The kernel log's own record of a fatal Xid makes a bundle too (NVML, blocked by the fault, may
+/// say nothing): Xid 13 and then Xid 79 as the driver writes them, and a non-fatal SXid after
+/// them, whose first-of-its-kind asks for the snapshot that reads them. One bundle, for the 79;
+/// the kernel log's Xids from before the start made none.
+#[test]
+fn a_fatal_xid_in_the_kernel_log_makes_a_bundle() {
+    use std::io::Write;
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let root = copy_sysroot("hgx-8gpu-healthy", dir.path());
+    // A fatal Xid already in the log at start: the bundle, if any, must not be for it.
+    let mut kmsg = std::fs::OpenOptions::new().append(true).open(root.join("dev/kmsg")).unwrap();
+    writeln!(kmsg, "3,7000,9000000000,-;NVRM: Xid (PCI:0000:09:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 6, subpartition 0.").unwrap();
+    let (prepared, bytes) = small_gz(dir.path());
+    let s = script(dir.path(), "bug.sh", &format!("cp {prepared:?} \"$out.gz\""));
+    let scenario = repo().join("examples/scenarios/hgx-8gpu-healthy.json");
+    let cfg = service_config(dir.path(), "t0ken-bug-report", "[probes]\nat_boot = \"none\"\n");
+    let mut cmd = serve_command_on(&root, &cfg, &scenario, &bus);
+    cmd.env("PHQ_BUG_REPORT_SCRIPT", &s).env("PHQ_BUG_REPORT_TIMEOUT", "60s");
+    let mut agent = Killed(cmd.spawn().unwrap());
+    listening_port(&mut agent.0).expect("the service listens");
+    writeln!(kmsg, "3,7001,9100000000,-;NVRM: Xid (PCI:0000:0a:00): 13, pid=4242, name=python3, Graphics Exception: ESR 0x404490=0x80000001").unwrap();
+    writeln!(kmsg, "3,7002,9100000100,-;NVRM: Xid (PCI:0000:0c:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.").unwrap();
+    writeln!(kmsg, "4,7003,9200000000,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)").unwrap();
+    let bundles = dir.path().join("state/bundles");
+    let until = Instant::now() + Duration::from_secs(90);
+    let made = loop {
+        let made: Vec<String> = std::fs::read_dir(&bundles)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect::<Vec<String>>()
+            })
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|n: &String| n.ends_with(".tar.gz"))
+            .collect();
+        if !made.is_empty() || Instant::now() > until {
+            break made;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(made.len(), 1, "{made:?}");
+    assert!(made[0].starts_with("xid79-"), "{made:?}");
+    assert_eq!(member(&bundles.join(&made[0]), "nvidia-bug-report.log.gz").as_deref(), Some(&bytes[..]));
+}

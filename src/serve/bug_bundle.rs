@@ -1,4 +1,5 @@
-//! A support bundle the service writes itself when a fatal Xid arrives: the last snapshot and
+//! A support bundle the service writes itself when a fatal Xid arrives (from NVML's events, or
+//! new in a snapshot's kernel log): the last snapshot and
 //! report, the fault history, and NVIDIA's `nvidia-bug-report.log.gz` taken while the fault is
 //! fresh (`collect::bug_report`), into `state_dir/bundles/`.
 //!
@@ -40,6 +41,24 @@ pub const DIR: &str = "bundles";
 pub fn fatal(xid: u64) -> bool {
     let Some(entry) = u32::try_from(xid).ok().and_then(crate::checks::xid::xid) else { return false };
     matches!(for_resolution(entry.immediate.bucket()).0, Action::ResetGpu | Action::RestartVm | Action::RebootHost)
+}
+
+/// The kernel log's Xids newer than `after` (its sequence number), and `after` moved to the
+/// newest: the driver's own record of a fatal Xid reaches a snapshot even when NVML, blocked by
+/// the fault, delivers no event. `after` starts at the first snapshot's newest, so what the log
+/// held at start makes no bundle.
+pub fn new_kernel_xids(s: &Snapshot, after: &mut Option<u64>) -> Vec<(String, u64)> {
+    let Some(log) = s.kernel_log.value() else { return vec![] };
+    let new: Vec<(String, u64)> = log
+        .xids
+        .iter()
+        .filter(|x| x.seq.is_some_and(|seq| after.is_none_or(|a| seq > a)))
+        .filter_map(|x| Some((format!("{}.0", x.pci.to_ascii_lowercase()), u64::from(x.xid?))))
+        .collect();
+    if let Some(newest) = log.xids.iter().filter_map(|x| x.seq).max() {
+        *after = Some(after.map_or(newest, |a| a.max(newest)));
+    }
+    new
 }
 
 /// The event task's handle: when the last bundle began, whether one is being written.

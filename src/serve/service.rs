@@ -668,6 +668,8 @@ async fn events(mut e: Events) {
     super::mark_kernel_log_seen(&state_dir, &e.first_snapshot, &mut kmsg_seen);
 
     let mut xids = XidWindow::default();
+    let mut kernel_xids_seen = None;
+    super::bug_bundle::new_kernel_xids(&e.first_snapshot, &mut kernel_xids_seen);
     loop {
         e.heartbeat.beat();
         // Awake when the oldest Xid window closes, else only for the heartbeat (rest is rest).
@@ -719,6 +721,10 @@ async fn events(mut e: Events) {
                 if status_pushed.elapsed() + Duration::from_secs(1) >= interval {
                     e.push_status(t.report.seq, &t.json);
                     status_pushed = Instant::now();
+                }
+                // A fatal Xid the kernel log shows (NVML may be too blocked to say it).
+                for (gpu, xid) in super::bug_bundle::new_kernel_xids(&t.snapshot, &mut kernel_xids_seen) {
+                    e.bundler.on_xid(&gpu, xid, t.snapshot.clone(), t.report.clone());
                 }
                 e.last = t.report;
                 e.last_snapshot = t.snapshot;
