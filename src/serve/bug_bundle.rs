@@ -1,7 +1,7 @@
 //! A support bundle the service writes itself when a fatal Xid arrives (from NVML's events, or
-//! new in a snapshot's kernel log): the last snapshot and
-//! report, the fault history, and NVIDIA's `nvidia-bug-report.log.gz` taken while the fault is
-//! fresh (`collect::bug_report`), into `state_dir/bundles/`.
+//! new in a snapshot's kernel log): the last snapshot and report, the fault history, and
+//! NVIDIA's `nvidia-bug-report.log.gz` taken while the fault is fresh (`collect::bug_report`),
+//! into `state_dir/bundles/`.
 //!
 //! Rules:
 //! 1. Fatal is the catalog's word: an Xid whose resolution is a GPU reset, a VM restart or a host
