@@ -371,3 +371,17 @@ fn a_fatal_xid_in_the_kernel_log_makes_a_bundle() {
     assert!(made[0].starts_with("xid79-"), "{made:?}");
     assert_eq!(member(&bundles.join(&made[0]), "nvidia-bug-report.log.gz").as_deref(), Some(&bytes[..]));
 }
+
+/// The log is taken only as the regular file the script wrote: a link in its place (to a file
+/// the agent could read and the script's user should not) is left out and said.
+#[test]
+fn a_link_in_place_of_the_log_is_not_followed() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, b"not for the bundle").unwrap();
+    let s = script(dir.path(), "link.sh", &format!("ln -s {secret:?} \"$out.gz\""));
+    let (bundle, _) = doctor_bundle(dir.path(), Some(&s), "60s");
+    assert!(member(&bundle, "nvidia-bug-report.log.gz").is_none());
+    let notes = notes(&bundle);
+    assert!(notes.iter().any(|n| n.contains("left out:")), "{notes:?}");
+}
