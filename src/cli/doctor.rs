@@ -87,7 +87,15 @@ impl Doctor {
             } else {
                 None
             };
-            bundle::write(out, &snapshot, &report, &root.recorded(), history.as_ref())?;
+            // NVIDIA's own log, from this machine's driver (or the script the environment names).
+            let bug_report = match crate::collect::bug_report::Options::from_env() {
+                Ok(o) => crate::collect::bug_report::collect(&o, root.is_live(), &std::env::temp_dir()),
+                Err(e) => crate::collect::bug_report::BugReport { log: None, note: e },
+            };
+            if bug_report.log.is_none() {
+                eprintln!("phq-agent: {}", bug_report.note);
+            }
+            bundle::write(out, &snapshot, &report, &root.recorded(), history.as_ref(), &bug_report)?;
             eprintln!("phq-agent: bundle written to {}", out.display());
         }
         super::print_report(&report, "phq-agent doctor", self.json)?;

@@ -11,6 +11,7 @@
 //! 4. Imports go down only: `snapshot`, `sysroot`, `facts`, `cuda`; never `checks` or anything
 //!    above it (tests/rooms.rs holds the order).
 
+pub mod bug_report;
 pub mod cuda;
 pub mod deadline;
 pub mod driver;

@@ -11,6 +11,9 @@
 //!   NVSwitch driver's SXids)
 //! - `history.json`    the service's fault history across boots (`crate::history`), when the
 //!   machine has one
+//! - `nvidia-bug-report.log.gz` NVIDIA's own support log (`collect::bug_report`), when the
+//!   driver's script ran on the live machine within its deadline and cap; `manifest.json`'s
+//!   `notes` say why when it is not there
 //! - `files/…`         every raw file and link the snapshot was built from, laid out like `/`,
 //!   so `doctor --sysroot files/` re-collects from them
 //!
@@ -24,6 +27,7 @@
 //! created with mode 0600 and never over an existing file (`O_EXCL`, then a hard link to the
 //! name asked for, which fails rather than replace a file or follow a planted link).
 
+use crate::collect::bug_report::BugReport;
 use crate::snapshot::Snapshot;
 use crate::sysroot::Recorded;
 use anyhow::{bail, Context, Result};
@@ -47,6 +51,8 @@ struct Manifest<'a> {
     agent_version: &'a str,
     created_at: String,
     sysroot: &'a str,
+    /// What the bundle holds or lacks and why (the bug report's run, among others).
+    notes: Vec<String>,
 }
 
 pub fn write(
@@ -55,6 +61,7 @@ pub fn write(
     report: &super::Report,
     recorded: &[Recorded],
     history: Option<&crate::history::History>,
+    bug_report: &BugReport,
 ) -> Result<()> {
     // Write beside the target and rename, so a crash or a full disk never leaves a truncated
     // bundle under the name the user asked for.
@@ -62,7 +69,7 @@ pub fn write(
         bail!("{}: already exists; give the bundle a new name", path.display());
     }
     let tmp = path.with_extension("partial");
-    let result = write_to(&tmp, snapshot, report, recorded, history).and_then(|()| {
+    let result = write_to(&tmp, snapshot, report, recorded, history, bug_report).and_then(|()| {
         std::fs::hard_link(&tmp, path).with_context(|| format!("{}: cannot put the bundle in place", path.display()))
     });
     let _ = std::fs::remove_file(&tmp);
@@ -75,6 +82,7 @@ fn write_to(
     report: &super::Report,
     recorded: &[Recorded],
     history: Option<&crate::history::History>,
+    bug_report: &BugReport,
 ) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
@@ -90,6 +98,7 @@ fn write_to(
         agent_version: env!("CARGO_PKG_VERSION"),
         created_at: crate::snapshot::Timestamp::now().to_string(),
         sysroot: &snapshot.sysroot,
+        notes: [bug_report.note.clone()].into_iter().filter(|n| !n.is_empty()).collect(),
     };
     add(&mut tar, "manifest.json", &serde_json::to_vec_pretty(&manifest)?)?;
     add(&mut tar, "snapshot.json", &serde_json::to_vec_pretty(snapshot)?)?;
@@ -128,6 +137,9 @@ fn write_to(
     add(&mut tar, "nvrm.log", nvrm.as_bytes())?;
     if let Some(h) = history {
         add(&mut tar, "history.json", &serde_json::to_vec_pretty(h)?)?;
+    }
+    if let Some(log) = &bug_report.log {
+        add(&mut tar, crate::collect::bug_report::LOG_NAME, log)?;
     }
     let gz = tar.into_inner().with_context(|| format!("{}: cannot finish the archive", path.display()))?;
     let file = gz.finish().with_context(|| format!("{}: cannot finish compression", path.display()))?;

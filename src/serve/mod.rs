@@ -47,6 +47,7 @@
 //!    `service::events`, `XidWindow`, `unseen_kernel_xids`.
 
 pub mod agent_checks;
+pub mod bug_bundle;
 pub mod client_ca;
 pub mod dbus;
 pub mod http;

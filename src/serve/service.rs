@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | [`run`] (the coordinator) | signals, configuration, start and stop order | SIGTERM, SIGINT, SIGHUP | everyone, through `Config` and stop channels |
 //! | [`snapshotter`] | `Inputs` (with the NVML session), the schedule, the Xid watcher (started once NVML answers) | ticks, "snapshot now" (an Xid, NVML answering after a deadline), probe results, new configuration | the HTTP task (publish), the event task (each report), D-Bus (health), the desk (idle probes) |
-//! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, the closing of its oldest window | the pusher (status), the snapshotter ("now") |
+//! | [`events`] | the Xid and SXid windows, the spool writer, the install and kernel-log marks | Xids from NVML, SXids from the kernel log, reports, the closing of its oldest window | the pusher (status), the snapshotter ("now"), a fatal Xid's bundle thread (`bug_bundle`) |
 //! | `http::serve` | the listener | connections | the desk (`POST /v1/probes`) |
 //! | `http::serve` over [`start_vsock`] | the vsock listener (the platform's channel), its own certificate's daily rotation | connections | the desk (`POST /v1/probes`) |
 //! | `push::Pusher::run` | the platform connection | spool wake-ups, status | — |
@@ -185,6 +185,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         heartbeat: event_beat.clone(),
         first_snapshot: first.snapshot.clone(),
         first_json: first.json.clone(),
+        last_snapshot: first.snapshot.clone(),
+        bundler: super::bug_bundle::Bundler::new(state_dir.clone(), root.is_live()),
     }));
     let probe_task = tokio::spawn(probes(probe_asks, desk.clone(), to_snapshotter.clone(), state_dir.clone(), margin));
     // Rule 1's probes at boot, before workloads start, when asked.
@@ -615,6 +617,9 @@ struct Events {
     heartbeat: Heartbeat,
     first_snapshot: Arc<Snapshot>,
     first_json: Bytes,
+    /// The snapshot `last` was judged from, for a fatal Xid's support bundle.
+    last_snapshot: Arc<Snapshot>,
+    bundler: super::bug_bundle::Bundler,
 }
 
 impl Events {
@@ -663,6 +668,8 @@ async fn events(mut e: Events) {
     super::mark_kernel_log_seen(&state_dir, &e.first_snapshot, &mut kmsg_seen);
 
     let mut xids = XidWindow::default();
+    let mut kernel_xids_seen = None;
+    super::bug_bundle::new_kernel_xids(&e.first_snapshot, &mut kernel_xids_seen);
     loop {
         e.heartbeat.beat();
         // Awake when the oldest Xid window closes, else only for the heartbeat (rest is rest).
@@ -673,6 +680,8 @@ async fn events(mut e: Events) {
             biased;
             _ = stopped(e.stop.clone()) => break,
             Some(x) = e.xids.recv() => {
+                // A fatal Xid's support bundle, on a thread of its own (bug_bundle's rules).
+                e.bundler.on_xid(&x.gpu, x.xid, e.last_snapshot.clone(), e.last.clone());
                 // Rule 6: the first of a kind goes at once and is judged at once; repeats wait.
                 if let Some(event) = xids.note(Seen::Xid { gpu: x.gpu.clone(), xid: x.xid }, Instant::now()) {
                     tracing::warn!(gpu = %x.gpu, xid = x.xid, "Xid");
@@ -713,7 +722,12 @@ async fn events(mut e: Events) {
                     e.push_status(t.report.seq, &t.json);
                     status_pushed = Instant::now();
                 }
+                // A fatal Xid the kernel log shows (NVML may be too blocked to say it).
+                for (gpu, xid) in super::bug_bundle::new_kernel_xids(&t.snapshot, &mut kernel_xids_seen) {
+                    e.bundler.on_xid(&gpu, xid, t.snapshot.clone(), t.report.clone());
+                }
                 e.last = t.report;
+                e.last_snapshot = t.snapshot;
             }
         }
     }
