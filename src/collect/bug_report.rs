@@ -156,23 +156,8 @@ fn run_in(options: &Options, dir: &Path) -> BugReport {
         .stdout(output)
         // A group of its own, so the deadline kills whatever it started too.
         .process_group(0);
-    // The parent's pid, taken before the fork (a parent gone before prctl took effect is seen
-    // as a new parent pid).
-    // SAFETY: getpid has no preconditions.
-    let parent = unsafe { libc::getpid() };
-    // SAFETY: between fork and exec only prctl and getppid run, both async-signal-safe, and
-    // nothing allocates. The script dies with the thread that started it (PR_SET_PDEATHSIG).
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != parent {
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
-    }
+    // The script dies with the thread that started it.
+    super::deadline::dies_with_parent(&mut cmd);
     let child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => return BugReport::note(format!("{LOG_NAME}: not collected: cannot run {script}: {e}")),

@@ -17,11 +17,38 @@
 //! 5. How many abandoned calls have not returned is counted here, for /metrics and for the
 //!    tests that hold rule 3. — `abandoned_running`.
 //!
+//! 6. A child process started for work that may not end dies with the thread that started it
+//!    (`PR_SET_PDEATHSIG`), so a parent killed at its own deadline leaves no orphan behind.
+//!    — `dies_with_parent`.
+//!
 //! Nothing here knows NVML: the module must not grow knowledge of what it runs.
 
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
+
+/// Rule 6: `cmd`'s process gets SIGKILL when the thread that spawns it exits (prctl(2),
+/// `PR_SET_PDEATHSIG`), and refuses to start if that parent is already gone.
+pub fn dies_with_parent(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // The parent's pid, taken before the fork: a parent gone before prctl took effect is seen
+    // as a new parent pid.
+    // SAFETY: getpid has no preconditions.
+    let parent = unsafe { libc::getpid() };
+    // SAFETY: between fork and exec only prctl, getppid and errno reads run, all
+    // async-signal-safe; nothing allocates (a parent gone already is ESRCH, for no one reads it).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
 
 /// Abandoned calls whose thread has not returned (rule 5).
 static ABANDONED_RUNNING: AtomicUsize = AtomicUsize::new(0);

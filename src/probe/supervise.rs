@@ -25,24 +25,8 @@ pub(crate) fn supervise(
     first_step: &str,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Ended, String> {
-    use std::os::unix::process::CommandExt;
-    // Rule 6. The parent's pid, taken before the fork: a parent gone before prctl took effect
-    // is seen as a new parent pid.
-    // SAFETY: getpid has no preconditions.
-    let parent = unsafe { libc::getpid() };
-    // SAFETY: between fork and exec only prctl, getppid and errno reads run, all
-    // async-signal-safe; nothing allocates (a parent gone already is ESRCH, for no one reads it).
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() != parent {
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
-    }
+    // Rule 6.
+    crate::collect::deadline::dies_with_parent(&mut cmd);
     let mut child = cmd
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
