@@ -38,11 +38,15 @@ pub(crate) enum Inputs {
     Bf16,
     /// FP16, both column-major (cublasGemmEx with CUDA_R_16F).
     F16,
+    /// FP64 column-major A, B and C (cublasDgemm, the agent's `phq_dgemm`), summed in FP64 with
+    /// one rounding per step (`fma.rn.f64`).
+    F64,
 }
 
 impl Inputs {
     fn size(self) -> usize {
         match self {
+            Inputs::F64 => 8,
             Inputs::F32 => 4,
             Inputs::Bf16RowCol | Inputs::F16RowCol | Inputs::Bf16 | Inputs::F16 => 2,
         }
@@ -56,10 +60,21 @@ impl Inputs {
         }
     }
 
+    /// The bytes of one entry of C: FP64 for an FP64 GEMM, FP32 for every other.
+    pub(crate) fn out_size(self) -> usize {
+        if self == Inputs::F64 {
+            8
+        } else {
+            4
+        }
+    }
+
     fn value(self, bytes: &[u8], off: usize) -> f32 {
         let half = || u16::from_le_bytes([bytes[off], bytes[off + 1]]);
         match self {
             Inputs::F32 => f32_at(bytes, off),
+            // Not reached: an FP64 product is summed by `Pending::entry64`.
+            Inputs::F64 => f64_at(bytes, off) as f32,
             Inputs::Bf16RowCol | Inputs::Bf16 => crate::ptx::Half::Bf16.to_f32(half()),
             Inputs::F16 | Inputs::F16RowCol => crate::ptx::Half::F16.to_f32(half()),
         }
@@ -80,8 +95,8 @@ pub struct Pending {
     b: Arc<Vec<u8>>,
     b_off: usize,
     ldb: usize,
-    alpha: f32,
-    beta: f32,
+    alpha: f64,
+    beta: f64,
     /// C's bytes before the GEMM, when β ≠ 0.
     old: Option<Arc<Vec<u8>>>,
     done: Vec<u64>,
@@ -98,6 +113,12 @@ fn f32_at(bytes: &[u8], off: usize) -> f32 {
     let mut b = [0u8; 4];
     b.copy_from_slice(&bytes[off..off + 4]);
     f32::from_le_bytes(b)
+}
+
+fn f64_at(bytes: &[u8], off: usize) -> f64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&bytes[off..off + 8]);
+    f64::from_le_bytes(b)
 }
 
 impl Pending {
@@ -149,27 +170,52 @@ impl Pending {
             sum += a * b;
         }
         let old = match &self.old {
-            Some(o) => self.beta * f32_at(o, self.c_off + 4 * (i + j * self.ldc)),
+            Some(o) => self.beta as f32 * f32_at(o, self.c_off + 4 * (i + j * self.ldc)),
+            None => 0.0,
+        };
+        let fault = if self.wrong.contains(&(i, j)) { 1.0 } else { 0.0 };
+        self.alpha as f32 * sum + old + fault
+    }
+    /// An FP64 product's entry: the sum in k order, one fused multiply-add per step, as
+    /// `phq_dgemm` adds (`fma.rn.f64`; PTX ISA, "fma": one rounding, to nearest even).
+    fn entry64(&self, i: usize, j: usize) -> f64 {
+        let mut sum = 0.0f64;
+        for p in 0..self.k {
+            let a = f64_at(&self.a, self.a_off + 8 * (i + p * self.lda));
+            let b = f64_at(&self.b, self.b_off + 8 * (p + j * self.ldb));
+            sum = a.mul_add(b, sum);
+        }
+        let old = match &self.old {
+            Some(o) => self.beta * f64_at(o, self.c_off + 8 * (i + j * self.ldc)),
             None => 0.0,
         };
         let fault = if self.wrong.contains(&(i, j)) { 1.0 } else { 0.0 };
         self.alpha * sum + old + fault
     }
+    /// Entry (i, j)'s bytes as C holds them.
+    fn entry_bytes(&self, i: usize, j: usize) -> Vec<u8> {
+        if self.inputs == Inputs::F64 {
+            self.entry64(i, j).to_le_bytes().to_vec()
+        } else {
+            self.entry(i, j).to_le_bytes().to_vec()
+        }
+    }
     /// The entries (i, j, element index, fully inside) whose bytes meet `[off, off + len)`.
     fn touching(&self, off: usize, len: usize) -> Vec<(usize, usize, usize, bool)> {
         let mut out = Vec::new();
         let end = off + len;
+        let es = self.inputs.out_size();
         for j in 0..self.n {
-            let col = self.c_off + 4 * j * self.ldc;
-            let col_end = col + 4 * self.m;
+            let col = self.c_off + es * j * self.ldc;
+            let col_end = col + es * self.m;
             if col_end <= off || col >= end {
                 continue;
             }
-            let first = off.saturating_sub(col) / 4;
-            let last = ((end - col).div_ceil(4)).min(self.m);
+            let first = off.saturating_sub(col) / es;
+            let last = ((end - col).div_ceil(es)).min(self.m);
             for i in first..last {
-                let at = col + 4 * i;
-                out.push((i, j, i + j * self.m, at >= off && at + 4 <= end));
+                let at = col + es * i;
+                out.push((i, j, i + j * self.m, at >= off && at + es <= end));
             }
         }
         out
@@ -199,7 +245,8 @@ fn periodic(x: Inputs, a: bool, bytes: &[u8], off: usize, ld: usize, rows: usize
 pub(crate) fn periodic_table(w: &mut World, base: u64, p: usize) -> Option<Vec<f32>> {
     let a = w.allocs.get(&base)?;
     let pd = a.pending.as_ref()?;
-    if pd.generation != a.generation || pd.old.is_some() || pd.m < p || pd.n < p {
+    // The table is FP32 (`phq_gemm_check` compares FP32 words): an FP64 product has none.
+    if pd.generation != a.generation || pd.old.is_some() || pd.m < p || pd.n < p || pd.inputs == Inputs::F64 {
         return None;
     }
     let key = |m: &Arc<Vec<u8>>, off: usize| (Arc::as_ptr(m) as usize, off);
@@ -229,11 +276,12 @@ pub(crate) fn periodic_table(w: &mut World, base: u64, p: usize) -> Option<Vec<f
 pub(crate) fn materialise(w: &mut World, base: u64, off: usize, len: usize) {
     let Some(a) = w.allocs.get_mut(&base) else { return };
     let Some(mut p) = a.pending.take() else { return };
+    let es = p.inputs.out_size();
     for (i, j, e, _) in p.touching(off, len) {
         if !p.is_done(e) {
-            let v = p.entry(i, j);
-            let at = p.c_off + 4 * (i + j * p.ldc);
-            a.bytes_mut()[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            let v = p.entry_bytes(i, j);
+            let at = p.c_off + es * (i + j * p.ldc);
+            a.bytes_mut()[at..at + es].copy_from_slice(&v);
             p.mark(e);
         }
     }
@@ -248,17 +296,18 @@ pub(crate) fn overwrite(w: &mut World, base: u64, off: usize, len: usize) {
     let partial = {
         let Some(p) = w.allocs.get_mut(&base).and_then(|a| a.pending.as_mut()) else { return };
         let mut partial = Vec::new();
+        let es = p.inputs.out_size();
         for (i, j, e, whole) in p.touching(off, len) {
             if whole {
                 p.mark(e);
             } else if !p.is_done(e) {
-                partial.push(p.c_off + 4 * (i + j * p.ldc));
+                partial.push((p.c_off + es * (i + j * p.ldc), es));
             }
         }
         partial
     };
-    for at in partial {
-        materialise(w, base, at, 4);
+    for (at, es) in partial {
+        materialise(w, base, at, es);
     }
 }
 
@@ -438,10 +487,50 @@ pub unsafe extern "C" fn cublasSgemm_v2(
         Ok(d) => d,
         Err(s) => return s,
     };
+    let (alpha, beta) = (f64::from(*alpha), f64::from(*beta));
+    let mut out = NOT_INITIALIZED;
+    with(|w| {
+        out = gemm(w, h, Inputs::F32, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc));
+        0
+    });
+    out
+}
+
+/// Column-major DGEMM, checked as cublasSgemm_v2 is (cuBLAS library guide, cublas<t>gemm: the
+/// same rules for every type), FP64 throughout, at the scenario's `dgemm_tflops` (on Hopper the
+/// FP64 tensor cores: cuBLAS uses them for DGEMM, NVIDIA H100 datasheet "FP64 Tensor Core").
+///
+/// # Safety
+/// `alpha` and `beta` must be readable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cublasDgemm_v2(
+    h: Handle,
+    transa: c_int,
+    transb: c_int,
+    m: c_int,
+    n: c_int,
+    k: c_int,
+    alpha: *const f64,
+    a: CUdeviceptr,
+    lda: c_int,
+    b: CUdeviceptr,
+    ldb: c_int,
+    beta: *const f64,
+    c: CUdeviceptr,
+    ldc: c_int,
+) -> Status {
+    if alpha.is_null() || beta.is_null() {
+        return INVALID_VALUE;
+    }
+    let (m, n, k, lda, ldb, ldc) = match dims("cublasDgemm_v2", (transa, transb), (m, n, k), (lda, ldb, ldc)) {
+        Ok(d) => d,
+        Err(s) => return s,
+    };
     let (alpha, beta) = (*alpha, *beta);
     let mut out = NOT_INITIALIZED;
     with(|w| {
-        out = sgemm(w, h, m, n, k, alpha, (a, lda), (b, ldb), beta, (c, ldc));
+        out = gemm(w, h, Inputs::F64, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc));
         0
     });
     out
@@ -522,7 +611,7 @@ pub unsafe extern "C" fn cublasGemmEx(
         Ok(d) => d,
         Err(s) => return s,
     };
-    let (alpha, beta) = (*(alpha as *const f32), *(beta as *const f32));
+    let (alpha, beta) = (f64::from(*(alpha as *const f32)), f64::from(*(beta as *const f32)));
     let mut out = NOT_INITIALIZED;
     with(|w| {
         out = gemm(w, h, inputs, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc));
@@ -532,31 +621,15 @@ pub unsafe extern "C" fn cublasGemmEx(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn sgemm(
-    w: &mut World,
-    h: Handle,
-    m: usize,
-    n: usize,
-    k: usize,
-    alpha: f32,
-    (a, lda): (CUdeviceptr, usize),
-    (b, ldb): (CUdeviceptr, usize),
-    beta: f32,
-    (c, ldc): (CUdeviceptr, usize),
-) -> Status {
-    gemm(w, h, Inputs::F32, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc))
-}
-
-#[allow(clippy::too_many_arguments)]
 fn gemm(
     w: &mut World,
     h: Handle,
     inputs: Inputs,
     (m, n, k): (usize, usize, usize),
-    alpha: f32,
+    alpha: f64,
     (a, lda): (CUdeviceptr, usize),
     (b, ldb): (CUdeviceptr, usize),
-    beta: f32,
+    beta: f64,
     (c, ldc): (CUdeviceptr, usize),
 ) -> Status {
     let Some(handle) = w.blas.get(&(h as usize)) else { return NOT_INITIALIZED };
@@ -569,7 +642,11 @@ fn gemm(
     if m == 0 || n == 0 {
         return SUCCESS;
     }
-    let tflops = if inputs == Inputs::F32 { w.sgemm_tflops(dev) } else { w.spec(dev).tensor_tflops };
+    let tflops = match inputs {
+        Inputs::F32 => w.sgemm_tflops(dev),
+        Inputs::F64 => w.spec(dev).dgemm_tflops(),
+        _ => w.spec(dev).tensor_tflops,
+    };
     match queue(w, ctx, stream, inputs, (m, n, k), alpha, (a, lda), (b, ldb), beta, (c, ldc), tflops) {
         Queued::Done | Queued::Poisoned => SUCCESS,
         Queued::Failed => EXECUTION_FAILED,
@@ -596,10 +673,10 @@ pub(crate) fn queue(
     stream: usize,
     inputs: Inputs,
     (m, n, k): (usize, usize, usize),
-    alpha: f32,
+    alpha: f64,
     (a, lda): (CUdeviceptr, usize),
     (b, ldb): (CUdeviceptr, usize),
-    beta: f32,
+    beta: f64,
     (c, ldc): (CUdeviceptr, usize),
     tflops: f64,
 ) -> Queued {
@@ -610,7 +687,7 @@ pub(crate) fn queue(
     let es = inputs.size();
     let row_major = matches!(inputs, Inputs::Bf16RowCol | Inputs::F16RowCol);
     let a_span = if row_major { span(es, lda, k, m) } else { span(es, lda, m, k) };
-    let regions = [(a, a_span), (b, span(es, ldb, k, n)), (c, span(4, ldc, m, n))];
+    let regions = [(a, a_span), (b, span(es, ldb, k, n)), (c, span(inputs.out_size(), ldc, m, n))];
     for (ptr, len) in regions {
         match w.reaches_ptr(ctx, ptr, len) {
             Ok(true) => {}
@@ -660,5 +737,6 @@ pub(crate) fn queue(
     }
     let secs = 2.0 * (m * n * k) as f64 / (tflops * 1e12);
     w.run_on_sm(stream, dev, secs);
+    crate::power::loaded(&w.spec(dev).pci_bus_id, secs, w.spec(dev).power_under_load_w);
     Queued::Done
 }

@@ -499,7 +499,12 @@ impl Launch<'_> {
                 let (x, y, c) = (read(fr, a, *ty)?, read(fr, b, *ty)?, read(fr, p, Ty::Pred)?);
                 write(fr, *dst, if c != 0 { x } else { y });
             }
-            Op::Fma { dst, a, b, c } => {
+            Op::Fma { ty: Ty::F64, dst, a, b, c } => {
+                let f = f64::from_bits;
+                let v = f(read(fr, a, Ty::F64)?).mul_add(f(read(fr, b, Ty::F64)?), f(read(fr, c, Ty::F64)?));
+                write(fr, *dst, v.to_bits());
+            }
+            Op::Fma { dst, a, b, c, .. } => {
                 let f = |v: u64| f32::from_bits(v as u32);
                 let v = f(read(fr, a, Ty::F32)?).mul_add(f(read(fr, b, Ty::F32)?), f(read(fr, c, Ty::F32)?));
                 write(fr, *dst, u64::from(v.to_bits()));

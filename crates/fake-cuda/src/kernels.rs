@@ -31,6 +31,7 @@ pub(crate) const NAMES: &[&str] = &[
     "phq_spin",
     "phq_chase",
     "phq_sgemm",
+    "phq_dgemm",
     "phq_gemm_check",
     "phq_mma_gemm",
 ];
@@ -123,6 +124,7 @@ pub(crate) fn model(
         "phq_spin" => spin(w, ctx, a),
         "phq_chase" => chase(w, ctx, stream, a),
         "phq_sgemm" => sgemm(w, ctx, stream, a),
+        "phq_dgemm" => dgemm(w, ctx, stream, a),
         "phq_gemm_check" => gemm_check(w, ctx, stream, a),
         "phq_mma_gemm" => mma_gemm(w, ctx, stream, a, grid, block),
         _ => {
@@ -151,7 +153,8 @@ pub(crate) fn estimate(name: &str, a: &Args, grid: [u32; 3], block: [u32; 3]) ->
                 "phq_mem_check" => 70 * a.u64(1),
                 "phq_copy_sm" => 10 * a.u64(2),
                 "phq_chase" => 4 * a.u64(1),
-                "phq_sgemm" => {
+                // The inner loop's 8 instructions per step of k, per entry, and the staging.
+                "phq_sgemm" | "phq_dgemm" => {
                     let n = u64::from(a.u32(3));
                     9 * n.saturating_mul(n).saturating_mul(n)
                 }
@@ -308,7 +311,7 @@ fn run_ptx(
 ) -> CUresult {
     let name = module.functions[entry].name.clone();
     let dev = w.ctx_dev(ctx);
-    let gemm = name == "phq_sgemm" || name == "phq_mma_gemm";
+    let gemm = matches!(name.as_str(), "phq_sgemm" | "phq_dgemm" | "phq_mma_gemm");
     if gemm {
         if let Err(code) = w.gemm_fault(dev) {
             return code;
@@ -329,13 +332,16 @@ fn run_ptx(
     match r {
         Ok(stats) => {
             if gemm {
-                plant_gemm_faults(w, ctx, a);
+                plant_gemm_faults(w, ctx, a, if name == "phq_dgemm" { 8 } else { 4 });
             }
             // A kernel without a model is charged a thousand thread-instructions a nanosecond:
             // the fake's own round figure for a chip of 132 SMs issuing a few warp-instructions a
             // clock at about 1.8 GHz, not a measurement.
             let secs = model_secs(w, &name, dev, a).unwrap_or(stats.instructions as f64 / 1e12) + latency;
             w.run_on_sms(stream, secs);
+            if gemm {
+                crate::power::loaded(&w.spec(dev).pci_bus_id, secs, w.spec(dev).power_under_load_w);
+            }
             SUCCESS
         }
         Err(f) => {
@@ -350,17 +356,23 @@ fn run_ptx(
     }
 }
 
-/// A faulty GPU's GEMM: the scenario's wrong entries of C come out 1.0 too large, whichever
-/// path computed the product.
-fn plant_gemm_faults(w: &mut World, ctx: usize, a: &Args) {
+/// A faulty GPU's GEMM: the scenario's wrong entries of C (FP32, or FP64 when `size` is 8)
+/// come out 1.0 too large, whichever path computed the product.
+fn plant_gemm_faults(w: &mut World, ctx: usize, a: &Args, size: usize) {
     let (pc, n) = (a.u64(2), a.u32(3) as usize);
     let dev = w.ctx_dev(ctx);
     for (i, j) in w.gemm_wrong(dev) {
         if i < n && j < n {
-            let at = pc + 4 * (i + j * n) as u64;
-            if let Ok(b) = w.read(at, 4) {
-                let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]) + 1.0;
-                let _ = w.write(at, &v.to_le_bytes());
+            let at = pc + (size * (i + j * n)) as u64;
+            if let Ok(b) = w.read(at, size) {
+                let v: Vec<u8> = if size == 8 {
+                    let mut x = [0u8; 8];
+                    x.copy_from_slice(&b[..8]);
+                    (f64::from_le_bytes(x) + 1.0).to_le_bytes().to_vec()
+                } else {
+                    (f32::from_le_bytes([b[0], b[1], b[2], b[3]]) + 1.0).to_le_bytes().to_vec()
+                };
+                let _ = w.write(at, &v);
             }
         }
     }
@@ -379,6 +391,10 @@ fn model_secs(w: &World, name: &str, dev: usize, a: &Args) -> Option<f64> {
             let n = f64::from(a.u32(3));
             let spec = w.spec(dev);
             2.0 * n * n * n / (spec.ptx_sgemm_tflops.unwrap_or(spec.sgemm_tflops / 4.0) * 1e12)
+        }
+        "phq_dgemm" => {
+            let n = f64::from(a.u32(3));
+            2.0 * n * n * n / (w.spec(dev).ptx_dgemm_tflops() * 1e12)
         }
         "phq_gemm_check" => {
             let n = a.u32(1) as f64;
@@ -756,6 +772,19 @@ fn sgemm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
     let spec = w.spec(dev);
     let tflops = spec.ptx_sgemm_tflops.unwrap_or(spec.sgemm_tflops / 4.0);
     lazy_product(w, ctx, stream, blas::Inputs::F32, (pa, pb, pc, n), tflops)
+}
+
+/// `phq_dgemm(u64 a, u64 b, u64 c, u32 n)`: `phq_sgemm` in FP64 (its tiles, its launch), each
+/// entry summed in k order by `fma.rn.f64`: the lazy FP64 product cuBLAS's DGEMM leaves, at the
+/// scenario's PTX DGEMM rate.
+fn dgemm(w: &mut World, ctx: usize, stream: usize, a: &Args) -> CUresult {
+    let (pa, pb, pc, n) = (a.u64(0), a.u64(1), a.u64(2), a.u32(3) as usize);
+    let dev = w.ctx_dev(ctx);
+    if !tiles_fit(w, dev, "phq_dgemm", n) {
+        return SUCCESS;
+    }
+    let tflops = w.spec(dev).ptx_dgemm_tflops();
+    lazy_product(w, ctx, stream, blas::Inputs::F64, (pa, pb, pc, n), tflops)
 }
 
 /// Whether the agent's 16-wide GEMM tiles fit an n×n matrix; if not, the kernel's tiles run

@@ -27,6 +27,7 @@ pub mod interp;
 pub mod kernels;
 pub(crate) mod l2;
 pub mod nccl;
+pub mod power;
 pub mod ptx;
 pub mod scenario;
 

@@ -225,8 +225,9 @@ pub enum Op {
         b: Operand,
         p: Operand,
     },
-    /// `fma.rn.f32`: a·b + c with one rounding, to nearest even.
+    /// `fma.rn.f32` or `fma.rn.f64`: a·b + c with one rounding, to nearest even.
     Fma {
+        ty: Ty,
         dst: u16,
         a: Operand,
         b: Operand,
@@ -1094,14 +1095,18 @@ impl Cx<'_> {
                     p: self.operand(&ops[3], line)?,
                 }
             }
-            // PTX, "Floating-Point Instructions: fma": `fma.rn.f32` computes a·b + c at infinite
-            // precision and rounds once, to nearest even — what Rust's `f32::mul_add` does.
+            // PTX, "Floating-Point Instructions: fma": `fma.rn.f32` and `fma.rn.f64` compute
+            // a·b + c at infinite precision and round once, to nearest even — what Rust's
+            // `f32::mul_add` and `f64::mul_add` do.
             "fma" => {
-                if mods != ["rn", "f32"] {
-                    return Ok(unsupported);
-                }
+                let ty = match mods {
+                    ["rn", "f32"] => Ty::F32,
+                    ["rn", "f64"] => Ty::F64,
+                    _ => return Ok(unsupported),
+                };
                 want(4)?;
                 Op::Fma {
+                    ty,
                     dst: self.reg(&ops[0], line)?,
                     a: self.operand(&ops[1], line)?,
                     b: self.operand(&ops[2], line)?,

@@ -147,6 +147,19 @@ pub struct Device {
     /// FP32 GEMM rate of cuBLAS SGEMM, TFLOP/s.
     #[serde(default = "default_sgemm_tflops")]
     pub sgemm_tflops: f64,
+    /// FP64 GEMM rate of cuBLAS DGEMM, TFLOP/s; absent: `sgemm_tflops` (on Hopper the FP64
+    /// tensor cores match the FP32 units: NVIDIA H100 datasheet, SXM "FP64 Tensor Core 67
+    /// teraFLOPS", "FP32 67 teraFLOPS"; PCIe 51 and 51).
+    #[serde(default)]
+    pub dgemm_tflops: Option<f64>,
+    /// FP64 rate of the agent's own `phq_dgemm` (plain FMA units, no tensor cores), TFLOP/s;
+    /// absent: a quarter of the DGEMM rate (the fake's guess, as for `ptx_sgemm_tflops`).
+    #[serde(default)]
+    pub ptx_dgemm_tflops: Option<f64>,
+    /// Watts the board draws under a sustained GEMM load (`power.rs`); absent: its enforced power
+    /// limit, as a healthy board held at its limit does. Below DCGM's target: a weak power stage.
+    #[serde(default)]
+    pub power_under_load_w: Option<f64>,
     /// `CU_DEVICE_ATTRIBUTE_COMPUTE_MODE`: default, exclusive_process or prohibited.
     #[serde(default)]
     pub compute_mode: ComputeMode,
@@ -162,6 +175,17 @@ pub struct Device {
     /// coupling fault). Seen only by the memory-test kernels' checks.
     #[serde(default)]
     pub coupled_bits: Vec<CoupledBit>,
+}
+
+impl Device {
+    /// cuBLAS DGEMM's rate (`dgemm_tflops`).
+    pub fn dgemm_tflops(&self) -> f64 {
+        self.dgemm_tflops.unwrap_or(self.sgemm_tflops)
+    }
+    /// `phq_dgemm`'s rate (`ptx_dgemm_tflops`).
+    pub fn ptx_dgemm_tflops(&self) -> f64 {
+        self.ptx_dgemm_tflops.unwrap_or(self.dgemm_tflops() / 4.0)
+    }
 }
 
 fn default_host_latency_ns() -> f64 {

@@ -524,6 +524,107 @@ fn sgemm_and_gemm_check_match_the_ptx() {
     }
 }
 
+/// `phq_dgemm` run on its inputs through `module`: C's bytes (n×n FP64), or None when the launch
+/// faulted.
+fn dgemm_on(module: &Arc<ptx::Module>, n: usize, ma: &[u8], mb: &[u8]) -> Option<Vec<u8>> {
+    let mut r = Rig::new(Path::Interpret, "");
+    r.module = module.clone();
+    let bytes = n * n * 8;
+    let (a, b, c) = (r.alloc(bytes), r.alloc(bytes), r.alloc(bytes));
+    r.write(a, ma);
+    r.write(b, mb);
+    let tiles = (n / 16) as u32;
+    let ok = r.launch("phq_dgemm", &[A::U64(a), A::U64(b), A::U64(c), A::U32(n as u32)], tiles * tiles, 256);
+    (ok == SUCCESS && r.poisoned().is_none()).then(|| r.read(c, bytes))
+}
+
+/// Random FP64 matrices of n×n entries: integers from −4 to 4 (`fractions` false: every sum
+/// exact) or multiples of 2^-10 up to ±512 (sums that round, so the order and the fused
+/// multiply-add matter).
+fn f64_matrix(rng: &mut Rng, n: usize, fractions: bool) -> Vec<u8> {
+    (0..n * n)
+        .flat_map(|_| {
+            let v = if fractions { rng.below(1 << 20) as f64 / 1024.0 - 512.0 } else { rng.below(9) as f64 - 4.0 };
+            v.to_le_bytes()
+        })
+        .collect()
+}
+
+/// `phq_dgemm`, the FP64 GEMM: the model equals the PTX to the bit on integer and on rounding
+/// inputs (both sum in k order with `fma.rn.f64`), the integer product is exact, and a faulty
+/// GPU's wrong entries come out wrong on both paths.
+#[test]
+fn dgemm_matches_the_ptx() {
+    let mut rng = Rng(11);
+    let f = |v: &[u8], k: usize| f64::from_le_bytes(v[8 * k..8 * k + 8].try_into().unwrap());
+    for (case, (n, fractions)) in [(16usize, false), (32, true), (48, false), (32, false)].into_iter().enumerate() {
+        let extra = if case == 3 { r#", "gemm_wrong_entries": [[3, 5], [30, 0]]"# } else { "" };
+        let mut p = Pair::new(extra);
+        let bytes = n * n * 8;
+        let (a, b, c) = (p.alloc(bytes), p.alloc(bytes), p.alloc(bytes));
+        let (ma, mb) = (f64_matrix(&mut rng, n, fractions), f64_matrix(&mut rng, n, fractions));
+        p.write(a, &ma);
+        p.write(b, &mb);
+        let tiles = (n / 16) as u32;
+        let what = format!("dgemm n = {n}, fractions {fractions}");
+        p.launch(&what, "phq_dgemm", &[A::U64(a), A::U64(b), A::U64(c), A::U32(n as u32)], tiles * tiles, 256);
+        p.same(&what, c, bytes);
+        let got = p.ptx.read(c, bytes);
+        let wrong = if case == 3 { vec![(3, 5), (30, 0)] } else { vec![] };
+        for j in 0..n {
+            for i in 0..n {
+                let sum = (0..n).fold(0.0f64, |acc, k| f(&ma, i + k * n).mul_add(f(&mb, k + j * n), acc));
+                let want = sum + if wrong.contains(&(i, j)) { 1.0 } else { 0.0 };
+                assert_eq!(f(&got, i + j * n), want, "{what}: C({i},{j})");
+            }
+        }
+    }
+}
+
+/// One-line changes to `phq_dgemm`, each accepted by `ptxas -arch=sm_90` (checked when they were
+/// written down), each caught by the exact product on rounding inputs: the interpreter runs the
+/// shipped text, so a kernel that is wrong on a GPU is wrong here.
+#[test]
+fn one_line_mutants_of_the_fp64_gemm_are_caught() {
+    let shipped = PTX.find(".visible .entry phq_dgemm(").unwrap();
+    let end = shipped + PTX[shipped..].find("\n}\n").unwrap();
+    let mutants = [
+        // FP32 element size in the load of A.
+        ("    shl.b64 %rd4, %rd4, 3;", "    shl.b64 %rd4, %rd4, 2;"),
+        // B's tile slot from the wrong index.
+        ("    add.u32 %r17, %r16, %r3;", "    add.u32 %r17, %r16, %r4;"),
+        // The sum rounded twice: a multiply, then an add.
+        (
+            "    fma.rn.f64 %fd1, %fd2, %fd3, %fd1;",
+            "    mul.rn.f64 %fd2, %fd2, %fd3;\n    add.rn.f64 %fd1, %fd1, %fd2;",
+        ),
+        // A's tile walked along the wrong axis.
+        ("    add.u32 %r18, %r18, 128;", "    add.u32 %r18, %r18, 8;"),
+        // One step of k too few inside a tile.
+        ("    setp.lt.u32 %p2, %r20, 16;", "    setp.lt.u32 %p2, %r20, 15;"),
+        // The accumulator not cleared (a register never written).
+        ("    mov.f64 %fd1, 0d0000000000000000;", ""),
+        // C stored transposed.
+        (
+            "    mul.wide.u32 %rd8, %r10, %r1;\n    cvt.u64.u32 %rd9, %r9;",
+            "    mul.wide.u32 %rd8, %r9, %r1;\n    cvt.u64.u32 %rd9, %r10;",
+        ),
+    ];
+    let mut rng = Rng(12);
+    let n = 32;
+    let (ma, mb) = (f64_matrix(&mut rng, n, true), f64_matrix(&mut rng, n, true));
+    let module = Arc::new(ptx::parse(PTX).unwrap());
+    let right = dgemm_on(&module, n, &ma, &mb).expect("the shipped kernel runs");
+    for (from, to) in mutants {
+        let body = &PTX[shipped..end];
+        assert_eq!(body.matches(from).count(), 1, "the mutant's line {from:?} is not in phq_dgemm once");
+        let text = format!("{}{}{}", &PTX[..shipped], body.replacen(from, to, 1), &PTX[end..]);
+        let Ok(m) = ptx::parse(&text) else { continue };
+        let got = dgemm_on(&Arc::new(m), n, &ma, &mb);
+        assert_ne!(got.as_ref(), Some(&right), "the mutant {from:?} → {to:?} computes the right product");
+    }
+}
+
 /// The sanitizer's checks, each catching a planted fault through the agent's own kernels.
 #[test]
 fn the_memcheck_catches_what_a_gpu_would_not_say() {

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 mod ecc;
 pub mod gpm;
+pub mod load;
 pub mod scenario;
 use scenario::{Device, Scenario};
 
@@ -520,9 +521,20 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperatureThreshold(h: nvmlDevice_t, kind
 const NVML_TEMPERATURE_THRESHOLD_SHUTDOWN_KIND: c_uint = 0;
 const NVML_TEMPERATURE_THRESHOLD_SLOWDOWN_KIND: c_uint = 1;
 
+/// The scenario's reading; while the fake CUDA in this process runs GEMMs on the GPU, what its
+/// board draws under load (`load.rs`), never above the limit it enforces (NVML API reference,
+/// `nvmlDeviceGetEnforcedPowerLimit`: the limit the power management algorithm holds the board to).
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(h: nvmlDevice_t, out: *mut c_uint) -> Ret {
-    device_call(h, "nvmlDeviceGetPowerUsage", |d| d.power_usage_mw.map(|v| put(out, v)))
+    device_call(h, "nvmlDeviceGetPowerUsage", |d| {
+        let limit = d.power_limit_mw.or(d.default_power_limit_mw);
+        let loaded = match (d.pci.as_ref().map(|p| load::load_mw(&p.bus_id)), limit) {
+            (Some(0), Some(l)) => Some(l),
+            (Some(mw), l) if mw > 0 => Some(l.map_or(mw as u32, |l| l.min(mw.min(u32::MAX as i64) as u32))),
+            _ => None,
+        };
+        loaded.or(d.power_usage_mw).map(|v| put(out, v))
+    })
 }
 
 #[no_mangle]
