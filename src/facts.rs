@@ -300,6 +300,35 @@ pub fn probe_floors(device_id: u16) -> ProbeFloors {
     }
 }
 
+/// The share of its SKU's power target a board must reach under the power test: DCGM's
+/// targeted-power test fails a GPU whose highest board-power reading stays below
+/// `target_power_min_ratio` × `target_power`, 0.75 by default (DCGM diag documentation,
+/// "Targeted Power"; `nvvs/plugin_src/targetedpower/TargetedPower_wrapper.cpp`,
+/// `CheckGpuPowerUsage`); where the enforced power limit sits at or below that floor it does not
+/// fail the GPU but says so.
+pub const POWER_MIN_RATIO: f64 = 0.75;
+
+/// DCGM's per-SKU board-power target for the targeted-power test, W (`nvvs/diag-skus.yaml.in`,
+/// `targeted_power.target_power`, by PCI device id). DCGM loads Hopper boards with SGEMM there
+/// (`use_dgemm: false`); the agent's load is FP64 (cuBLAS's DGEMM runs on the FP64 tensor
+/// cores), its own choice, judged against the same target. `None`: DCGM gives no target.
+pub fn power_target_w(device_id: u16) -> Option<f64> {
+    Some(match device_id {
+        // H100 80GB HBM3 (SXM5) and its 94/64/96 GB variants, H800 SXM: 700 W.
+        0x2330 | 0x2339 | 0x2337 | 0x2338 | 0x2324 => 700.0,
+        // H100 PCIe ("Nvidia P1010", id 2331): 350 W.
+        0x2331 => 350.0,
+        // H100 NVL: 399 W.
+        0x2321 => 399.0,
+        // H800 PCIe: 310 W.
+        0x2322 => 310.0,
+        // H200 SXM: 700 W; H200 NVL: 600 W.
+        0x2335 => 700.0,
+        0x233b => 600.0,
+        _ => return None,
+    })
+}
+
 /// The message Azure's all-reduce floors are measured with: 16 GiB (nccl-tests `-b 16G -e 16G`).
 pub const ALLREDUCE_FLOOR_BYTES: u64 = 16 << 30;
 

@@ -654,7 +654,11 @@ fn a_gpu_slower_than_its_own_baseline_warns_above_the_floor() {
 #[test]
 fn without_cublas_the_ptx_gemm_gives_the_verdict() {
     let r = Run::new("h200-single", "h200-vm", "cuda-h200");
-    let out = r.command(&[]).env("PHQ_CUBLAS_LIB", r.dir.path().join("no-libcublas.so.12")).output().unwrap();
+    let out = r
+        .command(&["--power-seconds", "1"])
+        .env("PHQ_CUBLAS_LIB", r.dir.path().join("no-libcublas.so.12"))
+        .output()
+        .unwrap();
     let p = Probed::of(out);
     let f = p.finding("probe.gemm", "0000:09:00.0");
     assert_eq!(f["severity"], "pass", "{f}");
@@ -675,6 +679,15 @@ fn without_cublas_the_ptx_gemm_gives_the_verdict() {
     assert_eq!(t["severity"], "pass", "{t}");
     assert_eq!(t["evidence"]["gemm"]["library"], "PTX tensor cores, FP16 (phq_mma_gemm)", "{t}");
     assert_eq!(t["evidence"]["gemm"]["wrong_entries"], 0, "{t}");
+    // FP64 on the agent's own phq_dgemm, at half the side; this VM's NVML reads no board power,
+    // so the power test says so rather than judging.
+    let d = p.finding("probe.gemm-fp64", "0000:09:00.0");
+    assert_eq!(d["severity"], "pass", "{d}");
+    assert_eq!(d["evidence"]["gemm"]["library"], "PTX fallback (phq_dgemm)", "{d}");
+    assert_eq!(d["evidence"]["gemm"]["n"], 2048, "{d}");
+    let w = p.finding("probe.power", "0000:09:00.0");
+    assert_eq!(w["severity"], "unknown", "{w}");
+    assert!(w["summary"].as_str().unwrap().contains("NVML gave no power reading"), "{w}");
 }
 
 /// One wrong entry in a 4096×4096 product is found: the check kernel compares every entry of
@@ -731,10 +744,15 @@ fn the_tensor_core_gemm_is_checked_exactly_on_every_gpu() {
 
 /// `--gemm-seconds`: every GPU of the HGX computes checked GEMMs at once for that much GPU time;
 /// each GPU's result is judged like the single GEMM (every entry exact, cuBLAS's floor).
+/// `--power-seconds`: then FP64 GEMMs on all of them at once while NVML's board power is read,
+/// each board held to 75 % of DCGM's 700 W target for the H100 SXM: GPU 0 reaches its limit and
+/// passes, GPU 1's power stage stalls at 420 W (the scenario's weak board) and fails as the
+/// platform's hardware, GPU 2's limit was lowered to 450 W in the guest — not judged, and the
+/// limit is the tenant's to restore.
 #[test]
 fn every_gpu_runs_the_checked_gemm_at_once_for_the_time_asked() {
-    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
-    let p = r.run(&["--gpu", "0", "--gpu", "1", "--gpu", "2", "--gemm-seconds", "1"]);
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-power-capped", "cuda-hgx-8gpu-weak-power");
+    let p = r.run(&["--gpu", "0", "--gpu", "1", "--gpu", "2", "--gemm-seconds", "1", "--power-seconds", "1"]);
     for gpu in &PCI[..3] {
         let f = p.finding("probe.gemm-sustained", gpu);
         assert_eq!(f["severity"], "pass", "{f}");
@@ -742,7 +760,34 @@ fn every_gpu_runs_the_checked_gemm_at_once_for_the_time_asked() {
         assert!(g["seconds"].as_f64().unwrap() >= 1.0, "{f}");
         assert_eq!(g["wrong_entries"], 0, "{f}");
         assert!(f["summary"].as_str().unwrap().ends_with("with 3 GPU(s) loaded at once"), "{f}");
+        // FP64 through cuBLAS's DGEMM, checked on the host, no floor.
+        let d = p.finding("probe.gemm-fp64", gpu);
+        assert_eq!(d["severity"], "pass", "{d}");
+        assert_eq!(d["evidence"]["gemm"]["library"], "cuBLAS DGEMM", "{d}");
+        assert!(d["evidence"]["gemm"]["seconds"].as_f64().unwrap() >= 1.0, "{d}");
+        assert_eq!(d["evidence"]["gemm"]["wrong_entries"], 0, "{d}");
+        assert!(d["evidence"]["gemm"]["checked_entries"].as_u64().unwrap() >= 1024, "{d}");
     }
+    let power = |gpu: &str| {
+        let f = p.finding("probe.power", gpu);
+        assert_eq!(f["evidence"]["floor_w"], 525.0, "{f}");
+        assert!(f["evidence"]["power"]["samples"].as_u64().unwrap() >= 2, "{f}");
+        f
+    };
+    let ok = power(PCI[0]);
+    assert_eq!(ok["severity"], "pass", "{ok}");
+    assert_eq!(ok["evidence"]["power"]["max_w"], 700.0, "{ok}");
+    let weak = power(PCI[1]);
+    assert_eq!((weak["severity"].as_str(), weak["owner"].as_str()), (Some("fail"), Some("platform")), "{weak}");
+    assert_eq!(weak["action"], "inspect_hardware", "{weak}");
+    assert_eq!(weak["evidence"]["power"]["max_w"], 420.0, "{weak}");
+    assert!(weak["summary"].as_str().unwrap().contains("short of the 525 W floor"), "{weak}");
+    let capped = power(PCI[2]);
+    assert_eq!(capped["severity"], "unknown", "{capped}");
+    assert_eq!(capped["evidence"]["power"]["max_w"], 450.0, "{capped}");
+    let limit = p.finding("probe.power-limit", PCI[2]);
+    assert_eq!((limit["severity"].as_str(), limit["owner"].as_str()), (Some("warn"), Some("tenant")), "{limit}");
+    assert_eq!(p.severity("probe.power-limit", PCI[0]), "pass");
     // The GPUs not asked for ran nothing.
     assert_eq!(r.contexts_made(), PCI[..3]);
 }

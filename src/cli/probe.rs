@@ -30,9 +30,14 @@ pub struct Probe {
     #[arg(long)]
     pub dry_run: bool,
     /// Seconds of GEMM on every probed GPU at once, each result checked (the full level runs
-    /// 60; 0 turns it off; any level runs it when given).
+    /// 30; 0 turns it off; any level runs it when given).
     #[arg(long, value_name = "SECONDS")]
     pub gemm_seconds: Option<u32>,
+    /// Seconds of FP64 GEMM on every probed GPU at once while each board's power is sampled and
+    /// held to its SKU's target, as DCGM's targeted-power test does (the full level runs 30; 0
+    /// turns it off; any level runs it when given).
+    #[arg(long, value_name = "SECONDS")]
+    pub power_seconds: Option<u32>,
     /// NCCL all-reduce message per GPU, e.g. 16G (Azure's health check), 512M or bytes; any level
     /// runs the all-reduce when given (standard runs 1G, full 16G, quick none; 0 turns it off).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
@@ -66,6 +71,7 @@ impl Probe {
             only: &self.gpu,
             force: self.force,
             gemm_seconds: self.gemm_seconds,
+            power_seconds: self.power_seconds,
             allreduce_bytes: self.allreduce_size,
             nccl_allowance: config.probes.nccl_allowance,
         };

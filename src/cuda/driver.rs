@@ -164,6 +164,11 @@ api!("cuBLAS", "cuBLAS (libcublas, part of the CUDA toolkit)", BlasApi {
         *const f32, CUdeviceptr, c_int, CUdeviceptr, c_int,
         *const f32, CUdeviceptr, c_int
     ) -> c_int;
+    cublasDgemm_v2: fn(
+        Handle, c_int, c_int, c_int, c_int, c_int,
+        *const f64, CUdeviceptr, c_int, CUdeviceptr, c_int,
+        *const f64, CUdeviceptr, c_int
+    ) -> c_int;
     cublasGemmEx: fn(
         Handle, c_int, c_int, c_int, c_int, c_int,
         *const c_void, CUdeviceptr, c_int, c_int, CUdeviceptr, c_int, c_int,
@@ -967,6 +972,24 @@ impl BlasHandle {
             (self.blas.api.cublasSgemm_v2)(self.handle, 0, 0, n, n, n, &alpha, a.ptr, n, b.ptr, n, &beta, c.ptr, n)
         };
         blas_check("cublasSgemm", s)
+    }
+
+    /// C = A·B for n×n column-major FP64 matrices, queued on the handle's stream (cuBLAS runs it
+    /// on the FP64 tensor cores of an A100 or H100: cuBLAS library guide, "Tensor Core Usage").
+    pub fn dgemm(&self, n: usize, a: &DeviceBuffer, b: &DeviceBuffer, c: &DeviceBuffer) -> Result<()> {
+        let need = n.saturating_mul(n).saturating_mul(8);
+        for m in [a, b, c] {
+            range_ok("cublasDgemm", need, m.bytes)?;
+        }
+        self.ctx.bind()?;
+        let (alpha, beta) = (1.0f64, 0.0f64);
+        let n = n as c_int;
+        // SAFETY: each matrix holds n×n doubles (checked above) in this handle's context; alpha
+        // and beta are host scalars (the default pointer mode); 0 = CUBLAS_OP_N.
+        let s = unsafe {
+            (self.blas.api.cublasDgemm_v2)(self.handle, 0, 0, n, n, n, &alpha, a.ptr, n, b.ptr, n, &beta, c.ptr, n)
+        };
+        blas_check("cublasDgemm", s)
     }
 
     /// C = A·B for n×n column-major matrices, A and B BF16 (or FP16: `fp16`), C FP32, summed in

@@ -3,7 +3,7 @@
 //! never a zero. The CUDA implementation is `cuda_backend.rs`; the unit tests' is `fake.rs`.
 
 use super::levels::LevelParams;
-use super::results::{GemmResult, MemtestResult, ProbeError, Run};
+use super::results::{GemmResult, MemtestResult, PowerRun, ProbeError, Run};
 use crate::snapshot::Conditions;
 
 /// The 16-bit inputs of the tensor-core GEMM (FP32 accumulation either way).
@@ -54,6 +54,21 @@ pub trait Backend {
         _secs: f64,
     ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
         gpus.iter().map(|g| (*g, Err(ProbeError::Unavailable("this backend has no sustained GEMM".into())))).collect()
+    }
+    /// FP64 GEMMs on all of `gpus` at once for `secs` seconds of GPU time each, every result
+    /// checked: the load of the power test.
+    fn gemm_fp64(
+        &mut self,
+        gpus: &[usize],
+        _p: &LevelParams,
+        _secs: f64,
+    ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
+        gpus.iter().map(|g| (*g, Err(ProbeError::Unavailable("this backend has no FP64 GEMM".into())))).collect()
+    }
+    /// The boards' power sampled while the last `gemm_fp64` ran, by GPU; none where nothing
+    /// read it (no NVML beside the backend).
+    fn power(&self, _gpu: usize) -> Option<PowerRun> {
+        None
     }
     /// Nanoseconds per dependent load of GPU `dst`'s memory by a kernel on GPU `src` (peer
     /// access enabled by `p2p` before).

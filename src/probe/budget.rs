@@ -91,6 +91,9 @@ pub struct Plan {
     pub skipped: Vec<super::results::Skipped>,
     /// The all-GPU GEMM: every GPU at once, so counted once.
     pub gemm_sustained_s: f64,
+    /// The FP64 power test: every GPU at once, so counted once.
+    #[serde(default)]
+    pub power_s: f64,
     /// The bit-fade pauses: every GPU's memory test waits them at once, so counted once.
     pub fade_s: f64,
     /// NCCL's all-reduce over every GPU, twice (as NCCL chooses, NVLS off), at the slowest
@@ -191,6 +194,7 @@ pub fn estimate(
         }
     }
     let gemm_sustained_s = if gpus.is_empty() { 0.0 } else { opts.gemm_seconds.unwrap_or(p.gemm_secs) as f64 };
+    let power_s = if gpus.is_empty() { 0.0 } else { opts.power_seconds.unwrap_or(p.power_secs) as f64 };
     let fade_s: f64 = if gpus.is_empty() {
         0.0
     } else {
@@ -205,7 +209,7 @@ pub fn estimate(
         .iter()
         .map(|g| g.total_s)
         .chain(pairs.iter().map(|p| p.seconds))
-        .fold(gemm_sustained_s + fade_s + allreduce_s, |a, b| a + b);
+        .fold(gemm_sustained_s + power_s + fade_s + allreduce_s, |a, b| a + b);
     let gemm_library = if cublas { "cuBLAS" } else { gemm::PTX_GEMM }.to_string();
     let budget_s = match opts.level {
         ProbeLevel::None | ProbeLevel::Quick => Some(QUICK_BUDGET_S),
@@ -219,6 +223,7 @@ pub fn estimate(
         pairs,
         skipped,
         gemm_sustained_s,
+        power_s,
         fade_s,
         allreduce_s,
         gemm_library,
@@ -318,6 +323,13 @@ pub fn render(plan: &Plan) -> String {
     }
     if plan.gemm_sustained_s > 0.0 {
         let _ = writeln!(s, "  all GPUs at once: GEMM for {:.0} s", plan.gemm_sustained_s);
+    }
+    if plan.power_s > 0.0 {
+        let _ = writeln!(
+            s,
+            "  all GPUs at once: FP64 GEMM for {:.0} s, each board's power held to its target",
+            plan.power_s
+        );
     }
     if plan.gpus.is_empty() && plan.skipped.is_empty() {
         let _ = writeln!(s, "  no NVIDIA GPU to probe: the machine's PCI devices list none");
@@ -433,6 +445,7 @@ mod tests {
         let parts: f64 = full.gpus.iter().map(|g| g.total_s).sum::<f64>()
             + full.pairs.iter().map(|p| p.seconds).sum::<f64>()
             + full.gemm_sustained_s
+            + full.power_s
             + full.allreduce_s;
         assert!((full.total_s - parts - 40.0).abs() < 1e-6, "{}", render(&full));
         assert!(full.gpus.iter().all(|g| g.memory_s < 20.0), "{}", render(&full));

@@ -114,6 +114,10 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
             };
             out.push(beside(f.gpu(&g.pci), seen("gemm_sustained")));
         }
+        if let Some(d) = &g.gemm_fp64 {
+            out.push(beside(gemm_finding("probe.gemm-fp64", d, None).gpu(&g.pci), seen("gemm_fp64")));
+            out.extend(power_findings(g, d, device_of(&g.pci)));
+        }
         // An H100 PCIe may have no bridge fitted: its pairs over PCIe are then no fault.
         let bridge_optional = device_of(&g.pci)
             .and_then(facts::nvlink_use)
@@ -141,6 +145,60 @@ pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
     }
     out.extend(cublas_finding(report));
     out
+}
+
+/// `probe.power` and `probe.power-limit` for a GPU the FP64 load ran on: the highest board power
+/// NVML read against DCGM's floor for its SKU (`facts::power_target_w` × `POWER_MIN_RATIO`), and
+/// whether the limit the board enforces lets it get there at all.
+fn power_findings(g: &GpuProbes, load: &Outcome<GemmResult>, device_id: Option<u16>) -> Vec<Finding> {
+    let (power, limit) = ("probe.power", "probe.power-limit");
+    let target = device_id.and_then(facts::power_target_w);
+    let Some(run) = g.power.as_ref() else {
+        let why = "no NVML beside the probes: the boards' power was not read";
+        return vec![Finding::unknown(power, why).gpu(&g.pci), Finding::unknown(limit, why).gpu(&g.pci)];
+    };
+    let floor = target.map(|t| t * facts::POWER_MIN_RATIO);
+    let limit_low = run.limit_w.zip(floor).is_some_and(|(l, f)| l <= f);
+    let limit_finding = match (run.limit_w, floor) {
+        (None, _) => Finding::unknown(limit, "NVML gave no enforced power limit"),
+        (Some(l), None) => Finding::pass(limit, format!("enforced power limit {l:.0} W (DCGM gives this SKU no power target)")),
+        (Some(l), Some(f)) if limit_low => Finding::warn(
+            limit,
+            format!("the enforced power limit is {l:.0} W, at or below the {f:.0} W the board must reach under load ({:.0} % of DCGM's {:.0} W target): the GPU is held below what its SKU delivers", facts::POWER_MIN_RATIO * 100.0, f / facts::POWER_MIN_RATIO),
+        )
+        .detail("NVML enforces the lower of the board's default limit and one set with `nvidia-smi -pl` (or NVML) since the driver loaded; in a passthrough VM only the guest sets it.")
+        .remedy("Restore the default limit (`nvidia-smi -q -d POWER` shows it; `sudo nvidia-smi -i <GPU> -pl <default W>`) unless the limit is intended, then probe again."),
+        (Some(l), Some(f)) => Finding::pass(limit, format!("enforced power limit {l:.0} W, above the {f:.0} W the power test asks")),
+    };
+    let stats = match (run.max_w, run.avg_w) {
+        (Some(m), Some(a)) => format!("highest {m:.0} W, mean {a:.0} W over {} reading(s)", run.samples),
+        _ => "no reading".into(),
+    };
+    let power_finding = match (load, run.max_w, floor) {
+        (Outcome::Error(e), _, _) => Finding::unknown(power, format!("the FP64 load did not run: {e}")),
+        (_, None, _) => Finding::unknown(
+            power,
+            format!("NVML gave no power reading: {}", run.error.as_deref().unwrap_or("none was taken")),
+        ),
+        (_, Some(_), None) => Finding::pass(power, format!("under FP64 load: {stats} (DCGM gives this SKU no power target: measured, not judged)")),
+        (_, Some(m), Some(f)) if m >= f => {
+            Finding::pass(power, format!("under FP64 load: {stats}, at least the {f:.0} W floor ({:.0} % of DCGM's {:.0} W target)", facts::POWER_MIN_RATIO * 100.0, f / facts::POWER_MIN_RATIO))
+        }
+        (_, Some(_), Some(f)) if limit_low => Finding::unknown(
+            power,
+            format!("under FP64 load: {stats}; not judged: the enforced power limit keeps the board below the {f:.0} W floor (probe.power-limit)"),
+        ),
+        (_, Some(_), Some(f)) => Finding::fail(
+            power,
+            format!("under FP64 load the board drew at most {stats}, short of the {f:.0} W floor ({:.0} % of DCGM's {:.0} W target), its limit {}", facts::POWER_MIN_RATIO * 100.0, f / facts::POWER_MIN_RATIO, run.limit_w.map_or("unknown".into(), |l| format!("{l:.0} W"))),
+        )
+        .detail("A GPU that cannot draw its SKU's power under a full GEMM load has a power-delivery fault (its power stage or the baseboard's supply) that a merely slow GEMM can hide; DCGM's targeted-power test fails it the same way.")
+        .remedy("Drain the GPU and have the platform inspect its power delivery (by serial); probe again after a restart of the VM to rule out a transient cap."),
+    };
+    vec![
+        power_finding.gpu(&g.pci).evidence("power", run).evidence("target_w", target).evidence("floor_w", floor),
+        limit_finding.gpu(&g.pci).evidence("limit_w", run.limit_w).evidence("floor_w", floor),
+    ]
 }
 
 /// Pairs of the all-reduce's GPUs that the peer probes found without peer access, "2↔6".
@@ -611,16 +669,20 @@ fn gemm_finding(id: &str, o: &Outcome<GemmResult>, floor: Option<f64>) -> Findin
             let tflops = Stat::of(g.tflops_samples.clone()).map(|s| s.median).unwrap_or(0.0);
             // DCGM's floors are cuBLAS's figures; the agent's own fallback kernel is checked for
             // right results only.
-            let fallback = [gemm::PTX_GEMM, gemm::PTX_MMA_GEMM, gemm::PTX_MMA_FP16_GEMM].contains(&g.library.as_str());
+            let fallback = [gemm::PTX_GEMM, gemm::PTX_MMA_GEMM, gemm::PTX_MMA_FP16_GEMM, gemm::PTX_DGEMM]
+                .contains(&g.library.as_str());
+            let fp64 = g.library == gemm::PTX_DGEMM || g.library == gemm::CUBLAS_DGEMM;
             let fp16 = g.library == gemm::PTX_MMA_FP16_GEMM || g.library == gemm::CUBLAS_FP16_GEMM;
             let tensor = fp16 || g.library == gemm::PTX_MMA_GEMM || g.library == gemm::CUBLAS_BF16_GEMM;
-            let kind = match (tensor, fp16) {
-                (true, true) => "FP16 tensor-core GEMM",
-                (true, false) => "BF16 tensor-core GEMM",
+            let kind = match (tensor, fp16, fp64) {
+                (true, true, _) => "FP16 tensor-core GEMM",
+                (true, false, _) => "BF16 tensor-core GEMM",
+                (_, _, true) => "FP64 GEMM",
                 _ => "FP32 GEMM",
             };
-            // DCGM's floors are FP32 figures: a tensor-core rate has none (the baseline holds it).
-            let floor = floor.filter(|_| !fallback && !tensor);
+            // DCGM's floors are FP32 figures: a tensor-core or FP64 rate has none (the baseline
+            // holds the former; the power test judges the latter's load).
+            let floor = floor.filter(|_| !fallback && !tensor && !fp64);
             let f = if g.wrong_entries > 0 || g.max_rel_error > GEMM_TOLERANCE {
                 let first = g.first_wrong.as_ref().map(|w| format!("; first {w}")).unwrap_or_default();
                 Finding::fail(ID, format!("{kind} {n}×{n} gave wrong results: {} of {} checked entries differ (largest relative error {:.2e}{first})", g.wrong_entries, g.checked_entries, g.max_rel_error, n = g.n))

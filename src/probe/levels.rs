@@ -20,6 +20,10 @@ pub struct LevelParams {
     /// Seconds of GEMM on every probed GPU at once (0: none), checked as the single GEMM is.
     #[serde(default)]
     pub gemm_secs: u32,
+    /// Seconds of FP64 GEMM on every probed GPU at once while NVML's power reading is sampled
+    /// (0: none): DCGM's targeted-power test.
+    #[serde(default)]
+    pub power_secs: u32,
     /// Square GEMM size.
     pub gemm_n: usize,
     pub gemm_reps: u32,
@@ -42,6 +46,7 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             memtest_bytes: 1024 * MIB,
             fade_secs: 0,
             gemm_secs: 0,
+            power_secs: 0,
             gemm_n: 4096,
             gemm_reps: 5,
             // None: NCCL's start alone (topology search, a connection per pair) takes seconds.
@@ -56,6 +61,7 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             memtest_bytes: 8192 * MIB,
             fade_secs: 0,
             gemm_secs: 0,
+            power_secs: 0,
             gemm_n: 8192,
             gemm_reps: 10,
             // 1 GiB: our choice, large enough for NVLS and the rings to reach their plateau
@@ -72,9 +78,17 @@ pub fn params(level: ProbeLevel) -> LevelParams {
             // the 32–64 ms between refreshes many times over, short enough that 8 GPUs tested
             // one after another stay within minutes.
             fade_secs: 20,
-            // A minute of every GPU at full load: long enough for clocks to settle under the
-            // power and thermal limits a node reaches only with all its GPUs busy.
-            gemm_secs: 60,
+            // Half a minute of every GPU on the tensor cores, then half a minute on FP64 with the
+            // boards' power sampled (`power_secs`): a minute of all GPUs at full load, long enough
+            // for clocks to settle under the power and thermal limits a node reaches only with all
+            // its GPUs busy. (Until the power test came, the tensor cores had the whole minute.)
+            gemm_secs: 30,
+            // Our choice, within the level's budget: DCGM's targeted-power test runs 120 s by
+            // default (DCGM diag documentation, "Targeted Power", `test_duration`), and judges the
+            // highest reading; a board under a sustained GEMM reaches its steady draw within
+            // seconds, which NVML averages over one second on Hopper
+            // (`nvmlDeviceGetPowerUsage`), so 30 s holds it there many times over.
+            power_secs: 30,
             gemm_n: 16384,
             gemm_reps: 10,
             // 16 GiB, the message Azure's NCCL health check runs (azurehpc-health-checks,
@@ -93,6 +107,8 @@ pub struct Options<'a> {
     pub force: bool,
     /// Seconds of the all-GPU GEMM instead of the level's (`--gemm-seconds`; 0: none).
     pub gemm_seconds: Option<u32>,
+    /// Seconds of the FP64 power test instead of the level's (`--power-seconds`; 0: none).
+    pub power_seconds: Option<u32>,
     /// The all-reduce's message per GPU instead of the level's (`--allreduce-size`; 0: none).
     pub allreduce_bytes: Option<usize>,
     /// Time allowed for NCCL's start in each all-reduce, beyond twice its planned transfers
@@ -109,6 +125,7 @@ impl Options<'static> {
             only: &[],
             force: false,
             gemm_seconds: None,
+            power_seconds: None,
             allreduce_bytes: None,
             nccl_allowance: crate::config::NCCL_ALLOWANCE,
         }

@@ -165,6 +165,12 @@ pub struct GpuProbes {
     /// The GEMM run on every probed GPU at once (the full level), when it ran.
     #[serde(default)]
     pub gemm_sustained: Option<Outcome<GemmResult>>,
+    /// The FP64 GEMM on every probed GPU at once while its power was sampled (the power test).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm_fp64: Option<Outcome<GemmResult>>,
+    /// What NVML read of the board's power while `gemm_fp64` ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power: Option<PowerRun>,
     /// BF16 on the tensor cores, checked exactly like the FP32 GEMM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm_tensor: Option<Outcome<GemmResult>>,
@@ -178,6 +184,23 @@ pub struct GpuProbes {
     /// `memory`, `gemm`), so a throttled GPU is told apart from a slow link.
     #[serde(default)]
     pub conditions: std::collections::BTreeMap<String, Conditions>,
+}
+
+/// NVML's power readings of one board while the FP64 GEMM loaded it
+/// (`nvmlDeviceGetPowerUsage`, averaged by the driver over the last second on Hopper).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PowerRun {
+    /// Readings taken.
+    pub samples: u32,
+    /// The highest, W (what DCGM's targeted-power test judges).
+    pub max_w: Option<f64>,
+    /// Their mean, W.
+    pub avg_w: Option<f64>,
+    /// The power limit the board enforces (`nvmlDeviceGetEnforcedPowerLimit`), W.
+    pub limit_w: Option<f64>,
+    /// Why a reading failed, the first time one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -47,6 +47,10 @@ pub fn run(
     if secs > 0 && !chosen.is_empty() {
         r.sustained_gemm(&chosen, &mut gpus, secs);
     }
+    let secs = opts.power_seconds.unwrap_or(p.power_secs);
+    if secs > 0 && !chosen.is_empty() {
+        r.power_test(&chosen, &mut gpus, secs);
+    }
     let mut peers = r.peer_copies(&chosen);
     scope::mark(&mut peers, targets);
     let mut report = ProbeReport { level: opts.level, params: p, gpus, peers, skipped, nvlink: None, allreduce: None };
@@ -144,6 +148,8 @@ impl Runner<'_> {
             sm_copy_gbps: Some(sm_copy),
             host_latency_ns: Some(host_latency),
             gemm_sustained: None,
+            gemm_fp64: None,
+            power: None,
             gemm_tensor: None,
             gemm_tensor_fp16: None,
             host_memory: self.backend.host_placement(g),
@@ -202,6 +208,24 @@ impl Runner<'_> {
             self.retire(&r);
             if let Some(gp) = gpus.iter_mut().find(|x| x.ordinal == g) {
                 gp.gemm_sustained = Some(r.into());
+            }
+        }
+        for gp in gpus.iter_mut() {
+            gp.conditions = self.backend.conditions(gp.ordinal);
+        }
+    }
+
+    /// FP64 GEMMs on every live GPU at once for `secs` seconds each, the boards' power sampled
+    /// meanwhile (`chosen` is not empty).
+    fn power_test(&mut self, chosen: &[&Target], gpus: &mut [GpuProbes], secs: u32) {
+        let live = self.live(chosen);
+        self.say(&format!("GPUs {live:?} at once: FP64 GEMM for {secs} s each, power sampled"));
+        let p = self.p;
+        for (g, r) in self.backend.gemm_fp64(&live, &p, secs.into()) {
+            self.retire(&r);
+            if let Some(gp) = gpus.iter_mut().find(|x| x.ordinal == g) {
+                gp.gemm_fp64 = Some(r.into());
+                gp.power = self.backend.power(g);
             }
         }
         for gp in gpus.iter_mut() {

@@ -23,6 +23,9 @@ pub fn read(library: &str, deadlines: Deadlines) -> Reading {
     Session::new(library, deadlines).read(None)
 }
 
+/// One board's power and enforced limit, mW (`Session::powers`), or why NVML could not say.
+pub type PowerReading = Result<(u32, Option<u32>), String>;
+
 /// What one reading of NVML gave: its status, and the calls that did not answer in time.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Reading {
@@ -74,6 +77,7 @@ enum Target {
     Gpm,
     Events,
     Conditions,
+    Power,
 }
 
 /// An NVML session kept across snapshots. `nvmlInit` attaches every GPU — seconds on an 8-GPU
@@ -238,6 +242,32 @@ impl Session {
             Outcome::Late(late) => {
                 let why = blocked_of(&late, None).describe();
                 st.late.insert(Target::Conditions, forget(late));
+                Err(why)
+            }
+        }
+    }
+
+    /// Each GPU's board power now (`nvmlDeviceGetPowerUsage`) and the limit it enforces
+    /// (`nvmlDeviceGetEnforcedPowerLimit`), both in mW, for GPUs `addresses` in one call under
+    /// the per-GPU deadline: the power test samples all its boards ten times a second.
+    pub fn powers(&self, addresses: &[String]) -> Result<Vec<PowerReading>, String> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let h = self.held(&mut st, None).map_err(|(f, _)| f.message)?;
+        if let Some(late) = st.late.get(&Target::Power) {
+            if !late.finished() {
+                return Err(blocked_of(late, None).describe());
+            }
+        }
+        let addresses = addresses.to_vec();
+        let out = deadline::call(self.deadlines.gpu, Tracker::new("nvmlDeviceGetCount_v2"), self.hook(), move |t| {
+            powers(&h, &addresses, t)
+        });
+        match out {
+            Outcome::Done(r) => r,
+            Outcome::NotStarted(why) => Err(why),
+            Outcome::Late(late) => {
+                let why = blocked_of(&late, None).describe();
+                st.late.insert(Target::Power, forget(late));
                 Err(why)
             }
         }
@@ -523,6 +553,31 @@ fn init(library: &str) -> Result<Held, NvmlFailure> {
     // while `sys` is used, since both live in `Held`, which drops `sys` first.
     let sys = unsafe { NvmlLib::new(library) }.ok();
     Ok(Held { sys, nvml })
+}
+
+/// The board power and enforced limit of each GPU at `addresses` (`Session::powers`).
+fn powers(h: &Held, addresses: &[String], t: &Tracker) -> Result<Vec<PowerReading>, String> {
+    t.at("nvmlDeviceGetCount_v2");
+    let count = h.nvml.device_count().map_err(|e| format!("nvmlDeviceGetCount: {e}"))?;
+    t.at("nvmlDeviceGetPciInfo_v3");
+    let devices: Vec<_> = (0..count)
+        .filter_map(|i| h.nvml.device_by_index(i).ok())
+        .map(|d| (d.pci_info().ok().and_then(|p| normalize_bus_id(&p.bus_id)), d))
+        .collect();
+    Ok(addresses
+        .iter()
+        .map(|address| {
+            let d = devices
+                .iter()
+                .find(|(a, _)| a.as_deref() == Some(address.as_str()))
+                .map(|(_, d)| d)
+                .ok_or_else(|| format!("NVML lists no GPU at {address}"))?;
+            t.set_address(address);
+            let mw = ask!(t, "nvmlDeviceGetPowerUsage", d.power_usage())
+                .map_err(|e| format!("nvmlDeviceGetPowerUsage: {e}"))?;
+            Ok((mw, ask!(t, "nvmlDeviceGetEnforcedPowerLimit", d.enforced_power_limit()).ok()))
+        })
+        .collect())
 }
 
 fn conditions(h: &Held, address: &str, t: &Tracker) -> Result<crate::snapshot::Conditions, String> {

@@ -25,15 +25,25 @@ fn gemm_value(row: usize, col: usize, salt: usize) -> i64 {
 const SALT_A: usize = 1;
 const SALT_B: usize = 5;
 
-/// Column 0 of a matrix and 17 more rows, as bytes: column j is the `n` values starting at row
-/// `13·j mod 17` (12·13 ≡ 3 mod 17, so shifting by 13·j rows adds the 3·j of column j).
-fn gemm_base_column(n: usize, salt: usize) -> Vec<u8> {
-    (0..n + 17).flat_map(|r| (gemm_value(r, 0, salt) as f32).to_ne_bytes()).collect()
+/// Column 0 of a matrix and 17 more rows, as bytes of FP32 entries (FP64 when `size` is 8):
+/// column j is the `n` values starting at row `13·j mod 17` (12·13 ≡ 3 mod 17, so shifting by
+/// 13·j rows adds the 3·j of column j).
+fn gemm_base_column(n: usize, salt: usize, size: usize) -> Vec<u8> {
+    (0..n + 17)
+        .flat_map(|r| {
+            let v = gemm_value(r, 0, salt);
+            if size == 8 {
+                (v as f64).to_ne_bytes().to_vec()
+            } else {
+                (v as f32).to_ne_bytes().to_vec()
+            }
+        })
+        .collect()
 }
 
-fn gemm_column(base: &[u8], n: usize, col: usize) -> &[u8] {
+fn gemm_column(base: &[u8], n: usize, col: usize, size: usize) -> &[u8] {
     let shift = (13 * col) % 17;
-    &base[shift * 4..(shift + n) * 4]
+    &base[shift * size..(shift + n) * size]
 }
 
 /// C's exact entries: `[i % 17][j % 17]`, each summed over all `n` products.
@@ -43,24 +53,26 @@ fn gemm_reference(n: usize) -> Vec<[i64; 17]> {
         .collect()
 }
 
-/// Fills an n×n column-major matrix on the device, a staging buffer of whole columns at a time.
+/// Fills an n×n column-major matrix of `size`-byte entries (FP32 or FP64) on the device, a
+/// staging buffer of whole columns at a time.
 fn upload_matrix(
     stream: &Stream,
     staging: &mut PinnedBuffer,
     m: &DeviceBuffer,
-    n: usize,
+    (n, size): (usize, usize),
     salt: usize,
 ) -> cuda::Result<()> {
-    let base = gemm_base_column(n, salt);
-    let per = (staging.len() / (n * 4)).max(1);
+    let base = gemm_base_column(n, salt, size);
+    let line = n * size;
+    let per = (staging.len() / line).max(1);
     let mut col = 0;
     while col < n {
         let k = per.min(n - col);
         for c in 0..k {
-            staging.as_mut_slice()[c * n * 4..(c + 1) * n * 4].copy_from_slice(gemm_column(&base, n, col + c));
+            staging.as_mut_slice()[c * line..(c + 1) * line].copy_from_slice(gemm_column(&base, n, col + c, size));
         }
         // SAFETY: the staging buffer is not touched again until the stream is synchronized.
-        unsafe { stream.copy_h2d(m, col * n * 4, staging, k * n * 4) }?;
+        unsafe { stream.copy_h2d(m, col * line, staging, k * line) }?;
         stream.synchronize()?;
         col += k;
     }
@@ -142,6 +154,10 @@ enum Gemmer<'a> {
     Ptx(Function<'a>),
     /// The agent's tensor-core kernel (`tensor.ptx`): BF16 or FP16 in, FP32 accumulate.
     Mma(Function<'a>, Half),
+    /// cuBLAS's DGEMM: FP64 throughout.
+    BlasF64(BlasHandle),
+    /// The agent's `phq_dgemm`: FP64 throughout, `phq_sgemm`'s tiles and launch.
+    PtxF64(Function<'a>),
 }
 
 impl Gemmer<'_> {
@@ -149,16 +165,18 @@ impl Gemmer<'_> {
         match self {
             Gemmer::Blas(h) => h.sgemm(n, a, b, c),
             Gemmer::BlasHalf(h, half) => h.gemm_half(n, a, b, c, *half == Half::Fp16),
-            Gemmer::Ptx(f) | Gemmer::Mma(f, _) => {
-                // The kernel's launch contract and the bytes of an input entry: FP32 for
-                // phq_sgemm, 16 bits for phq_mma_gemm (whose last argument picks FP16 over
-                // BF16); C is FP32 for both.
-                let (shape, input, fp16) = match self {
-                    Gemmer::Mma(_, half) => (kernels::mma_shape(n), 2, Some(*half == Half::Fp16)),
-                    _ => (kernels::sgemm_shape(n), 4, None),
+            Gemmer::BlasF64(h) => h.dgemm(n, a, b, c),
+            Gemmer::Ptx(f) | Gemmer::Mma(f, _) | Gemmer::PtxF64(f) => {
+                // The kernel's launch contract and the bytes of an input entry and of C: FP32
+                // for phq_sgemm, FP64 for phq_dgemm, 16 bits in for phq_mma_gemm (whose last
+                // argument picks FP16 over BF16) with FP32 out.
+                let (shape, input, out, fp16) = match self {
+                    Gemmer::Mma(_, half) => (kernels::mma_shape(n), 2, 4, Some(*half == Half::Fp16)),
+                    Gemmer::PtxF64(_) => (kernels::sgemm_shape(n), 8, 8, None),
+                    _ => (kernels::sgemm_shape(n), 4, 4, None),
                 };
                 let (grid, block) = shape.map_err(|e| ctx_error(&e))?;
-                if a.len() < n * n * input || b.len() < n * n * input || c.len() < n * n * 4 {
+                if a.len() < n * n * input || b.len() < n * n * input || c.len() < n * n * out {
                     return Err(ctx_error(&format!("the GEMM's matrices hold fewer than {n}×{n} entries")));
                 }
                 let mut args = vec![
@@ -168,10 +186,10 @@ impl Gemmer<'_> {
                     cuda::Arg::U32(n as u32),
                 ];
                 args.extend(fp16.map(|h| cuda::Arg::U32(u32::from(h))));
-                // SAFETY: A and B hold n×n entries of the kernel's input type and C n×n floats
-                // (checked above), and the launch has the kernel's shape (`sgemm_shape`,
-                // `mma_shape`) and its parameters, so every tile it reads and writes lies
-                // inside them.
+                // SAFETY: A and B hold n×n entries of the kernel's input type and C n×n of its
+                // output (checked above), and the launch has the kernel's shape (`sgemm_shape`,
+                // `mma_shape`; phq_dgemm's is phq_sgemm's) and its parameters, so every tile it
+                // reads and writes lies inside them.
                 unsafe { stream.launch(f, grid, block, &args) }
             }
         }
@@ -190,6 +208,8 @@ struct GemmRun<'a> {
     c: DeviceBuffer,
     gemmer: Gemmer<'a>,
     library: &'static str,
+    /// Bytes of one entry of C: 4 (FP32), 8 (FP64).
+    out: usize,
     /// On the GPU: the check kernel, the exact table, a result buffer and its host copy, the grid.
     device_check: Option<(Function<'a>, DeviceBuffer, DeviceBuffer, PinnedBuffer, u32)>,
     reference: Vec<[i64; 17]>,
@@ -235,8 +255,8 @@ impl<'a> GemmRun<'a> {
             upload_half(&stream, &mut staging, &a, (n, SALT_A), blas.is_none(), half)?;
             upload_half(&stream, &mut staging, &b, (n, SALT_B), false, half)?;
         } else {
-            upload_matrix(&stream, &mut staging, &a, n, SALT_A)?;
-            upload_matrix(&stream, &mut staging, &b, n, SALT_B)?;
+            upload_matrix(&stream, &mut staging, &a, (n, 4), SALT_A)?;
+            upload_matrix(&stream, &mut staging, &b, (n, 4), SALT_B)?;
         }
         let reference = gemm_reference(n);
         let (gemmer, library) = match (blas, k, tensor) {
@@ -280,9 +300,57 @@ impl<'a> GemmRun<'a> {
             c,
             gemmer,
             library,
+            out: 4,
             device_check,
             reference,
-            readback: ctx.pinned(GEMM_CHECKED_PER_SAMPLE * 4)?,
+            readback: ctx.pinned(GEMM_CHECKED_PER_SAMPLE * 8)?,
+            start,
+            end,
+            reps: 0,
+            tflops: Vec::new(),
+            seconds: 0.0,
+            checked: 0,
+            wrong: 0,
+            max_rel: 0.0,
+            first_wrong: None,
+            samples: 0,
+        })
+    }
+
+    /// An FP64 GEMM (cuBLAS's DGEMM, else the agent's `phq_dgemm`): the same integer inputs in
+    /// FP64, its products read back in part and checked on the host (`phq_gemm_check` compares
+    /// FP32 words).
+    fn fp64(
+        ctx: &Arc<Ctx>,
+        blas: Option<&Arc<cuda::Blas>>,
+        k: Option<&'a Loaded>,
+        n: usize,
+    ) -> cuda::Result<GemmRun<'a>> {
+        let bytes = n * n * 8;
+        let (a, b, c) = (ctx.alloc(bytes)?, ctx.alloc(bytes)?, ctx.alloc(bytes)?);
+        let mut staging = ctx.pinned((16 << 20).max(n * 8).min(bytes))?;
+        let stream = ctx.stream()?;
+        upload_matrix(&stream, &mut staging, &a, (n, 8), SALT_A)?;
+        upload_matrix(&stream, &mut staging, &b, (n, 8), SALT_B)?;
+        let (gemmer, library) = match (blas, k) {
+            (Some(blas), _) => (Gemmer::BlasF64(BlasHandle::new(blas, &stream)?), CUBLAS_DGEMM),
+            (None, Some(k)) if n.is_multiple_of(16) => (Gemmer::PtxF64(k.module.function("phq_dgemm")?), PTX_DGEMM),
+            _ => return Err(ctx_error("the FP64 GEMM needs cuBLAS or the probe kernels")),
+        };
+        let (start, end) = (ctx.event()?, ctx.event()?);
+        Ok(GemmRun {
+            n,
+            ctx: ctx.clone(),
+            stream,
+            a,
+            b,
+            c,
+            gemmer,
+            library,
+            out: 8,
+            device_check: None,
+            reference: gemm_reference(n),
+            readback: ctx.pinned(GEMM_CHECKED_PER_SAMPLE * 8)?,
             start,
             end,
             reps: 0,
@@ -357,14 +425,19 @@ impl<'a> GemmRun<'a> {
                 ((s * 7919 + 13) % n, (s * 104_729 + 7) % n)
             })
             .collect();
+        let es = self.out;
         for (slot, (i, j)) in entries.iter().enumerate() {
             // SAFETY: `readback` is read only after the synchronize below.
-            unsafe { self.stream.copy_d2h(&self.readback, slot * 4, &self.c, (i + j * n) * 4, 4) }?;
+            unsafe { self.stream.copy_d2h(&self.readback, slot * es, &self.c, (i + j * n) * es, es) }?;
         }
         self.stream.synchronize()?;
         for (slot, (i, j)) in entries.iter().enumerate() {
-            let w = &self.readback.as_slice()[slot * 4..slot * 4 + 4];
-            let got = f32::from_ne_bytes([w[0], w[1], w[2], w[3]]) as f64;
+            let w = &self.readback.as_slice()[slot * es..slot * es + es];
+            let got = match *w {
+                [a, b, c, d, e, f, g, h] => f64::from_ne_bytes([a, b, c, d, e, f, g, h]),
+                [a, b, c, d] => f32::from_ne_bytes([a, b, c, d]) as f64,
+                _ => f64::NAN,
+            };
             let want = self.reference[i % 17][j % 17];
             if got != want as f64 {
                 self.wrong += 1;
@@ -482,6 +555,9 @@ pub(crate) const PTX_GEMM: &str = "PTX fallback (phq_sgemm)";
 pub(crate) fn ptx_sgemm_n(level_n: usize) -> usize {
     level_n / 2
 }
+/// The FP64 GEMM's names: cuBLAS's DGEMM, or the agent's `phq_dgemm`.
+pub(crate) const CUBLAS_DGEMM: &str = "cuBLAS DGEMM";
+pub(crate) const PTX_DGEMM: &str = "PTX fallback (phq_dgemm)";
 /// … and by its tensor-core kernel.
 pub(crate) const PTX_MMA_GEMM: &str = "PTX tensor cores, BF16 (phq_mma_gemm)";
 /// … and the tensor-core GEMM through cuBLAS.
@@ -659,6 +735,54 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Every GPU at once on FP64 GEMMs (`gemm_sustained`) for `secs` of GPU time each: cuBLAS's
+    /// DGEMM where it loads and starts, the agent's `phq_dgemm` at `ptx_sgemm_n`'s side elsewhere.
+    /// The load of DCGM's targeted-power test (DCGM's diag documentation, "Targeted Power":
+    /// `use_dgemm`, large matrix multiplications on each GPU at once), while the caller samples
+    /// the boards' power.
+    pub(super) fn gemm_fp64_all(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+        secs: f64,
+    ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
+        let mut ready = Vec::new();
+        let mut notes = std::collections::HashMap::new();
+        for &g in gpus {
+            let r = self.ctx(g).and_then(|c| {
+                let (blas, note) = self.blas_here(g, &c)?.split();
+                notes.insert(g, note);
+                match self.with_kernels(g) {
+                    Ok(_) => Ok((c, blas.ok(), true)),
+                    Err(ProbeError::Unavailable(_)) => Ok((c, blas.ok(), false)),
+                    Err(e) => Err(e),
+                }
+            });
+            ready.push((g, r));
+        }
+        let loaded = &self.kernels;
+        let mut runs: Vec<(usize, Result<GemmRun<'_>, ProbeError>)> = ready
+            .into_iter()
+            .map(|(g, r)| {
+                let run = r.and_then(|(ctx, blas, has)| {
+                    let k = if has { loaded.get(&g).and_then(|x| x.as_ref().ok()) } else { None };
+                    let n = if blas.is_some() { p.gemm_n } else { ptx_sgemm_n(p.gemm_n) };
+                    if blas.is_none() && (k.is_none() || !n.is_multiple_of(16)) {
+                        return Err(ProbeError::Unavailable(
+                            "the FP64 GEMM needs cuBLAS (the CUDA toolkit) or the probe kernels, which the driver could not load".into(),
+                        ));
+                    }
+                    GemmRun::fp64(&ctx, blas.as_ref(), k, n).map_err(on(g))
+                });
+                (g, run)
+            })
+            .collect();
+        gemm_sustained(&mut runs, p.gemm_reps, secs);
+        runs.into_iter().map(|(g, r)| (g, r.map(|run| run.result().with_cublas(notes.remove(&g).flatten())))).collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -667,10 +791,13 @@ mod tests {
     fn gemm_columns_by_shifting_are_the_matrix_and_the_table_is_its_product() {
         let n = 40;
         for salt in [SALT_A, SALT_B] {
-            let base = gemm_base_column(n, salt);
+            let base = gemm_base_column(n, salt, 4);
+            let base64 = gemm_base_column(n, salt, 8);
             for col in 0..n {
                 let want: Vec<u8> = (0..n).flat_map(|r| (gemm_value(r, col, salt) as f32).to_ne_bytes()).collect();
-                assert_eq!(gemm_column(&base, n, col), &want[..], "column {col}");
+                assert_eq!(gemm_column(&base, n, col, 4), &want[..], "column {col}");
+                let want: Vec<u8> = (0..n).flat_map(|r| (gemm_value(r, col, salt) as f64).to_ne_bytes()).collect();
+                assert_eq!(gemm_column(&base64, n, col, 8), &want[..], "FP64 column {col}");
             }
         }
         let table = gemm_reference(n);

@@ -234,6 +234,15 @@ impl Backend for CudaBackend {
         self.gemm_all(gpus, p, secs)
     }
 
+    fn gemm_fp64(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+        secs: f64,
+    ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
+        self.gemm_fp64_all(gpus, p, secs)
+    }
+
     /// In a child process (`allreduce::run`). This process lets go of every GPU first: the
     /// all-reduce is the run's last probe, and a GPU in exclusive-process compute mode admits
     /// the child's context only once this process holds none.
