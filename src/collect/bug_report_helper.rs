@@ -287,3 +287,48 @@ fn taken(dir: &Path, (outcome, note): (Outcome, String), asked: SystemTime) -> B
         Outcome::Failed => BugReport { log: None, note: format!("{prefix}: {note}") },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_helper_directory_is_said() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = ask(&dir.path().join(REQUEST), &dir.path().join("absent"), Duration::from_millis(10));
+        assert!(r.log.is_none() && r.note.contains("no root helper"), "{r:?}");
+        assert!(!dir.path().join(REQUEST).exists(), "a request with no one to answer it");
+    }
+
+    #[test]
+    fn a_helper_that_does_not_answer_is_said_and_an_old_status_is_no_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let helper = dir.path().join("helper");
+        std::fs::create_dir(&helper).unwrap();
+        // The last run's answer, from before this request.
+        std::fs::write(helper.join(STATUS), "ok\nearlier\n").unwrap();
+        std::fs::write(helper.join(LOG_NAME), b"earlier log").unwrap();
+        let r = ask(&dir.path().join(REQUEST), &helper, Duration::from_millis(200));
+        assert!(r.log.is_none() && r.note.contains("did not answer within 200ms"), "{r:?}");
+        assert!(dir.path().join(REQUEST).is_file());
+    }
+
+    #[test]
+    fn a_refusal_is_said_as_the_helpers_rate_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let helper = dir.path().join("helper");
+        std::fs::create_dir(&helper).unwrap();
+        let request = dir.path().join(REQUEST);
+        let (h, r) = (helper.clone(), request.clone());
+        // The helper's part: answers once the request is there.
+        let answering = std::thread::spawn(move || {
+            while !r.exists() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            crate::durable::write(&h.join(STATUS), b"refused\nran 5 s ago\n", 0o640).unwrap();
+        });
+        let got = ask(&request, &helper, Duration::from_secs(30));
+        answering.join().unwrap();
+        assert!(got.log.is_none() && got.note == "ran 5 s ago (refused by the root helper's rate limit)", "{got:?}");
+    }
+}
