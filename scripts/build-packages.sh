@@ -35,7 +35,8 @@ target/release/phq-agent completions zsh >"$assets/completions/_phq-agent"
 target/release/phq-agent completions fish >"$assets/completions/phq-agent.fish"
 # The rpm's files from the source tree, staged so that every one carries the commit's time.
 for f in packaging/config.toml packaging/systemd/phq-agent.service packaging/systemd/install/phq-agent-install.service packaging/systemd/phq-agent.socket \
-  packaging/systemd/vsock/phq-agent-vsock.socket packaging/systemd/phq-agent.sysusers packaging/systemd/phq-agent.tmpfiles packaging/dbus/ch.phoeniqs.Agent1.conf \
+  packaging/systemd/vsock/phq-agent-vsock.socket packaging/systemd/bug-report/phq-agent-bug-report.path packaging/systemd/bug-report/phq-agent-bug-report.service \
+  packaging/systemd/phq-agent.sysusers packaging/systemd/phq-agent.tmpfiles packaging/dbus/ch.phoeniqs.Agent1.conf \
   README.md; do
   install -D -m 0644 "$f" "$assets/files/$f"
 done

@@ -385,3 +385,148 @@ fn a_link_in_place_of_the_log_is_not_followed() {
     let notes = notes(&bundle);
     assert!(notes.iter().any(|n| n.contains("left out:")), "{notes:?}");
 }
+
+/// `phq-agent bug-report --out DIR`, the root helper's command, with the stand-in `script`.
+fn helper(out: &Path, script: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_phq-agent"))
+        .args(["bug-report", "--reader", "root", "--out"])
+        .arg(out)
+        .env("PHQ_BUG_REPORT_SCRIPT", script)
+        .env("PHQ_BUG_REPORT_TIMEOUT", "60s")
+        .output()
+        .unwrap()
+}
+
+/// The root side: the log written into its directory (0640, through no link planted at its
+/// name), the status saying so; a second request within 30 minutes refused without running the
+/// script; a link in the directory's own place refused outright.
+#[test]
+fn the_root_helper_writes_the_log_refuses_a_second_run_and_never_follows_a_link() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (prepared, bytes) = small_gz(dir.path());
+    let ran = dir.path().join("ran");
+    let s = script(dir.path(), "bug.sh", &format!("echo run >> {ran:?}\ncp {prepared:?} \"$out.gz\""));
+    let out = dir.path().join("helper");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o750)).unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    std::os::unix::fs::symlink(&victim, out.join("nvidia-bug-report.log.gz")).unwrap();
+
+    let first = helper(&out, &s);
+    assert_eq!(first.status.code(), Some(0), "{}", String::from_utf8_lossy(&first.stderr));
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious", "written through the planted link");
+    let log = std::fs::symlink_metadata(out.join("nvidia-bug-report.log.gz")).unwrap();
+    assert!(log.is_file() && log.permissions().mode() & 0o777 == 0o640, "{log:?}");
+    assert_eq!(std::fs::read(out.join("nvidia-bug-report.log.gz")).unwrap(), bytes);
+    assert!(std::fs::read_to_string(out.join("status")).unwrap().starts_with("ok\n"));
+    no_work_dirs(&out);
+
+    let second = helper(&out, &s);
+    assert_eq!(second.status.code(), Some(2), "{}", String::from_utf8_lossy(&second.stderr));
+    let status = std::fs::read_to_string(out.join("status")).unwrap();
+    assert!(status.starts_with("refused\n") && status.contains("at most once per 30 min"), "{status}");
+    assert_eq!(std::fs::read_to_string(&ran).unwrap(), "run\n", "the script ran again within the interval");
+
+    let linked = dir.path().join("linked");
+    std::os::unix::fs::symlink(dir.path().join("elsewhere"), &linked).unwrap();
+    std::fs::create_dir(dir.path().join("elsewhere")).unwrap();
+    let third = helper(&linked, &s);
+    assert_eq!(third.status.code(), Some(3), "{}", String::from_utf8_lossy(&third.stderr));
+    assert!(String::from_utf8_lossy(&third.stderr).contains("a symbolic link"), "{third:?}");
+    assert_eq!(std::fs::read_dir(dir.path().join("elsewhere")).unwrap().count(), 0);
+}
+
+/// The service as the shipped unit runs it (not root: `PHQ_BUG_REPORT_VIA=helper`): a fatal Xid
+/// rings the helper's doorbell; this test plays `phq-agent-bug-report.path` (it watches the
+/// request and runs the real `phq-agent bug-report` as root), and the bundle holds the log the
+/// helper's stand-in wrote. The service itself is given no script: the log can only be the
+/// helper's.
+#[test]
+fn a_service_that_is_not_root_takes_the_log_from_the_root_helper() {
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (prepared, bytes) = small_gz(dir.path());
+    let s = script(dir.path(), "bug.sh", &format!("cp {prepared:?} \"$out.gz\""));
+    // The helper's directory, as the package's tmpfiles entry makes it.
+    let out = dir.path().join("helper");
+    std::fs::create_dir(&out).unwrap();
+    let mut scenario: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("examples/scenarios/hgx-8gpu-healthy.json")).unwrap(),
+    )
+    .unwrap();
+    scenario["devices"][3]["xid_events"] = serde_json::json!([{"xid": 79, "after_ms": 1000}]);
+    let scenario_path = dir.path().join("scenario.json");
+    std::fs::write(&scenario_path, serde_json::to_vec(&scenario).unwrap()).unwrap();
+    let cfg = service_config(dir.path(), "t0ken-bug-report", "[probes]\nat_boot = \"none\"\n");
+    let mut cmd = serve_command(&cfg, &scenario_path, &bus);
+    cmd.env_remove("PHQ_BUG_REPORT_SCRIPT")
+        .env("PHQ_BUG_REPORT_VIA", "helper")
+        .env("PHQ_BUG_REPORT_HELPER_DIR", &out)
+        .env("PHQ_BUG_REPORT_TIMEOUT", "60s");
+    let mut agent = Killed(cmd.spawn().unwrap());
+    listening_port(&mut agent.0).expect("the service listens");
+    // systemd's part: the request appears (or changes), the helper runs.
+    let request = dir.path().join("state/bug-report.request");
+    let until = Instant::now() + Duration::from_secs(60);
+    while !request.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(request.exists(), "the fatal Xid did not ring the helper");
+    let answered = helper(&out, &s);
+    assert_eq!(answered.status.code(), Some(0), "{}", String::from_utf8_lossy(&answered.stderr));
+    let bundles = dir.path().join("state/bundles");
+    let bundle = loop {
+        let found = std::fs::read_dir(&bundles).ok().and_then(|rd| {
+            rd.filter_map(|e| e.ok()).map(|e| e.path()).find(|p| p.to_string_lossy().ends_with(".tar.gz"))
+        });
+        if let Some(b) = found {
+            break b;
+        }
+        assert!(Instant::now() < until, "no bundle after the helper answered");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(member(&bundle, "nvidia-bug-report.log.gz").as_deref(), Some(&bytes[..]), "notes: {:?}", notes(&bundle));
+    let notes = notes(&bundle);
+    assert!(notes.iter().any(|n| n.contains("from the root helper")), "{notes:?}");
+}
+
+/// An NVSwitch's SXid the Fabric Manager guide lists as fatal makes a bundle as a fatal Xid does;
+/// one it lists as non-fatal makes none. The non-fatal 12028 comes first: had it made a bundle,
+/// the rate limit would have refused the fatal 12001's, and the one bundle would be 12028's.
+#[test]
+fn a_fatal_sxid_makes_a_bundle_and_a_non_fatal_one_none() {
+    use std::io::Write;
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let root = copy_sysroot("hgx-8gpu-healthy", dir.path());
+    let mut kmsg = std::fs::OpenOptions::new().append(true).open(root.join("dev/kmsg")).unwrap();
+    let (prepared, bytes) = small_gz(dir.path());
+    let s = script(dir.path(), "bug.sh", &format!("cp {prepared:?} \"$out.gz\""));
+    let scenario = repo().join("examples/scenarios/hgx-8gpu-healthy.json");
+    let cfg = service_config(dir.path(), "t0ken-bug-report", "[probes]\nat_boot = \"none\"\n");
+    let mut cmd = serve_command_on(&root, &cfg, &scenario, &bus);
+    cmd.env("PHQ_BUG_REPORT_SCRIPT", &s).env("PHQ_BUG_REPORT_TIMEOUT", "60s").env("PHQ_BUG_REPORT_VIA", "self");
+    let mut agent = Killed(cmd.spawn().unwrap());
+    listening_port(&mut agent.0).expect("the service listens");
+    writeln!(kmsg, "4,7003,9200000000,-;nvidia-nvswitch3: SXid (PCI:0000:14:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)").unwrap();
+    writeln!(kmsg, "2,7004,9300000000,-;nvidia-nvswitch1: SXid (PCI:0000:12:00.0): 12001, Fatal, Link 08 egress crossbar overflow (First)").unwrap();
+    let bundles = dir.path().join("state/bundles");
+    let until = Instant::now() + Duration::from_secs(60);
+    let made = loop {
+        let made: Vec<String> = std::fs::read_dir(&bundles)
+            .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_else(|_| Vec::new())
+            .into_iter()
+            .filter(|n: &String| n.ends_with(".tar.gz"))
+            .collect();
+        if !made.is_empty() || Instant::now() > until {
+            break made;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(made.len(), 1, "{made:?}");
+    assert!(made[0].starts_with("sxid12001-"), "{made:?}");
+    assert_eq!(member(&bundles.join(&made[0]), "nvidia-bug-report.log.gz").as_deref(), Some(&bytes[..]));
+}

@@ -56,6 +56,8 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
         "lib/systemd/system/phq-agent-install.service",
         "lib/systemd/system/phq-agent.socket",
         "lib/systemd/system/phq-agent-vsock.socket",
+        "lib/systemd/system/phq-agent-bug-report.path",
+        "lib/systemd/system/phq-agent-bug-report.service",
         "usr/lib/sysusers.d/phq-agent.conf",
         "usr/lib/tmpfiles.d/phq-agent.conf",
         "usr/share/dbus-1/system.d/ch.phoeniqs.Agent1.conf",
@@ -81,11 +83,17 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
     // One socket unit, the service's: cargo-deb looks for `<package>.socket` for every unit it
     // is given, so the installer's unit scripts live in a directory of their own.
     assert!(!root.join("lib/systemd/system/phq-agent-install.socket").exists(), "a second socket unit on 9440");
+    // The root helper's doorbell watches from boot on; its service runs only when rung.
+    let paths = root.join("etc/systemd/system/paths.target.wants");
+    assert!(link_exists(&paths.join("phq-agent-bug-report.path")), "phq-agent-bug-report.path is not enabled");
     let passwd = std::fs::read_to_string(root.join("etc/passwd")).unwrap();
     let user = passwd.lines().find(|l| l.starts_with("phq-agent:")).expect("the phq-agent user");
     let uid: u32 = user.split(':').nth(2).unwrap().parse().unwrap();
     let state = std::fs::metadata(root.join("var/lib/phq-agent")).unwrap();
     assert_eq!((state.uid(), state.permissions().mode() & 0o777), (uid, 0o700));
+    // The root helper's directory: root writes, the service's group reads.
+    let helper = std::fs::metadata(root.join("var/lib/phq-agent-bug-report")).unwrap();
+    assert_eq!((helper.uid(), helper.gid() != 0, helper.permissions().mode() & 0o777), (0, true, 0o750));
     let conffiles = chroot(&root, &["dpkg-query", "-W", "-f=${Conffiles}", "phq-agent"]);
     assert!(String::from_utf8_lossy(&conffiles.stdout).contains("/etc/phq-agent/config.toml"));
 
@@ -143,6 +151,8 @@ fn rpm_carries_the_same_files_and_scripts() {
         "/usr/lib/systemd/system/phq-agent-install.service",
         "/usr/lib/systemd/system/phq-agent.socket",
         "/usr/lib/systemd/system/phq-agent-vsock.socket",
+        "/usr/lib/systemd/system/phq-agent-bug-report.path",
+        "/usr/lib/systemd/system/phq-agent-bug-report.service",
         "/usr/share/man/man1/phq-agent.1.gz",
         "/usr/share/man/man1/phq-agent-probe.1.gz",
         "/usr/share/bash-completion/completions/phq-agent",
@@ -159,7 +169,8 @@ fn rpm_carries_the_same_files_and_scripts() {
     let scripts = q(&["--scripts"]);
     assert!(
         scripts.contains("systemd-sysusers phq-agent.conf")
-            && scripts.contains("systemctl enable phq-agent.service phq-agent.socket phq-agent-vsock.socket"),
+            && scripts.contains("systemctl enable phq-agent.service phq-agent.socket phq-agent-vsock.socket")
+            && scripts.contains("phq-agent-bug-report.path"),
         "{scripts}"
     );
     assert!(q(&["--requires"]).contains("systemd"));

@@ -165,3 +165,38 @@ fn the_socket_units_parse_and_name_their_sockets_as_the_agent_reads_them() {
         .collect();
     assert!(complaints.is_empty(), "systemd-analyze verify:\n{}", complaints.join("\n"));
 }
+
+/// The root helper's units as systemd reads them: `systemd-analyze verify` finds nothing it
+/// cannot parse; the path unit rings the root oneshot, which runs the fixed command as root and
+/// counts the helper's answers (no log, refused) as answers, not failures.
+#[test]
+fn the_bug_report_helper_units_parse_and_run_the_fixed_command_as_root() {
+    if !common::needs(&[("systemd-analyze", "systemd")]) {
+        return;
+    }
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let mut names = Vec::new();
+    for unit in ["phq-agent-bug-report.path", "phq-agent-bug-report.service"] {
+        let text = std::fs::read_to_string(repo.join("packaging/systemd/bug-report").join(unit)).unwrap();
+        if unit.ends_with(".path") {
+            assert!(text.contains("\nPathChanged=/var/lib/phq-agent/bug-report.request\n"), "{text}");
+            assert!(text.contains("\nUnit=phq-agent-bug-report.service\n"), "{text}");
+        } else {
+            assert!(text.contains("\nType=oneshot\n") && !text.contains("\nUser="), "{text}");
+            assert!(text.contains(
+                "\nExecStart=/usr/bin/phq-agent bug-report --out /var/lib/phq-agent-bug-report --reader phq-agent\n"
+            ));
+            assert!(text.contains("\nSuccessExitStatus=1 2\n"), "{text}");
+        }
+        std::fs::write(dir.path().join(unit), text).unwrap();
+        names.push(dir.path().join(unit));
+    }
+    let out = Command::new("systemd-analyze").args(["verify", "--man=no"]).args(&names).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    let complaints: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.contains("/usr/bin/phq-agent is not executable") && !l.contains("$container"))
+        .collect();
+    assert!(complaints.is_empty(), "systemd-analyze verify:\n{}", complaints.join("\n"));
+}

@@ -2,6 +2,7 @@
 //! `run`. Exit codes: doctor's follow the monitoring-plugin convention (0 ok, 1 warn, 2 fail,
 //! 3 unknown or could not run); usage errors exit 64.
 
+pub mod bug_report;
 pub mod doctor;
 pub mod history;
 pub mod install;
@@ -123,6 +124,14 @@ pub enum Command {
         #[arg(long, value_name = "PATH")]
         cuda_lib: Option<PathBuf>,
     },
+    /// The root helper's run of NVIDIA's bug report, for a service that is not root
+    /// (collect::bug_report_helper; phq-agent-bug-report.service runs it).
+    #[command(
+        hide = true,
+        after_help = "Exit codes: 0 the log is written; 1 the script left none (the status \
+                                         file says why); 2 refused by the rate limit; 3 could not start; 64 usage."
+    )]
+    BugReport(bug_report::BugReport),
     /// Write the manual pages (phq-agent.1 and one per subcommand) into a directory; the
     /// packages install them.
     #[command(hide = true)]
@@ -163,6 +172,7 @@ impl Cli {
             Command::Status(c) => c.run(&self.global),
             Command::History(c) => c.run(&self.global),
             Command::Token(c) => c.run(&self.global),
+            Command::BugReport(c) => c.run(),
             Command::Completions(c) => {
                 let mut out = Vec::new();
                 clap_complete::generate(c.shell, &mut <Cli as clap::CommandFactory>::command(), "phq-agent", &mut out);

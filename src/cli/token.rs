@@ -65,7 +65,7 @@ fn hand_over(path: &std::path::Path, uid: u32, gid: u32, owner: &str) -> anyhow:
     Ok(())
 }
 
-fn user_ids(name: &str) -> anyhow::Result<(u32, u32)> {
+pub(super) fn user_ids(name: &str) -> anyhow::Result<(u32, u32)> {
     let c = CString::new(name).map_err(|_| anyhow::anyhow!("user name {name:?} has a NUL byte"))?;
     // SAFETY: getpwnam reads the C string we own and returns a pointer into static storage,
     // read at once and never kept; this command is single-threaded.

@@ -251,7 +251,7 @@ fn exited_unreaped(pid: libc::pid_t) -> bool {
 }
 
 /// The log, if it is a regular file (never through a link) of at most `max` bytes.
-fn read_capped(path: &Path, max: u64) -> Result<Vec<u8>, String> {
+pub(crate) fn read_capped(path: &Path, max: u64) -> Result<Vec<u8>, String> {
     let (file, meta) = match crate::sysroot::open_regular(path, true) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

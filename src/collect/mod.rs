@@ -12,6 +12,7 @@
 //!    above it (tests/rooms.rs holds the order).
 
 pub mod bug_report;
+pub mod bug_report_helper;
 pub mod cuda;
 pub mod deadline;
 pub mod driver;

@@ -1,11 +1,15 @@
 //! A support bundle the service writes itself when a fatal Xid arrives (from NVML's events, or
-//! new in a snapshot's kernel log): the last snapshot and report, the fault history, and
-//! NVIDIA's `nvidia-bug-report.log.gz` taken while the fault is fresh (`collect::bug_report`),
-//! into `state_dir/bundles/`.
+//! new in a snapshot's kernel log) or an NVSwitch reports a fatal SXid: the last snapshot and
+//! report, the fault history, and NVIDIA's `nvidia-bug-report.log.gz` taken while the fault is
+//! fresh (`collect::bug_report`), into `state_dir/bundles/`.
 //!
 //! Rules:
 //! 1. Fatal is the catalog's word: an Xid whose resolution is a GPU reset, a VM restart or a host
 //!    reboot (`checks::route::for_resolution`); one that only restarts an application is not.
+//!    An SXid is fatal when the Fabric Manager User Guide lists it in its "Fatal" or "Always
+//!    Fatal NVSwitch SXid Errors" table (`data/sxid-catalog.tsv`, column `table`); for a code
+//!    the guide does not list, the catalog defers to the driver's `Fatal`/`Non-fatal` word on
+//!    the kernel log line (that file's header), and so does this. — `fatal_sxid`
 //! 2. At most one bundle per `MIN_INTERVAL`, and one at a time: repeats of a fault that needs a
 //!    reset say nothing new, and each run walks the whole machine.
 //! 3. The newest `KEEP` bundles are kept, older ones removed after each new one.
@@ -13,14 +17,17 @@
 //!    script's deadline; the event task only starts it. One log line says where the bundle is.
 //! 5. A service that stops kills a script still running, and what it started (`Drop`).
 //!
-//! The shipped unit runs the service as `phq-agent`, and NVIDIA's script refuses any user but
-//! root: then the bundle holds everything else, and its note quotes the refusal.
+//! 6. Who runs NVIDIA's script: the service itself when it is root; the root helper
+//!    (`collect::bug_report_helper`) when it is not and the helper is installed, the shipped
+//!    case (the unit runs the service as `phq-agent`, and the script refuses any user but root).
+//!    Either way the bundle's note says where the log came from, or why there is none.
 //!
 //! Must not: run the bug report script of a `--sysroot` fixture (`collect::bug_report::collect`
 //! keeps that rule), or fail the service: a bundle that cannot be written is a warning.
 
 use crate::checks::route::{for_resolution, Action};
 use crate::collect::bug_report::{self, BugReport};
+use crate::collect::bug_report_helper::{self, Via};
 use crate::report::Report;
 use crate::snapshot::Snapshot;
 use std::path::{Path, PathBuf};
@@ -41,6 +48,16 @@ pub const DIR: &str = "bundles";
 pub fn fatal(xid: u64) -> bool {
     let Some(entry) = u32::try_from(xid).ok().and_then(crate::checks::xid::xid) else { return false };
     matches!(for_resolution(entry.immediate.bucket()).0, Action::ResetGpu | Action::RestartVm | Action::RebootHost)
+}
+
+/// Rule 1 for an NVSwitch's SXid: `code` as the driver wrote it (`None` when it did not parse),
+/// `said_fatal` the line's own word.
+pub fn fatal_sxid(code: Option<u32>, said_fatal: bool) -> bool {
+    use crate::checks::xid::SxidTable;
+    match code.and_then(crate::checks::xid::sxid) {
+        Some(row) => matches!(row.table, SxidTable::Fatal | SxidTable::AlwaysFatal),
+        None => said_fatal,
+    }
 }
 
 /// The kernel log's Xids newer than `after` (its sequence number), and `after` moved to the
@@ -96,47 +113,80 @@ impl Bundler {
         if !fatal(xid) {
             return false;
         }
+        self.start(format!("xid{xid}"), gpu, snapshot, report)
+    }
+
+    /// `on_xid` for an NVSwitch's SXid (rule 1's second half): the same bundle, the same limits.
+    pub fn on_sxid(
+        &mut self,
+        nvswitch: &str,
+        code: Option<u32>,
+        said_fatal: bool,
+        snapshot: Arc<Snapshot>,
+        report: Arc<Report>,
+    ) -> bool {
+        let Some(code) = code.filter(|&c| fatal_sxid(Some(c), said_fatal)) else { return false };
+        self.start(format!("sxid{code}"), nvswitch, snapshot, report)
+    }
+
+    /// `what`: the fault, as the bundle's name begins (`xid79`, `sxid12001`); `device`: whose.
+    fn start(&mut self, what: String, device: &str, snapshot: Arc<Snapshot>, report: Arc<Report>) -> bool {
         let now = Instant::now();
         if self.last.is_some_and(|t| now.duration_since(t) < MIN_INTERVAL) || self.running.load(Ordering::Acquire) {
-            tracing::info!(%gpu, xid, "fatal Xid: no new support bundle, one was made within {} min", MIN_INTERVAL.as_secs() / 60);
+            tracing::info!(%device, fault = %what, "fatal fault: no new support bundle, one was made within {} min", MIN_INTERVAL.as_secs() / 60);
             return false;
         }
         let options = match bug_report::Options::from_env() {
             Ok(o) => bug_report::Options { group: Some(self.group.clone()), ..o },
             Err(e) => {
-                tracing::warn!(error = %e, "fatal Xid: no support bundle");
+                tracing::warn!(error = %e, "fatal fault: no support bundle");
+                return false;
+            }
+        };
+        let via = match Via::from_env(self.live) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(error = %e, "fatal fault: no support bundle");
                 return false;
             }
         };
         self.last = Some(now);
         self.running.store(true, Ordering::Release);
-        let (dir, live, running, gpu) = (self.state_dir.join(DIR), self.live, self.running.clone(), gpu.to_string());
+        let (dir, live, running, device) =
+            (self.state_dir.join(DIR), self.live, self.running.clone(), device.to_string());
         let state_dir = self.state_dir.clone();
-        let started = std::thread::Builder::new().name("xid-bundle".into()).spawn(move || {
-            match write(&dir, &state_dir, &options, live, xid, &snapshot, &report) {
+        let started = std::thread::Builder::new().name("fault-bundle".into()).spawn(move || {
+            let how = How { options: &options, via: &via, live };
+            match write(&dir, &state_dir, &how, &what, &snapshot, &report) {
                 Ok((path, note)) => {
-                    tracing::warn!(%gpu, xid, path = %path.display(), bug_report = %note, "fatal Xid: support bundle written to {}", path.display())
+                    tracing::warn!(%device, fault = %what, path = %path.display(), bug_report = %note, "fatal fault: support bundle written to {}", path.display())
                 }
-                Err(e) => tracing::warn!(%gpu, xid, error = format!("{e:#}"), "fatal Xid: the support bundle could not be written"),
+                Err(e) => tracing::warn!(%device, fault = %what, error = format!("{e:#}"), "fatal fault: the support bundle could not be written"),
             }
             running.store(false, Ordering::Release);
         });
         if let Err(e) = started {
             self.running.store(false, Ordering::Release);
-            tracing::warn!(error = %e, "fatal Xid: cannot start the support bundle's thread");
+            tracing::warn!(error = %e, "fatal fault: cannot start the support bundle's thread");
             return false;
         }
         true
     }
 }
 
+/// How the bug report is taken (rule 6).
+struct How<'a> {
+    options: &'a bug_report::Options,
+    via: &'a Via,
+    live: bool,
+}
+
 /// One bundle in `dir` (made 0700 when missing), then rule 3. Its path and the bug report's note.
 fn write(
     dir: &Path,
     state_dir: &Path,
-    options: &bug_report::Options,
-    live: bool,
-    xid: u64,
+    how: &How,
+    what: &str,
     snapshot: &Snapshot,
     report: &Report,
 ) -> anyhow::Result<(PathBuf, String)> {
@@ -148,10 +198,17 @@ fn write(
         }
         _ => {}
     }
-    let bug: BugReport = bug_report::collect(options, live, dir);
+    let bug: BugReport = match how.via {
+        Via::Itself => bug_report::collect(how.options, how.live, dir),
+        Via::Helper(helper_dir) => bug_report_helper::ask(
+            &state_dir.join(bug_report_helper::REQUEST),
+            helper_dir,
+            how.options.deadline + bug_report_helper::SLACK,
+        ),
+    };
     let history = crate::history::History::load(state_dir).ok().filter(|h| !h.faults.is_empty());
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs();
-    let path = dir.join(format!("xid{xid}-{secs}.tar.gz"));
+    let path = dir.join(format!("{what}-{secs}.tar.gz"));
     crate::report::bundle::write(&path, snapshot, report, &[], history.as_ref(), &bug)?;
     prune(dir, KEEP);
     Ok((path, bug.note))
@@ -164,7 +221,8 @@ fn prune(dir: &Path, keep: usize) {
         .filter_map(Result::ok)
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
-            let secs = name.strip_prefix("xid")?.strip_suffix(".tar.gz")?.split_once('-')?.1.parse().ok()?;
+            let fault = name.strip_prefix("sxid").or_else(|| name.strip_prefix("xid"))?;
+            let secs = fault.strip_suffix(".tar.gz")?.split_once('-')?.1.parse().ok()?;
             Some((secs, e.path()))
         })
         .collect();
@@ -189,15 +247,26 @@ mod tests {
     }
 
     #[test]
+    fn a_fatal_sxid_is_the_guides_fatal_tables_and_an_unlisted_one_its_own_word() {
+        // 12001 egress crossbar overflow ("Fatal" table), 12020 egress sequence ID error
+        // ("Always Fatal"), 12028 ("Non-Fatal" table) even when a line calls it fatal, 99999
+        // unlisted.
+        assert!(fatal_sxid(Some(12001), false) && fatal_sxid(Some(12020), false));
+        assert!(!fatal_sxid(Some(12028), true));
+        assert!(fatal_sxid(Some(99999), true) && !fatal_sxid(Some(99999), false));
+        assert!(fatal_sxid(None, true));
+    }
+
+    #[test]
     fn prune_keeps_the_newest() {
         let dir = tempfile::tempdir().unwrap();
-        for name in ["xid79-100.tar.gz", "xid79-300.tar.gz", "xid48-200.tar.gz", "xid79-400.tar.gz", "other.txt"] {
+        for name in ["xid79-100.tar.gz", "sxid12001-300.tar.gz", "xid48-200.tar.gz", "xid79-400.tar.gz", "other.txt"] {
             std::fs::write(dir.path().join(name), b"x").unwrap();
         }
         prune(dir.path(), 2);
         let mut left: Vec<String> =
             std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         left.sort();
-        assert_eq!(left, ["other.txt", "xid79-300.tar.gz", "xid79-400.tar.gz"]);
+        assert_eq!(left, ["other.txt", "sxid12001-300.tar.gz", "xid79-400.tar.gz"]);
     }
 }

@@ -690,6 +690,8 @@ async fn events(mut e: Events) {
                 }
             }
             Some(x) = e.sxids.recv() => {
+                // A fatal SXid's support bundle, as a fatal Xid's (bug_bundle's rules).
+                e.bundler.on_sxid(&x.pci, x.sxid, x.fatal, e.last_snapshot.clone(), e.last.clone());
                 // Rule 9: as rule 6, per NVSwitch and code.
                 let Some(code) = x.sxid else { continue };
                 let seen = Seen::Sxid { nvswitch: x.pci.clone(), sxid: u64::from(code), fatal: x.fatal };
