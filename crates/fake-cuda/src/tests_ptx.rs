@@ -539,12 +539,16 @@ fn dgemm_on(module: &Arc<ptx::Module>, n: usize, ma: &[u8], mb: &[u8]) -> Option
 }
 
 /// Random FP64 matrices of n×n entries: integers from −4 to 4 (`fractions` false: every sum
-/// exact) or multiples of 2^-10 up to ±512 (sums that round, so the order and the fused
-/// multiply-add matter).
+/// exact) or values in [−1, 1) with all 53 bits of mantissa (every product and sum rounds, so
+/// the order and the fused multiply-add's single rounding matter).
 fn f64_matrix(rng: &mut Rng, n: usize, fractions: bool) -> Vec<u8> {
     (0..n * n)
         .flat_map(|_| {
-            let v = if fractions { rng.below(1 << 20) as f64 / 1024.0 - 512.0 } else { rng.below(9) as f64 - 4.0 };
+            let v = if fractions {
+                (rng.next() >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+            } else {
+                rng.below(9) as f64 - 4.0
+            };
             v.to_le_bytes()
         })
         .collect()
