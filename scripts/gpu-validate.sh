@@ -164,6 +164,26 @@ for f in r.get("findings", []):
         c = (f.get("evidence") or {}).get("conditions") or {}
         print(f"{f['severity'].upper():<6}{f.get('gpu') or '':<14}{f['summary']}  [SM {c.get('sm_clock_mhz')} MHz, {c.get('power_mw')} mW, {c.get('throttle_reasons')}]")
 PY
+echo "== phq-agent probe --power-seconds 20 (FP64 on every GPU at once, board power held to DCGM's target) beside nvidia-smi's own power readings"
+nvidia-smi --query-gpu=index,power.draw,power.limit --format=csv,noheader -lms 500 > "$out/power-nvidia-smi.csv" 2>&1 &
+smi=$!
+"$bin" probe --level quick --gemm-seconds 0 --power-seconds 20 --json > "$out/power.json" 2> "$out/power.stderr"; echo "exit $?"
+kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+python3 - "$out/power.json" "$out/power-nvidia-smi.csv" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+peak = {}
+for line in open(sys.argv[2]):
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        peak[int(parts[0])] = max(peak.get(int(parts[0]), 0.0), float(parts[1].split()[0]))
+    except (ValueError, IndexError):
+        pass
+for f in r.get("findings", []):
+    if f["id"] in ("probe.power", "probe.power-limit", "probe.gemm-fp64"):
+        print(f"{f['severity'].upper():<8}{f['id']:<20}{f.get('gpu') or '':<14}{f['summary']}")
+print("nvidia-smi's highest power.draw per GPU over the same run (W):", peak or "none read")
+PY
 echo "== all-reduce (NCCL) beside nccl-tests' all_reduce_perf, the same message and GPUs"
 gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
 if [ "$gpus" -lt 2 ]; then
