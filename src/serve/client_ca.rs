@@ -11,7 +11,11 @@
 //! 2. A changed file that is not a usable bundle (absent, unreadable, no certificate, not PEM)
 //!    leaves the previous bundle in force, said once per change in the log: a half-written or
 //!    wrong file must not lock the platform out, nor let everyone in.
-//! 3. No CA names are hinted to clients (an empty `certificate_authorities`, RFC 8446 §4.2.4):
+//! 3. A bundle absent (or empty) at start is not an error: the listener runs and refuses every
+//!    client (UnknownCA) until the file appears, then checks against it (rule 1). KubeVirt's
+//!    virt-handler may put the bundle in place after the guest's service started; a listener that
+//!    never came up would need a restart. A file present but unusable at start stays an error.
+//! 4. No CA names are hinted to clients (an empty `certificate_authorities`, RFC 8446 §4.2.4):
 //!    the hint list would change under a handshake, and a client with one certificate sends it
 //!    either way (virt-handler's `GetClientCertificate` answers with its own whatever is asked).
 
@@ -65,26 +69,40 @@ pub struct ReloadingCa {
 #[derive(Debug)]
 struct Current {
     stamp: Option<Stamp>,
-    verifier: Arc<dyn ClientCertVerifier>,
+    /// None until a usable bundle was read (rule 3): every client refused.
+    verifier: Option<Arc<dyn ClientCertVerifier>>,
     /// The last file version refused (`Some(None)`: the file was gone), so a bad file is said
     /// once and not read again at every handshake.
     refused: Option<Option<Stamp>>,
 }
 
 impl ReloadingCa {
-    /// Reads the bundle once; an unusable one is the caller's error, as at any start.
+    /// Reads the bundle once; an unusable one is the caller's error, as at any start; an absent
+    /// or empty one refuses every client until it appears (rule 3).
     pub fn new(path: &Path, provider: Arc<CryptoProvider>) -> anyhow::Result<Arc<ReloadingCa>> {
         let stamp = stamp(path);
-        let verifier = verifier(path, &provider)?;
+        // Empty is cloud-init's user-data given no bundle: not yet configured, as absent is.
+        let (verifier, refused) = match stamp {
+            Some((len, ..)) if len > 0 => (Some(verifier(path, &provider)?), None),
+            _ => {
+                tracing::warn!(path = %path.display(), "vsock.client_ca is not there yet: every vsock client is refused until it appears");
+                (None, Some(stamp))
+            }
+        };
         Ok(Arc::new(ReloadingCa {
             path: path.to_path_buf(),
             provider,
-            current: RwLock::new(Current { stamp, verifier, refused: None }),
+            current: RwLock::new(Current { stamp, verifier, refused }),
         }))
     }
 
-    /// Rule 1 and 2: the verifier for this handshake.
-    fn now(&self) -> Arc<dyn ClientCertVerifier> {
+    /// Whether no usable bundle has been read yet (rule 3).
+    pub fn waiting(&self) -> bool {
+        self.current.read().unwrap_or_else(|p| p.into_inner()).verifier.is_none()
+    }
+
+    /// Rule 1 and 2: the verifier for this handshake; none while no bundle was ever usable.
+    fn now(&self) -> Option<Arc<dyn ClientCertVerifier>> {
         let seen = stamp(&self.path);
         {
             let c = self.current.read().unwrap_or_else(|p| p.into_inner());
@@ -96,7 +114,7 @@ impl ReloadingCa {
         match seen.map(|_| verifier(&self.path, &self.provider)) {
             Some(Ok(v)) => {
                 tracing::info!(path = %self.path.display(), "vsock.client_ca changed: client certificates are checked against the new bundle");
-                *c = Current { stamp: seen, verifier: v, refused: None };
+                *c = Current { stamp: seen, verifier: Some(v), refused: None };
             }
             Some(Err(e)) => {
                 tracing::warn!(
@@ -129,7 +147,11 @@ impl ClientCertVerifier for ReloadingCa {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, Error> {
-        self.now().verify_client_cert(end_entity, intermediates, now)
+        match self.now() {
+            Some(v) => v.verify_client_cert(end_entity, intermediates, now),
+            // Rule 3: no CA to chain to, so no issuer is known.
+            None => Err(Error::InvalidCertificate(tokio_rustls::rustls::CertificateError::UnknownIssuer)),
+        }
     }
 
     fn verify_tls12_signature(
@@ -138,7 +160,10 @@ impl ClientCertVerifier for ReloadingCa {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, Error> {
-        self.current.read().unwrap_or_else(|p| p.into_inner()).verifier.verify_tls12_signature(message, cert, dss)
+        match &self.current.read().unwrap_or_else(|p| p.into_inner()).verifier {
+            Some(v) => v.verify_tls12_signature(message, cert, dss),
+            None => Err(Error::InvalidCertificate(tokio_rustls::rustls::CertificateError::UnknownIssuer)),
+        }
     }
 
     fn verify_tls13_signature(
@@ -147,10 +172,16 @@ impl ClientCertVerifier for ReloadingCa {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, Error> {
-        self.current.read().unwrap_or_else(|p| p.into_inner()).verifier.verify_tls13_signature(message, cert, dss)
+        match &self.current.read().unwrap_or_else(|p| p.into_inner()).verifier {
+            Some(v) => v.verify_tls13_signature(message, cert, dss),
+            None => Err(Error::InvalidCertificate(tokio_rustls::rustls::CertificateError::UnknownIssuer)),
+        }
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.current.read().unwrap_or_else(|p| p.into_inner()).verifier.supported_verify_schemes()
+        match &self.current.read().unwrap_or_else(|p| p.into_inner()).verifier {
+            Some(v) => v.supported_verify_schemes(),
+            None => self.provider.signature_verification_algorithms.supported_schemes(),
+        }
     }
 }

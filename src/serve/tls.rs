@@ -77,6 +77,7 @@ pub fn vsock_acceptor(vsock: &crate::config::VsockConfig, state_dir: &std::path:
     let ca = vsock.client_ca.display().to_string();
     // KubeVirt's bundle, read again at the first handshake after the file changes (client_ca.rs).
     let verifier = super::client_ca::ReloadingCa::new(&vsock.client_ca, provider.clone())?;
+    let waiting = if verifier.waiting() { ", not there yet: every client refused until it appears" } else { "" };
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .context("TLS 1.3")?
@@ -104,6 +105,6 @@ pub fn vsock_acceptor(vsock: &crate::config::VsockConfig, state_dir: &std::path:
     Ok(VsockTls {
         acceptor: Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))),
         own,
-        said: format!("TLS 1.3, client certificate required (CA {ca}); {said}"),
+        said: format!("TLS 1.3, client certificate required (CA {ca}{waiting}); {said}"),
     })
 }

@@ -444,6 +444,37 @@ mod tests {
         });
     }
 
+    /// A bundle absent when the service starts (KubeVirt puts it in place later): the listener is
+    /// up and refuses every client as of an unknown CA, and the bundle, once there, is in force
+    /// at the next handshake (client_ca.rs, rule 3).
+    #[test]
+    fn a_ca_bundle_that_appears_after_the_start_is_in_force_without_a_restart() {
+        let pki = pki();
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        let config = crate::config::VsockConfig { client_ca: ca.clone(), ..Default::default() };
+        let said = crate::serve::tls::vsock_acceptor(&config, &dir.path().join("state0")).unwrap().said;
+        assert!(said.contains("not there yet"), "{said}");
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let socket = start(&rt, dir.path(), &config);
+        let server_cert = dir.path().join("state/vsock/server.crt");
+        let tls13: &[&'static rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+        rt.block_on(async {
+            let platform = client(&server_cert, Some(&pki.client), tls13);
+            let status = |got: Result<String, String>| match got {
+                Ok(a) => status_of(&a).to_string(),
+                Err(e) => e,
+            };
+            assert!(status(get(&socket, Some(&platform), "/healthz", "").await).contains("UnknownCA"));
+            let none = client(&server_cert, None, tls13);
+            assert!(status(get(&socket, Some(&none), "/healthz", "").await).contains("CertificateRequired"));
+            std::fs::write(&ca, &pki.ca).unwrap();
+            assert_eq!(status(get(&socket, Some(&platform), "/healthz", "").await), "HTTP/1.1 200 OK");
+            let stranger = client(&server_cert, Some(&pki.stranger), tls13);
+            assert!(status(get(&socket, Some(&stranger), "/healthz", "").await).contains("UnknownCA"));
+        });
+    }
+
     #[test]
     fn plain_vsock_wants_the_bearer_token_as_tcp_does() {
         let dir = tempfile::tempdir().unwrap();
