@@ -233,7 +233,7 @@ pub(crate) fn materialise(w: &mut World, base: u64, off: usize, len: usize) {
         if !p.is_done(e) {
             let v = p.entry(i, j);
             let at = p.c_off + 4 * (i + j * p.ldc);
-            a.bytes_mut()[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            a.write_with(at, 4, |d, _| d.copy_from_slice(&v.to_le_bytes()));
             p.mark(e);
         }
     }
