@@ -319,6 +319,9 @@ fn sgemm_at_n_32784_sampled() {
     }
 }
 
+// An FP64 GEMM kernel (`phq_dgemm`) belongs here, shaped like `sgemm_at_n_32784_sampled`: at
+// n = 23184, the first multiple of 16 whose n² 8-byte entries pass 2^32 bytes.
+
 /// The tensor-core GEMM at n = 46352 (the probes' `phq_mma_gemm` grid of (n/16)·(n/8)/4
 /// blocks of four warps, BF16 inputs): the first multiple of 16 whose n² 2-byte inputs take
 /// more than 2^32 bytes, so A's and B's offsets cross 4 GiB, and C's element index crosses
@@ -402,4 +405,31 @@ fn device_memory_costs_the_pages_written() {
     assert_eq!(pages(&g), 1);
     g.w.fill(buf, len as usize, 7).unwrap();
     assert_eq!(pages(&g), 0, "a whole fill is one word again");
+}
+
+/// Why the sampling: the copy kernel with its vector offset shifted in 32 bits (a mutant
+/// ptxas accepts for sm_90) copies a small buffer right, as every launch of `tests_ptx` does,
+/// and writes the wrong place once the offset passes 4 GiB, which the block straddling it shows.
+#[test]
+fn a_32_bit_offset_passes_small_launches_and_fails_above_4_gib() {
+    let from = "    shl.b64 %rd7, %rd4, 4;\n    add.u64 %rd8, %rd2, %rd7;";
+    let to = "    cvt.u32.u64 %r9, %rd4;\n    shl.b32 %r9, %r9, 4;\n    cvt.u64.u32 %rd7, %r9;\n    add.u64 %rd8, %rd2, %rd7;";
+    assert_eq!(PTX.matches(from).count(), 1, "the copy's offset, as kernels.ptx writes it");
+    let mut g = Big::new();
+    g.kernels = Arc::new(ptx::parse(&PTX.replacen(from, to, 1)).unwrap());
+    let copied = |g: &mut Big, src: u64, dst: u64, i: u64, n: u64| {
+        words_at(g, dst + 16 * i, 2 * n) == (0..2 * n).map(|k| src + 16 * i + 8 * k).collect::<Vec<u64>>()
+    };
+    let small = 3000;
+    let (src, dst) = (g.alloc(small * 16), g.alloc(small * 16));
+    g.w.allocs.get_mut(&src).unwrap().mem = Mem::Pattern { mode: 1, arg: 0 };
+    g.run(false, "phq_copy_sm", &[A::U64(dst), A::U64(src), A::U64(small)], 5, BLOCK, &[0, 1, 2, 3, 4]);
+    assert!(copied(&mut g, src, dst, 0, small), "a small copy is right even so");
+    let count = (4 * GIB + GIB / 2) / 16;
+    let (src, dst) = (g.alloc(count * 16), g.alloc(count * 16));
+    g.w.allocs.get_mut(&src).unwrap().mem = Mem::Pattern { mode: 1, arg: 0 };
+    let straddling = straddling((1 << 32) / 16)[1];
+    g.run(false, "phq_copy_sm", &[A::U64(dst), A::U64(src), A::U64(count)], GRID, BLOCK, &[straddling]);
+    let wrong = runs(straddling, count).filter(|&(i, n)| !copied(&mut g, src, dst, i, n)).count();
+    assert!(wrong > 0, "above 4 GiB the mutant's copy lands elsewhere");
 }
