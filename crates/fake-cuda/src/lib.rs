@@ -3,7 +3,7 @@
 //! It exports the driver API functions the agent calls (and those cudarc calls, so an older
 //! build can be run against it too) and answers them from the JSON scenario named by
 //! `PHQ_FAKE_CUDA_SCENARIO`, read at `cuInit` (docs/fake-cuda-scenario.md). Device memory lives
-//! in host RAM; time is virtual: every copy, memset or GEMM occupies its stream and the engine
+//! in host RAM, sparsely: only the pages something wrote hold bytes (`Mem`); time is virtual: every copy, memset or GEMM occupies its stream and the engine
 //! it runs on (a GPU's host→device or device→host copy engine, its HBM, its SMs, a peer link)
 //! for bytes ÷ the scenario's rate, and events read those clocks, so a probe's figures are
 //! exact and checkable.
