@@ -281,7 +281,7 @@ pub(crate) fn materialise(w: &mut World, base: u64, off: usize, len: usize) {
         if !p.is_done(e) {
             let v = p.entry_bytes(i, j);
             let at = p.c_off + es * (i + j * p.ldc);
-            a.bytes_mut()[at..at + es].copy_from_slice(&v);
+            a.write_with(at, es, |d, _| d.copy_from_slice(&v));
             p.mark(e);
         }
     }

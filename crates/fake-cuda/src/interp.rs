@@ -159,6 +159,8 @@ struct Launch<'a> {
     block: [u32; 3],
     params: &'a [u8],
     per_block: u32,
+    /// The grid index of each block run, by its place in the thread list.
+    ids: Vec<u32>,
     round: u64,
     timer: u64,
 }
@@ -195,17 +197,40 @@ pub fn run(
     mem: &mut dyn Memory,
     limits: &Limits,
 ) -> Result<Stats, Fault> {
+    run_blocks(m, entry, grid, block, params, mem, limits, None)
+}
+
+/// `run` for the blocks `only` names (linear indices into the grid) when given: each sees its
+/// own %ctaid and the whole grid's %nctaid, as in the full launch; the other blocks do not run
+/// at all. Blocks of one launch share nothing but global memory, so a sampled block computes
+/// what it would in the full grid, unless it reads what a skipped block writes. For tests that
+/// sample a grid too big to interpret whole.
+#[allow(clippy::too_many_arguments)]
+pub fn run_blocks(
+    m: &Module,
+    entry: usize,
+    grid: [u32; 3],
+    block: [u32; 3],
+    params: &[u8],
+    mem: &mut dyn Memory,
+    limits: &Limits,
+    only: Option<&[u32]>,
+) -> Result<Stats, Fault> {
     let f = &m.functions[entry];
     let per_block = block[0] * block[1] * block[2];
-    let blocks = grid[0] * grid[1] * grid[2];
-    let mut l = Launch { m, entry: f, grid, block, params, per_block, round: 0, timer: mem.timer_start() };
+    let ids: Vec<u32> = match only {
+        Some(o) => o.to_vec(),
+        None => (0..grid[0] * grid[1] * grid[2]).collect(),
+    };
+    let blocks = ids.len() as u32;
+    let mut l = Launch { m, entry: f, grid, block, params, per_block, ids, round: 0, timer: mem.timer_start() };
     if let Some(i) = m.unsupported_in(entry) {
         return Err(l.fault(0, i, NOT_SUPPORTED, format!("the fake's PTX interpreter does not execute `{}`", i.text)));
     }
     let words = (f.shared_bytes as usize).div_ceil(4);
     let mut bstate: Vec<Block> = (0..blocks)
         .map(|b| Block {
-            shared: garbage(f.shared_bytes as usize, b),
+            shared: garbage(f.shared_bytes as usize, l.ids[b as usize]),
             words: vec![Word::default(); words],
             epoch: 1,
             running: per_block,
@@ -294,8 +319,13 @@ pub fn run(
 }
 
 impl Launch<'_> {
+    /// The grid index of thread `t`'s block.
+    fn block_of(&self, t: u32) -> u32 {
+        self.ids.get((t / self.per_block.max(1)) as usize).copied().unwrap_or(0)
+    }
+
     fn fault(&self, t: u32, i: &Instr, code: CUresult, message: String) -> Fault {
-        let b = t / self.per_block;
+        let b = self.block_of(t);
         Fault {
             code,
             kernel: self.entry.name.clone(),
@@ -327,7 +357,7 @@ impl Launch<'_> {
     }
 
     fn special(&self, t: u32, s: Special) -> u64 {
-        let b = t / self.per_block;
+        let b = self.block_of(t);
         let local = t % self.per_block;
         u64::from(match s {
             Special::Tid(d) => coords(local, self.block)[d],

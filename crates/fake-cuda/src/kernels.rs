@@ -172,7 +172,7 @@ pub(crate) fn estimate(name: &str, a: &Args, grid: [u32; 3], block: [u32; 3]) ->
 /// Global memory as an interpreted kernel reaches it: its GPU's, a peer's with access from the
 /// launching context, or page-locked host memory through its unified address — with the
 /// scenario's stuck and coupled bits as the GPU's cells hold them.
-struct DeviceMem<'a> {
+pub(crate) struct DeviceMem<'a> {
     w: &'a mut World,
     ctx: usize,
     dev: usize,
@@ -294,6 +294,19 @@ impl interp::Memory for DeviceMem<'_> {
     }
 }
 
+/// Global memory as a kernel launched from `ctx` on `stream` reaches it.
+pub(crate) fn device_mem(w: &mut World, ctx: usize, stream: usize) -> DeviceMem<'_> {
+    let dev = w.ctx_dev(ctx);
+    let start_ns = GLOBALTIMER_EPOCH_NS + (w.stream_clock(stream) * 1e9) as u64;
+    let couplings = (w.scenario.devices.iter().enumerate())
+        .flat_map(|(d, spec)| {
+            let base = BASE + d as u64 * SPAN;
+            spec.coupled_bits.iter().map(move |c| (base + c.offset, c.bit, base + c.aggressor))
+        })
+        .collect();
+    DeviceMem { w, ctx, dev, latency: 0.0, start_ns, couplings, traffic: 0, touched: BTreeMap::new() }
+}
+
 /// Runs entry `entry` through the interpreter, then charges the time the kernel's model would
 /// (the same figures, so a probe's numbers do not depend on the path). A fault a real GPU
 /// raises, or compute-sanitizer reports, poisons the context, as a faulting kernel does: the
@@ -317,14 +330,7 @@ fn run_ptx(
             return code;
         }
     }
-    let start_ns = GLOBALTIMER_EPOCH_NS + (w.stream_clock(stream) * 1e9) as u64;
-    let couplings = (w.scenario.devices.iter().enumerate())
-        .flat_map(|(d, spec)| {
-            let base = BASE + d as u64 * SPAN;
-            spec.coupled_bits.iter().map(move |c| (base + c.offset, c.bit, base + c.aggressor))
-        })
-        .collect();
-    let mut mem = DeviceMem { w, ctx, dev, latency: 0.0, start_ns, couplings, traffic: 0, touched: BTreeMap::new() };
+    let mut mem = device_mem(w, ctx, stream);
     let limits = interp::Limits { max_instructions: HANG_BUDGET };
     let r = interp::run(module, entry, grid, block, &a.buf, &mut mem, &limits);
     let latency = mem.latency;
@@ -492,7 +498,7 @@ fn write_pattern(w: &mut World, base: u64, ptr: u64, len: usize, mode: u32, arg:
         a.generation += 1;
         return Ok(());
     }
-    w.write_with(ptr, len, |dst| pattern_bytes(dst, ptr, mode, arg))
+    w.write_with(ptr, len, |dst, at| pattern_bytes(dst, ptr + at as u64, mode, arg))
 }
 
 /// `phq_mem_write(u64 ptr, u64 words, u32 mode, u64 arg)`.
@@ -569,7 +575,7 @@ fn mem_check(w: &mut World, ctx: usize, stream: usize, a: &Args, stride: u64) ->
     let held_as = match w.allocs[&base].mem {
         Mem::Fill(x) => Some(key(0, u64::from(x) | u64::from(x) << 32)),
         Mem::Pattern { mode, arg } => Some(key(mode, arg)),
-        Mem::Bytes(_) => None,
+        Mem::Pages { .. } => None,
     };
     let mut bad: Vec<(u64, u64, u64)> = Vec::new();
     if held_as == Some(key(mode, arg)) {

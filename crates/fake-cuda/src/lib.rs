@@ -3,7 +3,7 @@
 //! It exports the driver API functions the agent calls (and those cudarc calls, so an older
 //! build can be run against it too) and answers them from the JSON scenario named by
 //! `PHQ_FAKE_CUDA_SCENARIO`, read at `cuInit` (docs/fake-cuda-scenario.md). Device memory lives
-//! in host RAM; time is virtual: every copy, memset or GEMM occupies its stream and the engine
+//! in host RAM, sparsely: only the pages something wrote hold bytes (`Mem`); time is virtual: every copy, memset or GEMM occupies its stream and the engine
 //! it runs on (a GPU's host→device or device→host copy engine, its HBM, its SMs, a peer link)
 //! for bytes ÷ the scenario's rate, and events read those clocks, so a probe's figures are
 //! exact and checkable.
@@ -82,13 +82,20 @@ struct Event {
     at: Option<f64>,
 }
 
-/// Device memory as the fake stores it: one repeated 32-bit word (a fresh allocation, a
-/// whole-buffer memset, a copy of such a buffer) until something writes less than all of it,
-/// then its bytes. Storage only: a read sees the same bytes either way. It keeps an 8-GPU run
-/// from needing gigabytes of host RAM and hours of memcpy for buffers nobody looks into.
+/// Device memory as the fake stores it, sparse: one rule for every byte (a repeated 32-bit
+/// word, or the memory-test pattern of each word's address) until something writes less than
+/// all of it, then the pages written hold bytes and every other byte still follows the rule.
+/// Storage only: a read sees the same bytes either way. What it costs: nothing per byte nobody
+/// wrote, `PAGE` bytes (and a map entry) per page written in part or whole, so a kernel that
+/// touches a few words of an 80 GB buffer costs a few pages of host RAM, and a buffer written
+/// whole with one word costs none; a read of unwritten bytes computes them from the rule (a
+/// doubling copy of the word, or the pattern word by word). Writing the whole allocation with
+/// one word or pattern drops its pages.
+///
+/// What cuMemAlloc's memory holds before anything writes it is unspecified: "The memory is not
+/// cleared" (DRV, cuMemAlloc). The fake's choice is the word 0 (`World::alloc`).
 pub(crate) enum Mem {
     Fill(u32),
-    Bytes(Vec<u8>),
     /// Every 64-bit word holds `kernels::pattern(its address, mode, arg)`: what the memory-test
     /// kernels write over a whole allocation (address in address, random words) without the
     /// fake holding its bytes.
@@ -96,6 +103,34 @@ pub(crate) enum Mem {
         mode: u32,
         arg: u64,
     },
+    /// Written in part: the pages written (by index, `PAGE` bytes each from the allocation's
+    /// start; the last one cut at its end) hold bytes, the rest is `under`'s.
+    Pages {
+        under: Uniform,
+        pages: BTreeMap<usize, Box<[u8]>>,
+    },
+}
+
+/// The rule a sparse allocation's unwritten bytes follow (`Mem::Fill`, `Mem::Pattern`).
+#[derive(Clone, Copy)]
+pub(crate) enum Uniform {
+    Fill(u32),
+    Pattern { mode: u32, arg: u64 },
+}
+
+/// Bytes per page of written device memory: small, so that a grid-stride kernel's block, whose
+/// 256 threads store 2 KiB at each of thousands of places across a buffer, materialises a
+/// page per place, not more.
+pub(crate) const PAGE: usize = 4096;
+
+impl Uniform {
+    /// The bytes the rule gives `dst`, `dst[0]` at offset `off` of the allocation at `base`.
+    fn read_into(self, base: u64, off: usize, dst: &mut [u8]) {
+        match self {
+            Uniform::Fill(w) => fill_pattern(dst, w, off % 4),
+            Uniform::Pattern { mode, arg } => pattern_bytes(dst, base + off as u64, mode, arg),
+        }
+    }
 }
 
 /// Writes the bytes of pattern memory from device address `addr` into `dst`.
@@ -164,22 +199,50 @@ pub(crate) struct Alloc {
 impl Alloc {
     fn read_into(&self, off: usize, dst: &mut [u8]) {
         match &self.mem {
-            Mem::Bytes(v) => dst.copy_from_slice(&v[off..off + dst.len()]),
-            Mem::Fill(w) => fill_pattern(dst, *w, off % 4),
-            Mem::Pattern { mode, arg } => pattern_bytes(dst, self.base + off as u64, *mode, *arg),
+            Mem::Fill(w) => Uniform::Fill(*w).read_into(self.base, off, dst),
+            Mem::Pattern { mode, arg } => Uniform::Pattern { mode: *mode, arg: *arg }.read_into(self.base, off, dst),
+            Mem::Pages { under, pages } => {
+                let mut at = 0;
+                while at < dst.len() {
+                    let (page, from) = ((off + at) / PAGE, (off + at) % PAGE);
+                    let n = (PAGE - from).min(dst.len() - at);
+                    match pages.get(&page) {
+                        Some(bytes) => dst[at..at + n].copy_from_slice(&bytes[from..from + n]),
+                        None => under.read_into(self.base, off + at, &mut dst[at..at + n]),
+                    }
+                    at += n;
+                }
+            }
         }
     }
 
-    /// The bytes, materialised from the repeated word or the pattern on first need.
-    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        if !matches!(self.mem, Mem::Bytes(_)) {
-            let mut v = vec![0u8; self.len];
-            self.read_into(0, &mut v);
-            self.mem = Mem::Bytes(v);
+    /// Writes `[off, off + len)` a page at a time: `fill(part, at)` gets the part of the range
+    /// at byte `at` of it. A page written in part first takes its bytes from the rule.
+    pub(crate) fn write_with(&mut self, off: usize, len: usize, mut fill: impl FnMut(&mut [u8], usize)) {
+        let under = match self.mem {
+            Mem::Fill(w) => Uniform::Fill(w),
+            Mem::Pattern { mode, arg } => Uniform::Pattern { mode, arg },
+            Mem::Pages { under, .. } => under,
+        };
+        if !matches!(self.mem, Mem::Pages { .. }) {
+            self.mem = Mem::Pages { under, pages: BTreeMap::new() };
         }
-        match &mut self.mem {
-            Mem::Bytes(v) => v,
-            Mem::Fill(_) | Mem::Pattern { .. } => &mut [],
+        let (base, size) = (self.base, self.len);
+        let Mem::Pages { pages, .. } = &mut self.mem else { return };
+        let mut at = 0;
+        while at < len {
+            let (page, from) = ((off + at) / PAGE, (off + at) % PAGE);
+            let n = (PAGE - from).min(len - at);
+            let bytes = pages.entry(page).or_insert_with(|| {
+                let start = page * PAGE;
+                let mut b = vec![0u8; PAGE.min(size - start)].into_boxed_slice();
+                if n < b.len() {
+                    under.read_into(base, start, &mut b);
+                }
+                b
+            });
+            fill(&mut bytes[from..from + n], at);
+            at += n;
         }
     }
 }
@@ -524,7 +587,7 @@ impl World {
         if let Some(word) = uniform_word(bytes) {
             return self.fill(ptr, bytes.len(), word);
         }
-        self.write_with(ptr, bytes.len(), |dst| dst.copy_from_slice(bytes))
+        self.write_with(ptr, bytes.len(), |dst, at| dst.copy_from_slice(&bytes[at..at + dst.len()]))
     }
 
     /// Writes `len` bytes of the repeated `word` at `ptr` (4-byte phase from `ptr`).
@@ -537,7 +600,7 @@ impl World {
             a.generation += 1;
             return Ok(());
         }
-        self.write_with(ptr, len, |dst| fill_pattern(dst, word, 0))
+        self.write_with(ptr, len, |dst, at| fill_pattern(dst, word, at % 4))
     }
 
     /// Copies `len` bytes from `src` to `dst` (device memory, any devices).
@@ -552,36 +615,34 @@ impl World {
             return self.fill(dst, len, rotated);
         }
         let (dbase, _) = self.find(dst, len as u64)?;
-        let sdev = self.allocs[&sbase].device;
-        if dbase == sbase || matches!(self.allocs[&sbase].mem, Mem::Pattern { .. }) || self.stuck_in(sdev, src, len) {
+        if dbase == sbase {
+            // Within one allocation: read all before writing any, as memmove would.
             let bytes = self.read(src, len)?;
             return self.write(dst, &bytes);
         }
-        // Borrow the source's bytes while the destination is written; put them back after.
-        let a = self.allocs.get_mut(&sbase).ok_or(INVALID_VALUE)?;
-        let taken = std::mem::replace(&mut a.mem, Mem::Fill(0));
-        let r = match &taken {
-            Mem::Bytes(v) => self.write_with(dst, len, |d| d.copy_from_slice(&v[soff..soff + len])),
-            Mem::Fill(_) | Mem::Pattern { .. } => Ok(()),
-        };
-        if let Some(a) = self.allocs.get_mut(&sbase) {
-            a.mem = taken;
+        // A step at a time, so a copy of a sparse buffer never holds more than a step of it.
+        const STEP: usize = 64 << 20;
+        let mut at = 0;
+        while at < len {
+            let n = STEP.min(len - at);
+            let bytes = self.read(src + at as u64, n)?;
+            self.write(dst + at as u64, &bytes)?;
+            at += n;
         }
-        r
+        Ok(())
     }
 
     pub(crate) fn write_with(
         &mut self,
         ptr: CUdeviceptr,
         len: usize,
-        fill: impl FnOnce(&mut [u8]),
+        fill: impl FnMut(&mut [u8], usize),
     ) -> Result<(), CUresult> {
         let (base, off) = self.find(ptr, len as u64)?;
         blas::overwrite(self, base, off, len);
         // Memory keeps what was written; a stuck bit shows when its cell is read (`read_into`).
         let a = self.allocs.get_mut(&base).ok_or(INVALID_VALUE)?;
-        let data = a.bytes_mut();
-        fill(&mut data[off..off + len]);
+        a.write_with(off, len, fill);
         a.generation += 1;
         Ok(())
     }
@@ -912,3 +973,5 @@ impl World {
 mod tests;
 #[cfg(test)]
 mod tests_ptx;
+#[cfg(test)]
+mod tests_sampled;
