@@ -22,7 +22,11 @@
 //!    `service::reload`.
 //! 5. `seq` grows by one per snapshot and is persisted in `state_dir/seq` (atomic rename), so it
 //!    keeps growing across restarts; a lost or corrupt `seq` file resumes after the highest seq
-//!    in the spool, loudly, never from 0. — `Seq`, shared by the snapshotter and the event task.
+//!    in the spool, loudly, never from 0. The file holds the end of a block of `SEQ_BLOCK`
+//!    numbers reserved ahead, written before the first of them is used, so a snapshot at rest
+//!    writes nothing; a clean stop writes the last number used, and after a crash the numbering
+//!    resumes past the block (a gap, never a number twice). — `Seq`, shared by the snapshotter
+//!    and the event task.
 //! 6. Xids are events, merged so that a storm cannot flood the spool or the loop: the first of
 //!    a code on a GPU is spooled at once and triggers a snapshot; its repeats within
 //!    `XID_WINDOW` are counted and spooled as one event with that `count` when the window
@@ -357,10 +361,17 @@ pub fn read_token(path: &Path) -> anyhow::Result<String> {
     Ok(token)
 }
 
+/// Numbers reserved ahead in `state_dir/seq` (rule 5): one durable write (a file and a
+/// directory fsync) per 64 snapshots or events, about half an hour at rest, instead of one each.
+/// Our choice; the schema promises a `seq` that grows across restarts, not one without gaps.
+const SEQ_BLOCK: u64 = 64;
+
 /// The `seq` persisted in `state_dir`.
 pub struct Seq {
     path: PathBuf,
     next: u64,
+    /// The last number the file reserves (rule 5); `next` beyond it reserves the next block.
+    reserved: u64,
 }
 
 impl Seq {
@@ -388,17 +399,36 @@ impl Seq {
             tracing::warn!(path = %path.display(), seq_file = ?in_file, spool = ?spooled, "the spool is ahead of the seq file; resuming after the spool");
         }
         let last = in_file.max(spooled).unwrap_or(0);
-        Seq { path, next: last + 1 }
+        Seq { path, next: last + 1, reserved: last }
     }
 
-    /// The next number; written down first so a crash never hands the same number out twice.
+    /// The next number; its block is written down before it is used, so a crash never hands
+    /// the same number out twice.
     pub fn take(&mut self) -> u64 {
         let n = self.next;
         self.next += 1;
-        if let Err(e) = crate::durable::write(&self.path, n.to_string().as_bytes(), 0o666) {
-            tracing::warn!(path = %self.path.display(), error = %e, "cannot persist seq; it restarts from 1 after a restart");
+        if n > self.reserved {
+            let end = n + SEQ_BLOCK - 1;
+            match crate::durable::write(&self.path, end.to_string().as_bytes(), 0o666) {
+                Ok(()) => self.reserved = end,
+                Err(e) => {
+                    tracing::warn!(path = %self.path.display(), error = %e, "cannot persist seq; it restarts from 1 after a restart")
+                }
+            }
         }
         n
+    }
+}
+
+impl Drop for Seq {
+    /// A clean stop gives back the unused rest of the block: the next start continues at once.
+    /// Only while the file still holds this `Seq`'s own reservation, so a second `Seq` of the
+    /// same directory (a test's simulated crash) is never written over with a lower number.
+    fn drop(&mut self) {
+        let ours = std::fs::read_to_string(&self.path).ok().and_then(|t| t.trim().parse::<u64>().ok());
+        if self.next > 1 && ours == Some(self.reserved) && self.next - 1 < self.reserved {
+            let _ = crate::durable::write(&self.path, (self.next - 1).to_string().as_bytes(), 0o666);
+        }
     }
 }
 
@@ -768,7 +798,33 @@ mod tests {
         std::fs::write(dir.path().join("seq"), "100\n").unwrap();
         let mut seq = Seq::load(dir.path());
         assert_eq!((seq.take(), seq.take()), (101, 102));
-        assert_eq!(Seq::load(dir.path()).take(), 103, "each number is written down before it is used");
+        // A crash now (`seq` never dropped): the next start resumes past the reserved block.
+        let after_crash = Seq::load(dir.path()).take();
+        assert_eq!(after_crash, 101 + SEQ_BLOCK, "each number's block is written down before it is used");
+        drop(seq);
+        assert!(Seq::load(dir.path()).take() > after_crash, "an older Seq's stop never moves the file back");
+    }
+
+    /// Rule 5: a block of numbers costs one durable write; a clean stop hands back the rest.
+    #[test]
+    fn seq_writes_once_per_block_and_a_clean_stop_continues_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("seq");
+        let mut s = Seq::load(dir.path());
+        assert_eq!(s.take(), 1);
+        let written = std::fs::metadata(&path).unwrap().modified().unwrap();
+        std::fs::write(&path, SEQ_BLOCK.to_string()).unwrap();
+        let marked = std::fs::metadata(&path).unwrap().modified().unwrap();
+        for want in 2..=SEQ_BLOCK {
+            assert_eq!(s.take(), want);
+        }
+        assert_eq!(std::fs::metadata(&path).unwrap().modified().unwrap(), marked, "no write inside the block");
+        assert!(marked >= written);
+        assert_eq!(s.take(), SEQ_BLOCK + 1);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), (2 * SEQ_BLOCK).to_string(), "the next block");
+        drop(s);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), (SEQ_BLOCK + 1).to_string());
+        assert_eq!(Seq::load(dir.path()).take(), SEQ_BLOCK + 2);
     }
 
     #[test]
@@ -816,6 +872,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut s = Seq::load(dir.path());
         assert_eq!((s.take(), s.take()), (1, 2));
+        drop(s);
         let mut s = Seq::load(dir.path());
         assert_eq!(s.take(), 3);
     }
