@@ -458,12 +458,12 @@ fn metrics(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Reply {
     let openmetrics = prefers_openmetrics(header_str(header::ACCEPT));
     let gzip = accepts_gzip(header_str(header::ACCEPT_ENCODING));
     let (ct, body) = match (openmetrics, gzip) {
-        (true, false) => (OPENMETRICS, &p.metrics_openmetrics),
-        (true, true) => (OPENMETRICS, &p.metrics_openmetrics_gzip),
-        (false, false) => (TEXT_FORMAT, &p.metrics_text),
-        (false, true) => (TEXT_FORMAT, &p.metrics_text_gzip),
+        (true, false) => (OPENMETRICS, p.metrics_openmetrics.clone()),
+        (true, true) => (OPENMETRICS, p.metrics_openmetrics_gzip.gzip_of(&p.metrics_openmetrics)),
+        (false, false) => (TEXT_FORMAT, p.metrics_text.clone()),
+        (false, true) => (TEXT_FORMAT, p.metrics_text_gzip.gzip_of(&p.metrics_text)),
     };
-    let mut r = reply(StatusCode::OK, ct, body.clone());
+    let mut r = reply(StatusCode::OK, ct, body);
     let h = r.headers_mut();
     h.insert(header::VARY, HeaderValue::from_static("Accept, Accept-Encoding"));
     if gzip {

@@ -303,9 +303,11 @@ pub struct Published {
     pub report_json: Bytes,
     pub metrics_text: Bytes,
     pub metrics_openmetrics: Bytes,
-    /// The same two, gzipped once here rather than per scrape (`Accept-Encoding: gzip`).
-    pub metrics_text_gzip: Bytes,
-    pub metrics_openmetrics_gzip: Bytes,
+    /// The same two gzipped (`Accept-Encoding: gzip`): each made at the first scrape that asks
+    /// for it and kept for the snapshot's life, never per scrape — and never at all when no one
+    /// asks (Prometheus asks for one of the two; at rest, no one does).
+    pub metrics_text_gzip: Lazy,
+    pub metrics_openmetrics_gzip: Lazy,
     /// The bearer token for `/v1/status` and `/metrics`; `None` refuses them.
     pub token: Option<String>,
     pub summary: String,
@@ -314,6 +316,17 @@ pub struct Published {
     pub reason: Option<String>,
     /// The snapshot itself, for the probes run on request.
     pub snapshot: Arc<crate::snapshot::Snapshot>,
+}
+
+/// A gzipped body made at most once, when first asked for (`Published`).
+#[derive(Debug, Default, Clone)]
+pub struct Lazy(std::sync::OnceLock<Bytes>);
+
+impl Lazy {
+    /// The gzip of `plain`, made now if it was not yet.
+    pub fn gzip_of(&self, plain: &Bytes) -> Bytes {
+        self.0.get_or_init(|| Bytes::from(metrics::gzip(plain))).clone()
+    }
 }
 
 pub type Shared = Arc<RwLock<Option<Arc<Published>>>>;
@@ -549,8 +562,8 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
     let published = Published {
         health: report.health,
         report_json: Bytes::from(serde_json::to_vec(&report).unwrap_or_default()),
-        metrics_text_gzip: Bytes::from(metrics::gzip(m.text.as_bytes())),
-        metrics_openmetrics_gzip: Bytes::from(metrics::gzip(m.openmetrics.as_bytes())),
+        metrics_text_gzip: Lazy::default(),
+        metrics_openmetrics_gzip: Lazy::default(),
         metrics_text: Bytes::from(m.text),
         metrics_openmetrics: Bytes::from(m.openmetrics),
         token: inputs.token.clone(),
