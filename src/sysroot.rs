@@ -126,7 +126,13 @@ pub fn local_cid(path: &Path) -> io::Result<Option<u32>> {
 pub struct Sysroot {
     root: PathBuf,
     recording: Option<Mutex<Vec<Recorded>>>,
+    /// What each path `resolve` looked at was (`cached`): absent, not a link, or a link to its
+    /// target. A service snapshot resolves the same sysfs prefixes thousands of times.
+    seen: Option<Mutex<std::collections::HashMap<PathBuf, Option<Option<PathBuf>>>>>,
 }
+
+/// `resolve`'s look at one path: None when it is not there, else its link target if a link.
+type Seen = Option<Option<PathBuf>>;
 
 /// An I/O error that names the file it happened on (relative to the root, as the user would
 /// type it after `--sysroot`).
@@ -146,12 +152,37 @@ impl PathError {
 
 impl Sysroot {
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        Sysroot { root: root.into(), recording: None }
+        Sysroot { root: root.into(), recording: None, seen: None }
     }
 
     /// A `Sysroot` that keeps a copy of every file and link it reads, for bundles.
     pub fn recording(root: impl Into<PathBuf>) -> Self {
-        Sysroot { root: root.into(), recording: Some(Mutex::new(Vec::new())) }
+        Sysroot { root: root.into(), recording: Some(Mutex::new(Vec::new())), seen: None }
+    }
+
+    /// This `Sysroot`, remembering what each path component it resolves is, for its whole life:
+    /// for one snapshot's reading (a service snapshot resolved the same sysfs prefixes about two
+    /// thousand times, a `statx` each: strace), never for anything that writes or waits for a
+    /// path to appear.
+    pub fn cached(mut self) -> Self {
+        self.seen = Some(Mutex::new(Default::default()));
+        self
+    }
+
+    /// What `here` is (`Seen`), looked at once per `cached` life.
+    fn look(&self, here: &Path) -> io::Result<Seen> {
+        if let Some(hit) = self.seen.as_ref().and_then(|m| m.lock().ok()?.get(here).cloned()) {
+            return Ok(hit);
+        }
+        let seen = match fs::symlink_metadata(here) {
+            Err(_) => None,
+            Ok(meta) if meta.file_type().is_symlink() => Some(Some(fs::read_link(here)?)),
+            Ok(_) => Some(None),
+        };
+        if let Some(Ok(mut m)) = self.seen.as_ref().map(|m| m.lock()) {
+            m.insert(here.to_path_buf(), seen.clone());
+        }
+        Ok(seen)
     }
 
     pub fn root(&self) -> &Path {
@@ -192,16 +223,15 @@ impl Sysroot {
             }
             resolved.push(part);
             let here = self.root.join(resolved.join("/"));
-            let Ok(meta) = fs::symlink_metadata(&here) else {
+            let Some(link) = self.look(&here).map_err(err)? else {
                 // A missing component: the rest cannot resolve either; report it as absent.
                 return Err(err(io::Error::from_raw_os_error(libc::ENOENT)));
             };
-            if meta.file_type().is_symlink() {
+            if let Some(target) = link {
                 hops += 1;
                 if hops > MAX_SYMLINK_HOPS {
                     return Err(err(io::Error::other("too many levels of symbolic links")));
                 }
-                let target = fs::read_link(&here).map_err(err)?;
                 resolved.pop();
                 if target.is_absolute() {
                     resolved.clear();
@@ -479,6 +509,40 @@ mod tests {
         symlink("a", dir.path().join("b")).unwrap();
         let e = Sysroot::new(dir.path()).read_string("a").unwrap_err();
         assert!(e.to_string().starts_with("/a: "), "{e}");
+    }
+
+    /// A cached `Sysroot` resolves as an uncached one does — links absolute and relative, loops,
+    /// escapes — and looks at each path once in its life: a link changed after it was looked
+    /// at is not seen by it, and is by a new one (the next snapshot's).
+    #[test]
+    fn a_cached_sysroot_resolves_alike_and_looks_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        fs::create_dir_all(d.join("sys/devices/pci0000:00/0000:18:00.0")).unwrap();
+        fs::create_dir_all(d.join("sys/bus/pci/devices")).unwrap();
+        fs::write(d.join("sys/devices/pci0000:00/0000:18:00.0/vendor"), "0x10de\n").unwrap();
+        symlink("../../../devices/pci0000:00/0000:18:00.0", d.join("sys/bus/pci/devices/0000:18:00.0")).unwrap();
+        symlink("/sys/devices", d.join("abs")).unwrap();
+        symlink("loop", d.join("loop")).unwrap();
+        let (plain, cached) = (Sysroot::new(d), Sysroot::new(d).cached());
+        for rel in [
+            "sys/bus/pci/devices/0000:18:00.0/vendor",
+            "abs/pci0000:00/0000:18:00.0/vendor",
+            "../../sys/bus/pci/devices/0000:18:00.0/vendor",
+            "sys/bus/pci/devices/0000:19:00.0/vendor",
+            "loop",
+        ] {
+            for _ in 0..2 {
+                assert_eq!(
+                    cached.resolve(rel).map_err(|e| e.to_string()),
+                    plain.resolve(rel).map_err(|e| e.to_string()),
+                    "{rel}"
+                );
+            }
+        }
+        fs::remove_file(d.join("sys/bus/pci/devices/0000:18:00.0")).unwrap();
+        assert!(cached.resolve("sys/bus/pci/devices/0000:18:00.0/vendor").is_ok(), "looked at once");
+        assert!(Sysroot::new(d).cached().resolve("sys/bus/pci/devices/0000:18:00.0/vendor").is_err());
     }
 
     #[test]

@@ -521,7 +521,8 @@ fn apply_history(inputs: &Inputs, snapshot: &crate::snapshot::Snapshot, report: 
 
 /// Collects, checks and renders one snapshot; the report comes back too, for the events.
 pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
-    let root = Sysroot::new(&inputs.sysroot);
+    // One snapshot's reading: the path lookups cached for its life (`Sysroot::cached`).
+    let root = Sysroot::new(&inputs.sysroot).cached();
     let snapshot = crate::collect::snapshot_within(&root, &inputs.nvml, inputs.nvml_budget);
     let mut findings = checks::run(&snapshot, &Settings::from(&inputs.config));
     if let Some(p) = &inputs.probes {
