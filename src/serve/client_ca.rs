@@ -11,10 +11,11 @@
 //! 2. A changed file that is not a usable bundle (absent, unreadable, no certificate, not PEM)
 //!    leaves the previous bundle in force, said once per change in the log: a half-written or
 //!    wrong file must not lock the platform out, nor let everyone in.
-//! 3. A bundle absent (or empty) at start is not an error: the listener runs and refuses every
-//!    client (UnknownCA) until the file appears, then checks against it (rule 1). KubeVirt's
-//!    virt-handler may put the bundle in place after the guest's service started; a listener that
-//!    never came up would need a restart. A file present but unusable at start stays an error.
+//! 3. A bundle absent (or empty) when the verifier is made is not an error: it refuses every
+//!    client (UnknownCA) until the file appears, then checks against it (rule 1). The service
+//!    starts no vsock listener while the bundle is absent (`serve::service`: on a machine the
+//!    platform does not reach over vsock the port stays free); this covers a file removed between
+//!    that look and this one. A file present but unusable stays an error.
 //! 4. No CA names are hinted to clients (an empty `certificate_authorities`, RFC 8446 §4.2.4):
 //!    the hint list would change under a handshake, and a client with one certificate sends it
 //!    either way (virt-handler's `GetClientCertificate` answers with its own whatever is asked).

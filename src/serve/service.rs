@@ -287,6 +287,16 @@ fn start_vsock(
     if let Ok(None) = vsock::local_cid(std::path::Path::new(VSOCK_DEVICE)) {
         return no_device(format!("{VSOCK_DEVICE} has no guest CID"));
     }
+    // Absent or empty (cloud-init's user-data given no bundle): not yet configured, not wrong.
+    if v.tls && std::fs::metadata(&v.client_ca).map_or(true, |m| m.len() == 0) {
+        tracing::warn!(
+            "{} (vsock.client_ca) is absent or empty: not listening on vsock port {} until KubeVirt's CA bundle is \
+             written there (cloud-init does) and the service restarted{closed}",
+            v.client_ca.display(),
+            v.port
+        );
+        return Ok(None);
+    }
     let tls = super::tls::vsock_acceptor(v, &config.agent.state_dir)?;
     let (listener, on) = match super::port::vsock_listener(passed, v.port, vsock::VsockListener::bind) {
         Ok(l) => l,
