@@ -695,6 +695,32 @@ impl CudaBackend {
         p: &LevelParams,
         secs: f64,
     ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
+        self.all_at_once(gpus, p, secs, Load::Tensor)
+    }
+
+    /// Every GPU at once on FP64 GEMMs (`gemm_sustained`) for `secs` of GPU time each: cuBLAS's
+    /// DGEMM where it loads and starts, the agent's `phq_dgemm` at `ptx_sgemm_n`'s side elsewhere.
+    /// The load of DCGM's targeted-power test (DCGM's diag documentation, "Targeted Power":
+    /// `use_dgemm`, large matrix multiplications on each GPU at once), while the caller samples
+    /// the boards' power.
+    pub(super) fn gemm_fp64_all(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+        secs: f64,
+    ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
+        self.all_at_once(gpus, p, secs, Load::Fp64)
+    }
+
+    /// `load` on every GPU of `gpus` at once (`gemm_sustained`), each result with the reason
+    /// cuBLAS could not start where it could not.
+    fn all_at_once(
+        &mut self,
+        gpus: &[usize],
+        p: &LevelParams,
+        secs: f64,
+        load: Load,
+    ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
         // Contexts, cuBLAS and kernels first (they need `self` mutably); then the runs borrow
         // the kernels.
         let mut ready = Vec::new();
@@ -717,15 +743,7 @@ impl CudaBackend {
             .map(|(g, r)| {
                 let run = r.and_then(|(ctx, blas, has)| {
                     let k = if has { loaded.get(&g).and_then(|x| x.as_ref().ok()) } else { None };
-                    if blas.is_none() && k.is_none() {
-                        return Err(ProbeError::Unavailable(
-                            "the GEMM needs cuBLAS (the CUDA toolkit) or the probe kernels, which the driver could not load".into(),
-                        ));
-                    }
-                    // The tensor cores where cuBLAS or the tensor kernel can drive them: the load
-                    // the GPUs are bought for, at its power and heat; FP32 otherwise.
-                    let tensor = blas.is_some() || k.is_some_and(|k| k.tensor.is_ok() && p.gemm_n.is_multiple_of(16));
-                    GemmRun::with(&ctx, blas.as_ref(), k, p.gemm_n, tensor.then_some(Half::Bf16)).map_err(on(g))
+                    load.run(g, &ctx, blas.as_ref(), k, p)
                 });
                 (g, run)
             })
@@ -735,51 +753,47 @@ impl CudaBackend {
     }
 }
 
-impl CudaBackend {
-    /// Every GPU at once on FP64 GEMMs (`gemm_sustained`) for `secs` of GPU time each: cuBLAS's
-    /// DGEMM where it loads and starts, the agent's `phq_dgemm` at `ptx_sgemm_n`'s side elsewhere.
-    /// The load of DCGM's targeted-power test (DCGM's diag documentation, "Targeted Power":
-    /// `use_dgemm`, large matrix multiplications on each GPU at once), while the caller samples
-    /// the boards' power.
-    pub(super) fn gemm_fp64_all(
-        &mut self,
-        gpus: &[usize],
+/// What every GPU computes at once: the sustained load, or the power test's FP64.
+#[derive(Clone, Copy)]
+enum Load {
+    Tensor,
+    Fp64,
+}
+
+impl Load {
+    /// GPU `gpu`'s run of this load, or why it cannot run there (`Unavailable` when neither
+    /// cuBLAS nor the kernels can compute it: no fault of the GPU).
+    fn run<'a>(
+        self,
+        gpu: usize,
+        ctx: &Arc<Ctx>,
+        blas: Option<&Arc<cuda::Blas>>,
+        k: Option<&'a Loaded>,
         p: &LevelParams,
-        secs: f64,
-    ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
-        let mut ready = Vec::new();
-        let mut notes = std::collections::HashMap::new();
-        for &g in gpus {
-            let r = self.ctx(g).and_then(|c| {
-                let (blas, note) = self.blas_here(g, &c)?.split();
-                notes.insert(g, note);
-                match self.with_kernels(g) {
-                    Ok(_) => Ok((c, blas.ok(), true)),
-                    Err(ProbeError::Unavailable(_)) => Ok((c, blas.ok(), false)),
-                    Err(e) => Err(e),
+    ) -> Result<GemmRun<'a>, ProbeError> {
+        let none = |what: &str| {
+            ProbeError::Unavailable(format!(
+                "the {what} needs cuBLAS (the CUDA toolkit) or the probe kernels, which the driver could not load"
+            ))
+        };
+        match self {
+            Load::Tensor => {
+                if blas.is_none() && k.is_none() {
+                    return Err(none("GEMM"));
                 }
-            });
-            ready.push((g, r));
+                // The tensor cores where cuBLAS or the tensor kernel can drive them: the load the
+                // GPUs are bought for, at its power and heat; FP32 otherwise.
+                let tensor = blas.is_some() || k.is_some_and(|k| k.tensor.is_ok() && p.gemm_n.is_multiple_of(16));
+                GemmRun::with(ctx, blas, k, p.gemm_n, tensor.then_some(Half::Bf16)).map_err(on(gpu))
+            }
+            Load::Fp64 => {
+                let n = if blas.is_some() { p.gemm_n } else { ptx_sgemm_n(p.gemm_n) };
+                if blas.is_none() && (k.is_none() || !n.is_multiple_of(16)) {
+                    return Err(none("FP64 GEMM"));
+                }
+                GemmRun::fp64(ctx, blas, k, n).map_err(on(gpu))
+            }
         }
-        let loaded = &self.kernels;
-        let mut runs: Vec<(usize, Result<GemmRun<'_>, ProbeError>)> = ready
-            .into_iter()
-            .map(|(g, r)| {
-                let run = r.and_then(|(ctx, blas, has)| {
-                    let k = if has { loaded.get(&g).and_then(|x| x.as_ref().ok()) } else { None };
-                    let n = if blas.is_some() { p.gemm_n } else { ptx_sgemm_n(p.gemm_n) };
-                    if blas.is_none() && (k.is_none() || !n.is_multiple_of(16)) {
-                        return Err(ProbeError::Unavailable(
-                            "the FP64 GEMM needs cuBLAS (the CUDA toolkit) or the probe kernels, which the driver could not load".into(),
-                        ));
-                    }
-                    GemmRun::fp64(&ctx, blas.as_ref(), k, n).map_err(on(g))
-                });
-                (g, run)
-            })
-            .collect();
-        gemm_sustained(&mut runs, p.gemm_reps, secs);
-        runs.into_iter().map(|(g, r)| (g, r.map(|run| run.result().with_cublas(notes.remove(&g).flatten())))).collect()
     }
 }
 
