@@ -290,31 +290,7 @@ impl<'a> GemmRun<'a> {
             }
             None => None,
         };
-        let (start, end) = (ctx.event()?, ctx.event()?);
-        Ok(GemmRun {
-            n,
-            ctx: ctx.clone(),
-            stream,
-            a,
-            b,
-            c,
-            gemmer,
-            library,
-            out: 4,
-            device_check,
-            reference,
-            readback: ctx.pinned(GEMM_CHECKED_PER_SAMPLE * 8)?,
-            start,
-            end,
-            reps: 0,
-            tflops: Vec::new(),
-            seconds: 0.0,
-            checked: 0,
-            wrong: 0,
-            max_rel: 0.0,
-            first_wrong: None,
-            samples: 0,
-        })
+        GemmRun::assemble(ctx, stream, (n, a, b, c), (gemmer, library, 4), device_check, reference)
     }
 
     /// An FP64 GEMM (cuBLAS's DGEMM, else the agent's `phq_dgemm`): the same integer inputs in
@@ -337,6 +313,19 @@ impl<'a> GemmRun<'a> {
             (None, Some(k)) if n.is_multiple_of(16) => (Gemmer::PtxF64(k.module.function("phq_dgemm")?), PTX_DGEMM),
             _ => return Err(ctx_error("the FP64 GEMM needs cuBLAS or the probe kernels")),
         };
+        GemmRun::assemble(ctx, stream, (n, a, b, c), (gemmer, library, 8), None, gemm_reference(n))
+    }
+
+    /// A run from its parts, its figures empty: what `with` and `fp64` share.
+    #[allow(clippy::type_complexity)]
+    fn assemble(
+        ctx: &Arc<Ctx>,
+        stream: Stream,
+        (n, a, b, c): (usize, DeviceBuffer, DeviceBuffer, DeviceBuffer),
+        (gemmer, library, out): (Gemmer<'a>, &'static str, usize),
+        device_check: Option<(Function<'a>, DeviceBuffer, DeviceBuffer, PinnedBuffer, u32)>,
+        reference: Vec<[i64; 17]>,
+    ) -> cuda::Result<GemmRun<'a>> {
         let (start, end) = (ctx.event()?, ctx.event()?);
         Ok(GemmRun {
             n,
@@ -347,9 +336,9 @@ impl<'a> GemmRun<'a> {
             c,
             gemmer,
             library,
-            out: 8,
-            device_check: None,
-            reference: gemm_reference(n),
+            out,
+            device_check,
+            reference,
             readback: ctx.pinned(GEMM_CHECKED_PER_SAMPLE * 8)?,
             start,
             end,
