@@ -882,8 +882,35 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
 // ---------------------------------------------------------------------------------------
 // Events: Xid through the event set
 
+/// Threads of this process inside `nvmlEventSetWait_v2`.
+static WAITING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One thread inside `nvmlEventSetWait_v2`, counted in `WAITING` until it returns.
+struct Waiting;
+
+impl Waiting {
+    fn enter() -> Waiting {
+        WAITING.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Waiting
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        WAITING.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Rule: `nvmlEventSetCreate` does not return while another thread of the process is inside
+/// `nvmlEventSetWait` (on any set); it returns when that wait does. NVML's reference says
+/// nothing of it; it was seen on the real library (H200, driver 580.159.04, 2026-12-04: a
+/// service thread waiting 15 s held a second thread's `nvmlEventSetCreate` past its 10 s
+/// deadline; the agent's docs/hardware-validation.md records the run).
 #[no_mangle]
 pub unsafe extern "C" fn nvmlEventSetCreate(out: *mut nvmlEventSet_t) -> Ret {
+    while WAITING.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     with_state(|s| {
         let id = s.next_set;
         s.next_set += 1;
@@ -925,6 +952,7 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
     timeout_ms: c_uint,
 ) -> Ret {
     hang("nvmlEventSetWait_v2", None);
+    let _waiting = Waiting::enter();
     let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
     loop {
         // Deliver the earliest due event not yet delivered on this set, or learn when the next is due.

@@ -837,9 +837,17 @@ impl XidWatcher {
         let held = session.handle()?;
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stop_flag = stop.clone();
-        match std::thread::Builder::new().name("nvml-xid".into()).spawn(move || watch(&held.nvml, &stop_flag, &tx)) {
+        let watched = session.watched();
+        // Active before the thread's first wait, so no snapshot opens a set beside it.
+        watched.lock().unwrap_or_else(|p| p.into_inner()).active = true;
+        let account = watched.clone();
+        match std::thread::Builder::new().name("nvml-xid".into()).spawn(move || {
+            watch(&held.nvml, &stop_flag, &tx, &account);
+            account.lock().unwrap_or_else(|p| p.into_inner()).active = false;
+        }) {
             Ok(_) => Some(XidWatcher { stop }),
             Err(e) => {
+                watched.lock().unwrap_or_else(|p| p.into_inner()).active = false;
                 tracing::warn!(error = %e, "cannot start the Xid thread; the kernel log still shows Xids at each snapshot");
                 None
             }
@@ -853,7 +861,12 @@ impl Drop for XidWatcher {
     }
 }
 
-fn watch(nvml: &Nvml, stop: &std::sync::atomic::AtomicBool, tx: &std::sync::mpsc::Sender<NvmlXid>) {
+fn watch(
+    nvml: &Nvml,
+    stop: &std::sync::atomic::AtomicBool,
+    tx: &std::sync::mpsc::Sender<NvmlXid>,
+    account: &std::sync::Mutex<session::Watched>,
+) {
     let set = match xid_event_set(nvml, None, &Tracker::new("nvmlEventSetCreate")) {
         Ok((set, _, None)) => set,
         Ok((set, _, Some(e))) => {
@@ -870,6 +883,7 @@ fn watch(nvml: &Nvml, stop: &std::sync::atomic::AtomicBool, tx: &std::sync::mpsc
             Ok(ev) => {
                 let Some(x) = xid_of(&ev) else { continue };
                 tracing::warn!(gpu = %x.gpu, xid = x.xid, "Xid reported by NVML");
+                account.lock().unwrap_or_else(|p| p.into_inner()).note(x.clone());
                 if tx.send(x).is_err() {
                     return; // nobody listens any more
                 }

@@ -94,6 +94,34 @@ pub struct Session {
     deadlines: Deadlines,
     state: std::sync::Mutex<State>,
     answered: std::sync::Mutex<Option<Answered>>,
+    /// The Xid watcher's account, shared with its thread (`Watched`).
+    watched: Arc<std::sync::Mutex<Watched>>,
+}
+
+/// What the Xid watcher has seen. While its thread waits, a snapshot reports these instead of
+/// opening an event set of its own: on the real driver, `nvmlEventSetCreate` does not return
+/// while another thread of the process is in `nvmlEventSetWait` (seen on an H200 with driver
+/// 580.159.04, docs/hardware-validation.md: the service's second snapshot then passed its events
+/// deadline and judged NVML unresponsive). A set registered later would not have the earlier
+/// Xids anyway: registration "starts recording" (nvml.h, `nvmlDeviceRegisterEvents`).
+#[derive(Debug, Default)]
+pub(super) struct Watched {
+    /// The watcher's thread is waiting (set before it starts, cleared when it ends).
+    pub(super) active: bool,
+    /// The Xids it received since the service started, the newest `WATCHED_KEPT`.
+    pub(super) seen: std::collections::VecDeque<NvmlXid>,
+}
+
+/// How many watched Xids a snapshot carries: our choice, the per-snapshot cap of a drain.
+pub(super) const WATCHED_KEPT: usize = super::MAX_EVENTS_PER_SNAPSHOT;
+
+impl Watched {
+    pub(super) fn note(&mut self, x: NvmlXid) {
+        if self.seen.len() == WATCHED_KEPT {
+            self.seen.pop_front();
+        }
+        self.seen.push_back(x);
+    }
 }
 
 #[derive(Default)]
@@ -142,6 +170,7 @@ impl Session {
             deadlines,
             state: std::sync::Mutex::new(State::default()),
             answered: std::sync::Mutex::new(None),
+            watched: Arc::default(),
         }
     }
 
@@ -162,6 +191,11 @@ impl Session {
     /// The live handle, if NVML has answered (the Xid watcher shares it; it never initialises).
     pub(super) fn handle(&self) -> Option<Arc<Held>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).held.clone()
+    }
+
+    /// The Xid watcher's account (`Watched`), for the watcher to share with its thread.
+    pub(super) fn watched(&self) -> Arc<std::sync::Mutex<Watched>> {
+        self.watched.clone()
     }
 
     fn hook(&self) -> Option<Answered> {
@@ -477,6 +511,12 @@ impl Session {
     /// Xid events pending, from the GPUs that answered; why there are none, when none could be
     /// read.
     fn read_xid_events(&self, st: &mut State, h: &Arc<Held>, found: &mut Found) -> (Vec<NvmlXid>, Option<String>) {
+        {
+            let w = self.watched.lock().unwrap_or_else(|p| p.into_inner());
+            if w.active {
+                return (w.seen.iter().cloned().collect(), None);
+            }
+        }
         if let Some(b) = st.late.get(&Target::Events).map(|l| blocked_of(l, None)) {
             let why = format!("{} (still blocked)", b.describe());
             found.blocked.push(b);
