@@ -317,7 +317,13 @@ fn cuda_toolkit(s: &Snapshot, settings: &Settings) -> Finding {
     };
     let versions: Vec<String> =
         toolkits.iter().filter_map(|t| t.version.value().map(|v| format!("{} ({})", v, t.path))).collect();
-    let twelve = toolkits.iter().filter_map(|t| t.version.value()).any(|v| v.starts_with("12."));
+    // CUDA 12 or newer: a CUDA 13 toolkit runs Hopper as well (its driver floor is
+    // cuda.toolkit-driver-compatible's to judge); the H200 machine of docs/hardware-validation.md
+    // had CUDA 13.0 alone and was told to install CUDA 12.
+    let twelve = toolkits
+        .iter()
+        .filter_map(|t| t.version.value())
+        .any(|v| v.split('.').next().and_then(|m| m.parse::<u32>().ok()).is_some_and(|m| m >= 12));
     let f = if twelve {
         Finding::pass(ID, format!("CUDA toolkit {}", versions.join(", ")))
     } else if s.gpus().is_empty() {
@@ -328,7 +334,7 @@ fn cuda_toolkit(s: &Snapshot, settings: &Settings) -> Finding {
         } else {
             format!("Only {} found", versions.join(", "))
         };
-        Finding::warn(ID, "no CUDA 12 toolkit installed")
+        Finding::warn(ID, "no CUDA 12 (or newer) toolkit installed")
             .detail(format!("{found}. Frameworks that bundle their own CUDA runtime (PyTorch wheels, containers) do not need one; building CUDA code does."))
             .remedy(format!("`phq-agent install` installs cuda-toolkit-{} from NVIDIA's repository.", settings.cuda.replace('.', "-")))
     };
@@ -533,5 +539,19 @@ mod tests {
         s.cuda_toolkits = Fact::Value(vec![]);
         assert_eq!(sev(&s, "cuda.toolkit"), Severity::Warn);
         assert_eq!(sev(&s, "cuda.toolkit-driver-compatible"), Severity::Pass);
+    }
+
+    /// The H200 machine of 2026-12-04: CUDA 13.0 alone, driver 580. A toolkit newer than 12 is
+    /// a toolkit; an 11 is not enough.
+    #[test]
+    fn a_cuda_13_toolkit_alone_passes_and_11_alone_warns() {
+        let mut s = healthy();
+        let only = |v: &str| {
+            Fact::Value(vec![CudaToolkit { path: format!("/usr/local/cuda-{v}"), version: Fact::Value(v.into()) }])
+        };
+        s.cuda_toolkits = only("13.0");
+        assert_eq!(sev(&s, "cuda.toolkit"), Severity::Pass);
+        s.cuda_toolkits = only("11.8");
+        assert_eq!(sev(&s, "cuda.toolkit"), Severity::Warn);
     }
 }

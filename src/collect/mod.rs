@@ -180,12 +180,46 @@ fn read_cuda_toolkits(root: &Sysroot) -> Fact<Vec<CudaToolkit>> {
             Ok(text) => parse_cuda_version_json(&text)
                 .map(Fact::Value)
                 .unwrap_or_else(|| Fact::Error(format!("{}: no cuda.version in it", Sysroot::display(&rel)))),
+            Err(e) if e.is_not_found() => {
+                toolkit_version_without_json(root, name).map(Fact::Value).unwrap_or_else(|| {
+                    Fact::Error(format!("{e}; no libcudart.so.X.Y.Z or include/cuda.h beside it either"))
+                })
+            }
             Err(e) => Fact::Error(e.to_string()),
         };
         toolkits.push(CudaToolkit { path: Sysroot::display(&format!("usr/local/{name}")), version });
     }
     toolkits.sort_by(|a, b| a.path.cmp(&b.path));
     Fact::Value(toolkits)
+}
+
+/// A toolkit's major.minor where it has no version.json: NVIDIA's container images and the
+/// CUDA 13 toolkit of the H200 machine recorded in docs/hardware-validation.md carry none
+/// (AnyDSL/runtime#37 met the same in NVIDIA's images). The runtime library's file name
+/// (`libcudart.so.13.0.96`: the runtime's version, whose major.minor is the toolkit's, as
+/// NVIDIA/DALI#1477 reads it), else `CUDA_VERSION` in `include/cuda.h` (`13000` → `13.0`).
+fn toolkit_version_without_json(root: &Sysroot, name: &str) -> Option<String> {
+    for lib in ["lib64", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"] {
+        let Ok(files) = root.list_dir(&format!("usr/local/{name}/{lib}")) else { continue };
+        let found = files.iter().filter_map(|f| f.strip_prefix("libcudart.so.")).find_map(|v| {
+            let mut parts = v.split('.');
+            let (major, minor) = (parts.next()?, parts.next()?);
+            let numeric = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+            (numeric(major) && numeric(minor)).then(|| format!("{major}.{minor}"))
+        });
+        if found.is_some() {
+            return found;
+        }
+    }
+    let header = root.read_string(&format!("usr/local/{name}/include/cuda.h")).ok()?;
+    parse_cuda_h_version(&header)
+}
+
+/// `#define CUDA_VERSION 13000` → `13.0` (cuda.h: 1000 × major + 10 × minor).
+pub fn parse_cuda_h_version(text: &str) -> Option<String> {
+    let line = text.lines().find_map(|l| l.trim().strip_prefix("#define CUDA_VERSION"))?;
+    let n: u32 = line.trim().parse().ok()?;
+    (n >= 1000).then(|| format!("{}.{}", n / 1000, (n % 1000) / 10))
 }
 
 /// `{"cuda": {"name": "CUDA SDK", "version": "12.4.1"}, …}` → `12.4.1`.
@@ -206,10 +240,38 @@ mod tests {
         assert_eq!(parse_cuda_version_json("CUDA Version 10.2.89"), None);
     }
 
+    /// The H200 machine's /usr/local/cuda-13.0 had no version.json (docs/hardware-validation.md);
+    /// its libcudart.so.13.0.* says 13.0, and cuda.h says it where no runtime library is.
+    #[test]
+    fn a_toolkit_without_version_json_is_read_from_its_runtime_or_header() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("usr/local/cuda-13.0/targets/x86_64-linux/lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join("libcudart.so.13.0.96"), b"").unwrap();
+        std::os::unix::fs::symlink("targets/x86_64-linux/lib", dir.path().join("usr/local/cuda-13.0/lib64")).unwrap();
+        std::os::unix::fs::symlink("cuda-13.0", dir.path().join("usr/local/cuda")).unwrap();
+        let inc = dir.path().join("usr/local/cuda-12.8/include");
+        std::fs::create_dir_all(&inc).unwrap();
+        std::fs::write(inc.join("cuda.h"), b"#ifndef __cuda_cuda_h__\n#define CUDA_VERSION 12080\n").unwrap();
+        std::fs::create_dir_all(dir.path().join("usr/local/cuda-11.8")).unwrap();
+        let t = read_cuda_toolkits(&Sysroot::new(dir.path())).value().cloned().unwrap();
+        let got: Vec<(String, Result<String, String>)> = t
+            .iter()
+            .map(|t| (t.path.clone(), t.version.value().cloned().ok_or_else(|| format!("{:?}", t.version))))
+            .collect();
+        assert_eq!(got[0].0, "/usr/local/cuda-11.8");
+        assert!(got[0].1.as_ref().is_err_and(|e| e.contains("no libcudart.so")), "{got:?}");
+        assert_eq!(got[1], ("/usr/local/cuda-12.8".into(), Ok("12.8".into())));
+        assert_eq!(got[2], ("/usr/local/cuda-13.0".into(), Ok("13.0".into())));
+        assert_eq!(got.len(), 3, "the cuda link counted once: {got:?}");
+        assert_eq!(parse_cuda_h_version("#define CUDA_VERSION 9020"), Some("9.2".into()));
+    }
+
     proptest! {
         #[test]
         fn cuda_version_never_panics(s in ".*") {
             let _ = parse_cuda_version_json(&s);
+            let _ = parse_cuda_h_version(&s);
         }
     }
 }
