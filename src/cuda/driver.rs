@@ -15,7 +15,7 @@
 //!
 //! Which library: `--cuda-lib` / `PHQ_CUDA_LIB` (see `use_library`), else `libcuda.so.1`, the
 //! name the driver package installs; cuBLAS from `PHQ_CUBLAS_LIB`, else `libcublas.so.12`
-//! (CUDA 12's soname), else `libcublas.so`; NCCL beside it in `nccl.rs`.
+//! (CUDA 12's soname), else `libcublas.so.13`, else `libcublas.so`; NCCL beside it in `nccl.rs`.
 
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -875,12 +875,13 @@ impl Stream {
 
 static BLAS: Mutex<Option<Arc<Blas>>> = Mutex::new(None);
 
-/// cuBLAS: `PHQ_CUBLAS_LIB`, else CUDA 12's `libcublas.so.12`, else `libcublas.so`. It ships with
-/// the CUDA toolkit, not the driver.
+/// cuBLAS: `PHQ_CUBLAS_LIB`, else CUDA 12's `libcublas.so.12`, else CUDA 13's `libcublas.so.13`
+/// (every call the agent binds is there: the H200 run of docs/hardware-validation.md probed with
+/// cuBLAS 13.0), else `libcublas.so`. It ships with the CUDA toolkit, not the driver.
 pub fn blas() -> std::result::Result<Arc<Blas>, LoadError> {
     let candidates = match std::env::var_os("PHQ_CUBLAS_LIB") {
         Some(p) => vec![PathBuf::from(p)],
-        None => vec![PathBuf::from("libcublas.so.12"), PathBuf::from("libcublas.so")],
+        None => vec![PathBuf::from("libcublas.so.12"), PathBuf::from("libcublas.so.13"), PathBuf::from("libcublas.so")],
     };
     cached(&BLAS, &candidates)
 }
