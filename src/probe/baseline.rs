@@ -60,15 +60,14 @@ pub fn figures(g: &GpuProbes, report: &ProbeReport) -> BTreeMap<String, f64> {
     put("d2d_gbps", Some(&g.d2d_gbps));
     put("sm_copy_gbps", g.sm_copy_gbps.as_ref());
     put("host_latency_ns", g.host_latency_ns.as_ref());
-    if let Outcome::Ok(gm) = &g.gemm {
-        if let Some(s) = super::Stat::of(gm.tflops_samples.clone()) {
-            m.insert("gemm_tflops".into(), s.median);
-        }
-    }
-    for (name, o) in [("gemm_tensor_tflops", &g.gemm_tensor), ("gemm_tensor_fp16_tflops", &g.gemm_tensor_fp16)] {
+    for (name, o) in [
+        ("gemm", Some(&g.gemm)),
+        ("gemm_tensor", g.gemm_tensor.as_ref()),
+        ("gemm_tensor_fp16", g.gemm_tensor_fp16.as_ref()),
+    ] {
         if let Some(Outcome::Ok(gm)) = o {
             if let Some(s) = super::Stat::of(gm.tflops_samples.clone()) {
-                m.insert(name.into(), s.median);
+                m.insert(gemm_figure(name, &gm.library), s.median);
             }
         }
     }
@@ -95,6 +94,18 @@ pub fn figures(g: &GpuProbes, report: &ProbeReport) -> BTreeMap<String, f64> {
     m
 }
 
+/// A GEMM figure's name: `gemm_tflops` by cuBLAS, `gemm_ptx_tflops` by the agent's own kernels.
+/// They are two figures, never one: on an H200 the agent's kernels ran at a small part of
+/// cuBLAS's rate (FP32 8.1 against 50.9 TFLOP/s, BF16 19.6 against 794; docs/hardware-validation.md),
+/// so a run without cuBLAS compared with a baseline made with it read as a GPU that lost 97%.
+fn gemm_figure(name: &str, library: &str) -> String {
+    if library.starts_with("cuBLAS") {
+        format!("{name}_tflops")
+    } else {
+        format!("{name}_ptx_tflops")
+    }
+}
+
 /// The figures that moved the wrong way past the thresholds: (name, baseline, now, change).
 pub fn drift(base: &BTreeMap<String, f64>, now: &BTreeMap<String, f64>) -> Vec<(String, f64, f64, f64)> {
     let mut out = Vec::new();
@@ -113,6 +124,9 @@ pub fn drift(base: &BTreeMap<String, f64>, now: &BTreeMap<String, f64>) -> Vec<(
 }
 
 fn label(name: &str) -> String {
+    if let Some(cublas) = name.strip_suffix("_ptx_tflops") {
+        return label(&format!("{cublas}_tflops")).replacen(" (", " by the agent's own kernel (", 1);
+    }
     let (what, unit) = match name {
         "h2d_gbps" => ("host→device", "GB/s"),
         "d2h_gbps" => ("device→host", "GB/s"),
@@ -263,6 +277,17 @@ mod tests {
         assert!((d[0].3 + 0.1212).abs() < 1e-3, "{d:?}");
         // Faster is never drift.
         assert!(drift(&base, &figs(&[("h2d_gbps", 60.0), ("host_latency_ns", 500.0)])).is_empty());
+    }
+
+    #[test]
+    fn a_run_without_cublas_is_its_own_figure_not_cublas_fallen() {
+        assert_eq!(gemm_figure("gemm", "cuBLAS SGEMM"), "gemm_tflops");
+        assert_eq!(gemm_figure("gemm_tensor", "PTX tensor cores, BF16 (phq_mma_gemm)"), "gemm_tensor_ptx_tflops");
+        // The H200's two runs of 2026-12-04: cuBLAS first (the baseline), then the agent's kernels.
+        let base = figs(&[("gemm_tflops", 50.9), ("gemm_tensor_tflops", 793.8), ("d2d_gbps", 3924.0)]);
+        let own = figs(&[("gemm_ptx_tflops", 8.1), ("gemm_tensor_ptx_tflops", 19.6), ("d2d_gbps", 3899.4)]);
+        assert!(drift(&base, &own).is_empty());
+        assert_eq!(label("gemm_tensor_ptx_tflops"), "tensor-core GEMM by the agent's own kernel (TFLOP/s)");
     }
 
     #[test]

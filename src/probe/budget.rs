@@ -27,15 +27,18 @@ pub const STANDARD_BUDGET_S: f64 = 120.0;
 /// each fused multiply-add of its 16 × 16 tiles reads two shared-memory words, and a warp's 32
 /// multiply-adds take two shared-memory wavefronts, so an SM does at most 16 a clock — 132 SMs
 /// at 1.755 GHz make a ceiling of about 7.4 TFLOP/s on the H100 SXM (CUDA programming guide,
-/// "Shared Memory" of compute capability 9.0: 32 banks, one wavefront a clock), and a plain
-/// kernel reaches well under it. Our planning figure, not a measurement.
+/// "Shared Memory" of compute capability 9.0: 32 banks, one wavefront a clock). Measured on an
+/// H200 at 1,980 MHz: 8.1 TFLOP/s at 2048² (docs/hardware-validation.md); the plan stays under it
+/// for slower clocks and fewer SMs (the H100 PCIe's 114).
 pub const PTX_SGEMM_TFLOPS: f64 = 3.0;
 
-/// The agent's tensor-core GEMM (`phq_mma_gemm`), planned at 50 TFLOP/s: each warp loads its A
+/// The agent's tensor-core GEMM (`phq_mma_gemm`), planned at 12 TFLOP/s: each warp loads its A
 /// and B fragments from global memory for every `mma.sync` (768 bytes per 4,096 operations, no
 /// staging in shared memory), so the caches' bandwidth bounds it, far below the tensor cores'
-/// peak. Our planning figure, not a measurement.
-pub const PTX_MMA_TFLOPS: f64 = 50.0;
+/// peak. Measured on an H200: 19.6 TFLOP/s at 4096², BF16 and FP16 alike
+/// (docs/hardware-validation.md; the plan had said 50, which made a run without cuBLAS outlast
+/// it); 12 leaves room for an H100 PCIe's fewer SMs and lower clocks.
+pub const PTX_MMA_TFLOPS: f64 = 12.0;
 
 /// cuBLAS's BF16 GEMM (`cublasGemmEx`), planned at 400 TFLOP/s: well under the H100 SXM's
 /// dense BF16 peak of 989 (NVIDIA's H100 datasheet), so an H100 PCIe (756) and a GPU held back by
@@ -152,7 +155,8 @@ pub fn estimate(
         let n = if cublas { p.gemm_n } else { gemm::ptx_sgemm_n(p.gemm_n) } as f64;
         let gemm_s = (1 + gemm::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3) / (tflops * 1e12)
             + secs(2.0 * n * n * 4.0, h2d);
-        let n = p.gemm_n as f64;
+        // The agent's tensor kernel at half the side too (`gemm_half`).
+        let n = if cublas { p.gemm_n } else { gemm::ptx_sgemm_n(p.gemm_n) } as f64;
         let products = (1 + gemm::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3);
         let tensor_tflops = if cublas { CUBLAS_BF16_TFLOPS } else { PTX_MMA_TFLOPS };
         let gemm_tensor_s = 2.0 * (products / (tensor_tflops * 1e12) + secs(2.0 * n * n * 2.0, h2d));
@@ -280,7 +284,7 @@ pub fn render(plan: &Plan) -> String {
         if plan.gemm_library == gemm::PTX_GEMM { gemm::ptx_sgemm_n(plan.params.gemm_n) } else { plan.params.gemm_n },
         plan.params.gemm_reps,
         gemm::GEMM_SAMPLES,
-        plan.params.gemm_n
+        if plan.gemm_library == gemm::PTX_GEMM { gemm::ptx_sgemm_n(plan.params.gemm_n) } else { plan.params.gemm_n }
     );
     for g in &plan.gpus {
         let _ = writeln!(

@@ -84,6 +84,21 @@ fn each_gpu_is_held_to_its_own_first_passing_run() {
     assert!(sev(&later, 2).summary.starts_with("baseline recorded"), "{:?}", sev(&later, 2));
 }
 
+/// A run on the agent's own GEMM kernel (cuBLAS gone) is not compared with a baseline made
+/// with cuBLAS: on an H200 that read as a GPU that lost 84% (docs/hardware-validation.md).
+#[test]
+fn a_run_without_cublas_is_not_held_to_cublas_baseline() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = targets(1);
+    let mut b = SimGpus::hgx();
+    let first = judge_here(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t, dir.path());
+    let baseline = |f: &[Finding]| f.iter().find(|x| x.id == "probe.baseline").cloned().unwrap();
+    assert!(baseline(&first).summary.starts_with("baseline recorded"), "{:?}", baseline(&first));
+    b.own_kernels = true;
+    let later = judge_here(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t, dir.path());
+    assert_eq!(baseline(&later).severity, Severity::Pass, "{}", baseline(&later).summary);
+}
+
 #[test]
 fn medians_of_odd_and_even_sample_counts() {
     assert_eq!(Stat::of(vec![3.0, 1.0, 2.0]).unwrap().median, 2.0);

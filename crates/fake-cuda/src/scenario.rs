@@ -128,8 +128,8 @@ pub struct Device {
     /// One dependent load served by the L2 of the GPU owning the memory, ns.
     #[serde(default = "default_l2_latency_ns")]
     pub l2_latency_ns: f64,
-    /// FP32 GEMM rate of the agent's own PTX GEMM (`phq_sgemm`), TFLOP/s; absent: a quarter of
-    /// `sgemm_tflops` (the fake's guess for a plain tiled kernel beside cuBLAS, not a measurement).
+    /// FP32 GEMM rate of the agent's own PTX GEMM (`phq_sgemm`), TFLOP/s; absent:
+    /// `PTX_SGEMM_SHARE` of `sgemm_tflops`, the share an H200 gave it.
     #[serde(default)]
     pub ptx_sgemm_tflops: Option<f64>,
     /// Entries `[row, column]` of every GEMM product (cuBLAS's or the PTX kernel's) that this
@@ -137,7 +137,7 @@ pub struct Device {
     #[serde(default)]
     pub gemm_wrong_entries: Vec<[usize; 2]>,
     /// Dense BF16 rate of the agent's tensor-core kernel (`phq_mma_gemm`), TFLOP/s; the default
-    /// is the fake's own round figure, not a measurement.
+    /// is what it ran at on an H200 (the agent's docs/hardware-validation.md, 2026-12-04).
     #[serde(default = "default_mma_tflops")]
     pub mma_tflops: f64,
     /// Dense 16-bit tensor-core rate of cuBLAS's `cublasGemmEx` (BF16 or FP16 in, FP32 out),
@@ -153,7 +153,7 @@ pub struct Device {
     #[serde(default)]
     pub dgemm_tflops: Option<f64>,
     /// FP64 rate of the agent's own `phq_dgemm` (plain FMA units, no tensor cores), TFLOP/s;
-    /// absent: a quarter of the DGEMM rate (the fake's guess, as for `ptx_sgemm_tflops`).
+    /// absent: a quarter of the DGEMM rate (the fake's guess: `phq_dgemm` has not run on a GPU yet).
     #[serde(default)]
     pub ptx_dgemm_tflops: Option<f64>,
     /// Watts the board draws under a sustained GEMM load (`power.rs`); absent: its enforced power
@@ -217,8 +217,12 @@ fn default_tensor_tflops() -> f64 {
 }
 
 fn default_mma_tflops() -> f64 {
-    200.0
+    19.6
 }
+
+/// `phq_sgemm`'s rate over cuBLAS SGEMM's on an H200: 8.1 against 50.9 TFLOP/s (the agent's
+/// docs/hardware-validation.md, 2026-12-04).
+pub const PTX_SGEMM_SHARE: f64 = 8.1 / 50.9;
 
 fn default_sgemm_tflops() -> f64 {
     50.0
