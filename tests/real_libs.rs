@@ -309,12 +309,37 @@ fn camel(s: &str) -> String {
         .collect()
 }
 
+/// Every source file of both fakes but their tests, relative to the repository.
+fn fake_sources() -> Vec<String> {
+    let mut out = Vec::new();
+    for dir in ["crates/fake-cuda/src", "crates/fake-nvml/src"] {
+        for e in std::fs::read_dir(repo().join(dir)).unwrap() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            if name.ends_with(".rs") && !name.starts_with("tests") {
+                out.push(format!("{dir}/{name}"));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The declared type of `const NAME` in `file`.
+fn const_type(file: &str, name: &str) -> String {
+    let text = std::fs::read_to_string(repo().join(file)).unwrap();
+    let decl = format!("const {name}:");
+    text.lines()
+        .find_map(|l| l.split_once(&decl).map(|(_, rest)| rest.split('=').next().unwrap_or("").trim().to_string()))
+        .unwrap_or_default()
+}
+
 /// Each `const NAME: TYPE = N;` of a fake's source with `TYPE` among `types`.
 fn consts(file: &str, types: &[&str]) -> Vec<(String, i64)> {
     let text = std::fs::read_to_string(repo().join(file)).unwrap();
     text.lines()
         .filter_map(|l| {
-            let l = l.trim().strip_prefix("pub ").unwrap_or(l.trim());
+            let l = l.trim();
+            let l = ["pub(crate) ", "pub(super) ", "pub "].iter().find_map(|p| l.strip_prefix(p)).unwrap_or(l);
             let l = l.strip_prefix("const ")?;
             let (name, rest) = l.split_once(':')?;
             let (ty, value) = rest.split_once('=')?;
@@ -443,19 +468,61 @@ fn every_number_the_agent_hard_codes_is_the_headers() {
 #[test]
 fn every_number_the_fakes_hard_code_is_the_headers() {
     let Some(r) = real() else { return };
-    let cuda_h = numbers(&r.cuda_h);
-    // crates/fake-cuda: its CUresult table and constants, the attributes it answers, its flags.
-    let at = "crates/fake-cuda/src/codes.rs";
-    let mut ours: Vec<(String, i64, &str)> = pairs(at).into_iter().map(|(n, v)| (n, v, at)).collect();
-    for (name, v) in consts(at, &["CUresult"]) {
-        let header = if name == "SUCCESS" { "CUDA_SUCCESS".into() } else { format!("CUDA_ERROR_{name}") };
-        ours.push((header, v, at));
-    }
-    for (name, v) in consts("crates/fake-cuda/src/lib.rs", &["c_uint"]) {
-        if name.starts_with("CU_") {
-            ours.push((name, v, "crates/fake-cuda/src/lib.rs"));
+    let (cuda_h, types_h, cublas_h, nccl_h, nvml_h) = (
+        numbers(&r.cuda_h),
+        numbers(&r.library_types_h),
+        numbers(&r.cublas_api_h),
+        numbers(&r.nccl_h),
+        numbers(&r.nvml_h),
+    );
+    // Every integer constant of every source file of both fakes, whatever its file: each is a
+    // header's number under the name it maps to, or one of the fakes' own (listed, with why),
+    // so a constant added anywhere in a fake is checked or fails here until it is classified.
+    let own = [
+        ("crates/fake-cuda/src/hang.rs", "BLOCK"), // the fake's marker for a call that blocks
+        ("crates/fake-nvml/src/lib.rs", "CODEC_SAMPLING_PERIOD_US"), // the scenario's sampling period
+    ];
+    let (mut in_cuda, mut in_types, mut in_cublas, mut in_nccl, mut in_nvml) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut unclassified = Vec::new();
+    let mut seen = 0;
+    for file in fake_sources() {
+        for (name, v) in consts(&file, &["CUresult", "Status", "NcclResult", "c_int", "c_uint"]) {
+            seen += 1;
+            let at: &'static str = Box::leak(file.clone().into_boxed_str());
+            if own.contains(&(at, name.as_str())) {
+                continue;
+            }
+            let ty = const_type(&file, &name);
+            match (ty.as_str(), name.as_str()) {
+                ("CUresult", "SUCCESS") => in_cuda.push(("CUDA_SUCCESS".to_string(), v, at)),
+                ("CUresult", n) => in_cuda.push((format!("CUDA_ERROR_{n}"), v, at)),
+                ("Status", n) => in_cublas.push((format!("CUBLAS_STATUS_{n}"), v, at)),
+                ("NcclResult", n) => in_nccl.push((format!("nccl{}", camel(n)), v, at)),
+                (_, n) if n.starts_with("CUDA_R_") => in_types.push((name.clone(), v, at)),
+                (_, n) if n.starts_with("CUBLAS_") => in_cublas.push((name.clone(), v, at)),
+                (_, n) if n.starts_with("CU_") => in_cuda.push((name.clone(), v, at)),
+                (_, n) if n.starts_with("NCCL_") => in_nccl.push((format!("nccl{}", camel(&n[5..])), v, at)),
+                (_, "VERSION") if file.ends_with("nccl.rs") => in_nccl.push(("NCCL_VERSION_CODE".into(), v, at)),
+                (_, n) if n.starts_with("FI_") => in_nvml.push((format!("NVML_{n}"), v, at)),
+                (_, n) if n.starts_with("NVML_") => in_nvml.push((name.clone(), v, at)),
+                // dlfcn.h's flags, which the fake NVML passes to dlopen: glibc's, as the libc crate has them.
+                (_, "RTLD_LAZY") => assert_eq!(v, i64::from(libc::RTLD_LAZY), "{at}: RTLD_LAZY"),
+                (_, "RTLD_NOLOAD") => assert_eq!(v, i64::from(libc::RTLD_NOLOAD), "{at}: RTLD_NOLOAD"),
+                _ => unclassified.push(format!("{at}: {name} = {v}")),
+            }
         }
     }
+    assert!(
+        unclassified.is_empty(),
+        "constants of the fakes no test compares with a header:\n{}",
+        unclassified.join("\n")
+    );
+    assert!(seen >= 40, "only {seen} constants found in the fakes' sources");
+
+    // crates/fake-cuda's tables: its CUresult names and the attributes it answers.
+    let at = "crates/fake-cuda/src/codes.rs";
+    in_cuda.extend(pairs(at).into_iter().map(|(n, v)| (n, v, at)));
     let driver = std::fs::read_to_string(repo().join("crates/fake-cuda/src/driver.rs")).unwrap();
     let attributes: Vec<(String, i64, &str)> = driver
         .lines()
@@ -467,42 +534,23 @@ fn every_number_the_fakes_hard_code_is_the_headers() {
         })
         .collect();
     assert!(attributes.len() >= 8, "{attributes:?}");
-    ours.extend(attributes);
-    same(&cuda_h, &r.cuda_h, &ours);
+    in_cuda.extend(attributes);
+    same(&cuda_h, &r.cuda_h, &in_cuda);
+    same(&types_h, &r.library_types_h, &in_types);
+    same(&cublas_h, &r.cublas_api_h, &in_cublas);
+    same(&nccl_h, &r.nccl_h, &in_nccl);
 
-    let at = "crates/fake-cuda/src/blas.rs";
-    let ours: Vec<(String, i64, &str)> =
-        consts(at, &["Status"]).into_iter().map(|(n, v)| (format!("CUBLAS_STATUS_{n}"), v, at)).collect();
-    same(&numbers(&r.cublas_api_h), &r.cublas_api_h, &ours);
-
-    let at = "crates/fake-cuda/src/nccl.rs";
-    let ours: Vec<(String, i64, &str)> = consts(at, &["NcclResult", "c_int"])
-        .into_iter()
-        .map(|(n, v)| match n.as_str() {
-            "VERSION" => ("NCCL_VERSION_CODE".to_string(), v, at),
-            _ => (format!("nccl{}", camel(n.strip_prefix("NCCL_").unwrap_or(&n))), v, at),
-        })
-        .collect();
-    same(&numbers(&r.nccl_h), &r.nccl_h, &ours);
-
-    // crates/fake-nvml: its return codes, field ids and clock-event (throttle) reasons.
-    let nvml_h = numbers(&r.nvml_h);
+    // crates/fake-nvml's tables: its return codes and clock-event (throttle) reasons.
     let at = "crates/fake-nvml/src/lib.rs";
-    let mut ours: Vec<(String, i64, &str)> = Vec::new();
     for (name, v) in pairs(at) {
         if name.starts_with("NVML_") {
-            ours.push((name, v, at));
+            in_nvml.push((name, v, at));
         } else {
-            ours.push((format!("nvmlClocksThrottleReason{}", camel(&name)), v, at));
+            in_nvml.push((format!("nvmlClocksThrottleReason{}", camel(&name)), v, at));
         }
     }
-    for (name, v) in consts(at, &["c_uint"]) {
-        if name.starts_with("FI_") {
-            ours.push((format!("NVML_{name}"), v, at));
-        }
-    }
-    assert!(ours.len() >= 30, "{ours:?}");
-    same(&nvml_h, &r.nvml_h, &ours);
+    assert!(in_nvml.len() >= 30, "{in_nvml:?}");
+    same(&nvml_h, &r.nvml_h, &in_nvml);
 }
 
 /// The agent's command. NVIDIA's libnvidia-ml and libcuda, run as root on a machine without the

@@ -396,7 +396,8 @@ fn model_secs(w: &World, name: &str, dev: usize, a: &Args) -> Option<f64> {
         "phq_sgemm" => {
             let n = f64::from(a.u32(3));
             let spec = w.spec(dev);
-            2.0 * n * n * n / (spec.ptx_sgemm_tflops.unwrap_or(spec.sgemm_tflops * crate::scenario::PTX_SGEMM_SHARE) * 1e12)
+            2.0 * n * n * n
+                / (spec.ptx_sgemm_tflops.unwrap_or(spec.sgemm_tflops * crate::scenario::PTX_SGEMM_SHARE) * 1e12)
         }
         "phq_dgemm" => {
             let n = f64::from(a.u32(3));

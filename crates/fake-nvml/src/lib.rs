@@ -510,16 +510,16 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperature(h: nvmlDevice_t, _sensor: c_ui
 pub unsafe extern "C" fn nvmlDeviceGetTemperatureThreshold(h: nvmlDevice_t, kind: c_uint, out: *mut c_uint) -> Ret {
     device_call(h, "nvmlDeviceGetTemperatureThreshold", |d| {
         let v = match kind {
-            NVML_TEMPERATURE_THRESHOLD_SHUTDOWN_KIND => d.shutdown_temperature_c,
-            NVML_TEMPERATURE_THRESHOLD_SLOWDOWN_KIND => d.slowdown_temperature_c,
+            NVML_TEMPERATURE_THRESHOLD_SHUTDOWN => d.shutdown_temperature_c,
+            NVML_TEMPERATURE_THRESHOLD_SLOWDOWN => d.slowdown_temperature_c,
             _ => None,
         };
         v.map(|t| put(out, t))
     })
 }
 
-const NVML_TEMPERATURE_THRESHOLD_SHUTDOWN_KIND: c_uint = 0;
-const NVML_TEMPERATURE_THRESHOLD_SLOWDOWN_KIND: c_uint = 1;
+const NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: c_uint = 0;
+const NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: c_uint = 1;
 
 /// The scenario's reading; while the fake CUDA in this process runs GEMMs on the GPU, what its
 /// board draws under load (`load.rs`), never above the limit it enforces (NVML API reference,
