@@ -1,162 +1,140 @@
 #!/usr/bin/env bash
-# Hardware validation on a machine with a Hopper GPU: runs the release binary's doctor and quick
-# probes, measures the same copies with PyTorch (pinned host↔device, device copy by the copy
-# engine, and an elementwise kernel copy beside the probe's SM copy; CUDA events, same buffer
-# size and copy count), and prints them side by side as ratios, plus each figure against the
-# link's physical limit; then the memory test's coverage and effective rate, the latency
-# chase, the NVLink scope line, a short sustained GEMM, and with two GPUs or more NCCL's
-# all-reduce beside nccl-tests' all_reduce_perf.
+# Hardware validation on a machine with a Hopper GPU, in one run that fits a short lease:
 #
-#   scripts/gpu-validate.sh [path/to/phq-agent]        (default: target/release/phq-agent)
+#  1. what the machine is (nvidia-smi, the driver's libraries, the kernel modules, /dev);
+#  2. `doctor` (its wall time and peak RSS) and a support bundle of the machine (`--bundle`);
+#  3. the quick level through cuBLAS, its PyTorch peer on the same GPUs with the same sizes
+#     (pinned copies, device copy, an elementwise kernel beside the SM copy, FP32/BF16/FP16/FP64
+#     matmuls; CUDA events), side by side as ratios and against each link's physical limit
+#     (scripts/gpu-validate-table.py);
+#  4. the quick level again without cuBLAS: the agent's own PTX GEMM and mma.sync kernels;
+#  5. the standard level (nvbandwidth's 512 MiB copies, moving inversions), with its own peer;
+#  6. a sustained all-GPU GEMM and the power test beside nvidia-smi's own power readings;
+#  7. with two GPUs or more, NCCL's all-reduce beside nccl-tests' all_reduce_perf;
+#  8. `serve` on 127.0.0.1 with a probe at boot: /healthz, /v1/status, /metrics from real NVML,
+#     and an Xid written to /dev/kmsg (as root) that the kernel-log follower must hand over;
+#  9. ptxas of the machine's own toolkit over the shipped PTX.
 #
-# Writes everything to $OUT (the device tool's output folder) or ./gpu-validation-<date>/.
-# Record the printed table, date, GPU and driver in docs/hardware-validation.md.
+#   scripts/gpu-validate.sh [path/to/phq-agent [STEP...]]   (default: target/release/phq-agent, every step)
+#
+# STEP: doctor quick own-kernels standard sustained power allreduce serve nvml-events ptxas (the
+# machine's description always comes first): a second run in the same lease repeats only some.
+#
+# cuBLAS: `libcublas.so.12` where the loader finds it, else the first libcublas.so.1[23] under
+# /usr and /opt (a CUDA 13 image carries cuBLAS 13 in its Python packages; the agent binds only
+# calls both keep). Each step says why it was skipped; none stops the others.
+# Everything lands in a work folder; with $OUT (the device tool's output folder, which brings
+# back 8 files at most) the folder is packed into $OUT/gpu-validation.tgz beside summary.txt and
+# the bundle. Record the summary, date, GPU and driver in docs/hardware-validation.md.
+# PHQ_VALIDATE_ARGS: extra arguments for every agent command (a --sysroot when rehearsing the
+# script against the fakes), split on spaces.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bin=${1:-target/release/phq-agent}
-out=${OUT:-gpu-validation-$(date -u +%Y%m%dT%H%M%SZ)}
-mkdir -p "$out"
+bin=$(realpath "${1:-target/release/phq-agent}")
+only=("${@:2}")
+want() { [ ${#only[@]} -eq 0 ] || [[ " ${only[*]} " == *" $1 "* ]]; }
+here=$PWD
+w=${OUT:+/tmp/gpu-validation}
+w=${w:-gpu-validation-$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$w"
+read -r -a extra <<< "${PHQ_VALIDATE_ARGS:-}"
+agent() { "$bin" "$@" "${extra[@]}"; }
 # PyTorch and the probes then number GPUs the same way (PCI order, as nvidia-smi).
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
-exec > >(tee "$out/summary.txt") 2>&1
+# The summary goes straight to $OUT too: it comes back even if the lease's limit kills the run.
+exec > >(tee "$w/summary.txt" ${OUT:+"$OUT/summary.txt"}) 2>&1
+trap 'if [ -n "${OUT:-}" ]; then tar czf "$OUT/gpu-validation.tgz" -C "$w" .; fi' EXIT
 
-echo "== machine  $(date -u +%FT%TZ)  $(uname -r)"
-nvidia-smi --query-gpu=index,name,pci.bus_id,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.total --format=csv 2>&1 | tee "$out/nvidia-smi.csv"
+step() { echo; echo "== $*  [$(date -u +%T)]"; }
+# `timed LABEL CMD…`: CMD's exit code, and "LABEL wall N s, peak RSS M KiB" on stderr (GNU time
+# where the image has it, else the wall time alone).
+timed() {
+    local label=$1; shift
+    if [ -x /usr/bin/time ]; then
+        /usr/bin/time -f "$label wall %e s, peak RSS %M KiB" "$@"
+    else
+        local t0 rc; t0=$(date +%s%N); "$@"; rc=$?
+        echo "$label wall $(( ($(date +%s%N) - t0) / 1000000 )) ms (no GNU time here: no peak RSS)" >&2
+        return $rc
+    fi
+}
 
-echo "== phq-agent doctor"
-/usr/bin/time -f "doctor wall %e s, peak RSS %M KiB" "$bin" doctor --json > "$out/doctor.json" 2> "$out/doctor.stderr"; echo "exit $?"
-tail -1 "$out/doctor.stderr"
-"$bin" doctor > "$out/doctor.txt" 2>&1; sed -n '1,60p' "$out/doctor.txt"
+step "machine  $(date -u +%FT%TZ)  $(uname -r)"
+nvidia-smi --query-gpu=index,name,serial,pci.bus_id,driver_version,vbios_version,pcie.link.gen.current,pcie.link.width.current,memory.total,power.limit,clocks.max.sm --format=csv 2>&1 | tee "$w/nvidia-smi.csv"
+nvidia-smi 2>&1 | head -20
+nvidia-smi -q > "$w/nvidia-smi-q.txt" 2>&1
+nvidia-smi topo -m > "$w/nvidia-smi-topo.txt" 2>&1
+cat /proc/driver/nvidia/version 2>&1 | head -2
+ldconfig -p 2>/dev/null | grep -E 'libcuda\.so|libnvidia-ml|libcublas|libnccl' | tee "$w/ldconfig.txt"
+lsmod 2>/dev/null | grep -E '^nvidia' | tee "$w/lsmod.txt"
+ls -l /dev/nvidia* /dev/vsock /dev/kmsg 2>&1 | tee "$w/dev.txt" | head -12
+cat /etc/os-release > "$w/os-release" 2>&1; grep PRETTY "$w/os-release"
+ls -d /usr/local/cuda*/version.json /usr/local/cuda*/lib64/libcudart.so.* /usr/local/cuda*/include/cuda.h 2>&1 | head -6
+"$bin" --version
 
-echo "== phq-agent probe --dry-run (GPU time planned at each SKU's floors)"
-"$bin" probe --level quick --dry-run | tee "$out/plan.txt"
-"$bin" probe --level quick --dry-run --json > "$out/plan.json"
+if [ -z "${PHQ_CUBLAS_LIB:-}" ] && ! ldconfig -p 2>/dev/null | grep -qE 'libcublas\.so\.1[23] '; then
+    found=$(find /usr /opt -name 'libcublas.so.1[23]' 2>/dev/null | head -1)
+    if [ -n "$found" ]; then
+        export PHQ_CUBLAS_LIB=$found
+        echo "cuBLAS: neither libcublas.so.12 nor .13 on the loader's path; using $found"
+    else
+        echo "cuBLAS: none found; the probes use the agent's own kernels"
+    fi
+fi
 
-echo "== phq-agent probe --level quick"
-/usr/bin/time -f "probe wall %e s" "$bin" probe --level quick --json > "$out/probe.json" 2> "$out/probe.stderr"; echo "exit $?"
-tail -3 "$out/probe.stderr"
+if want doctor; then
+step "phq-agent doctor"
+timed doctor timeout -k 5 90 "$bin" doctor --json "${extra[@]}" > "$w/doctor.json" 2> "$w/doctor.stderr"; echo "exit $?"
+tail -1 "$w/doctor.stderr"
+timeout -k 5 90 "$bin" doctor "${extra[@]}" > "$w/doctor.txt" 2>&1; echo "exit $?"; sed -n '1,60p' "$w/doctor.txt"
+timeout -k 5 90 "$bin" doctor "${extra[@]}" --bundle "$w/bundle.tar.gz" > /dev/null 2> "$w/bundle.stderr"; echo "bundle: exit $?, $(stat -c %s "$w/bundle.tar.gz" 2>/dev/null) bytes"
+[ -n "${OUT:-}" ] && cp "$w/bundle.tar.gz" "$OUT/" 2>/dev/null
 
-echo "== PyTorch peer"
-python3 - "$out/probe.json" > "$out/peer.json" <<'PY' || echo "PyTorch peer failed (is torch with CUDA installed?)"
-import json, statistics, sys
-import torch
-rep = json.load(open(sys.argv[1]))
-p = (rep.get("probes") or {}).get("params") or {"buffer_bytes": 64 << 20, "copies_per_sample": 8, "samples": 3}
-n, copies, samples = p["buffer_bytes"], p["copies_per_sample"], p["samples"]
-res = {}
-for gpu in range(torch.cuda.device_count()):
-    torch.cuda.set_device(gpu)
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device=f"cuda:{gpu}")
-    dev2 = torch.empty(n, dtype=torch.uint8, device=f"cuda:{gpu}")
-    def bw(fn, counted):
-        fn(); torch.cuda.synchronize()
-        out = []
-        for _ in range(samples):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(copies):
-                fn()
-            e.record(); torch.cuda.synchronize()
-            out.append(counted * copies / (s.elapsed_time(e) / 1000) / 1e9)
-        return statistics.median(out)
-    # FP32 GEMM of the probe's size, TF32 off (the probe's cuBLAS SGEMM is plain FP32).
-    torch.backends.cuda.matmul.allow_tf32 = False
-    g = p.get("gemm_n", 4096)
-    a = torch.randint(-8, 9, (g, g), device=f"cuda:{gpu}").float()
-    b = torch.randint(-8, 9, (g, g), device=f"cuda:{gpu}").float()
-    def tflops(x, y, reps):
-        # One untimed product, then `reps` between two events: TFLOP/s of an n×n×n GEMM.
-        torch.matmul(x, y); torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            torch.matmul(x, y)
-        e.record(); torch.cuda.synchronize()
-        return 2 * g ** 3 * reps / (s.elapsed_time(e) / 1000) / 1e12
-    gemm_fp32 = tflops(a, b, 5)
-    # The same product in BF16 on the tensor cores, FP32 accumulation (cuBLAS through torch):
-    # the peer of probe.gemm-tensor.
-    gemm_bf16 = tflops(a.bfloat16(), b.bfloat16(), 20)
-    gemm_fp16 = tflops(a.half(), b.half(), 20)
-    res[str(gpu)] = {
-        "index": gpu,
-        "gemm_bf16_tflops": gemm_bf16,
-        "gemm_fp16_tflops": gemm_fp16,
-        "h2d": bw(lambda: dev.copy_(host, non_blocking=True), n),
-        "d2h": bw(lambda: host.copy_(dev, non_blocking=True), n),
-        "d2d": bw(lambda: dev2.copy_(dev, non_blocking=True), 2 * n),
-        # An elementwise kernel: every byte read and written by the SMs, as phq_copy_sm does.
-        "sm_copy": bw(lambda: torch.add(dev.view(torch.float32), 0, out=dev2.view(torch.float32)), 2 * n),
-        "gemm_tflops": gemm_fp32,
-    }
-print(json.dumps(res))
-PY
+step "phq-agent probe --dry-run (GPU time planned at each SKU's floors)"
+agent probe --level quick --dry-run | tee "$w/plan.txt"
+agent probe --level standard --dry-run > "$w/plan-standard.txt"; tail -3 "$w/plan-standard.txt"
+fi
 
-echo "== side by side (GB/s; d2d counts bytes read + written)"
-python3 - "$out/probe.json" "$out/peer.json" "$out/doctor.json" <<'PY'
-import json, sys
-probe = json.load(open(sys.argv[1]))
-try:
-    peer = json.load(open(sys.argv[2]))
-except Exception:
-    peer = {}
-doctor = json.load(open(sys.argv[3]))
-models = {g["pci_address"]: g["model"] for g in doctor.get("gpus", [])}
-# Physical limits: PCIe Gen5 x16 carries 32 GT/s x 16 lanes x 128/130 / 8 = 63.0 GB/s per
-# direction; device copies are bounded by the HBM datasheet bandwidth (docs/reference.md).
-HBM = {"H100 SXM5 80GB": 3350, "H100 PCIe": 2000, "H100 NVL": 3900, "H200 SXM": 4800, "H200 NVL": 4800}
-PCIE = 63.0
-gpus = (probe.get("probes") or {}).get("gpus", [])
-print(f"{'GPU':<14}{'what':<6}{'phq':>9}{'torch':>9}{'phq/torch':>11}{'limit':>8}{'phq/limit':>11}")
-for g in gpus:
-    pe = next((v for v in peer.values() if v.get("index") == g["ordinal"]), {})
-    for key, what in (("h2d_gbps", "h2d"), ("d2h_gbps", "d2h"), ("d2d_gbps", "d2d"), ("sm_copy_gbps", "sm_copy")):
-        o = g.get(key) or {}
-        ours = o.get("ok", {}).get("median") if isinstance(o, dict) else None
-        theirs = pe.get(what)
-        limit = PCIE if what in ("h2d", "d2h") else HBM.get(models.get(g["pci"], ""), None)
-        r1 = f"{ours/theirs:.2f}" if ours and theirs else "-"
-        r2 = f"{ours/limit:.2f}" if ours and limit else "-"
-        print(f"{g['pci']:<14}{what:<6}{(ours or 0):>9.1f}{(theirs or 0):>9.1f}{r1:>11}{(limit or 0):>8.0f}{r2:>11}")
-    gm = g.get("gemm", {}).get("ok") if isinstance(g.get("gemm"), dict) else None
-    if gm:
-        ours = sorted(gm["tflops_samples"])[len(gm["tflops_samples"]) // 2]
-        theirs = pe.get("gemm_tflops")
-        r1 = f"{ours/theirs:.2f}" if theirs else "-"
-        print(f"{g['pci']:<14}{'gemm':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s, {gm['wrong_entries']} wrong of {gm['checked_entries']}")
-    gt = (g.get("gemm_tensor") or {}).get("ok") if isinstance(g.get("gemm_tensor"), dict) else None
-    if gt:
-        ours = sorted(gt["tflops_samples"])[len(gt["tflops_samples"]) // 2]
-        theirs = pe.get("gemm_bf16_tflops")
-        r1 = f"{ours/theirs:.2f}" if theirs else "-"
-        print(f"{g['pci']:<14}{'bf16':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s by {gt['library']}, {gt['wrong_entries']} wrong of {gt['checked_entries']}")
-    gh = (g.get("gemm_tensor_fp16") or {}).get("ok") if isinstance(g.get("gemm_tensor_fp16"), dict) else None
-    if gh:
-        ours = sorted(gh["tflops_samples"])[len(gh["tflops_samples"]) // 2]
-        theirs = pe.get("gemm_fp16_tflops")
-        r1 = f"{ours/theirs:.2f}" if theirs else "-"
-        print(f"{g['pci']:<14}{'fp16':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s by {gh['library']}, {gh['wrong_entries']} wrong of {gh['checked_entries']}")
-    mt = (g.get("memory") or {}).get("ok")
-    if mt:
-        secs = mt.get("seconds") or 0
-        traffic = mt["bytes_tested"] * 2 * len(mt.get("passes", []))  # each pass: one write, one read
-        rate = f"{traffic / secs / 1e9:.0f} GB/s of write+check traffic" if secs else "no time"
-        print(f"{'':<14}memory test: {mt['bytes_tested'] >> 20} MiB in {mt['chunks']} chunks, {len(mt.get('passes', []))} passes, {secs:.2f} s ({rate}), {mt['mismatches']} mismatches, method {mt['method']}")
-    lat = (g.get("host_latency_ns") or {}).get("ok")
-    if lat:
-        print(f"{'':<14}host latency: {lat['median']:.0f} ns per dependent load (nvbandwidth host_device_latency_sm is the peer to run by hand)")
-    print(f"{'':<14}host memory: {g.get('host_memory')}; NVML after h2d: {g.get('conditions', {}).get('h2d')}")
-for f in probe.get("findings", []):
-    if f["id"] == "probe.nvlink-scope":
-        print(f"NVLink scope: {f['summary']}")
-for f in probe.get("findings", []):
-    if f["id"].startswith("probe.") and f["severity"] != "pass":
-        print(f"{f['severity'].upper():<8}{f['id']:<26}{f.get('gpu') or '':<14}{f['summary']}")
-PY
-echo "== phq-agent probe --gemm-seconds 20 (every GPU at once; NVML clocks after it)"
-"$bin" probe --level quick --gemm-seconds 20 --json > "$out/sustained.json" 2> "$out/sustained.stderr"; echo "exit $?"
-python3 - "$out/sustained.json" <<'PY'
+# One probe run: its JSON, stderr and wall time; the exit code said (124: killed at 240 s).
+probe() {
+    local name=$1; shift
+    step "phq-agent probe $*${PHQ_CUBLAS_LIB:+  (cuBLAS: $PHQ_CUBLAS_LIB)}"
+    timed probe timeout -k 5 240 "$bin" probe "$@" --json "${extra[@]}" > "$w/$name.json" 2> "$w/$name.stderr"; echo "exit $?"
+    tail -3 "$w/$name.stderr"
+}
+peer() {
+    step "PyTorch peer of $1"
+    python3 "$here/scripts/gpu-validate-peer.py" "$w/$1.json" > "$w/peer-$1.json" 2> "$w/peer-$1.stderr" \
+        || { echo "PyTorch peer failed (is torch with CUDA installed?)"; tail -3 "$w/peer-$1.stderr"; }
+}
+table() {
+    step "side by side: $1 (GB/s; d2d counts bytes read + written)"
+    python3 "$here/scripts/gpu-validate-table.py" "$w/$1.json" "$w/peer-$2.json" "$w/doctor.json" || echo "no table for $1"
+}
+
+if want quick; then
+probe quick --level quick
+peer quick
+table quick quick
+fi
+
+if want own-kernels; then
+saved=${PHQ_CUBLAS_LIB-}
+export PHQ_CUBLAS_LIB=/nonexistent/libcublas.so.12
+probe quick-own-kernels --level quick
+table quick-own-kernels quick
+if [ -n "$saved" ]; then export PHQ_CUBLAS_LIB=$saved; else unset PHQ_CUBLAS_LIB; fi
+fi
+
+if want standard; then
+probe standard --level standard
+peer standard
+table standard standard
+fi
+
+if want sustained; then
+probe sustained --level quick --gemm-seconds 20
+python3 - "$w/sustained.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 for f in r.get("findings", []):
@@ -164,12 +142,14 @@ for f in r.get("findings", []):
         c = (f.get("evidence") or {}).get("conditions") or {}
         print(f"{f['severity'].upper():<6}{f.get('gpu') or '':<14}{f['summary']}  [SM {c.get('sm_clock_mhz')} MHz, {c.get('power_mw')} mW, {c.get('throttle_reasons')}]")
 PY
-echo "== phq-agent probe --power-seconds 20 (FP64 on every GPU at once, board power held to DCGM's target) beside nvidia-smi's own power readings"
-nvidia-smi --query-gpu=index,power.draw,power.limit --format=csv,noheader -lms 500 > "$out/power-nvidia-smi.csv" 2>&1 &
+fi
+
+if want power; then
+nvidia-smi --query-gpu=index,power.draw,power.limit,clocks.sm,temperature.gpu --format=csv,noheader -lms 500 > "$w/power-nvidia-smi.csv" 2>&1 &
 smi=$!
-"$bin" probe --level quick --gemm-seconds 0 --power-seconds 20 --json > "$out/power.json" 2> "$out/power.stderr"; echo "exit $?"
+probe power --level quick --gemm-seconds 0 --power-seconds 20
 kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
-python3 - "$out/power.json" "$out/power-nvidia-smi.csv" <<'PY'
+python3 - "$w/power.json" "$w/power-nvidia-smi.csv" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 peak = {}
@@ -184,13 +164,16 @@ for f in r.get("findings", []):
         print(f"{f['severity'].upper():<8}{f['id']:<20}{f.get('gpu') or '':<14}{f['summary']}")
 print("nvidia-smi's highest power.draw per GPU over the same run (W):", peak or "none read")
 PY
-echo "== all-reduce (NCCL) beside nccl-tests' all_reduce_perf, the same message and GPUs"
+fi
+
+if want allreduce; then
+step "all-reduce (NCCL) beside nccl-tests' all_reduce_perf, the same message and GPUs"
 gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
 if [ "$gpus" -lt 2 ]; then
-    echo "one GPU: no all-reduce to measure (probe.allreduce needs two or more)"
+    echo "$gpus GPU(s): no all-reduce to measure (probe.allreduce needs two or more)"
 else
-    "$bin" probe --level quick --allreduce-size 1G --json > "$out/allreduce.json" 2> "$out/allreduce.stderr"; echo "exit $?"
-    python3 - "$out/allreduce.json" <<'PY'
+    probe allreduce --level quick --allreduce-size 1G
+    python3 - "$w/allreduce.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 for f in r.get("findings", []):
@@ -204,9 +187,139 @@ PY
     if command -v all_reduce_perf > /dev/null; then
         # nccl-tests, one process driving every GPU (-g), as the probe does; its busbw column is
         # the peer of the probe's figure.
-        all_reduce_perf -b 1G -e 1G -g "$gpus" -c 1 | tee "$out/all_reduce_perf.txt" | tail -6
+        all_reduce_perf -b 1G -e 1G -g "$gpus" -c 1 | tee "$w/all_reduce_perf.txt" | tail -6
     else
         echo "all_reduce_perf (nccl-tests) is not installed: no peer figure"
     fi
 fi
-echo "== files in $out"; ls "$out"
+fi
+
+if want serve; then
+step "phq-agent serve on 127.0.0.1:9440, a quick probe at boot"
+s=$w/serve
+mkdir -p "$s/state"
+head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$s/token"
+chmod 600 "$s/token"
+cat > "$s/config.toml" <<EOF
+[agent]
+state_dir = "$s/state"
+[http]
+listen = "127.0.0.1:9440"
+token_file = "$s/token"
+[vsock]
+enabled = false
+[probes]
+at_boot = "quick"
+when_idle = "off"
+EOF
+timeout -k 5 180 "$bin" serve --config "$s/config.toml" -v "${extra[@]}" > "$s/serve.log" 2>&1 &
+srv=$!
+python3 - "$s/token" "$s" <<'PY'
+import json, sys, time, urllib.request
+token = open(sys.argv[1]).read().strip()
+def get(path, auth=True):
+    req = urllib.request.Request("http://127.0.0.1:9440" + path)
+    if auth:
+        req.add_header("Authorization", "Bearer " + token)
+    t = time.monotonic()
+    with urllib.request.urlopen(req, timeout=10) as r:
+        body = r.read()
+    return body, time.monotonic() - t
+start = time.monotonic()
+status = None
+while time.monotonic() - start < 90:
+    try:
+        body, _ = get("/v1/status")
+        status = json.loads(body)
+        if (status.get("probes") or {}).get("gpus"):
+            break
+    except Exception as e:
+        status = {"error": str(e)}
+    time.sleep(1)
+print(f"/v1/status with probe results after {time.monotonic() - start:.1f} s" if status and (status.get("probes") or {}).get("gpus") else f"no probe results in /v1/status after 90 s: {str(status)[:300]}")
+for path, auth in (("/healthz", False), ("/v1/status", True), ("/metrics", True)):
+    try:
+        body, secs = get(path, auth)
+        open(f"{sys.argv[2]}/{path.strip('/').replace('/', '-')}.out", "wb").write(body)
+        print(f"{path}: {len(body)} bytes in {secs * 1000:.1f} ms")
+    except Exception as e:
+        print(f"{path}: {e}")
+PY
+grep -E '^phq_gpu_(up|info|temperature|power|memory)' "$s/metrics.out" 2>/dev/null | head -8
+bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader 2>/dev/null | head -1 | tr 'A-F' 'a-f' | sed 's/^0000//; s/\.[0-7]$//')
+if [ -n "$bus" ] && [ -w /dev/kmsg ]; then
+    # An Xid line as the driver prints it (kmsg.rs cites the format), written by a process: the
+    # kernel gives it facility LOG_USER, and the follower must NOT take it for the driver's
+    # (only the driver speaks for the GPU). Xid 13 would read as the application's fault.
+    echo "NVRM: Xid (PCI:$bus): 13, pid=1, name=phq-validate, Graphics Exception: written by scripts/gpu-validate.sh" > /dev/kmsg
+    dmesg 2>/dev/null | tail -1
+    sleep 12
+    python3 - "$s/token" <<'PY'
+import json, sys, urllib.request
+req = urllib.request.Request("http://127.0.0.1:9440/v1/status", headers={"Authorization": "Bearer " + open(sys.argv[1]).read().strip()})
+r = json.load(urllib.request.urlopen(req, timeout=10))
+xids = [f for f in r.get("findings", []) if "xid" in f["id"]]
+print("after a process wrote an Xid line to /dev/kmsg:", [(f["id"], f["severity"], f["summary"]) for f in xids] or "no Xid finding (right: the line is not the kernel's)")
+PY
+else
+    echo "no /dev/kmsg to write or no GPU address: the Xid step skipped"
+fi
+# At rest past a snapshot tick (30 s) and an Xid watcher's wait (15 s): CPU ticks and RSS of
+# the service, then its health and NVML's responsiveness as the service judged them.
+pid=$(pgrep -P "$srv" -x phq-agent | head -1)
+if [ -n "$pid" ]; then
+    ticks() { awk '{print $14 + $15}' "/proc/$pid/stat"; }
+    t0=$(ticks); sleep 40; t1=$(ticks)
+    echo "at rest for 40 s: $((t1 - t0)) CPU ticks ($(getconf CLK_TCK)/s), $(grep VmRSS "/proc/$pid/status" | tr -s ' ')"
+fi
+python3 - "$s/token" <<'PY'
+import json, sys, urllib.request
+req = urllib.request.Request("http://127.0.0.1:9440/v1/status", headers={"Authorization": "Bearer " + open(sys.argv[1]).read().strip()})
+r = json.load(urllib.request.urlopen(req, timeout=10))
+print("health:", r.get("health"), "verdict:", (r.get("verdict") or {}).get("action"), (r.get("verdict") or {}).get("findings"))
+for f in r.get("findings", []):
+    if f["id"].startswith("nvml.") or f["severity"] in ("fail",):
+        print(f"  {f['severity']:<8}{f['id']:<22}{f['summary']}")
+PY
+kill -TERM "$srv"; wait "$srv"; echo "serve exit $? (0: stopped by SIGTERM; 124: by its 180 s guard)"
+grep -ciE 'error|warn' "$s/serve.log" | sed 's/^/serve log warnings and errors: /'
+grep -iE 'error|warn' "$s/serve.log" | head -8
+fi
+
+if want nvml-events; then
+step "NVML: does a wait on one event set hold another thread's nvmlEventSetCreate? (nvidia-ml-py)"
+python3 - <<'PY' || echo "no nvidia-ml-py here"
+import threading, time
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+def wait():
+    s = n.nvmlEventSetCreate()
+    n.nvmlDeviceRegisterEvents(h, n.nvmlEventTypeXidCriticalError, s)
+    try:
+        n.nvmlEventSetWait_v2(s, 5000)
+    except n.NVMLError as e:
+        print("  the waiting thread's wait ended:", e)
+t = threading.Thread(target=wait); t.start(); time.sleep(0.5)
+for name, call in (("nvmlDeviceGetTemperature", lambda: n.nvmlDeviceGetTemperature(h, 0)),
+                   ("nvmlEventSetCreate", n.nvmlEventSetCreate),
+                   ("nvmlDeviceGetTemperature", lambda: n.nvmlDeviceGetTemperature(h, 0))):
+    t0 = time.monotonic(); call(); print(f"  {name} during the other thread's 5 s wait: {time.monotonic() - t0:.3f} s")
+t.join()
+t0 = time.monotonic(); n.nvmlEventSetCreate(); print(f"  nvmlEventSetCreate with no wait in progress: {time.monotonic() - t0:.3f} s")
+PY
+fi
+
+if want ptxas; then
+step "ptxas of this machine's toolkit over the shipped PTX"
+if command -v ptxas > /dev/null; then
+    ptxas --version | tail -1
+    for f in src/probe/kernels.ptx src/probe/tensor.ptx; do
+        ptxas -arch=sm_90 "$f" -o /dev/null && echo "$f: assembled for sm_90"
+    done
+else
+    echo "no ptxas on this machine"
+fi
+fi
+
+step "files in $w"; ls "$w"
