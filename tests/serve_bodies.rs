@@ -1,5 +1,6 @@
-//! Every body is made at most once per snapshot (the gzipped ones at their first scrape): the
-//! service's own snapshot function over the fake NVML
+//! Every body is made at most once per snapshot, and the metrics only when scraped (the
+//! renderings at the first scrape, each gzip at its first gzip scrape): the service's own
+//! snapshot function over the fake NVML
 //! (8 H100s, dcgm-exporter names on), published and served by the real HTTP endpoint on
 //! 127.0.0.1, answers many scrapes of every kind with the same bytes and renders and compresses
 //! nothing more; the gzipped bodies are the plain ones; the next snapshot is served whole. (A
@@ -69,7 +70,7 @@ fn scrapes_of_one_snapshot_are_its_bytes_and_render_nothing() {
     let shared: Shared = Arc::new(RwLock::new(None));
     let before = metrics::renders();
     let (p, _) = take_snapshot(&inputs, 1);
-    assert_eq!(metrics::renders() - before, 1, "a snapshot renders once, and gzips nothing no one asked for");
+    assert_eq!(metrics::renders() - before, 0, "a snapshot renders and gzips nothing before a scrape asks");
     publish(&shared, p);
 
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -104,7 +105,11 @@ fn scrapes_of_one_snapshot_are_its_bytes_and_render_nothing() {
     }
     let (_, status) = fetch(port, "GET", "/v1/status", "");
     assert!(fetch(port, "GET", "/v1/status", "").1 == status, "/v1/status: the same bytes");
-    assert_eq!(metrics::renders() - made, 2, "each format gzipped once, at its first gzip scrape; nothing else made");
+    assert_eq!(
+        metrics::renders() - made,
+        3,
+        "rendered once, at the first scrape, and each format gzipped once, at its first gzip scrape; nothing else made"
+    );
     let made = metrics::renders();
 
     let text = String::from_utf8(bodies[0].clone()).unwrap();
@@ -122,9 +127,11 @@ fn scrapes_of_one_snapshot_are_its_bytes_and_render_nothing() {
     assert!(head.starts_with("http/1.1 405") && head.contains("allow: get,head"), "{head}");
     assert!(fetch(port, "GET", "/metricsx", "").0.starts_with("http/1.1 404"));
 
-    // The next snapshot is made once and served whole.
+    // The next snapshot is made once and served whole; its metrics, again, when scraped.
     let (p, _) = take_snapshot(&inputs, 2);
     publish(&shared, p);
+    assert_eq!(metrics::renders() - made, 0);
+    assert!(fetch(port, "GET", "/metrics", "").0.starts_with("http/1.1 200"));
     assert_eq!(metrics::renders() - made, 1);
     let (_, status) = fetch(port, "GET", "/v1/status", "");
     let report: serde_json::Value = serde_json::from_slice(&status).unwrap();

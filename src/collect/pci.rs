@@ -31,6 +31,24 @@ fn read_device(root: &Sysroot, address: &str) -> PciDevice {
     let vendor = attr("vendor");
     let device = attr("device");
     let class = attr("class");
+    // Another vendor's device is counted and named, never judged (checks/pci.rs reads the
+    // NVIDIA ones): its other nine files are not read. A guest has a dozen such devices or
+    // more, and reading all of them was the largest part of an idle snapshot's CPU.
+    if vendor.as_deref().and_then(parse_hex).is_some_and(|v| v != crate::snapshot::NVIDIA_VENDOR as u64) {
+        return PciDevice {
+            address: address.to_string(),
+            vendor: vendor.as_deref().and_then(parse_hex).map(|v| v as u16),
+            device: device.as_deref().and_then(parse_hex).map(|v| v as u16),
+            class: class.as_deref().and_then(parse_hex).map(|v| v as u32),
+            subsystem_vendor: None,
+            subsystem_device: None,
+            driver: None,
+            bars: Vec::new(),
+            link: parse_link(None, None, None, None),
+            numa_node: None,
+            problems,
+        };
+    }
     let subsystem_vendor = attr("subsystem_vendor");
     let subsystem_device = attr("subsystem_device");
     let resource = attr("resource");
@@ -204,6 +222,36 @@ mod tests {
         let (bars, _) = parse_resource("0x0000000000000000 0x0000001fffffffff 0x000000002014220c\n");
         assert_eq!(bars[0].size, 128 << 30);
         assert!(!bars[0].assigned());
+    }
+
+    /// Another vendor's device is read for its identity alone: files it lacks beyond those are
+    /// no problem, and a GPU beside it is read whole.
+    #[test]
+    fn other_vendors_devices_are_named_not_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let put = |dev: &str, name: &str, v: &str| {
+            let d = dir.path().join(format!("{DEVICES}/{dev}"));
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join(name), v).unwrap();
+        };
+        for (n, v) in [("vendor", "0x8086\n"), ("device", "0x1237\n"), ("class", "0x060000\n")] {
+            put("0000:00:00.0", n, v);
+        }
+        for (n, v) in [
+            ("vendor", "0x10de\n"),
+            ("device", "0x2335\n"),
+            ("class", "0x030200\n"),
+            ("subsystem_vendor", "0x10de\n"),
+            ("subsystem_device", "0x18be\n"),
+            ("resource", H100_RESOURCE),
+        ] {
+            put("0000:00:06.0", n, v);
+        }
+        let Fact::Value(devices) = read_devices(&Sysroot::new(dir.path())) else { panic!() };
+        let (other, gpu) = (&devices[0], &devices[1]);
+        assert_eq!((other.vendor, other.device, other.class), (Some(0x8086), Some(0x1237), Some(0x060000)));
+        assert!(other.problems.is_empty(), "{:?}", other.problems);
+        assert_eq!((gpu.device, gpu.subsystem_device, gpu.bars.len()), (Some(0x2335), Some(0x18be), 7));
     }
 
     #[test]

@@ -457,12 +457,8 @@ fn metrics(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Reply {
     let header_str = |name| headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok()).unwrap_or("");
     let openmetrics = prefers_openmetrics(header_str(header::ACCEPT));
     let gzip = accepts_gzip(header_str(header::ACCEPT_ENCODING));
-    let (ct, body) = match (openmetrics, gzip) {
-        (true, false) => (OPENMETRICS, p.metrics_openmetrics.clone()),
-        (true, true) => (OPENMETRICS, p.metrics_openmetrics_gzip.gzip_of(&p.metrics_openmetrics)),
-        (false, false) => (TEXT_FORMAT, p.metrics_text.clone()),
-        (false, true) => (TEXT_FORMAT, p.metrics_text_gzip.gzip_of(&p.metrics_text)),
-    };
+    let ct = if openmetrics { OPENMETRICS } else { TEXT_FORMAT };
+    let body = p.metrics.body(openmetrics, gzip);
     let mut r = reply(StatusCode::OK, ct, body);
     let h = r.headers_mut();
     h.insert(header::VARY, HeaderValue::from_static("Accept, Accept-Encoding"));

@@ -2,7 +2,7 @@
 //! change what the service does, only where its memory comes from and when it goes back.
 //!
 //! A snapshot allocates for a moment (sysfs text, NVML answers on worker threads, the report,
-//! both metrics renderings, their gzip) and keeps only the published bodies. With glibc's
+//! and, at its first scrape, both metrics renderings and their gzip) and keeps only the published bodies. With glibc's
 //! defaults, the moment's memory stays in the process: each thread that allocates may get an
 //! arena of its own (up to 8 per core, mallopt(3) `M_ARENA_MAX`), the first large body freed
 //! raises the mmap threshold to its size so that the next ones come from the heap instead

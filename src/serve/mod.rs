@@ -301,13 +301,8 @@ impl SpoolWriter {
 pub struct Published {
     pub health: Health,
     pub report_json: Bytes,
-    pub metrics_text: Bytes,
-    pub metrics_openmetrics: Bytes,
-    /// The same two gzipped (`Accept-Encoding: gzip`): each made at the first scrape that asks
-    /// for it and kept for the snapshot's life, never per scrape — and never at all when no one
-    /// asks (Prometheus asks for one of the two; at rest, no one does).
-    pub metrics_text_gzip: Lazy,
-    pub metrics_openmetrics_gzip: Lazy,
+    /// `/metrics` in both formats, plain and gzipped (`Metrics`).
+    pub metrics: Metrics,
     /// The bearer token for `/v1/status` and `/metrics`; `None` refuses them.
     pub token: Option<String>,
     pub summary: String,
@@ -318,14 +313,49 @@ pub struct Published {
     pub snapshot: Arc<crate::snapshot::Snapshot>,
 }
 
-/// A gzipped body made at most once, when first asked for (`Published`).
-#[derive(Debug, Default, Clone)]
-pub struct Lazy(std::sync::OnceLock<Bytes>);
+/// One snapshot's `/metrics` bodies, each made at most once and only when first asked for: both
+/// renderings at the first scrape, each format's gzip at the first scrape that asks for it
+/// (`Accept-Encoding: gzip`, as Prometheus sends), then kept for the snapshot's life — never per
+/// scrape, and never at all when no one scrapes: at rest the service renders nothing (a
+/// rendering of 8 GPUs with the dcgm-exporter names was an eighth of an idle snapshot's CPU and
+/// two 160 KB strings held for its life). What it costs instead: the snapshot's report, kept.
+#[derive(Debug, Clone, Default)]
+pub struct Metrics {
+    /// What the renderings are made of: the snapshot, its report, and `metrics.dcgm_compat`.
+    from: Option<(Arc<crate::snapshot::Snapshot>, Arc<report::Report>, bool)>,
+    /// (text format, OpenMetrics).
+    rendered: std::sync::OnceLock<(Bytes, Bytes)>,
+    text_gzip: std::sync::OnceLock<Bytes>,
+    openmetrics_gzip: std::sync::OnceLock<Bytes>,
+}
 
-impl Lazy {
-    /// The gzip of `plain`, made now if it was not yet.
-    pub fn gzip_of(&self, plain: &Bytes) -> Bytes {
-        self.0.get_or_init(|| Bytes::from(metrics::gzip(plain))).clone()
+impl Metrics {
+    pub fn of(snapshot: Arc<crate::snapshot::Snapshot>, report: Arc<report::Report>, dcgm_compat: bool) -> Metrics {
+        Metrics { from: Some((snapshot, report, dcgm_compat)), ..Default::default() }
+    }
+
+    /// Bodies given whole (tests, and stand-ins).
+    pub fn fixed(text: &str, openmetrics: &str) -> Metrics {
+        let m = Metrics::default();
+        let _ = m.rendered.set((Bytes::from(text.to_string()), Bytes::from(openmetrics.to_string())));
+        m
+    }
+
+    /// The body a scrape asked for, made now if it was not yet.
+    pub fn body(&self, openmetrics: bool, gzip: bool) -> Bytes {
+        let (text, om) = self.rendered.get_or_init(|| match &self.from {
+            Some((snapshot, report, dcgm)) => {
+                let m = metrics::render(snapshot, report, *dcgm);
+                (Bytes::from(m.text), Bytes::from(m.openmetrics))
+            }
+            None => Default::default(),
+        });
+        match (openmetrics, gzip) {
+            (false, false) => text.clone(),
+            (true, false) => om.clone(),
+            (false, true) => self.text_gzip.get_or_init(|| Bytes::from(metrics::gzip(text))).clone(),
+            (true, true) => self.openmetrics_gzip.get_or_init(|| Bytes::from(metrics::gzip(om))).clone(),
+        }
     }
 }
 
@@ -520,7 +550,7 @@ fn apply_history(inputs: &Inputs, snapshot: &crate::snapshot::Snapshot, report: 
 }
 
 /// Collects, checks and renders one snapshot; the report comes back too, for the events.
-pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
+pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, Arc<report::Report>) {
     // One snapshot's reading: the path lookups cached for its life (`Sysroot::cached`).
     let root = Sysroot::new(&inputs.sysroot).cached();
     let snapshot = crate::collect::snapshot_within(&root, &inputs.nvml, inputs.nvml_budget);
@@ -548,7 +578,6 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         spool_bytes: inputs.spool.as_ref().map_or(0, |s| s.bytes()),
     });
     report.install = crate::install::report_value();
-    let m = metrics::render(&snapshot, &report, inputs.config.metrics.dcgm_compat);
     let count = |sev| report.findings.iter().filter(|f| f.severity == sev).count();
     let not_answering = nvml_not_answering(&snapshot);
     let summary = format!(
@@ -560,17 +589,15 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, report::Report) {
         count(checks::Severity::Warn),
         report.observed_at
     );
+    let (snapshot, report) = (Arc::new(snapshot), Arc::new(report));
     let published = Published {
         health: report.health,
-        report_json: Bytes::from(serde_json::to_vec(&report).unwrap_or_default()),
-        metrics_text_gzip: Lazy::default(),
-        metrics_openmetrics_gzip: Lazy::default(),
-        metrics_text: Bytes::from(m.text),
-        metrics_openmetrics: Bytes::from(m.openmetrics),
+        report_json: Bytes::from(serde_json::to_vec(&*report).unwrap_or_default()),
+        metrics: Metrics::of(snapshot.clone(), report.clone(), inputs.config.metrics.dcgm_compat),
         token: inputs.token.clone(),
         summary,
         reason: not_answering,
-        snapshot: Arc::new(snapshot),
+        snapshot,
     };
     (published, report)
 }

@@ -138,11 +138,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         _ = signals.int.recv() => return Ok(stopped_before_ready("SIGINT")),
     };
     inputs.nvml_budget = None;
-    let first = Taken {
-        report: Arc::new(first_report),
-        snapshot: published.snapshot.clone(),
-        json: published.report_json.clone(),
-    };
+    let first =
+        Taken { report: first_report, snapshot: published.snapshot.clone(), json: published.report_json.clone() };
     let status = publish(&shared, published);
 
     // Push: events through the spool, status latest-wins (rules in serve::push).
@@ -577,7 +574,6 @@ async fn snapshotter(mut s: Snapshotter) {
                 };
                 let (snapshot, json) = (p.snapshot.clone(), p.report_json.clone());
                 let status = publish(&s.shared, p);
-                let report = Arc::new(report);
                 if report.health != s.last.health {
                     let (old, new) = (format!("{:?}", s.last.health).to_lowercase(), format!("{:?}", report.health).to_lowercase());
                     tracing::warn!(%old, %new, "health changed");

@@ -267,10 +267,7 @@ mod tests {
         Arc::new(RwLock::new(Some(Arc::new(Published {
             health: crate::report::Health::Healthy,
             report_json: bytes("{\"schema\":\"phq.status/v1\"}"),
-            metrics_text: bytes("phq_up 1\n"),
-            metrics_openmetrics: bytes("phq_up 1\n# EOF\n"),
-            metrics_text_gzip: Default::default(),
-            metrics_openmetrics_gzip: Default::default(),
+            metrics: crate::serve::Metrics::fixed("phq_up 1\n", "phq_up 1\n# EOF\n"),
             token: Some("tok-vsock".into()),
             summary: "healthy".into(),
             reason: None,

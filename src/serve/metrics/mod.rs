@@ -108,9 +108,10 @@ fn plus(base: &Labels, key: &str, value: &str) -> Labels {
     l
 }
 
-/// Renderings and compressions made in this process: each snapshot adds three (`render`, and
-/// `gzip` of each format), and a scrape adds none, since it is answered with the bytes made with
-/// the snapshot. The test that scrapes one snapshot many times reads it.
+/// Renderings and compressions made in this process: a snapshot adds at most three (`render` at
+/// its first scrape, `gzip` of each format at its first gzip scrape; `serve::Metrics`), and a
+/// later scrape of the same snapshot adds none. The test that scrapes one snapshot many times
+/// reads it.
 static RENDERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// How many times `render` and `gzip` have run in this process.
@@ -118,7 +119,7 @@ pub fn renders() -> u64 {
     RENDERS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// A rendering gzipped, once per snapshot, for scrapers that send `Accept-Encoding: gzip` (as
+/// A rendering gzipped, at most once per snapshot, for scrapers that send `Accept-Encoding: gzip` (as
 /// Prometheus does); into memory, which cannot fail short of allocation.
 pub fn gzip(body: &[u8]) -> Vec<u8> {
     use std::io::Write;
@@ -127,8 +128,8 @@ pub fn gzip(body: &[u8]) -> Vec<u8> {
     e.write_all(body).and_then(|()| e.finish()).unwrap_or_default()
 }
 
-/// Renders a snapshot and its report as metrics, once (the HTTP task serves the result to every
-/// scrape): the agent's and NVML's families, the verdict, each GPU's families (`PER_GPU`), the
+/// Renders a snapshot and its report as metrics, once, at the snapshot's first scrape (the HTTP
+/// task serves the result to every later one): the agent's and NVML's families, the verdict, each GPU's families (`PER_GPU`), the
 /// dcgm-exporter names when asked, and the NVSwitches' SXids.
 pub fn render(s: &Snapshot, r: &Report, dcgm_compat: bool) -> Rendered {
     RENDERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
