@@ -81,5 +81,6 @@ fn one_gpu_blocked_forever_leaves_seven_reported_and_one_stuck_worker_after_100_
     let stuck = deadline::abandoned_running();
     eprintln!("100 snapshots with one call blocked: threads {before} → {after}; {stuck} worker(s) stuck");
     assert_eq!(stuck, 1, "one worker stuck, not one per snapshot");
-    assert!(after <= before + 1, "threads grew from {before} to {after}");
+    // The stuck worker, and the one worker a returned call leaves parked (deadline rule 1).
+    assert!(after <= before + 2, "threads grew from {before} to {after}");
 }

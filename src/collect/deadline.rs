@@ -4,8 +4,11 @@
 //! NVML calls do not fail: they block, for minutes or for good. A thread blocked inside a C
 //! library cannot be cancelled, so the rules are:
 //!
-//! 1. A call runs on a fresh thread (`nvml-call`); the caller waits for it at most its
-//!    deadline. — `call`.
+//! 1. A call runs on a worker thread (`nvml-call`) that nothing else is using: the one worker a
+//!    call that returned left parked, else a fresh one; the caller waits for it at most its
+//!    deadline. A worker abandoned inside a call is never handed another until it returns.
+//!    (Reusing the parked worker spares the service a dozen thread starts a snapshot: it is at
+//!    rest most of its life.) — `call`, `Worker`.
 //! 2. A call still running at its deadline is abandoned, not killed: the caller gets a `Late`,
 //!    which says what the call was doing when it was abandoned (the `Tracker`), since when, and
 //!    whether it has since returned. — `Late`.
@@ -149,6 +152,50 @@ pub enum Outcome<T> {
     NotStarted(String),
 }
 
+/// A job for a worker thread: the call, which gives back how to deliver its answer. The worker
+/// parks before it delivers, so a caller that has the answer finds it parked.
+type Job = Box<dyn FnOnce() -> Deliver + Send>;
+type Deliver = Box<dyn FnOnce() + Send>;
+
+/// The one idle worker, parked waiting for a job (rule 1): its sender. A worker that finishes a
+/// job parks here if the place is free, and ends otherwise.
+static IDLE: Mutex<Option<mpsc::Sender<Job>>> = Mutex::new(None);
+
+/// Hands `job` to the parked worker, or to a new one when none is parked (or the parked one has
+/// gone); the error when no thread can be started.
+fn run_on_worker(job: Job) -> std::io::Result<()> {
+    let parked = IDLE.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let job = match parked {
+        Some(worker) => match worker.send(job) {
+            Ok(()) => return Ok(()),
+            Err(mpsc::SendError(job)) => job,
+        },
+        None => job,
+    };
+    let (tx, rx) = mpsc::channel::<Job>();
+    tx.send(job).map_err(|_| std::io::Error::other("the new worker's channel is closed"))?;
+    std::thread::Builder::new().name("nvml-call".into()).spawn(move || {
+        // A job that panics ends the thread here, with its answer's sender dropped: the caller
+        // is told the worker panicked, and this worker parks no more.
+        while let Ok(job) = rx.recv() {
+            let deliver = job();
+            let parked = {
+                let mut idle = IDLE.lock().unwrap_or_else(|p| p.into_inner());
+                let free = idle.is_none();
+                if free {
+                    *idle = Some(tx.clone());
+                }
+                free
+            };
+            deliver();
+            if !parked {
+                return;
+            }
+        }
+    })?;
+    Ok(())
+}
+
 /// Runs `f` on a worker thread and waits for it at most `deadline` (rules 1, 2 and 4).
 /// `since` is when the call started, for the `Late`: the caller's clock, so a late call's age
 /// counts from when it was made, not from when it was given up.
@@ -162,16 +209,18 @@ pub fn call<T: Send + 'static>(
     let state = Arc::new(AtomicU8::new(RUNNING));
     let (worker_state, worker_tracker) = (state.clone(), tracker.clone());
     let (since, since_wall) = (Instant::now(), SystemTime::now());
-    let spawned = std::thread::Builder::new().name("nvml-call".into()).spawn(move || {
+    let spawned = run_on_worker(Box::new(move || {
         let v = f(&worker_tracker);
-        let _ = tx.send(v);
-        if worker_state.swap(FINISHED, Ordering::SeqCst) == ABANDONED {
-            ABANDONED_RUNNING.fetch_sub(1, Ordering::SeqCst);
-            if let Some(hook) = answered {
-                hook();
+        Box::new(move || {
+            let _ = tx.send(v);
+            if worker_state.swap(FINISHED, Ordering::SeqCst) == ABANDONED {
+                ABANDONED_RUNNING.fetch_sub(1, Ordering::SeqCst);
+                if let Some(hook) = answered {
+                    hook();
+                }
             }
-        }
-    });
+        })
+    }));
     if let Err(e) = spawned {
         return Outcome::NotStarted(format!("cannot start a worker thread: {e}"));
     }
