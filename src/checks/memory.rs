@@ -39,6 +39,19 @@ pub(super) fn ecc_uncorrectable(_s: &Snapshot, g: &NvmlGpu) -> Finding {
         Finding::warn(ID, format!("{} corrected ECC errors since the last reset", v.corrected)).remedy(
             "A high single-bit error rate precedes failures: report the GPU to the platform and watch the count.",
         )
+    } else if let (true, Some(rows)) = (a.uncorrected > 0, repaired(g)) {
+        // Repaired: the row remapper took the failing rows out of use and nothing is pending. NVML's
+        // reference (`nvmlDeviceGetRemappedRows`) counts such rows as active remappings, and
+        // says even a pending one "won't affect future work on the GPU". Seen on an H200 of
+        // docs/hardware-validation.md (1 lifetime DBE, 1 row remapped): a warning there routed
+        // the platform to reset a repaired GPU.
+        Finding::pass(
+            ID,
+            format!(
+                "{} uncorrectable ECC error(s) over the GPU's life, none since the last reset; repaired by row remapping ({rows} row(s), none pending)",
+                a.uncorrected
+            ),
+        )
     } else if a.uncorrected > 0 {
         Finding::warn(ID, format!("{} uncorrectable ECC error(s) over the GPU's life, none since the last reset", a.uncorrected))
             .remedy("Check gpu.row-remap: if the rows were remapped the GPU is fine; if the lifetime count keeps growing, report the GPU.")
@@ -46,6 +59,12 @@ pub(super) fn ecc_uncorrectable(_s: &Snapshot, g: &NvmlGpu) -> Finding {
         Finding::pass(ID, "no uncorrectable ECC errors")
     };
     f.evidence("volatile", v).evidence("aggregate", a)
+}
+
+/// Rows remapped for uncorrectable errors, when the remapper reports them done: at least one,
+/// none pending, no failure.
+fn repaired(g: &NvmlGpu) -> Option<u32> {
+    g.remapped_rows.value().filter(|r| r.uncorrectable > 0 && !r.pending && !r.failure).map(|r| r.uncorrectable)
 }
 
 /// gpu.sram-ecc: on-die SRAM and the HBM apart, with Azure's thresholds for ND H100/H200 v5
@@ -162,6 +181,18 @@ mod tests {
         let mut s = healthy();
         gpu_mut(&mut s, 0).ecc_aggregate = Nv::Value(EccCounts { corrected: 5, uncorrected: 3 });
         assert_eq!(one(&s, "gpu.ecc-uncorrectable").severity, Severity::Warn);
+        // The H200 of 2026-12-04: its lifetime DBE's row remapped, nothing pending: repaired.
+        let done = RemappedRows { correctable: 0, uncorrectable: 1, pending: false, failure: false };
+        gpu_mut(&mut s, 0).remapped_rows = Nv::Value(done);
+        let f = one(&s, "gpu.ecc-uncorrectable");
+        assert_eq!(f.severity, Severity::Pass, "{}", f.summary);
+        assert!(f.summary.contains("repaired by row remapping (1 row(s), none pending)"), "{}", f.summary);
+        // Pending or failed, it is not repaired yet.
+        gpu_mut(&mut s, 0).remapped_rows = Nv::Value(RemappedRows { pending: true, ..done });
+        assert_eq!(one(&s, "gpu.ecc-uncorrectable").severity, Severity::Warn);
+        gpu_mut(&mut s, 0).remapped_rows = Nv::Value(RemappedRows { failure: true, ..done });
+        assert_eq!(one(&s, "gpu.ecc-uncorrectable").severity, Severity::Warn);
+        gpu_mut(&mut s, 0).remapped_rows = Nv::Value(done);
         gpu_mut(&mut s, 0).ecc_volatile =
             Nv::Value(EccCounts { corrected: facts::MAX_CORRECTED_ECC + 1, uncorrected: 0 });
         assert!(one(&s, "gpu.ecc-uncorrectable").summary.contains("corrected ECC errors"));
