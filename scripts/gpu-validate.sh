@@ -17,7 +17,8 @@
 #
 #   scripts/gpu-validate.sh [path/to/phq-agent [STEP...]]   (default: target/release/phq-agent, every step)
 #
-# STEP: doctor quick own-kernels standard sustained power allreduce serve nvml-events ptxas (the
+# STEP: doctor quick own-kernels standard sustained power allreduce serve nvml-events idle nvml-costs
+# ptxas (the
 # machine's description always comes first): a second run in the same lease repeats only some.
 #
 # cuBLAS: `libcublas.so.12` where the loader finds it, else the first libcublas.so.1[23] under
@@ -307,6 +308,107 @@ for name, call in (("nvmlDeviceGetTemperature", lambda: n.nvmlDeviceGetTemperatu
     t0 = time.monotonic(); call(); print(f"  {name} during the other thread's 5 s wait: {time.monotonic() - t0:.3f} s")
 t.join()
 t0 = time.monotonic(); n.nvmlEventSetCreate(); print(f"  nvmlEventSetCreate with no wait in progress: {time.monotonic() - t0:.3f} s")
+# What a wait costs the process in CPU while nothing happens (the service's watcher waits 15 s at a time).
+import resource
+s = n.nvmlEventSetCreate()
+n.nvmlDeviceRegisterEvents(h, n.nvmlEventTypeXidCriticalError, s)
+c0 = resource.getrusage(resource.RUSAGE_SELF); t0 = time.monotonic()
+try:
+    n.nvmlEventSetWait_v2(s, 5000)
+except n.NVMLError:
+    pass
+c1 = resource.getrusage(resource.RUSAGE_SELF)
+print(f"  one {time.monotonic() - t0:.1f} s wait with nothing to report: {((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)) * 1e3:.1f} ms of CPU")
+PY
+fi
+
+if want idle; then
+step "the service at rest, 60 s each: real NVML, the fake NVML (no driver calls), no NVML"
+# Where an idle snapshot's CPU goes on a real machine: the same service and sysfs, with NVML's
+# reading real, replaced by the fake library (target/release/libfake_nvml.so, carried with the
+# binary when the run is asked for), or absent. Ticks of 1/CLK_TCK s over 60 s after 20 s settling.
+fake=$here/target/release/libfake_nvml.so
+for how in real fake none; do
+    case $how in
+        real) lib=() ;;
+        fake) [ -f "$fake" ] || { echo "fake: $fake not carried: skipped"; continue; }
+              lib=(--nvml-lib "$fake"); export PHQ_FAKE_NVML_SCENARIO=$here/examples/scenarios/h200-vm.json ;;
+        none) lib=(--nvml-lib /nonexistent/libnvidia-ml.so.1) ;;
+    esac
+    d=$w/idle-$how; mkdir -p "$d/state"
+    head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$d/token"; chmod 600 "$d/token"
+    printf '[agent]\nstate_dir = "%s"\n[http]\nlisten = "127.0.0.1:9441"\ntoken_file = "%s"\n[vsock]\nenabled = false\n[probes]\nat_boot = "none"\nwhen_idle = "off"\n' "$d/state" "$d/token" > "$d/config.toml"
+    timeout -k 5 120 "$bin" serve --config "$d/config.toml" -q "${lib[@]}" > "$d/serve.log" 2>&1 &
+    srv=$!; sleep 20
+    pid=$(pgrep -P "$srv" -x phq-agent | head -1)
+    if [ -n "$pid" ]; then
+        t0=$(awk '{print $14 + $15}' "/proc/$pid/stat"); sleep 60; t1=$(awk '{print $14 + $15}' "/proc/$pid/stat")
+        echo "$how NVML: $((t1 - t0)) ticks in 60 s, $(grep VmRSS "/proc/$pid/status" | tr -s ' '), $(grep -E '^(Anonymous)' "/proc/$pid/smaps_rollup" | tr -s ' ')"
+    else
+        echo "$how NVML: the service did not start: $(tail -2 "$d/serve.log")"
+    fi
+    kill -TERM "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+    unset PHQ_FAKE_NVML_SCENARIO
+done
+fi
+
+if want nvml-costs; then
+step "NVML: what each call a snapshot makes costs on this driver (nvidia-ml-py; median of 5, GPU 0)"
+python3 - <<'PY' || echo "no nvidia-ml-py here"
+import time, statistics, resource
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+C = n.NVML_CLOCK_SM
+calls = [
+    ("DeviceGetCount", lambda: n.nvmlDeviceGetCount()),
+    ("SystemGetDriverVersion", lambda: n.nvmlSystemGetDriverVersion()),
+    ("DeviceGetName", lambda: n.nvmlDeviceGetName(h)),
+    ("DeviceGetUUID", lambda: n.nvmlDeviceGetUUID(h)),
+    ("DeviceGetSerial", lambda: n.nvmlDeviceGetSerial(h)),
+    ("DeviceGetPciInfo", lambda: n.nvmlDeviceGetPciInfo(h)),
+    ("DeviceGetTemperature", lambda: n.nvmlDeviceGetTemperature(h, 0)),
+    ("DeviceGetPowerUsage", lambda: n.nvmlDeviceGetPowerUsage(h)),
+    ("DeviceGetEnforcedPowerLimit", lambda: n.nvmlDeviceGetEnforcedPowerLimit(h)),
+    ("DeviceGetMemoryInfo", lambda: n.nvmlDeviceGetMemoryInfo(h)),
+    ("DeviceGetUtilizationRates", lambda: n.nvmlDeviceGetUtilizationRates(h)),
+    ("DeviceGetClockInfo", lambda: n.nvmlDeviceGetClockInfo(h, C)),
+    ("DeviceGetMaxClockInfo", lambda: n.nvmlDeviceGetMaxClockInfo(h, C)),
+    ("DeviceGetCurrentClocksEventReasons", lambda: n.nvmlDeviceGetCurrentClocksThrottleReasons(h)),
+    ("DeviceGetTotalEccErrors", lambda: n.nvmlDeviceGetTotalEccErrors(h, 1, 1)),
+    ("DeviceGetMemoryErrorCounter", lambda: n.nvmlDeviceGetMemoryErrorCounter(h, 1, 1, 1)),
+    ("DeviceGetRemappedRows", lambda: n.nvmlDeviceGetRemappedRows(h)),
+    ("DeviceGetEccMode", lambda: n.nvmlDeviceGetEccMode(h)),
+    ("DeviceGetPersistenceMode", lambda: n.nvmlDeviceGetPersistenceMode(h)),
+    ("DeviceGetComputeMode", lambda: n.nvmlDeviceGetComputeMode(h)),
+    ("DeviceGetMigMode", lambda: n.nvmlDeviceGetMigMode(h)),
+    ("DeviceGetInforomImageVersion", lambda: n.nvmlDeviceGetInforomImageVersion(h)),
+    ("DeviceGetVbiosVersion", lambda: n.nvmlDeviceGetVbiosVersion(h)),
+    ("DeviceGetCurrPcieLinkWidth", lambda: n.nvmlDeviceGetCurrPcieLinkWidth(h)),
+    ("DeviceGetPcieReplayCounter", lambda: n.nvmlDeviceGetPcieReplayCounter(h)),
+    ("DeviceGetComputeRunningProcesses", lambda: n.nvmlDeviceGetComputeRunningProcesses(h)),
+    ("DeviceGetViolationStatus", lambda: n.nvmlDeviceGetViolationStatus(h, 0)),
+    ("DeviceGetNvLinkState (link 0)", lambda: n.nvmlDeviceGetNvLinkState(h, 0)),
+    ("DeviceGetGpuFabricInfo", lambda: n.nvmlDeviceGetGpuFabricInfo(h, n.c_nvmlGpuFabricInfo_t())),
+    ("DeviceGetFieldValues (230)", lambda: n.nvmlDeviceGetFieldValues(h, [230])),
+    ("GpmQueryDeviceSupport", lambda: n.nvmlGpmQueryDeviceSupport(h)),
+    ("GpmSampleGet", lambda: n.nvmlGpmSampleGet(h, n.nvmlGpmSampleAlloc())),
+]
+rows = []
+for name, f in calls:
+    ts, err = [], None
+    for _ in range(5):
+        c0 = resource.getrusage(resource.RUSAGE_SELF); t0 = time.perf_counter()
+        try:
+            f()
+        except Exception as e:
+            err = type(e).__name__ + ": " + str(e)[:40]
+        t1 = time.perf_counter(); c1 = resource.getrusage(resource.RUSAGE_SELF)
+        ts.append((t1 - t0, (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)))
+    rows.append((statistics.median(t for t, _ in ts) * 1e3, statistics.median(c for _, c in ts) * 1e3, name, err))
+for wall, cpu, name, err in sorted(rows, reverse=True):
+    print(f"  {wall:8.3f} ms wall {cpu:7.3f} ms CPU  {name}{'  (' + err + ')' if err else ''}")
+print(f"  sum of medians: {sum(r[0] for r in rows):.1f} ms wall, {sum(r[1] for r in rows):.1f} ms CPU")
 PY
 fi
 
