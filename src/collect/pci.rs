@@ -32,40 +32,29 @@ fn read_device(root: &Sysroot, address: &str) -> PciDevice {
     let device = attr("device");
     let class = attr("class");
     // Another vendor's device is counted and named, never judged (checks/pci.rs reads the
-    // NVIDIA ones): its other nine files are not read. A guest has a dozen such devices or
-    // more, and reading all of them was the largest part of an idle snapshot's CPU.
-    if vendor.as_deref().and_then(parse_hex).is_some_and(|v| v != crate::snapshot::NVIDIA_VENDOR as u64) {
-        return PciDevice {
-            address: address.to_string(),
-            vendor: vendor.as_deref().and_then(parse_hex).map(|v| v as u16),
-            device: device.as_deref().and_then(parse_hex).map(|v| v as u16),
-            class: class.as_deref().and_then(parse_hex).map(|v| v as u32),
-            subsystem_vendor: None,
-            subsystem_device: None,
-            driver: None,
-            bars: Vec::new(),
-            link: parse_link(None, None, None, None),
-            numa_node: None,
-            problems,
-        };
-    }
-    let subsystem_vendor = attr("subsystem_vendor");
-    let subsystem_device = attr("subsystem_device");
-    let resource = attr("resource");
-    let numa_node = root.read_attr(&format!("{dir}/numa_node")).ok();
-    let opt = |name: &str| root.read_attr(&format!("{dir}/{name}")).ok();
+    // NVIDIA ones): its other files are not read. A guest has a dozen such devices or more, and
+    // reading all of them was the largest part of an idle snapshot's CPU. An unreadable vendor
+    // is read whole.
+    let nvidia = vendor.as_deref().and_then(parse_hex).is_none_or(|v| v == crate::snapshot::NVIDIA_VENDOR as u64);
+    let (subsystem_vendor, subsystem_device, resource) = match nvidia {
+        true => (attr("subsystem_vendor"), attr("subsystem_device"), attr("resource")),
+        false => (None, None, None),
+    };
+    let opt = |name: &str| if nvidia { root.read_attr(&format!("{dir}/{name}")).ok() } else { None };
+    let numa_node = opt("numa_node");
     let link = parse_link(
         opt("current_link_speed").as_deref(),
         opt("max_link_speed").as_deref(),
         opt("current_link_width").as_deref(),
         opt("max_link_width").as_deref(),
     );
-    let driver = match root.link_name(&format!("{dir}/driver")) {
-        Ok(d) => d,
-        Err(e) => {
+    let driver = match nvidia.then(|| root.link_name(&format!("{dir}/driver"))) {
+        Some(Ok(d)) => d,
+        Some(Err(e)) => {
             problems.push(e.to_string());
             None
         }
+        None => None,
     };
     let mut hex = |name: &str, v: Option<String>, bits: u32| -> Option<u64> {
         let v = v?;
