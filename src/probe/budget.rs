@@ -151,12 +151,10 @@ pub fn estimate(
             })
             .sum();
         let memory_bytes = memory_bytes as u64;
-        // As the probe sizes it: the agent's own FP32 kernel at half the side (gemm::ptx_sgemm_n).
-        let n = if cublas { p.gemm_n } else { gemm::ptx_sgemm_n(p.gemm_n) } as f64;
+        // As the probes size them: the agent's own kernels at half the side (gemm::gemm_side).
+        let n = gemm::gemm_side(p.gemm_n, cublas) as f64;
         let gemm_s = (1 + gemm::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3) / (tflops * 1e12)
             + secs(2.0 * n * n * 4.0, h2d);
-        // The agent's tensor kernel at half the side too (`gemm_half`).
-        let n = if cublas { p.gemm_n } else { gemm::ptx_sgemm_n(p.gemm_n) } as f64;
         let products = (1 + gemm::GEMM_SAMPLES as u32 * p.gemm_reps) as f64 * 2.0 * n.powi(3);
         let tensor_tflops = if cublas { CUBLAS_BF16_TFLOPS } else { PTX_MMA_TFLOPS };
         let gemm_tensor_s = 2.0 * (products / (tensor_tflops * 1e12) + secs(2.0 * n * n * 2.0, h2d));
@@ -273,6 +271,7 @@ pub fn render(plan: &Plan) -> String {
         plan.gpus.len(),
         plan.pairs.len()
     );
+    let side = gemm::gemm_side(plan.params.gemm_n, plan.gemm_library != gemm::PTX_GEMM);
     let _ = writeln!(
         s,
         "  copies: {} MiB × {} per sample × {} samples + a warm-up; memory test: 90% of each GPU's memory, {} passes on the GPU, all GPUs at once; GEMM ({}) {}² × {} × {} samples + a warm-up; tensor-core GEMMs {}²",
@@ -281,10 +280,10 @@ pub fn render(plan: &Plan) -> String {
         plan.params.samples,
         kernels::steps(plan.level, 0, std::time::Duration::from_secs(plan.params.fade_secs.into())).len(),
         plan.gemm_library,
-        if plan.gemm_library == gemm::PTX_GEMM { gemm::ptx_sgemm_n(plan.params.gemm_n) } else { plan.params.gemm_n },
+        side,
         plan.params.gemm_reps,
         gemm::GEMM_SAMPLES,
-        if plan.gemm_library == gemm::PTX_GEMM { gemm::ptx_sgemm_n(plan.params.gemm_n) } else { plan.params.gemm_n }
+        side
     );
     for g in &plan.gpus {
         let _ = writeln!(

@@ -464,7 +464,7 @@ fn gemm(
     k: Option<&Loaded>,
     p: &LevelParams,
 ) -> cuda::Result<GemmResult> {
-    let n = if blas.is_none() { ptx_sgemm_n(p.gemm_n) } else { p.gemm_n };
+    let n = gemm_side(p.gemm_n, blas.is_some());
     let mut run = GemmRun::new(ctx, blas, k, n)?;
     run.warm_up()?;
     for _ in 0..GEMM_SAMPLES {
@@ -543,6 +543,16 @@ pub(crate) const PTX_GEMM: &str = "PTX fallback (phq_sgemm)";
 /// waves of an H100's 132 SMs. Our choice; the halved side stays a multiple of the tile.
 pub(crate) fn ptx_sgemm_n(level_n: usize) -> usize {
     level_n / 2
+}
+
+/// The side each GEMM of a level runs at: the level's through cuBLAS, `ptx_sgemm_n`'s on the
+/// agent's own kernels (FP32, tensor-core and FP64 alike). The probes and the plan both ask here.
+pub(crate) fn gemm_side(level_n: usize, cublas: bool) -> usize {
+    if cublas {
+        level_n
+    } else {
+        ptx_sgemm_n(level_n)
+    }
 }
 /// The FP64 GEMM's names: cuBLAS's DGEMM, or the agent's `phq_dgemm`.
 pub(crate) const CUBLAS_DGEMM: &str = "cuBLAS DGEMM";
@@ -657,19 +667,19 @@ impl CudaBackend {
             Err(ProbeError::Unavailable(_)) if blas.is_some() => None,
             Err(e) => return Err(e),
         };
+        // The agent's tensor kernel at half the side, as its FP32 kernel: it ran at 19.6 TFLOP/s on
+        // an H200 (docs/hardware-validation.md), so the level's full side would outlast its budget.
+        let n = gemm_side(p.gemm_n, blas.is_some());
         if blas.is_none() {
             if let Some(Err(why)) = k.map(|k| &k.tensor) {
                 return Err(ProbeError::Unavailable(format!("no cuBLAS, and {why}")));
             }
-            if !ptx_sgemm_n(p.gemm_n).is_multiple_of(16) {
+            if !n.is_multiple_of(16) {
                 return Err(ProbeError::Unavailable(
                     "no cuBLAS, and the tensor kernel needs n a multiple of 16".into(),
                 ));
             }
         }
-        // The agent's tensor kernel at half the side, as its FP32 kernel: it ran at 19.6 TFLOP/s on
-        // an H200 (docs/hardware-validation.md), so the level's full side would outlast its budget.
-        let n = if blas.is_some() { p.gemm_n } else { ptx_sgemm_n(p.gemm_n) };
         let mut run = GemmRun::with(&ctx, blas.as_ref(), k, n, Some(half)).map_err(on(gpu))?;
         run.warm_up().map_err(on(gpu))?;
         for _ in 0..GEMM_SAMPLES {
@@ -779,7 +789,7 @@ impl Load {
                 GemmRun::with(ctx, blas, k, p.gemm_n, tensor.then_some(Half::Bf16)).map_err(on(gpu))
             }
             Load::Fp64 => {
-                let n = if blas.is_some() { p.gemm_n } else { ptx_sgemm_n(p.gemm_n) };
+                let n = gemm_side(p.gemm_n, blas.is_some());
                 if blas.is_none() && (k.is_none() || !n.is_multiple_of(16)) {
                     return Err(none("FP64 GEMM"));
                 }
