@@ -324,17 +324,8 @@ fn fake_sources() -> Vec<String> {
     out
 }
 
-/// The declared type of `const NAME` in `file`.
-fn const_type(file: &str, name: &str) -> String {
-    let text = std::fs::read_to_string(repo().join(file)).unwrap();
-    let decl = format!("const {name}:");
-    text.lines()
-        .find_map(|l| l.split_once(&decl).map(|(_, rest)| rest.split('=').next().unwrap_or("").trim().to_string()))
-        .unwrap_or_default()
-}
-
-/// Each `const NAME: TYPE = N;` of a fake's source with `TYPE` among `types`.
-fn consts(file: &str, types: &[&str]) -> Vec<(String, i64)> {
+/// Each `const NAME: TYPE = N;` of a fake's source with `TYPE` among `types`: name, type, N.
+fn consts(file: &str, types: &[&str]) -> Vec<(String, String, i64)> {
     let text = std::fs::read_to_string(repo().join(file)).unwrap();
     text.lines()
         .filter_map(|l| {
@@ -343,7 +334,8 @@ fn consts(file: &str, types: &[&str]) -> Vec<(String, i64)> {
             let l = l.strip_prefix("const ")?;
             let (name, rest) = l.split_once(':')?;
             let (ty, value) = rest.split_once('=')?;
-            if !types.contains(&ty.trim()) {
+            let ty = ty.trim();
+            if !types.contains(&ty) {
                 return None;
             }
             let v = value.trim().trim_end_matches(';').trim();
@@ -351,7 +343,7 @@ fn consts(file: &str, types: &[&str]) -> Vec<(String, i64)> {
                 Some(h) => i64::from_str_radix(&h.replace('_', ""), 16).ok()?,
                 None => v.replace('_', "").parse().ok()?,
             };
-            Some((name.trim().to_string(), v))
+            Some((name.trim().to_string(), ty.to_string(), v))
         })
         .collect()
 }
@@ -482,18 +474,18 @@ fn every_number_the_fakes_hard_code_is_the_headers() {
         ("crates/fake-cuda/src/hang.rs", "BLOCK"), // the fake's marker for a call that blocks
         ("crates/fake-nvml/src/lib.rs", "CODEC_SAMPLING_PERIOD_US"), // the scenario's sampling period
     ];
+    let files = fake_sources();
     let (mut in_cuda, mut in_types, mut in_cublas, mut in_nccl, mut in_nvml) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut unclassified = Vec::new();
     let mut seen = 0;
-    for file in fake_sources() {
-        for (name, v) in consts(&file, &["CUresult", "Status", "NcclResult", "c_int", "c_uint"]) {
+    for file in &files {
+        let at = file.as_str();
+        for (name, ty, v) in consts(at, &["CUresult", "Status", "NcclResult", "c_int", "c_uint"]) {
             seen += 1;
-            let at: &'static str = Box::leak(file.clone().into_boxed_str());
             if own.contains(&(at, name.as_str())) {
                 continue;
             }
-            let ty = const_type(&file, &name);
             match (ty.as_str(), name.as_str()) {
                 ("CUresult", "SUCCESS") => in_cuda.push(("CUDA_SUCCESS".to_string(), v, at)),
                 ("CUresult", n) => in_cuda.push((format!("CUDA_ERROR_{n}"), v, at)),
