@@ -25,30 +25,20 @@ for g in gpus:
         r1 = f"{ours/theirs:.2f}" if ours and theirs else "-"
         r2 = f"{ours/limit:.2f}" if ours and limit else "-"
         print(f"{g['pci']:<14}{what:<6}{(ours or 0):>9.1f}{(theirs or 0):>9.1f}{r1:>11}{(limit or 0):>8.0f}{r2:>11}")
-    gm = g.get("gemm", {}).get("ok") if isinstance(g.get("gemm"), dict) else None
-    if gm:
+    # Each GEMM the probe ran beside the peer's matmul in the same format (median TFLOP/s).
+    for key, what, peer_key in (
+        ("gemm", "gemm", "gemm_tflops"),
+        ("gemm_tensor", "bf16", "gemm_bf16_tflops"),
+        ("gemm_tensor_fp16", "fp16", "gemm_fp16_tflops"),
+        ("gemm_fp64", "fp64", "gemm_fp64_tflops"),
+    ):
+        gm = (g.get(key) or {}).get("ok") if isinstance(g.get(key), dict) else None
+        if not gm:
+            continue
         ours = sorted(gm["tflops_samples"])[len(gm["tflops_samples"]) // 2]
-        theirs = pe.get("gemm_tflops")
+        theirs = pe.get(peer_key)
         r1 = f"{ours/theirs:.2f}" if theirs else "-"
-        print(f"{g['pci']:<14}{'gemm':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s, {gm['wrong_entries']} wrong of {gm['checked_entries']}")
-    gt = (g.get("gemm_tensor") or {}).get("ok") if isinstance(g.get("gemm_tensor"), dict) else None
-    if gt:
-        ours = sorted(gt["tflops_samples"])[len(gt["tflops_samples"]) // 2]
-        theirs = pe.get("gemm_bf16_tflops")
-        r1 = f"{ours/theirs:.2f}" if theirs else "-"
-        print(f"{g['pci']:<14}{'bf16':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s by {gt['library']}, {gt['wrong_entries']} wrong of {gt['checked_entries']}")
-    gh = (g.get("gemm_tensor_fp16") or {}).get("ok") if isinstance(g.get("gemm_tensor_fp16"), dict) else None
-    if gh:
-        ours = sorted(gh["tflops_samples"])[len(gh["tflops_samples"]) // 2]
-        theirs = pe.get("gemm_fp16_tflops")
-        r1 = f"{ours/theirs:.2f}" if theirs else "-"
-        print(f"{g['pci']:<14}{'fp16':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s by {gh['library']}, {gh['wrong_entries']} wrong of {gh['checked_entries']}")
-    gd = (g.get("gemm_fp64") or {}).get("ok") if isinstance(g.get("gemm_fp64"), dict) else None
-    if gd:
-        ours = sorted(gd["tflops_samples"])[len(gd["tflops_samples"]) // 2]
-        theirs = pe.get("gemm_fp64_tflops")
-        r1 = f"{ours/theirs:.2f}" if theirs else "-"
-        print(f"{g['pci']:<14}{'fp64':<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s by {gd['library']}, {gd['wrong_entries']} wrong of {gd['checked_entries']}")
+        print(f"{g['pci']:<14}{what:<6}{ours:>9.1f}{(theirs or 0):>9.1f}{r1:>11}{'':>8}{'':>11}  TFLOP/s by {gm['library']}, {gm['wrong_entries']} wrong of {gm['checked_entries']}")
     mt = (g.get("memory") or {}).get("ok")
     if mt:
         secs = mt.get("seconds") or 0
