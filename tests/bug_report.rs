@@ -530,3 +530,188 @@ fn a_fatal_sxid_makes_a_bundle_and_a_non_fatal_one_none() {
     assert!(made[0].starts_with("sxid12001-"), "{made:?}");
     assert_eq!(member(&bundles.join(&made[0]), "nvidia-bug-report.log.gz").as_deref(), Some(&bytes[..]));
 }
+
+/// The home-directory walk of NVIDIA's `nvidia-bug-report.sh` as the R580 script has it
+/// (580.126.09, `$Change: 37062940 $`, MIT licence), with the functions it reads each file
+/// through, around this stand-in's own start and end. Each `[ -f ]` and `[ -r ]` follows a link,
+/// and `cat` reads it as root.
+const NVIDIA_HOME_WALK: &str = r#"
+report_file() {
+    echo "____________________________________________"
+    echo ""
+    if [ ! -f "$1" ]; then
+        echo "*** $1 does not exist"
+    elif [ ! -r "$1" ]; then
+        echo "*** $1 is not readable"
+    else
+        echo "*** $1"
+        echo_metadata "$1"
+        cat  "$1"
+    fi
+    echo ""
+}
+append() {
+    report_file "$1" | $GZIP_CMD >> $LOG_FILENAME
+}
+append_silent() {
+    (
+        if [ -f "$1" -a -r "$1" ]; then
+            echo "____________________________________________"
+            echo ""
+            echo "*** $1"
+            echo_metadata "$1"
+            cat  "$1"
+            echo ""
+        fi
+    ) | $GZIP_CMD >> $LOG_FILENAME
+}
+append_glob() {
+    for append_glob_iterator in `ls $1 2> /dev/null;`; do
+        report_file "$append_glob_iterator"
+    done | $GZIP_CMD >> $LOG_FILENAME
+}
+append_file_or_dir_silent() {
+    if [ -f "$1" ]; then
+        append "$1"
+    elif [ -d "$1" ]; then
+        append_glob "$1/*"
+    fi
+}
+echo_metadata() {
+    printf "*** ls: "
+    /bin/ls -l --full-time "$1" 2> /dev/null
+}
+
+# Append any config files found in home directories
+cat /etc/passwd \
+    | cut -d : -f 6 \
+    | sort | uniq \
+    | while read DIR; do
+        append_file_or_dir_silent "$DIR/.nv/nvidia-application-profiles-rc"
+        append_file_or_dir_silent "$DIR/.nv/nvidia-application-profiles-rc.backup"
+        append_file_or_dir_silent "$DIR/.nv/nvidia-application-profiles-rc.d"
+        append_file_or_dir_silent "$DIR/.nv/nvidia-application-profiles-rc.d.backup"
+        append_silent "$DIR/.nv/nvidia-application-profile-globals-rc"
+        append_silent "$DIR/.nv/nvidia-application-profile-globals-rc.backup"
+        append_silent "$DIR/.nvidia-settings-rc"
+
+        for f in "$DIR/.config/vulkan/icd.d/*" \
+                 "$DIR/.config/vulkansc/icd.d/*" \
+                 "$DIR/.local/share/vulkan/icd.d/*" \
+                 "$DIR/.local/share/vulkansc/icd.d/*"; do
+            append_silent $f
+        done
+    done
+"#;
+
+/// Every place in a home that NVIDIA's walk reads (`NVIDIA_HOME_WALK`), as a link to a secret of
+/// its own; the rc.d directories hold a link, and the rc.d.backup is a link to such a directory.
+fn plant_links(home: &Path, secrets: &Path) -> Vec<String> {
+    let mut planted = vec![];
+    let mut link = |at: &str| {
+        let name = at.replace('/', "_");
+        let secret = secrets.join(&name);
+        std::fs::write(&secret, format!("SECRET{name}\n")).unwrap();
+        let path = home.join(at);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(&secret, &path).unwrap();
+        planted.push(format!("SECRET{name}"));
+    };
+    for at in [
+        ".nv/nvidia-application-profiles-rc",
+        ".nv/nvidia-application-profiles-rc.backup",
+        ".nv/nvidia-application-profiles-rc.d/a",
+        ".nv/nvidia-application-profile-globals-rc",
+        ".nv/nvidia-application-profile-globals-rc.backup",
+        ".nvidia-settings-rc",
+        ".config/vulkan/icd.d/a",
+        ".config/vulkansc/icd.d/a",
+        ".local/share/vulkan/icd.d/a",
+        ".local/share/vulkansc/icd.d/a",
+    ] {
+        link(at);
+    }
+    let elsewhere = secrets.join("rc.d.backup");
+    std::fs::create_dir(&elsewhere).unwrap();
+    std::fs::write(elsewhere.join("b"), "SECRET_rc.d.backup\n").unwrap();
+    std::os::unix::fs::symlink(&elsewhere, home.join(".nv/nvidia-application-profiles-rc.d.backup")).unwrap();
+    planted.push("SECRET_rc.d.backup".into());
+    planted
+}
+
+/// Hole 1 of issue 51: the root helper runs NVIDIA's script for the service, whose user owns its
+/// home; that user (and any other) plants links in every place the script's home walk reads, to
+/// files only root may read. The guest here is this machine with its own `/etc/passwd` (bound
+/// over the real one in a mount namespace of the test's making) naming the service's user and a
+/// tenant's user with those homes. The log the helper leaves for the service holds none of the
+/// secrets: the script saw a passwd of root alone.
+#[test]
+fn the_root_helper_walks_no_users_home_for_the_service() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if unsafe { libc::geteuid() } != 0 {
+        return skip("needs root: a mount namespace, and the script's own root check");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let secrets = dir.path().join("secrets");
+    std::fs::create_dir(&secrets).unwrap();
+    std::fs::set_permissions(&secrets, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let (service_home, tenant_home) = (dir.path().join("var-lib-phq-agent"), dir.path().join("home-tenant"));
+    let mut planted = plant_links(&service_home, &secrets);
+    std::fs::create_dir(&tenant_home).unwrap();
+    std::fs::write(tenant_home.join("secret"), "SECRET_tenant\n").unwrap();
+    std::os::unix::fs::symlink(tenant_home.join("secret"), tenant_home.join(".nvidia-settings-rc")).unwrap();
+    planted.push("SECRET_tenant".into());
+    let real = std::fs::read_to_string("/etc/passwd").unwrap();
+    let guest_passwd = dir.path().join("passwd");
+    std::fs::write(
+        &guest_passwd,
+        format!(
+            "{real}phq-agent:x:998:998:phq-agent GPU health agent:{}:/usr/sbin/nologin\ntenant:x:1000:1000::{}:/bin/bash\n",
+            service_home.display(),
+            tenant_home.display()
+        ),
+    )
+    .unwrap();
+    let body = format!(
+        "[ `id -u` -ne 0 ] && {{ echo \"ERROR: Please run $(basename $0) as root.\"; exit 1; }}\nLOG_FILENAME=\"$out\"\nGZIP_CMD=cat\n: > \"$LOG_FILENAME\"\n{NVIDIA_HOME_WALK}\necho \"homes: $(cut -d : -f 6 /etc/passwd | sort | uniq | tr '\\n' ' ')\" >> \"$LOG_FILENAME\"\ngzip -c \"$LOG_FILENAME\" > \"$out.gz\""
+    );
+    let s = script(dir.path(), "nvidia-bug-report.sh", &body);
+    let out = dir.path().join("helper");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o750)).unwrap();
+
+    let passwd = std::ffi::CString::new(guest_passwd.to_str().unwrap()).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_phq-agent"));
+    cmd.args(["bug-report", "--reader", "root", "--out"])
+        .arg(&out)
+        .env("PHQ_BUG_REPORT_SCRIPT", &s)
+        .env("PHQ_BUG_REPORT_TIMEOUT", "60s");
+    // SAFETY: system calls only, on C strings made before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let none = std::ptr::null();
+            if libc::unshare(libc::CLONE_NEWNS) != 0
+                || libc::mount(none, c"/".as_ptr(), none, libc::MS_REC | libc::MS_PRIVATE, none.cast()) != 0
+                || libc::mount(passwd.as_ptr(), c"/etc/passwd".as_ptr(), none, libc::MS_BIND, none.cast()) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let ran = cmd.output().unwrap();
+    assert_eq!(ran.status.code(), Some(0), "{}", String::from_utf8_lossy(&ran.stderr));
+    let status = std::fs::read_to_string(out.join("status")).unwrap();
+    assert!(status.starts_with("ok\n"), "{status}");
+    let mut log = String::new();
+    flate2::read::GzDecoder::new(&std::fs::read(out.join("nvidia-bug-report.log.gz")).unwrap()[..])
+        .read_to_string(&mut log)
+        .unwrap();
+    let homes = log.lines().find(|l| l.starts_with("homes: ")).unwrap_or_else(|| panic!("{log}"));
+    let leaked: Vec<&String> = planted.iter().filter(|p| log.contains(p.as_str())).collect();
+    assert!(leaked.is_empty(), "the root script copied {leaked:?} into the service's log; it walked {homes}\n{log}");
+    assert!(!homes.contains(&*service_home.to_string_lossy()), "{homes}");
+    assert!(homes.contains("/root"), "root's own home is still walked: {homes}");
+}

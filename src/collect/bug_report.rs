@@ -15,8 +15,23 @@
 //! - it refuses to run unless `id -u` is 0 (`lspci -vxxx` and the kernel logs need root), and
 //!   moves an existing log aside to `.old`, so it runs in a fresh private directory of its own.
 //!
+//! Run as root, the script reads files in every user's home (issue 51). Its walk, in NVIDIA's
+//! R580 script (580.126.09, `$Change: 37062940 $`; the same loop in the R535-era copies): `cat
+//! /etc/passwd | cut -d : -f 6 | sort | uniq`, and in each home it `cat`s `.nvidia-settings-rc`,
+//! `.nv/nvidia-application-profiles-rc` and its `.backup`, `.d` and `.d.backup` (each file of a
+//! directory), `.nv/nvidia-application-profile-globals-rc` and its `.backup`, and the first file
+//! of `.config/vulkan{,sc}/icd.d/` and `.local/share/vulkan{,sc}/icd.d/`, each after a `[ -f ]`
+//! or `[ -r ]` test, both of which follow symbolic links. A user who plants a link there has root
+//! copy its target (the shadow file, a host key) into the log. So a root run (`run_in`) happens in
+//! a mount namespace of its own whose `/etc/passwd` holds the uid-0 lines alone
+//! (`Unshared::passwd`): the script walks root's home only, and no other user's. Where that
+//! namespace cannot be made, the script is not run as root. Its `TMPDIR` and working directory
+//! are its private directory, so its fixed temporary names (`$TMPDIR/nvbrtesttemp.$$` and
+//! others) are in no directory another user can write.
+//!
 //! Must not: build a shell string (the script is the program, the arguments a list), follow a
-//! link to its output, or wait past the deadline (its whole process group is killed there).
+//! link to its output, wait past the deadline (its whole process group is killed there), or let
+//! a root script see any home but root's.
 
 use std::io::Read;
 use std::os::unix::process::CommandExt;
@@ -146,11 +161,22 @@ fn run_in(options: &Options, dir: &Path) -> BugReport {
         Ok(f) => f,
         Err(e) => return BugReport::note(format!("{LOG_NAME}: not collected: {e}")),
     };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    let unshared = match root.then(|| Unshared::prepare(dir)).transpose() {
+        Ok(u) => u,
+        Err(e) => {
+            return BugReport::note(format!(
+                "{LOG_NAME}: not collected: {script} would run as root, and it reads files in every home /etc/passwd names; no passwd of root alone could be made for it: {e}"
+            ))
+        }
+    };
     let mut cmd = std::process::Command::new(&options.script);
     cmd.arg("--safe-mode")
         .arg("--output-file")
         .arg(dir.join("nvidia-bug-report.log"))
         .current_dir(dir)
+        .env("TMPDIR", dir)
         .stdin(std::process::Stdio::null())
         .stderr(output.try_clone().map_or_else(|_| std::process::Stdio::null(), Into::into))
         .stdout(output)
@@ -158,8 +184,16 @@ fn run_in(options: &Options, dir: &Path) -> BugReport {
         .process_group(0);
     // The script dies with the thread that started it.
     super::deadline::dies_with_parent(&mut cmd);
+    if let Some(u) = unshared {
+        u.apply(&mut cmd);
+    }
     let child = match cmd.spawn() {
         Ok(c) => c,
+        Err(e) if root => {
+            return BugReport::note(format!(
+                "{LOG_NAME}: not collected: {script} runs as root only in a mount namespace where /etc/passwd names root alone, and that could not be set up: {e}"
+            ))
+        }
         Err(e) => return BugReport::note(format!("{LOG_NAME}: not collected: cannot run {script}: {e}")),
     };
     let unset = AtomicI32::new(0);
@@ -189,6 +223,59 @@ fn run_in(options: &Options, dir: &Path) -> BugReport {
             log: Some(bytes),
         },
         Err(why) => BugReport::note(format!("{LOG_NAME}: left out: {why}")),
+    }
+}
+
+/// The mount namespace a root run of the script gets (module comment): its own, with nothing
+/// propagating back, and `/etc/passwd` replaced by a file of the real one's uid-0 lines.
+struct Unshared {
+    passwd: std::ffi::CString,
+    target: std::ffi::CString,
+}
+
+impl Unshared {
+    const TARGET: &'static str = "/etc/passwd";
+
+    /// Writes the root-only passwd into `dir` (the script's private directory).
+    fn prepare(dir: &Path) -> std::io::Result<Unshared> {
+        let real = std::fs::read_to_string(Self::TARGET)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", Self::TARGET)))?;
+        let text = Self::passwd(&real);
+        if text.is_empty() {
+            return Err(std::io::Error::other(format!("{} names no user of uid 0", Self::TARGET)));
+        }
+        let path = dir.join("passwd");
+        std::fs::write(&path, text)?;
+        let c = |p: &Path| {
+            std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+                .map_err(|_| std::io::Error::other(format!("{}: a NUL in the path", p.display())))
+        };
+        Ok(Unshared { passwd: c(&path)?, target: c(Path::new(Self::TARGET))? })
+    }
+
+    /// The lines of `real` whose uid (the third field) is 0: root's own entries, whose homes only
+    /// root can write.
+    fn passwd(real: &str) -> String {
+        real.lines().filter(|l| l.split(':').nth(2) == Some("0")).map(|l| format!("{l}\n")).collect()
+    }
+
+    /// Has the child enter the namespace before it runs the script.
+    fn apply(self, cmd: &mut std::process::Command) {
+        // SAFETY: the closure makes only system calls (unshare(2), mount(2)) on C strings
+        // prepared before the fork, and allocates nothing: it is safe between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                let none = std::ptr::null();
+                if libc::unshare(libc::CLONE_NEWNS) != 0
+                    || libc::mount(none, c"/".as_ptr(), none, libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()) != 0
+                    || libc::mount(self.passwd.as_ptr(), self.target.as_ptr(), none, libc::MS_BIND, std::ptr::null())
+                        != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
     }
 }
 
@@ -276,4 +363,14 @@ fn last_line(path: &Path) -> Option<String> {
     let tail = &text[text.len().saturating_sub(4096)..];
     let line = String::from_utf8_lossy(tail).lines().rev().find(|l| !l.trim().is_empty())?.trim().to_string();
     Some(crate::text::printable(&line.chars().take(200).collect::<String>()).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_scripts_passwd_names_uid_0_alone() {
+        let real = "root:x:0:0:root:/root:/bin/bash\nphq-agent:x:998:998::/var/lib/phq-agent:/usr/sbin/nologin\n\
+                    toor:x:0:0::/root:/bin/sh\nmallory:x:1000:1000::/home/mallory:/bin/bash\nbroken\n";
+        assert_eq!(super::Unshared::passwd(real), "root:x:0:0:root:/root:/bin/bash\ntoor:x:0:0::/root:/bin/sh\n");
+    }
 }
