@@ -9,10 +9,15 @@
 //! 2. Each boot (`/proc/sys/kernel/random/boot_id`, read through the sysroot like every file)
 //!    that saw the fault is kept with its first and last time; an occurrence is new when the
 //!    fault was absent or cleared, or an Xid's count in the kernel log grew.
-//! 3. The same fault on the same serial in two or more boots escalates: the finding's action
-//!    becomes `inspect_hardware` and its owner `platform`, and it says how many boots it has
-//!    survived (gpud escalates an Xid seen again after reboots to hardware inspection the same
-//!    way: its `api/v1` repair actions).
+//! 3. The same fault on the same serial in two or more boots escalates only when it is already
+//!    the platform's and hardware-class (`route::hardware_class`: the platform's reset, restart,
+//!    host reboot or inspection): the finding's action becomes `inspect_hardware`, its evidence
+//!    says `decided_by: history` with the boots, and the verdict's basis says `history` (gpud
+//!    escalates an Xid seen again after reboots to hardware inspection the same way: its
+//!    `api/v1` repair actions). A fault that is the tenant's (an Xid 13 or 31 from a program
+//!    that faults, a power cap, ECC switched off, a BAR the VM spec cannot place) stays the
+//!    tenant's, with its own action, and says that it recurs: a claim from the guest never grows
+//!    into a hardware verdict by repeating itself (issue 51).
 //! 4. A fault is cleared only by a probe run that passes every probe of that GPU after the
 //!    fault's last occurrence, and the history records which run; never by a reboot alone.
 //! 5. Bounded: at most `MAX_FAULTS` faults and `MAX_BOOTS` boots each (the oldest cleared go
@@ -28,6 +33,8 @@ pub const SCHEMA: &str = "phq.history/v1";
 pub const FILE: &str = "history.json";
 pub const MAX_FAULTS: usize = 1024;
 pub const MAX_BOOTS: usize = 16;
+/// The evidence key an escalated finding carries, with the value `history` (rule 3).
+pub const DECIDED_BY: &str = "decided_by";
 /// Bytes read of a history file: a full one is well under 1 MiB.
 const MAX_FILE_BYTES: u64 = 8 << 20;
 
@@ -241,8 +248,11 @@ impl History {
         true
     }
 
-    /// Rule 3: findings whose fault is open and was seen in two boots or more become
-    /// `inspect_hardware`/`platform` and say so.
+    /// Rule 3: a finding whose fault is open and was seen in two boots or more. When its route
+    /// is already the platform's hardware (`route::hardware_class`) it becomes
+    /// `inspect_hardware`, says the history decided it (`DECIDED_BY`) and names the boots; any
+    /// other (a tenant's program that faults, a power cap the tenant set) keeps its action and
+    /// owner and says that it recurs.
     pub fn escalate(&self, s: &Snapshot, findings: &mut [Finding]) {
         for f in findings.iter_mut() {
             let Some((check, code, _)) = fault_key(f) else { continue };
@@ -260,6 +270,24 @@ impl History {
             }
             let ids: Vec<&str> = fault.boots.iter().map(|b| b.boot_id.as_str()).collect();
             f.evidence.insert("boot_ids".into(), serde_json::json!(ids));
+            if !crate::checks::route::hardware_class(f.action, f.owner) {
+                f.evidence.insert("recurs".into(), true.into());
+                f.summary =
+                    format!("{} — recurs: seen on this GPU (serial {}) in {boots} boots", f.summary, fault.serial);
+                f.detail = format!(
+                    "{}\nThe same finding came back after a reboot on the same physical GPU (serial {}): seen in {boots} boots ({}), first at {}. It stays {}'s to act on ({}): what it shows is not the hardware's, however often it recurs.",
+                    f.detail,
+                    fault.serial,
+                    ids.join(", "),
+                    fault.first_seen,
+                    f.owner.word(),
+                    f.action.word()
+                )
+                .trim_start()
+                .to_string();
+                continue;
+            }
+            f.evidence.insert(DECIDED_BY.into(), "history".into());
             f.summary = format!("{} — seen on this GPU (serial {}) in {boots} boots", f.summary, fault.serial);
             f.detail = format!(
                 "{}\nThe same fault on the same physical GPU (serial {}) came back after a reboot: seen in {boots} boots ({}), first at {}. A restart does not fix it: the GPU needs a person.",
@@ -354,6 +382,47 @@ mod tests {
         assert!(!h.record(&s, &[xid79(1)], "boot-b", at(1500)));
         assert!(h.record(&s, &[xid79(2)], "boot-b", at(1600)));
         assert!(h.faults[0].cleared.is_none());
+    }
+
+    /// Issue 51 hole 2: a tenant's own faults, seen in two boots, stay the tenant's and say they
+    /// recur; the platform's hardware fault escalates and says the history decided it.
+    #[test]
+    fn only_the_platforms_hardware_faults_escalate() {
+        let s = healthy();
+        let mut h = History::default();
+        let xid = |code: &str, resolution: &str| {
+            Finding::fail("gpu.xid", &format!("Xid {code}"))
+                .gpu("0000:0c:00.0")
+                .evidence("governs", format!("Xid {code}"))
+                .evidence("xids", serde_json::json!([{"code": code, "count": 1, "resolution": resolution}]))
+        };
+        let power = || Finding::warn("gpu.power-limit", "capped at 500 W").gpu("0000:0c:00.0");
+        let ecc_off = || Finding::warn("gpu.ecc-mode", "ECC off").gpu("0000:0c:00.0");
+        let bar1 = || Finding::fail("pci.bar1-assigned", "no BAR1").gpu("0000:0c:00.0");
+        let all = || vec![xid("31", "RESTART_APP"), xid("13", "RESTART_APP"), power(), ecc_off(), bar1(), xid79(1)];
+        for (boot, t) in [("boot-a", 0), ("boot-b", 600)] {
+            let f = all();
+            h.record(&s, &f, boot, at(t));
+        }
+        let mut f = all();
+        crate::checks::route::apply(&mut f);
+        let before: Vec<(Action, Owner)> = f.iter().map(|x| (x.action, x.owner)).collect();
+        h.escalate(&s, &mut f);
+        for (x, was) in f.iter().zip(&before).take(5) {
+            assert_eq!((x.action, x.owner), *was, "{} escalated: {x:#?}", x.id);
+            assert_eq!(x.evidence["recurs"], true, "{}", x.id);
+            assert!(x.summary.contains("recurs") && x.summary.contains("2 boots"), "{}", x.summary);
+            assert!(x.evidence.get(DECIDED_BY).is_none(), "{}", x.id);
+        }
+        assert_eq!(before[0], (Action::RestartApp, Owner::Tenant));
+        let x79 = &f[5];
+        assert_eq!((x79.action, x79.owner), (Action::InspectHardware, Owner::Platform));
+        assert_eq!(x79.evidence[DECIDED_BY], "history");
+        let v = crate::report::verdict_of(&f, at(700));
+        assert_eq!(v.action, Action::InspectHardware);
+        assert!(v.basis.contains(&"history".to_string()), "{v:?}");
+        assert_eq!(v.boots, vec!["boot-a".to_string(), "boot-b".to_string()]);
+        assert!(v.note.contains("boot-a") && v.note.contains("boot-b"), "{}", v.note);
     }
 
     #[test]

@@ -306,7 +306,13 @@ fn an_xid_in_two_boots_escalates_to_the_platform() {
     assert!(second["summary"].as_str().unwrap().contains(&format!("serial {serial}")), "{second:#}");
     assert_eq!((verdict["action"].as_str(), verdict["owner"].as_str()), (Some("inspect_hardware"), Some("platform")));
     assert!(verdict["gpus"].as_array().unwrap().contains(&"0000:0c:00.0".into()));
-    assert!(metrics.contains("phq_verdict{action=\"inspect_hardware\",owner=\"platform\"} 1"), "{metrics}");
+    // The verdict's basis (issue 51): the kernel log's Xid, escalated by the history.
+    assert_eq!(verdict["basis"], serde_json::json!(["history", "kernel_log"]), "{verdict:#}");
+    assert_eq!(verdict["boots"], serde_json::json!(["boot-a", "boot-b"]), "{verdict:#}");
+    assert!(
+        metrics.contains("phq_verdict{action=\"inspect_hardware\",owner=\"platform\",basis=\"history+kernel_log\"} 1"),
+        "{metrics}"
+    );
     assert_eq!(metrics.matches("phq_verdict{").count(), 1);
     assert!(metrics.contains(&format!("serial=\"{serial}\"")), "phq_gpu_info carries the serial");
 

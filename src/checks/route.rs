@@ -199,6 +199,14 @@ pub const RULES: &[Rule] = &[
     rule("agent.endpoint-auth", FixGuestSoftware, FixGuestSoftware, Tenant),
 ];
 
+/// Whether a routed finding is already the platform's hardware: the platform's move, and an
+/// action on the device or the node (a reset, a restart from the platform, a host reboot, an
+/// inspection). Only such a finding may be escalated to `inspect_hardware` by recurring
+/// (`history` rule 3); a tenant's finding, or the platform's call to support, never is.
+pub fn hardware_class(action: Action, owner: Owner) -> bool {
+    owner == Owner::Platform && matches!(action, ResetGpu | RestartVm | RebootHost | InspectHardware)
+}
+
 /// The rule for `id`; an id no rule names (a new check before its row) goes to support.
 pub fn rule_for(id: &str) -> Rule {
     RULES.iter().copied().find(|r| r.id == id).unwrap_or(Rule {

@@ -172,8 +172,12 @@ pub struct Verdict {
     /// The GPUs (PCI addresses) those findings are about.
     pub gpus: Vec<String>,
     /// What backs it: `nvml` (the driver through NVML), `kernel_log` (the kernel log alone),
-    /// `probe` (a measurement through CUDA), `guest` (the guest's own files and services).
+    /// `probe` (a measurement through CUDA), `guest` (the guest's own files and services),
+    /// `history` (the fault history escalated it: the same fault in several boots; `boots`).
     pub basis: Vec<String>,
+    /// The boots the fault history saw the escalated fault in, when `basis` has `history`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub boots: Vec<String>,
     /// Since when this verdict has stood: the report's time unless the service's fault history
     /// knows an earlier one.
     pub since: Option<Timestamp>,
@@ -182,10 +186,11 @@ pub struct Verdict {
     pub note: String,
 }
 
-/// What backs one finding (see `Verdict::basis`).
-fn basis_of(f: &Finding) -> &'static str {
+/// What backs one finding (see `Verdict::basis`): where its reading came from, and `history`
+/// beside it when the fault history decided its action.
+fn basis_of(f: &Finding) -> impl Iterator<Item = &'static str> {
     let area = f.id.split('.').next().unwrap_or("");
-    match area {
+    let reading = match area {
         "probe" => "probe",
         "gpu" if f.id == "gpu.xid" => {
             if f.evidence.get("authority").and_then(serde_json::Value::as_str) == Some("kernel_log") {
@@ -197,8 +202,13 @@ fn basis_of(f: &Finding) -> &'static str {
         "fabric" if f.id == "fabric.sxid" => "kernel_log",
         "gpu" | "nvml" | "nvlink" | "fabric" => "nvml",
         _ => "guest",
-    }
+    };
+    let history = f.evidence.get(crate::history::DECIDED_BY).and_then(serde_json::Value::as_str) == Some("history");
+    std::iter::once(reading).chain(history.then_some("history"))
 }
+
+/// Every value `Verdict::basis` can hold, for the metrics' label and the schema.
+pub const BASES: [&str; 5] = ["guest", "history", "kernel_log", "nvml", "probe"];
 
 /// The verdict of routed findings (`route::apply` has run), at `at`.
 pub fn verdict_of(findings: &[Finding], at: Timestamp) -> Verdict {
@@ -215,17 +225,36 @@ pub fn verdict_of(findings: &[Finding], at: Timestamp) -> Verdict {
     let mut gpus: Vec<String> = from.iter().filter_map(|f| f.gpu.clone()).collect();
     gpus.sort();
     gpus.dedup();
-    let mut basis: Vec<String> = from.iter().map(|f| basis_of(f).to_string()).collect();
+    let mut basis: Vec<String> = from.iter().flat_map(|f| basis_of(f)).map(str::to_string).collect();
     basis.sort();
     basis.dedup();
-    let note = if owner == Owner::Platform && basis == ["kernel_log"] {
-        "Backed by the guest's kernel log alone: NVML did not report it and no probe measured it. The guest's root is \
-         the tenant's; weigh it before draining hardware."
-            .to_string()
-    } else {
-        String::new()
-    };
-    Verdict { action: worst, owner, findings: ids, gpus, basis, since: Some(at), note }
+    let mut boots: Vec<String> = from
+        .iter()
+        .filter(|f| f.evidence.get(crate::history::DECIDED_BY).is_some())
+        .filter_map(|f| f.evidence.get("boot_ids")?.as_array().cloned())
+        .flatten()
+        .filter_map(|b| b.as_str().map(str::to_string))
+        .collect();
+    boots.sort();
+    boots.dedup();
+    let mut notes = Vec::new();
+    if !boots.is_empty() {
+        notes.push(format!(
+            "Escalated by the fault history: the same fault on the same physical GPU in boots {}; no single reading decided it.",
+            boots.join(", ")
+        ));
+    }
+    if owner == Owner::Platform
+        && basis.iter().all(|b| b == "kernel_log" || b == "history")
+        && basis.iter().any(|b| b == "kernel_log")
+    {
+        notes.push(
+            "Backed by the guest's kernel log alone: NVML did not report it and no probe measured it. The guest's root is \
+             the tenant's; weigh it before draining hardware."
+                .to_string(),
+        );
+    }
+    Verdict { action: worst, owner, findings: ids, gpus, basis, boots, since: Some(at), note: notes.join(" ") }
 }
 
 /// Something that happened, pushed through the spool so that it is never lost.

@@ -248,11 +248,18 @@ fn verdict_families(fam: &mut Families, r: &Report) {
     }
     // The one series a platform routes on (issue 39): the report's verdict, 1; no other
     // combination is present, so `phq_verdict{owner="platform"}` selects the VMs waiting on it.
+    // `basis` is what backs it, as `/v1/status` says (issue 51): the sorted values of
+    // `report::BASES` it rests on joined by `+` ("" with no action), at most 31 combinations.
     let verdict = fam.gauge(
         "phq_verdict",
-        "The most urgent action over all findings and whose move it is (docs/checks.md); always 1",
+        "The most urgent action over all findings, whose move it is and what backs it (docs/checks.md); always 1",
     );
-    verdict.get_or_create(&l(&[("action", r.verdict.action.word()), ("owner", r.verdict.owner.word())])).set(1.0);
+    let basis: Vec<&str> =
+        r.verdict.basis.iter().map(String::as_str).filter(|b| crate::report::BASES.contains(b)).collect();
+    let basis = basis.join("+");
+    verdict
+        .get_or_create(&l(&[("action", r.verdict.action.word()), ("owner", r.verdict.owner.word()), ("basis", &basis)]))
+        .set(1.0);
 }
 
 /// Xid counters per GPU, from the report: the total from the first scrape, and per code and
