@@ -88,7 +88,9 @@ impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             enabled: true,
-            listen: SocketAddr::from(([0, 0, 0, 0], 9440)),
+            // Both families on one socket (`serve::http::listen`): an IPv4-only wildcard leaves
+            // `[::]:9440` to any user of the guest (issue 51).
+            listen: SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 9440)),
             token_file: PathBuf::from("/etc/phq-agent/token"),
             tls_cert: String::new(),
             tls_key: String::new(),

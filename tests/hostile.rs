@@ -538,3 +538,88 @@ fn an_xid_storm_with_the_platform_down_keeps_the_watchdog_and_loses_no_xid() {
     assert_eq!(events["merged"], XIDS - xid_events, "each Xid without an event of its own is counted as merged");
     assert!(worst_gap < WATCHDOG, "the watchdog went {worst_gap:?} without a ping (WatchdogSec {WATCHDOG:?})");
 }
+
+/// Issue 51 hole 4: 16 addresses × 16 connections, each the head of an unauthenticated
+/// `POST /v1/probes` that promises a body and sends none. Once they held all 256 slots as busy
+/// (the body was read before the token was checked, for up to the connection's 60 s life) and
+/// `/healthz` went unanswered. Now each is refused on its head (401) and never busy, so
+/// `/healthz` and an authenticated `/v1/status` answer beside them; and the token's holder who
+/// promises a body and stalls gets 408 after `BODY_TIMEOUT`, not the connection's whole life.
+#[test]
+fn unauthenticated_posts_never_hold_the_table() {
+    raise_fd_limit();
+    let Some(agent) = start() else { return };
+    let head = "POST /v1/probes HTTP/1.1\r\nHost: vm\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n";
+    let mut held = vec![];
+    for a in 0..16u8 {
+        for _ in 0..phq_agent::serve::http::MAX_PER_PEER {
+            let mut s = connect_from(Ipv4Addr::new(127, 0, 2, 1 + a), agent.port).unwrap();
+            s.write_all(head.as_bytes()).unwrap();
+            held.push(s);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500)); // every head read
+    for n in 0..10 {
+        let got = healthz(agent.port, Duration::from_secs(1));
+        assert!(matches!(got, Some((200, _))), "probe {n} beside {} unauthenticated POSTs: {got:?}", held.len());
+    }
+    let mut first = String::new();
+    held[0].set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let _ = held[0].read_to_string(&mut first);
+    assert!(first.starts_with("HTTP/1.1 401"), "an unauthenticated POST was not refused on its head: {first:?}");
+    let mut s = TcpStream::connect(("127.0.0.1", agent.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(s, "GET /v1/status HTTP/1.1\r\nHost: vm\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut r = String::new();
+    let _ = s.read_to_string(&mut r);
+    assert!(r.starts_with("HTTP/1.1 200"), "{}", r.lines().next().unwrap_or(""));
+
+    // The token's holder who stalls its body: 408 at BODY_TIMEOUT.
+    let mut s = TcpStream::connect(("127.0.0.1", agent.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let t = Instant::now();
+    write!(s, "POST /v1/probes HTTP/1.1\r\nHost: vm\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 20\r\n\r\n{{")
+        .unwrap();
+    let mut r = String::new();
+    let _ = s.read_to_string(&mut r);
+    assert!(r.starts_with("HTTP/1.1 408"), "{r:?} after {:.1?}", t.elapsed());
+}
+
+/// Issue 51 hole 7: the guest's root can write the history file; `phq-agent history --json`
+/// prints its strings with every control character (C1, DEL, the bidirectional overrides) as a
+/// JSON escape, so the values survive and no terminal acts on them, as the table mode does.
+#[test]
+fn history_json_prints_no_terminal_controls() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let hostile = "GPU\u{9b}2J\u{1b}]0;owned\u{7}\u{7f}\u{202e}lairesgnp\u{2066}x";
+    let history = serde_json::json!({
+        "schema": "phq.history/v1",
+        "faults": [{
+            "serial": hostile, "gpu": "0000:0c:00.0", "check": "gpu.xid", "code": "79",
+            "boots": [{"boot_id": "b\u{85}1", "first": "2026-12-06T00:00:00Z", "last": "2026-12-06T00:00:00Z", "count": 1}],
+            "first_seen": "2026-12-06T00:00:00Z", "last_seen": "2026-12-06T00:00:00Z"
+        }]
+    });
+    std::fs::write(state.join("history.json"), serde_json::to_vec(&history).unwrap()).unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, format!("[agent]\nstate_dir = {:?}\n", state)).unwrap();
+    for json in [true, false] {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_phq-agent"));
+        cmd.args(["history", "--config"]).arg(&cfg);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8(out.stdout).unwrap();
+        let bad: Vec<char> = text.chars().filter(|c| phq_agent::text::unprintable(*c) && *c != '\n').collect();
+        assert!(bad.is_empty(), "--json {json}: {bad:?} reached stdout: {text}");
+        if json {
+            let back: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(back["faults"][0]["serial"], hostile, "the value itself survives");
+        }
+    }
+}

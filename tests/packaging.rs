@@ -151,6 +151,12 @@ fn the_socket_units_parse_and_name_their_sockets_as_the_agent_reads_them() {
             assert!(text.contains(&format!("\nFileDescriptorName={}\n", purpose.fd_name())), "{unit}");
             assert!(text.contains("\nService=phq-agent.service\n") && text.contains("\nWantedBy=sockets.target\n"));
         }
+        if purpose == Purpose::Http && unit.ends_with(".socket") {
+            // Issue 51: both families on one socket, so no user takes [::]:9440 beside it.
+            let listens: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("ListenStream=")).collect();
+            assert_eq!(listens, ["9440"], "{unit}");
+            assert!(text.contains("\nBindIPv6Only=both\n"), "{unit}");
+        }
         std::fs::write(dir.path().join(name), text).unwrap();
         names.push(dir.path().join(name));
     }

@@ -6,6 +6,10 @@
 //!   connection lives at most `CONNECTION_LIFETIME`, so slow or oversized clients cannot hold
 //!   the agent. `HEADER_TIMEOUT` is also the keep-alive idle timeout: hyper arms it whenever it
 //!   waits for the next request's head, on a new or a kept-alive connection;
+//! - a POST is judged on its head first: its credentials are checked before a byte of its body
+//!   is read, and an authenticated body has `BODY_TIMEOUT` to arrive. Only an authenticated
+//!   request counts as busy, so no client without the token can hold a slot admission must
+//!   keep (issue 51: 16 addresses × 16 unauthenticated POSTs once held all 256);
 //! - admission (`Admission`) keeps one client from locking out the others, as nginx's
 //!   `limit_conn` and Envoy's overload manager do: at most `MAX_PER_PEER` connections per
 //!   source address, at most `MAX_CONNECTIONS` in all, and when the table is full a new
@@ -50,6 +54,9 @@ pub type Reply = Response<Full<Bytes>>;
 /// A request body larger than this is refused (413) before it is read whole: the one body the
 /// endpoint takes, `POST /v1/probes`'s, is a few bytes of JSON.
 pub const MAX_REQUEST_BODY: usize = 1024;
+/// How long an authenticated POST's body may take to arrive once its head has: a few bytes of
+/// JSON need a round trip, not the connection's whole life. Past it, 408 (RFC 9110 §15.5.9).
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What the routes answer from: the published snapshot, and the probe desk that
 /// `POST /v1/probes` asks.
@@ -98,11 +105,53 @@ pub fn answer<B>(e: &Endpoint, req: &Request<B>, cert: ClientCert, body: &[u8]) 
 pub const LISTEN_BACKLOG: u32 = 4096;
 
 /// Binds the endpoint's listener with `LISTEN_BACKLOG` (and `SO_REUSEADDR`, as std does).
+///
+/// The IPv6 wildcard `[::]` binds both families on one socket (`IPV6_V6ONLY` off, ipv6(7)), so
+/// no other user of the guest can take the other family's side of the port and collect the
+/// tokens its clients send (issue 51: an IPv4-only `0.0.0.0` left `[::]:9440` to anyone). On a
+/// guest whose kernel has no IPv6 (`ipv6.disable=1`: `socket(AF_INET6)` fails with
+/// `EAFNOSUPPORT`) it binds `0.0.0.0` on the same port instead, as systemd does for a
+/// `ListenStream=` of a port alone (systemd.socket(5)); there is no IPv6 side to take.
 pub fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    let socket = match addr {
+        std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        std::net::SocketAddr::V6(v6) => match tokio::net::TcpSocket::new_v6() {
+            Ok(s) => {
+                if v6.ip().is_unspecified() {
+                    dual_stack(&s)?;
+                }
+                s
+            }
+            Err(e) if v6.ip().is_unspecified() && e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
+                return listen(std::net::SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, addr.port())));
+            }
+            Err(e) => return Err(e),
+        },
+    };
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(LISTEN_BACKLOG)
+}
+
+/// Turns `IPV6_V6ONLY` off on an IPv6 socket, whatever `net.ipv6.bindv6only` says.
+fn dual_stack(s: &tokio::net::TcpSocket) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let off: libc::c_int = 0;
+    // SAFETY: setsockopt(2) on a socket this function borrows, with a c_int option value.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_IPV6,
+            libc::IPV6_V6ONLY,
+            (&off as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 /// How the client on a connection proved itself, if it did (a verified client certificate).
@@ -220,25 +269,35 @@ async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Se
     busy: Arc<AtomicUsize>,
 ) -> Result<(), String> {
     let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-        let in_flight = InFlight::new(busy.clone());
         let endpoint = endpoint.clone();
+        let busy = busy.clone();
         async move {
-            let _in_flight = in_flight;
             // Only POST reads a body, bounded; every other answer is made at once from the
-            // published bytes, with nothing to wait for.
+            // published bytes, with nothing to wait for (and so never counts as busy).
             if req.method() != Method::POST {
                 return Ok::<_, std::convert::Infallible>(answer(&endpoint, &req, cert, &[]));
             }
             let (parts, body) = req.into_parts();
             let head = Request::from_parts(parts, ());
-            let reply =
-                match http_body_util::BodyExt::collect(http_body_util::Limited::new(body, MAX_REQUEST_BODY)).await {
-                    Ok(b) => answer(&endpoint, &head, cert, &b.to_bytes()),
-                    Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-                        plain(StatusCode::PAYLOAD_TOO_LARGE, format!("a body over {MAX_REQUEST_BODY} bytes\n"))
-                    }
-                    Err(e) => plain(StatusCode::BAD_REQUEST, format!("the body could not be read: {e}\n")),
-                };
+            // The head decides first: a wrong path, method or credential is answered before a
+            // byte of the body is read, and such a connection is never busy, so admission may
+            // close it for another client (the rules at the top).
+            if let Some(refused) = before_body(&endpoint, &head, cert) {
+                return Ok(refused);
+            }
+            let _in_flight = InFlight::new(busy);
+            let limited = http_body_util::BodyExt::collect(http_body_util::Limited::new(body, MAX_REQUEST_BODY));
+            let reply = match tokio::time::timeout(BODY_TIMEOUT, limited).await {
+                Ok(Ok(b)) => answer(&endpoint, &head, cert, &b.to_bytes()),
+                Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+                    plain(StatusCode::PAYLOAD_TOO_LARGE, format!("a body over {MAX_REQUEST_BODY} bytes\n"))
+                }
+                Ok(Err(e)) => plain(StatusCode::BAD_REQUEST, format!("the body could not be read: {e}\n")),
+                Err(_) => plain(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!("the body did not arrive within {} s\n", BODY_TIMEOUT.as_secs()),
+                ),
+            };
             Ok(reply)
         }
     });
@@ -251,7 +310,16 @@ async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Se
         .map_err(|e| e.to_string())
 }
 
-/// Marks a connection busy while one of its requests is being answered.
+/// What a POST's head alone decides, before its body is read: the route and method (`answer`
+/// says 404 or 405 with no body to read) and the caller's credentials. `None`: read the body.
+fn before_body(e: &Endpoint, head: &Request<()>, cert: ClientCert) -> Option<Reply> {
+    if head.uri().path() != "/v1/probes" {
+        return Some(answer(e, head, cert, &[]));
+    }
+    published_for(&e.shared, head.headers(), cert).err().map(|r| *r)
+}
+
+/// Marks a connection busy while one of its authenticated requests is being answered.
 struct InFlight(Arc<AtomicUsize>);
 
 impl InFlight {
@@ -652,6 +720,23 @@ mod tests {
         assert!(Admission::admit(&a, Peer::Cid(3)).is_ok());
         assert!(Admission::admit(&a, ip("0.0.0.2")).is_ok());
         assert_eq!(a.held_by(Peer::Cid(2)), 1);
+    }
+
+    /// Issue 51 hole 5: the default listener holds the port in both families, so no other
+    /// user binds the IPv6 side (or the IPv4 side) of it and hears the clients' tokens.
+    #[test]
+    fn the_default_listener_leaves_neither_family_free() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let _guard = rt.enter();
+        let default = crate::config::HttpConfig::default().listen;
+        assert!(default.ip().is_unspecified() && default.is_ipv6(), "{default}");
+        let held = listen(std::net::SocketAddr::new(default.ip(), 0)).unwrap();
+        let port = held.local_addr().unwrap().port();
+        for other in ["[::]", "[::1]", "0.0.0.0", "127.0.0.1"] {
+            let addr: std::net::SocketAddr = format!("{other}:{port}").parse().unwrap();
+            let e = std::net::TcpListener::bind(addr).err();
+            assert_eq!(e.map(|e| e.kind()), Some(std::io::ErrorKind::AddrInUse), "{addr} was free beside {default}");
+        }
     }
 
     #[test]
