@@ -17,7 +17,9 @@ impl History {
         let config = g.load_config()?;
         let h = crate::history::History::load(&config.agent.state_dir)?;
         if self.json {
-            let text = serde_json::to_string_pretty(&h).context("cannot encode the history")?;
+            // The file is the service's, but the guest's root can write it: every control
+            // character in a string leaves as a JSON escape, as the table mode replaces it.
+            let text = crate::text::json_pretty(&h).context("cannot encode the history")?;
             super::print_out(&format!("{text}\n"), false)?;
         } else {
             super::print_out(&render(&h), false)?;

@@ -220,7 +220,7 @@ pub fn error_text(e: &anyhow::Error) -> String {
 /// Prints a report: pretty JSON, or the table for people (coloured where the terminal wants it).
 pub fn print_report(r: &crate::report::Report, title: &str, json: bool) -> anyhow::Result<()> {
     if json {
-        let text = serde_json::to_string_pretty(r).map_err(|e| anyhow::anyhow!("cannot encode the report: {e}"))?;
+        let text = crate::text::json_pretty(r).map_err(|e| anyhow::anyhow!("cannot encode the report: {e}"))?;
         print_out(&format!("{text}\n"), false)
     } else {
         print_out(&crate::report::table::render(r, title, crate::report::table::terminal_width()), true)

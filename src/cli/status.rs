@@ -30,7 +30,7 @@ impl Status {
         let r: Report = report::untrusted::parse(json.as_bytes(), what)?;
         report::untrusted::check_report(&r, what)?;
         if self.json {
-            let text = serde_json::to_string_pretty(&r).context("cannot encode the report")?;
+            let text = crate::text::json_pretty(&r).context("cannot encode the report")?;
             super::print_out(&format!("{text}\n"), false)?;
         } else {
             super::print_report(&r, "phq-agent status", false)?;
