@@ -297,7 +297,12 @@ fn no_gpu_fails_presence_and_exits_2() {
     assert_eq!(code, 2);
     assert_eq!(r["health"], "unhealthy");
     assert_eq!(bad(&r), vec![("pci.gpu-present".into(), "".into(), "fail".into())]);
-    assert!(findings(&r, "pci.gpu-present")[0]["remedy"].as_str().unwrap().contains("spec.domain.devices.gpus"));
+    let f = &findings(&r, "pci.gpu-present")[0];
+    assert!(f["remedy"].as_str().unwrap().contains("spec.domain.devices.gpus"));
+    // Issue 51: with no expected count the guest cannot tell the spec from the allocation, and
+    // says so instead of paging the platform to restart the VM.
+    assert!(f["summary"].as_str().unwrap().contains("cannot be told from inside the guest"), "{f:#}");
+    assert_eq!((f["action"].as_str(), f["owner"].as_str()), (Some("contact_support"), Some("platform")));
 }
 
 #[test]
@@ -754,6 +759,14 @@ fn every_finding_routes_as_the_documented_table_says() {
         }
     }
     assert!(rules.len() > 50, "{rules:?}");
+    // Each example guest's documented verdict: scenario → (action, owner).
+    let verdicts = section.split("## Each example guest's verdict").nth(1).expect("the table of example verdicts");
+    let expected: std::collections::BTreeMap<String, (String, String)> = verdicts
+        .lines()
+        .map(|l| l.split('|').map(|c| c.trim().trim_matches('`').to_string()).collect::<Vec<_>>())
+        .filter(|c| c.len() > 4 && !c[1].is_empty() && c[1] != "scenario" && !c[1].starts_with('-'))
+        .map(|c| (c[1].clone(), (c[2].clone(), c[3].clone())))
+        .collect();
     let bucket = |b: &str| -> (&str, &str) {
         match b {
             "RESTART_APP" | "WORKFLOW_XID_45" => ("restart_app", "tenant"),
@@ -828,6 +841,13 @@ fn every_finding_routes_as_the_documented_table_says() {
                     (a.into(), o.into())
                 }
                 "warn" | "fail" if id == "gpu.xid" => continue, // NVML's recovery action governs: unit-tested
+                // One cause, one owner: a finding that names its cause routes as the cause does.
+                "warn" | "fail" if f["evidence"]["caused_by"].is_string() => {
+                    let cause = f["evidence"]["caused_by"].as_str().unwrap();
+                    let (w, fl, o) =
+                        rules.get(cause).unwrap_or_else(|| panic!("{sc}: cause {cause} is not in the table"));
+                    (if sev == "warn" { w.clone() } else { fl.clone() }, o.clone())
+                }
                 "warn" | "fail" => {
                     let (w, fl, o) =
                         rules.get(id).unwrap_or_else(|| panic!("{sc}: {id} is not in docs/checks.md's table"));
@@ -840,7 +860,16 @@ fn every_finding_routes_as_the_documented_table_says() {
             seen += usize::from(sev == "warn" || sev == "fail");
         }
         assert_eq!(r["verdict"]["action"], urgency[worst], "{sc}: the verdict is the most urgent action");
+        let (action, owner) = expected
+            .get(sc.as_str())
+            .unwrap_or_else(|| panic!("{sc}: no row in docs/checks.md's table of example verdicts"));
+        assert_eq!(
+            (r["verdict"]["action"].as_str().unwrap(), r["verdict"]["owner"].as_str().unwrap()),
+            (action.as_str(), owner.as_str()),
+            "{sc}: the verdict is not the documented one (docs/checks.md, \"Each example guest's verdict\")"
+        );
     }
+    assert_eq!(expected.len(), scenarios.len(), "docs/checks.md lists verdicts for scenarios that no longer exist");
     assert!(seen > 30, "only {seen} warn/fail findings across the scenarios");
 }
 

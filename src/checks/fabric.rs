@@ -143,6 +143,45 @@ pub(super) fn fabric_state(s: &Snapshot, g: &NvmlGpu) -> Finding {
     r.evidence("fabric", f)
 }
 
+/// The evidence key that names a finding's cause: another check id, whose route it then takes
+/// (`route` rule 5).
+pub const CAUSED_BY: &str = "caused_by";
+
+/// One cause, one owner (issue 51): while the fabric manager is not running
+/// (`fabric.manager-running` fails: absent, failed or stopped — the tenant's to start), the
+/// NVSwitch fabric is never trained, so each GPU's `fabric.state` stays `not_started` and its
+/// NVLinks inactive (NVIDIA's Fabric Manager User Guide: the fabric manager trains the GPU and
+/// NVSwitch NVLinks, and CUDA waits for it with error 802). Those findings then share the
+/// manager's cause and route as it does; the same findings with the manager running stay the
+/// platform's (a fabric that will not train, links that will not come up).
+pub(super) fn one_cause(out: &mut [Finding]) {
+    use super::Severity;
+    let manager_down = out.iter().any(|f| f.id == "fabric.manager-running" && f.severity == Severity::Fail);
+    if !manager_down {
+        return;
+    }
+    for f in out.iter_mut().filter(|f| matches!(f.severity, Severity::Warn | Severity::Fail)) {
+        let untrained = match f.id.as_str() {
+            "fabric.state" => {
+                f.evidence.get("fabric").and_then(|x| x.get("state")).and_then(serde_json::Value::as_str)
+                    == Some("not_started")
+            }
+            "nvlink.links-active" => true,
+            _ => false,
+        };
+        if !untrained {
+            continue;
+        }
+        f.evidence.insert(CAUSED_BY.into(), "fabric.manager-running".into());
+        f.detail = format!(
+            "{}\nThe fabric manager is not running (fabric.manager-running): until it runs, the NVSwitch fabric is not trained and the NVLinks stay inactive, so this follows from it and is the guest's to fix first. It is the platform's only if it stays so with the fabric manager running.",
+            f.detail
+        )
+        .trim_start()
+        .to_string();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;

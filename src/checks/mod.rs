@@ -225,6 +225,7 @@ pub fn run(s: &Snapshot, settings: &Settings) -> Vec<Finding> {
     xid::run(s, &mut out);
     nvml::run(s, &mut out);
     cuda::run(s, &mut out);
+    fabric::one_cause(&mut out);
     let order = |id: &str| CATALOG.iter().position(|c| *c == id).unwrap_or(usize::MAX);
     out.sort_by_key(|f| order(&f.id)); // stable: per-GPU findings keep PCI order
     out

@@ -17,7 +17,7 @@ pub fn run(s: &Snapshot, settings: &Settings, out: &mut Vec<Finding>) {
         }
     };
     let gpus = s.gpus();
-    out.push(gpu_present(s, devices.len()));
+    out.push(gpu_present(s, devices.len(), settings.expected_gpus));
     out.push(gpu_count(s, settings));
     if gpus.is_empty() {
         for id in ["pci.gpu-driver-bound", "pci.bar1-assigned", "pci.link"] {
@@ -32,7 +32,12 @@ pub fn run(s: &Snapshot, settings: &Settings, out: &mut Vec<Finding>) {
     out.push(nvswitch_present(s));
 }
 
-fn gpu_present(s: &Snapshot, devices: usize) -> Finding {
+/// Whose move a VM without a GPU is depends on what its spec asked for, which the guest cannot
+/// read: with `agent.expected_gpus` (cloud-init writes it from the allocation) the platform's
+/// allocation failed — `restart_vm`; without it the guest cannot tell a spec that asks for no
+/// GPU (the tenant's `fix_vm_spec`) from a GPU the platform did not attach, says so, and routes
+/// to the platform's support (`route`: the evidence's `expected_gpus` is null).
+fn gpu_present(s: &Snapshot, devices: usize, expected: Option<u32>) -> Finding {
     const ID: &str = "pci.gpu-present";
     let gpus = s.gpus();
     if gpus.is_empty() {
@@ -44,11 +49,19 @@ fn gpu_present(s: &Snapshot, devices: usize) -> Finding {
             .filter(|d| d.vendor == Some(NVIDIA_VENDOR))
             .map(|d| d.address.clone())
             .collect();
-        return Finding::fail(ID, "no NVIDIA GPU on the PCI bus")
-            .detail(format!("{devices} PCI devices seen, none an NVIDIA GPU (vendor 10de, class 0302)."))
-            .remedy("The VM has no GPU passed through. Add the GPU to the VirtualMachine (`spec.domain.devices.gpus[]` with a `deviceName` the cluster permits in `permittedHostDevices.pciHostDevices`, e.g. selector `10DE:2330`), check that the node advertises it (`kubectl describe node`, allocatable `nvidia.com/…`), and restart the VM.")
+        let spec = "Add the GPU to the VirtualMachine (`spec.domain.devices.gpus[]` with a `deviceName` the cluster permits in `permittedHostDevices.pciHostDevices`, e.g. selector `10DE:2330`), check that the node advertises it (`kubectl describe node`, allocatable `nvidia.com/…`), and restart the VM.";
+        let f = match expected.filter(|n| *n > 0) {
+            Some(n) => Finding::fail(ID, format!("no NVIDIA GPU on the PCI bus; this VM was given {n} (agent.expected_gpus)"))
+                .detail(format!("{devices} PCI devices seen, none an NVIDIA GPU (vendor 10de, class 0302). The configuration says the VM was allocated {n} GPU(s), so the platform's allocation did not reach the guest."))
+                .remedy("The platform's move: restart the VM from the platform (a new QEMU process re-attaches its devices), and if the GPU stays missing, check the node's devices and the VirtualMachine's spec."),
+            None => Finding::fail(ID, "no NVIDIA GPU on the PCI bus; whose move it is cannot be told from inside the guest")
+                .detail(format!("{devices} PCI devices seen, none an NVIDIA GPU (vendor 10de, class 0302). The guest cannot read its VirtualMachine's spec: if the spec asks for no GPU, adding one is the tenant's (fix_vm_spec); if it asks for one, the platform did not attach it (restart_vm). Set agent.expected_gpus so the agent can tell."))
+                .remedy(format!("Check the VirtualMachine's spec. If it asks for no GPU: {spec} If it does, the platform's support must look at why the GPU was not attached.")),
+        };
+        return f
             .evidence("pci_devices", devices)
-            .evidence("other_nvidia_devices", nvidia_other);
+            .evidence("other_nvidia_devices", nvidia_other)
+            .evidence("expected_gpus", expected);
     }
     let addrs: Vec<&str> = gpus.iter().map(|g| g.address.as_str()).collect();
     Finding::pass(

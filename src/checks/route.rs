@@ -10,7 +10,11 @@
 //! 3. `gpu.xid` follows NVIDIA's Xid catalog: the governing code's immediate resolution
 //!    ("Resolution Bucket") maps to an action in `for_resolution`, written down beside the
 //!    catalog's names; NVML's recovery action, when it governs, in `for_recovery_action`.
-//! 4. Pure: no I/O. What came back across reboots (the fault history) escalates an action in the
+//! 5. One cause, one owner: a finding whose evidence names its cause (`caused_by`, another
+//!    check id — the fabric manager that is not running, for the fabric's state and the
+//!    NVLinks it has not trained: `fabric::one_cause`) routes as that check does, so the
+//!    verdict does not page one owner for what the other must fix first.
+//! 6. Pure: no I/O. What came back across reboots (the fault history) escalates an action in the
 //!    service, not here.
 
 use super::{Finding, Severity};
@@ -278,6 +282,16 @@ pub fn route(f: &Finding) -> (Action, Owner) {
         if let Some(routed) = xid_route(f) {
             return routed;
         }
+    }
+    // No GPU and no expected count: the guest cannot tell the tenant's spec from the platform's
+    // allocation (`pci::gpu_present`), so the platform's support looks.
+    if f.id == "pci.gpu-present" && f.evidence.get("expected_gpus").is_some_and(serde_json::Value::is_null) {
+        return (ContactSupport, Platform);
+    }
+    if let Some(cause) = f.evidence.get(super::fabric::CAUSED_BY).and_then(serde_json::Value::as_str) {
+        // Rule 5; a cause that is no check id routes as an unknown id does, to support.
+        let c = rule_for(cause);
+        return (if f.severity == Severity::Warn { c.warn } else { c.fail }, c.owner);
     }
     by_severity(f.severity)
 }
