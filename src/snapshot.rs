@@ -695,6 +695,14 @@ pub struct Conditions {
     /// Rows remapped so far, for a rise across a probe.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remapped_rows: Option<RemappedRows>,
+    /// The compute processes NVML lists on the GPU at this reading, the reader's own among them:
+    /// for the probes' look for another process (`probe::observed`), not kept in a report.
+    #[serde(skip)]
+    pub processes: Option<Vec<ProcessInfo>>,
+    /// NVML's utilisation of the GPU at this reading (percent of its last sample period), for
+    /// the same look; not kept in a report.
+    #[serde(skip)]
+    pub utilization_gpu: Option<u32>,
 }
 
 impl Conditions {

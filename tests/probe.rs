@@ -1126,3 +1126,34 @@ fn a_bridged_h100_nvl_pair_is_held_to_the_bridges_floor() {
     assert_eq!(f["severity"], "fail", "{f}");
     assert!(f["summary"].as_str().unwrap().contains("below the floor of 223 GB/s"), "{f}");
 }
+
+/// Issue 51 hole 3: a job that starts on the GPU after the snapshot found it idle (the fake
+/// NVML lists it from the second look on, `from_query`). Alone, the slow SM copy of this H200
+/// fails as hardware; beside the job the same figure is `unknown`, names the job's pid, routes
+/// to no one, and sets no baseline. A pass stays a pass.
+#[test]
+fn a_job_that_starts_during_the_probe_makes_a_shortfall_unknown_not_hardware() {
+    let pci = "0000:09:00.0";
+    let alone = Run::new("h200-single", "h200-vm", "cuda-h200-slow-sm-copy").run(&[]);
+    assert_eq!(alone.severity("probe.sm-copy-bandwidth", pci), "fail", "{}", alone.stderr);
+
+    let r = Run::new("h200-single", "h200-vm", "cuda-h200-slow-sm-copy");
+    let mut sc: Value = serde_json::from_str(&std::fs::read_to_string(scenario("h200-vm")).unwrap()).unwrap();
+    sc["devices"][0]["processes"] = serde_json::json!([{"pid": 4190001, "used_bytes": 8u64 << 30, "from_query": 2}]);
+    let path = r.dir.path().join("nvml.json");
+    std::fs::write(&path, serde_json::to_vec(&sc).unwrap()).unwrap();
+    let shared = Probed::of(r.command(&[]).env("PHQ_FAKE_NVML_SCENARIO", &path).output().unwrap());
+    assert!(shared.probed_gpus().contains(&pci.to_string()), "the snapshot found it idle: it is probed");
+    let f = shared.finding("probe.sm-copy-bandwidth", pci);
+    assert_eq!(f["severity"], "unknown", "{f:#}");
+    assert!(f["summary"].as_str().unwrap().contains("pid 4190001"), "{f:#}");
+    assert_eq!((f["action"].as_str(), f["owner"].as_str()), (Some("none"), Some("none")));
+    assert_eq!(shared.report["probes"]["gpus"][0]["contended_by"][0]["pid"], 4190001);
+    assert_eq!(shared.severity("probe.h2d-bandwidth", pci), "pass", "a figure that met its floor stays a pass");
+    assert_ne!(shared.report["verdict"]["owner"], "platform", "{:#}", shared.report["verdict"]);
+    let baseline = r.dir.path().join("state/probe-baseline.json");
+    assert!(
+        !baseline.exists() || !std::fs::read_to_string(&baseline).unwrap().contains(pci),
+        "a shared run set the baseline"
+    );
+}

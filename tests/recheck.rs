@@ -127,3 +127,44 @@ fn the_platform_starts_a_recheck_and_reads_its_result() {
         .unwrap_or_else(|| panic!("Retry-After: {head}"));
     assert!(retry > 3000 && retry <= 3600, "{retry}");
 }
+
+/// Issue 51 hole 3: the boot run checks that every GPU is idle, as every other run the service
+/// starts does. Here the H200 is busy by NVML's utilisation (80 %) with no process listed, so
+/// nothing keeps a probe off it but that check: the boot run waits, makes no CUDA context, and
+/// no probe result appears while the GPU stays busy.
+#[test]
+fn the_boot_run_waits_for_idle_gpus() {
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let root = copy_sysroot("h200-single", dir.path());
+    let mut sc: Value =
+        serde_json::from_str(&std::fs::read_to_string(repo().join("examples/scenarios/h200-vm.json")).unwrap())
+            .unwrap();
+    sc["devices"][0]["utilization"] = serde_json::json!({"gpu": 80, "memory": 40});
+    let scenario = dir.path().join("busy.json");
+    std::fs::write(&scenario, serde_json::to_vec(&sc).unwrap()).unwrap();
+    let contexts = dir.path().join("contexts");
+    let cfg = service_config(dir.path(), TOKEN, "[probes]\nat_boot = \"quick\"\n");
+    let mut child = serve_command_on(&root, &cfg, &scenario, &bus)
+        .arg("--cuda-lib")
+        .arg(fake_cuda())
+        .env("PHQ_FAKE_CUDA_SCENARIO", repo().join("examples/scenarios/cuda-h200.json"))
+        .env("PHQ_FAKE_CUDA_CONTEXTS", &contexts)
+        .spawn()
+        .unwrap();
+    let port = listening_port(&mut child).expect("serve listens");
+    let _child = Killed(child);
+    let started = Instant::now();
+    while get_with_token(port, "/v1/status", TOKEN).0 != 200 {
+        assert!(started.elapsed() < Duration::from_secs(60), "no first snapshot");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // A boot run starts at once after the first snapshot; give it time to make its context.
+    std::thread::sleep(Duration::from_secs(5));
+    let report = json(&get_with_token(port, "/v1/status", TOKEN).1);
+    assert!(
+        report.get("probe_run").is_none() && report["probes"].is_null(),
+        "a boot run started on a busy GPU: {report:#}"
+    );
+    assert!(!contexts.exists(), "a CUDA context was made on the busy GPU: {:?}", std::fs::read_to_string(&contexts));
+}

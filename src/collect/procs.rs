@@ -62,6 +62,17 @@ pub fn parse_stat(stat: &str) -> Option<(String, char)> {
     Some((comm, state))
 }
 
+/// A process's name (printable) and its parent's pid, from `/proc/<pid>/stat` under `root`;
+/// `None` where the process is gone or hidden (the service's `ProtectProc=invisible` hides
+/// other users' processes).
+pub fn name_and_parent(root: &Sysroot, pid: u32) -> Option<(String, u32)> {
+    let stat = String::from_utf8_lossy(&root.read_bytes_unrecorded(&format!("proc/{pid}/stat")).ok()?).into_owned();
+    let (comm, _) = parse_stat(&stat)?;
+    // After the name: state, then the parent's pid (proc(5), /proc/pid/stat fields 3 and 4).
+    let ppid = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().nth(1)?.parse().ok()?;
+    Some((comm, ppid))
+}
+
 /// `voluntary_ctxt_switches` + `nonvoluntary_ctxt_switches` of `/proc/<pid>/status`.
 fn switches(root: &Sysroot, pid: u32) -> Option<u64> {
     let status = root.read_string(&format!("proc/{pid}/status")).ok()?;

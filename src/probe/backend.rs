@@ -97,4 +97,8 @@ pub trait Backend {
     fn conditions(&self, _gpu: usize) -> std::collections::BTreeMap<String, Conditions> {
         Default::default()
     }
+    /// Other processes seen on GPU `gpu` while it was probed (`observed`'s look).
+    fn contenders(&self, _gpu: usize) -> Vec<super::results::Contender> {
+        Vec::new()
+    }
 }

@@ -225,7 +225,8 @@ pub fn apply(state_dir: &Path, report: &ProbeReport, targets: &[Target], finding
                 }
                 .evidence("baseline", b)
             }
-            None if passed => {
+            // A run beside another process does not set the GPU's own mark (issue 51).
+            None if passed && g.contended_by.is_empty() => {
                 base.gpus.entry(key.clone()).or_default().insert(
                     level.clone(),
                     Baseline { pci: g.pci.clone(), recorded_at: now.clone(), figures: figs.clone() },

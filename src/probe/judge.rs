@@ -33,10 +33,67 @@ pub fn judge_here(report: &ProbeReport, targets: &[Target], state_dir: &std::pat
     let mut f = judge(report, targets);
     let b = baseline::apply(state_dir, report, targets, &f);
     f.extend(b);
+    contended(report, &mut f);
     f
 }
 
+/// Probe checks that measure more than one GPU's own work: a process on any probed GPU
+/// competes with them.
+const ACROSS_GPUS: [&str; 4] = ["probe.p2p-bandwidth", "probe.latency", "probe.nvlink-scope", "probe.allreduce"];
+
+/// What another process cannot cause: a wrong result in the probe's own buffers (a memory
+/// mismatch, a wrong GEMM entry, a wrong all-reduce sum) or ECC counters that rose under the
+/// test. Another process competes for time, bandwidth and memory; it cannot change what the
+/// probe's buffers hold, nor the GPU's error counters.
+fn wrong_result(f: &Finding) -> bool {
+    let positive = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_u64).is_some_and(|n| n > 0);
+    let at = |key: &str, path: &[&str]| path.iter().try_fold(f.evidence.get(key)?, |v, k| v.get(*k));
+    positive(at("memtest", &["mismatches"]))
+        || positive(at("gemm", &["wrong_entries"]))
+        || at("gemm", &["max_rel_error"]).and_then(serde_json::Value::as_f64).is_some_and(|e| e > GEMM_TOLERANCE)
+        || positive(at("allreduce", &["ok", "wrong_words"]))
+        || f.evidence.contains_key("counters_after")
+}
+
+/// A shortfall measured while another process used the GPU says nothing about the hardware
+/// (issue 51): each warn or fail of a contended GPU (`GpuProbes::contended_by`; for the
+/// checks across GPUs, of any probed GPU) becomes `unknown` and names the process, so it never
+/// routes to the platform nor enters the fault history. A pass stays a pass: the GPU met its
+/// floor even while shared. A wrong result stays a failure (`wrong_result`).
+pub fn contended(report: &ProbeReport, findings: &mut [Finding]) {
+    use crate::checks::Severity;
+    let of_gpu = |pci: &str| -> Vec<&super::results::Contender> {
+        report.gpus.iter().filter(|g| g.pci == pci).flat_map(|g| &g.contended_by).collect()
+    };
+    let all: Vec<&super::results::Contender> = report.gpus.iter().flat_map(|g| &g.contended_by).collect();
+    for f in findings.iter_mut().filter(|f| f.id.starts_with("probe.")) {
+        if !matches!(f.severity, Severity::Warn | Severity::Fail) || wrong_result(f) {
+            continue;
+        }
+        let by = match &f.gpu {
+            Some(pci) if !ACROSS_GPUS.contains(&f.id.as_str()) => of_gpu(pci),
+            _ => all.clone(),
+        };
+        let Some(first) = by.first() else { continue };
+        let named: Vec<String> = by.iter().map(|c| c.to_string()).collect();
+        f.detail = format!(
+            "Measured: {} ({}). Another process used the GPU while it was probed: {}. A figure taken beside another job is that job's share as much as the hardware's, so it is not judged.\n{}",
+            f.summary,
+            f.severity.label().to_lowercase(),
+            named.join("; "),
+            f.detail
+        )
+        .trim_end()
+        .to_string();
+        f.summary = format!("not judged: another process used the GPU during the probe ({first})");
+        f.severity = Severity::Unknown;
+        f.remedy = Some("Probe again when the GPU is idle (the service runs its probes only then); nothing here says the hardware is at fault.".into());
+        f.evidence.insert("contended_by".into(), serde_json::json!(by));
+    }
+}
+
 /// Turns a report into `probe.*` findings against the floors of each GPU's SKU.
+/// `contended` is applied by `judge_here`, after the baseline; a caller of this alone applies it.
 pub fn judge(report: &ProbeReport, targets: &[Target]) -> Vec<Finding> {
     let mut out = Vec::new();
     let device_of = |pci: &str| targets.iter().find(|t| t.pci == pci).and_then(|t| t.device_id);

@@ -1,10 +1,19 @@
-//! A backend wrapper that reads NVML after each per-GPU measurement, so a throttled GPU is told
-//! apart from a slow link. It reads through the `collect::nvml::Session` it is handed — only
-//! `collect` touches NVML — and never opens one of its own.
+//! A backend wrapper that reads NVML before and after each per-GPU measurement, so a throttled
+//! GPU is told apart from a slow link, and a GPU another process used meanwhile from a slow one
+//! (issue 51: a job that starts during a re-check must not read as lost hardware). It reads
+//! through the `collect::nvml::Session` it is handed — only `collect` touches NVML — and never
+//! opens one of its own.
+//!
+//! The look for another process (`look`): every compute process NVML lists on the GPU that is
+//! neither this process nor a child of it (the all-reduce's), before and after each
+//! measurement; and, at the first look at a GPU only, before any probe has run on it, a
+//! utilisation above 0 % with no such process (NVML's utilisation covers its last sample
+//! period, so later looks would see the probes' own work). What it finds is the GPU's
+//! `contended_by`, and `judge::contended` makes that GPU's shortfalls `unknown`.
 
 use super::backend::{Backend, Half};
 use super::levels::LevelParams;
-use super::results::{GemmResult, MemtestResult, PowerRun, ProbeError, Run};
+use super::results::{Contender, GemmResult, MemtestResult, PowerRun, ProbeError, Run};
 use crate::collect::nvml::Session;
 use crate::snapshot::Conditions;
 
@@ -16,6 +25,12 @@ pub(super) struct Observed<'a> {
     seen: std::collections::BTreeMap<usize, std::collections::BTreeMap<String, Conditions>>,
     /// The boards' power while the last FP64 load ran, by GPU.
     power: std::collections::BTreeMap<usize, PowerRun>,
+    /// Other processes seen on each GPU (`look`).
+    contended: std::collections::BTreeMap<usize, Vec<Contender>>,
+    /// The GPUs looked at so far (the first look also weighs utilisation).
+    looked: std::collections::BTreeSet<usize>,
+    /// Where a contender's name and parent are read: the live machine's /proc.
+    proc_root: crate::sysroot::Sysroot,
 }
 
 /// How often the power test reads every board: ten times a second, our choice — NVML's reading
@@ -83,17 +98,65 @@ impl<'a> Observed<'a> {
     /// `inner` read through `session` (none: the figures stand alone) after each measurement;
     /// `pcis` names each CUDA ordinal's GPU for NVML.
     pub(super) fn new(inner: &'a mut dyn Backend, session: Option<&'a Session>, pcis: Vec<String>) -> Self {
-        Observed { inner, session, pcis, seen: Default::default(), power: Default::default() }
+        Observed {
+            inner,
+            session,
+            pcis,
+            seen: Default::default(),
+            power: Default::default(),
+            contended: Default::default(),
+            looked: Default::default(),
+            proc_root: crate::sysroot::Sysroot::new("/"),
+        }
+    }
+
+    /// NVML's reading of `gpu` now, with the other processes on it recorded (module comment).
+    fn look(&mut self, gpu: usize, when: &str) -> Option<Conditions> {
+        let (session, pci) = (self.session?, self.pcis.get(gpu)?);
+        let c = match session.conditions(pci) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(gpu, error = %e, "no NVML reading beside the probe");
+                return None;
+            }
+        };
+        let own = std::process::id();
+        let mut found: Vec<Contender> = Vec::new();
+        for p in c.processes.iter().flatten().filter(|p| p.pid != own) {
+            let who = crate::collect::procs::name_and_parent(&self.proc_root, p.pid);
+            if who.as_ref().is_some_and(|(_, parent)| *parent == own) {
+                continue; // the all-reduce's child: the probe's own
+            }
+            let what = match p.used_bytes {
+                Some(b) => format!("{} MiB of GPU memory", b >> 20),
+                None => "a compute context".to_string(),
+            };
+            found.push(Contender { pid: p.pid, name: who.map(|(n, _)| n), seen: when.to_string(), what });
+        }
+        let first = self.looked.insert(gpu);
+        if let Some(u) = c.utilization_gpu.filter(|u| first && found.is_empty() && *u > 0) {
+            let what = format!("{u} % utilisation with no other process listed");
+            found.push(Contender { pid: 0, name: None, seen: when.to_string(), what });
+        }
+        let list = self.contended.entry(gpu).or_default();
+        for f in found {
+            if !list.iter().any(|x| x.pid == f.pid) {
+                list.push(f);
+            }
+        }
+        Some(c)
+    }
+
+    /// Looks at `gpus` before a measurement of `probe`.
+    fn before(&mut self, gpus: &[usize], probe: &str) {
+        for g in gpus {
+            self.look(*g, &format!("before {probe}"));
+        }
     }
 
     fn after<T>(&mut self, gpu: usize, probe: &str, r: Result<T, ProbeError>) -> Result<T, ProbeError> {
-        if let (Some(s), Some(pci)) = (self.session, self.pcis.get(gpu)) {
-            match s.conditions(pci) {
-                Ok(c) => {
-                    self.seen.entry(gpu).or_default().insert(probe.to_string(), c);
-                }
-                Err(e) => tracing::debug!(gpu, error = %e, "no NVML reading beside the probe"),
-            }
+        if let Some(c) = self.look(gpu, &format!("after {probe}")) {
+            self.seen.entry(gpu).or_default().insert(probe.to_string(), c);
         }
         r
     }
@@ -101,18 +164,22 @@ impl<'a> Observed<'a> {
 
 impl Backend for Observed<'_> {
     fn h2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        self.before(&[gpu], "h2d");
         let r = self.inner.h2d(gpu, p);
         self.after(gpu, "h2d", r)
     }
     fn d2h(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        self.before(&[gpu], "d2h");
         let r = self.inner.d2h(gpu, p);
         self.after(gpu, "d2h", r)
     }
     fn bidir(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        self.before(&[gpu], "bidir");
         let r = self.inner.bidir(gpu, p);
         self.after(gpu, "bidir", r)
     }
     fn d2d(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        self.before(&[gpu], "d2d");
         let r = self.inner.d2d(gpu, p);
         self.after(gpu, "d2d", r)
     }
@@ -120,7 +187,10 @@ impl Backend for Observed<'_> {
         self.inner.can_access_peer(src, dst)
     }
     fn p2p(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
-        self.inner.p2p(src, dst, p)
+        self.before(&[src, dst], "p2p");
+        let r = self.inner.p2p(src, dst, p);
+        self.before(&[src, dst], "p2p");
+        r
     }
     /// NVML's counters are read before the memory test as well, so a rise across it shows.
     fn memory_integrity(&mut self, gpu: usize, p: &LevelParams) -> Result<MemtestResult, ProbeError> {
@@ -140,14 +210,17 @@ impl Backend for Observed<'_> {
         out.into_iter().map(|(g, r)| (g, self.after(g, "memory", r))).collect()
     }
     fn gemm(&mut self, gpu: usize, p: &LevelParams) -> Result<GemmResult, ProbeError> {
+        self.before(&[gpu], "gemm");
         let r = self.inner.gemm(gpu, p);
         self.after(gpu, "gemm", r)
     }
     fn gemm_tensor(&mut self, gpu: usize, p: &LevelParams, half: Half) -> Result<GemmResult, ProbeError> {
+        self.before(&[gpu], "gemm_tensor");
         let r = self.inner.gemm_tensor(gpu, p, half);
         self.after(gpu, if half == Half::Fp16 { "gemm_tensor_fp16" } else { "gemm_tensor" }, r)
     }
     fn sm_copy(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
+        self.before(&[gpu], "sm_copy");
         let r = self.inner.sm_copy(gpu, p);
         self.after(gpu, "sm_copy", r)
     }
@@ -157,6 +230,7 @@ impl Backend for Observed<'_> {
         p: &LevelParams,
         secs: f64,
     ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
+        self.before(gpus, "gemm_sustained");
         let out = self.inner.gemm_sustained(gpus, p, secs);
         for g in gpus {
             let _ = self.after(*g, "gemm_sustained", Ok(()));
@@ -171,6 +245,7 @@ impl Backend for Observed<'_> {
         secs: f64,
     ) -> Vec<(usize, Result<GemmResult, ProbeError>)> {
         let Some(session) = self.session else { return self.inner.gemm_fp64(gpus, p, secs) };
+        self.before(gpus, "gemm_fp64");
         let pcis: Vec<String> = gpus.iter().map(|g| self.pcis.get(*g).cloned().unwrap_or_default()).collect();
         let stop = std::sync::atomic::AtomicBool::new(false);
         let inner = &mut *self.inner;
@@ -192,10 +267,16 @@ impl Backend for Observed<'_> {
         self.power.get(&gpu).cloned()
     }
     fn host_latency(&mut self, gpu: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
-        self.inner.host_latency(gpu, p)
+        self.before(&[gpu], "host_latency");
+        let r = self.inner.host_latency(gpu, p);
+        self.before(&[gpu], "host_latency");
+        r
     }
     fn peer_latency(&mut self, src: usize, dst: usize, p: &LevelParams) -> Result<Vec<f64>, ProbeError> {
-        self.inner.peer_latency(src, dst, p)
+        self.before(&[src, dst], "peer_latency");
+        let r = self.inner.peer_latency(src, dst, p);
+        self.before(&[src, dst], "peer_latency");
+        r
     }
     fn allreduce(
         &mut self,
@@ -205,6 +286,7 @@ impl Backend for Observed<'_> {
         limit: std::time::Duration,
         progress: &mut dyn FnMut(&str),
     ) -> Result<Run, ProbeError> {
+        self.before(gpus, "allreduce");
         let r = self.inner.allreduce(gpus, p, nvls, limit, progress);
         let probe = if nvls { "allreduce" } else { "allreduce_nvls_off" };
         gpus.iter().fold(r, |r, g| self.after(*g, probe, r))
@@ -217,5 +299,8 @@ impl Backend for Observed<'_> {
     }
     fn conditions(&self, gpu: usize) -> std::collections::BTreeMap<String, Conditions> {
         self.seen.get(&gpu).cloned().unwrap_or_default()
+    }
+    fn contenders(&self, gpu: usize) -> Vec<Contender> {
+        self.contended.get(&gpu).cloned().unwrap_or_default()
     }
 }

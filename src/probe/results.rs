@@ -184,6 +184,34 @@ pub struct GpuProbes {
     /// `memory`, `gemm`), so a throttled GPU is told apart from a slow link.
     #[serde(default)]
     pub conditions: std::collections::BTreeMap<String, Conditions>,
+    /// Other processes seen using the GPU while it was probed (issue 51): its figures are then
+    /// not the hardware's alone, and `judge::contended` makes a shortfall `unknown`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub contended_by: Vec<Contender>,
+}
+
+/// A process that is not the probe's, seen on a GPU before or after one of its measurements.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Contender {
+    /// Its pid; 0 when NVML listed no process but the GPU was busy before the first measurement.
+    pub pid: u32,
+    /// Its name from `/proc`, when the probe may read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// When it was seen: `before h2d`, `after gemm`, …; the first look only.
+    pub seen: String,
+    /// What NVML said of it: the memory it holds, or the GPU's utilisation.
+    pub what: String,
+}
+
+impl std::fmt::Display for Contender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.pid, &self.name) {
+            (0, _) => write!(f, "{} ({})", self.what, self.seen),
+            (pid, Some(n)) => write!(f, "pid {pid} ({n}), {}, {}", self.what, self.seen),
+            (pid, None) => write!(f, "pid {pid}, {}, {}", self.what, self.seen),
+        }
+    }
 }
 
 /// NVML's power readings of one board while the FP64 GEMM loaded it

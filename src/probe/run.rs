@@ -56,6 +56,10 @@ pub fn run(
     let mut report = ProbeReport { level: opts.level, params: p, gpus, peers, skipped, nvlink: None, allreduce: None };
     report.nvlink = Some(scope::nvlink_scope(&report, targets));
     report.allreduce = r.all_reduce(&chosen, opts);
+    // Who else used each GPU, over the whole run (the peer copies and all-reduce included).
+    for g in report.gpus.iter_mut() {
+        g.contended_by = r.backend.contenders(g.ordinal);
+    }
     report
 }
 
@@ -154,6 +158,7 @@ impl Runner<'_> {
             gemm_tensor_fp16: None,
             host_memory: self.backend.host_placement(g),
             conditions: self.backend.conditions(g),
+            contended_by: Vec::new(),
         }
     }
 

@@ -1,7 +1,8 @@
 //! The run loop and its judging over the simulated GPUs of `fake.rs`.
 
 use super::fake::{targets, SimGpus};
-use super::judge::{ecc_across, memory_finding};
+use super::judge::{self, ecc_across, memory_finding};
+use super::results::Contender;
 use super::*;
 use crate::checks::{Finding, Severity};
 use crate::config::ProbeLevel;
@@ -38,6 +39,8 @@ fn counters_that_rise_across_the_memory_test_are_a_finding_without_a_mismatch() 
         throttle_reasons: None,
         ecc_volatile: Some(EccCounts { corrected, uncorrected }),
         remapped_rows: Some(RemappedRows { correctable: 0, uncorrectable: remapped, pending: false, failure: false }),
+        processes: None,
+        utilization_gpu: None,
     };
     let judge = |b: &Conditions, a: &Conditions| ecc_across(memory_finding(&clean), Some(b), Some(a));
     assert_eq!(judge(&at(5, 0, 0), &at(5, 0, 0)).severity, Severity::Pass);
@@ -240,4 +243,38 @@ fn a_pcie_pair_is_a_warning_only_where_the_sku_promises_nvlink() {
         let f = judge(&run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {}), &t);
         assert_eq!(sev(&f, "probe.p2p-bandwidth", "0000:09:00.0"), want, "{device:#x}");
     }
+}
+
+/// Issue 51 hole 3: on a GPU another process used during the run, a shortfall is `unknown`
+/// naming the process, while a wrong result and a pass stay what they are; a peer check hears
+/// of a contender on any probed GPU.
+#[test]
+fn a_contended_gpus_shortfall_is_unknown_and_its_wrong_result_still_fails() {
+    let mut b = SimGpus::hgx();
+    let t = targets(2);
+    let mut r = run(&mut b, &t, &opts(ProbeLevel::Quick), &mut |_| {});
+    let (pci0, pci1) = (r.gpus[0].pci.clone(), r.gpus[1].pci.clone());
+    r.gpus[1].contended_by = vec![Contender {
+        pid: 4242,
+        name: Some("train.py".into()),
+        seen: "before d2h".into(),
+        what: "8192 MiB of GPU memory".into(),
+    }];
+    let mut f = vec![
+        Finding::fail("probe.h2d-bandwidth", "12 GB/s").gpu(&pci1),
+        Finding::fail("probe.memory-integrity", "3 mismatching words")
+            .gpu(&pci1)
+            .evidence("memtest", serde_json::json!({"mismatches": 3})),
+        Finding::pass("probe.d2h-bandwidth", "55 GB/s").gpu(&pci1),
+        Finding::fail("probe.h2d-bandwidth", "12 GB/s").gpu(&pci0),
+        Finding::warn("probe.p2p-bandwidth", "slow").gpu(&pci0),
+    ];
+    judge::contended(&r, &mut f);
+    let sev = |i: usize| f[i].severity;
+    assert_eq!(sev(0), Severity::Unknown, "{:#?}", f[0]);
+    assert!(f[0].summary.contains("pid 4242 (train.py)") && f[0].detail.contains("12 GB/s"), "{:#?}", f[0]);
+    assert_eq!(sev(1), Severity::Fail, "a wrong result is no contender's doing");
+    assert_eq!(sev(2), Severity::Pass);
+    assert_eq!(sev(3), Severity::Fail, "GPU 0 had no contender");
+    assert_eq!(sev(4), Severity::Unknown, "a peer copy hears of a contender on its peer");
 }

@@ -186,10 +186,19 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         bundler: super::bug_bundle::Bundler::new(state_dir.clone(), root.is_live()),
     }));
     let probe_task = tokio::spawn(probes(probe_asks, desk.clone(), to_snapshotter.clone(), state_dir.clone(), margin));
-    // Rule 1's probes at boot, before workloads start, when asked.
+    // Rule 1's probes at boot, before workloads start, when asked — and only on idle GPUs, as
+    // every run the service starts (issue 51: a job already running would read as lost
+    // hardware). Busy GPUs leave the boot run owed until a snapshot finds them idle.
     let at_boot = settings_rx.borrow().config.probes.at_boot;
+    let mut boot_owed = false;
     if at_boot != ProbeLevel::None {
-        desk.begin(at_boot, Source::Boot, first.snapshot.clone());
+        let busy = super::recheck::busy_gpus(&first.snapshot);
+        if busy.is_empty() {
+            desk.begin(at_boot, Source::Boot, first.snapshot.clone());
+        } else {
+            tracing::info!(busy = ?busy, "the boot probes wait until every GPU is idle");
+            boot_owed = true;
+        }
     }
     let snap_task = tokio::spawn(snapshotter(Snapshotter {
         inputs,
@@ -203,6 +212,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         desk,
         stop: stop_loops.subscribe(),
         heartbeat: snap_beat.clone(),
+        boot_owed,
         xids: xid_tx,
         watcher: None,
     }));
@@ -492,6 +502,8 @@ struct Snapshotter {
     desk: Arc<Desk>,
     stop: watch::Receiver<bool>,
     heartbeat: Heartbeat,
+    /// The boot run was asked for but the GPUs were busy: it runs at the first idle snapshot.
+    boot_owed: bool,
     /// Where the Xid watcher sends, and the watcher once NVML has answered (it shares the
     /// session's handle, so it cannot start before).
     xids: std::sync::mpsc::Sender<NvmlXid>,
@@ -583,7 +595,12 @@ async fn snapshotter(mut s: Snapshotter) {
                 s.last = report;
                 let probes = &s.inputs.config.probes;
                 let level = if probes.at_boot == ProbeLevel::None { ProbeLevel::Quick } else { probes.at_boot };
-                if let Some(every) = probes.when_idle {
+                if s.boot_owed && probes.at_boot != ProbeLevel::None {
+                    if super::all_gpus_idle(&snapshot) && s.desk.begin(probes.at_boot, Source::Boot, snapshot).is_some() {
+                        s.boot_owed = false;
+                        last_probe = Instant::now();
+                    }
+                } else if let Some(every) = probes.when_idle {
                     // A run already going (the platform's, or the boot's) leaves this for a later tick.
                     if last_probe.elapsed() >= every
                         && super::all_gpus_idle(&snapshot)

@@ -852,14 +852,40 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfo(h: nvmlDevice_t, out: *mut n
 // ---------------------------------------------------------------------------------------
 // Processes
 
+/// Size queries (`infos` null) of each device's process list in this process so far: a
+/// scenario's process with `from_query: N` is listed from the Nth query on, and the data call
+/// that follows a query answers as that query did.
+///
+/// Rule: the list is live. NVML's reference for `nvmlDeviceGetComputeRunningProcesses_v3` "gets
+/// information about processes with a compute context on a device" as they are at the call, so a
+/// job that starts between two calls is in the second answer; callers size their buffer with a
+/// first call (`*infoCount` 0, `infos` NULL, answered `NVML_ERROR_INSUFFICIENT_SIZE` with the
+/// count) and read with a second (nvml-wrapper's `running_compute_processes`, which adds room
+/// for processes "launched in between").
+static PROCESS_QUERIES: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+/// The query number a call of `index`'s process list answers as (see `PROCESS_QUERIES`).
+fn process_query(index: usize, sizing: bool) -> u32 {
+    let mut q = PROCESS_QUERIES.lock().unwrap_or_else(|p| p.into_inner());
+    if q.len() <= index {
+        q.resize(index + 1, 0);
+    }
+    if sizing || q[index] == 0 {
+        q[index] += 1;
+    }
+    q[index]
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     h: nvmlDevice_t,
     count: *mut c_uint,
     infos: *mut nvmlProcessInfo_t,
 ) -> Ret {
+    let query = process_query(index_of(h), infos.is_null());
     device_call(h, "nvmlDeviceGetComputeRunningProcesses_v3", |d| {
-        let procs = d.processes.as_ref()?;
+        let procs: Vec<&scenario::Process> =
+            d.processes.as_ref()?.iter().filter(|p| p.from_query.is_none_or(|n| query >= n)).collect();
         if count.is_null() {
             return Some(INVALID);
         }

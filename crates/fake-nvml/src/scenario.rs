@@ -231,6 +231,10 @@ pub struct Process {
     /// agent itself once it holds a context on the GPU.
     #[serde(default)]
     pub caller: bool,
+    /// Listed from this process's Nth query of the device's list on (`PROCESS_QUERIES` in
+    /// lib.rs): a job that starts while the caller watches. Absent: from the first.
+    #[serde(default)]
+    pub from_query: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -332,7 +332,7 @@ fn ecc_at(d: &Device, t: &Tracker, location: MemoryLocation) -> Nv<EccLocation> 
 }
 
 /// The compute processes on the GPU, with the memory each holds where NVML can say.
-fn compute_processes(d: &Device, t: &Tracker) -> Nv<Vec<ProcessInfo>> {
+pub(super) fn compute_processes(d: &Device, t: &Tracker) -> Nv<Vec<ProcessInfo>> {
     ask!(
         t,
         "nvmlDeviceGetComputeRunningProcesses_v3",

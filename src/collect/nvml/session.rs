@@ -645,6 +645,8 @@ fn conditions(h: &Held, address: &str, t: &Tracker) -> Result<crate::snapshot::C
             _ => None,
         },
         remapped_rows: h.sys.as_ref().and_then(|s| remapped_rows(s, &d, t).value().copied()),
+        processes: super::compute_processes(&d, t).value().cloned(),
+        utilization_gpu: ask!(t, "nvmlDeviceGetUtilizationRates", d.utilization_rates()).ok().map(|u| u.gpu),
     })
 }
 
