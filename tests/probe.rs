@@ -46,7 +46,12 @@ impl Run {
     }
 
     fn command(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_phq-agent"));
+        self.command_of(std::path::Path::new(env!("CARGO_BIN_EXE_phq-agent")), args)
+    }
+
+    /// `command` with another copy of the program.
+    fn command_of(&self, program: &std::path::Path, args: &[&str]) -> Command {
+        let mut c = Command::new(program);
         c.args(["probe", "--json", "--config"])
             .arg(self.dir.path().join("config.toml"))
             .arg("--sysroot")
@@ -1156,4 +1161,28 @@ fn a_job_that_starts_during_the_probe_makes_a_shortfall_unknown_not_hardware() {
         !baseline.exists() || !std::fs::read_to_string(&baseline).unwrap().contains(pci),
         "a shared run set the baseline"
     );
+}
+
+/// Issue 51: the all-reduce's child is started from the running image, not the program's path.
+/// The copy of the binary that runs the probe is removed as soon as it has started (as a
+/// package upgrade replaces /usr/bin/phq-agent under a running probe); the all-reduce, which
+/// starts its child seconds later, still runs and passes. From `current_exe()` it failed:
+/// "cannot start the probe process: No such file or directory".
+#[test]
+fn a_binary_replaced_during_the_run_still_starts_the_all_reduce() {
+    let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-healthy", "cuda-hgx-8gpu");
+    let copy = r.dir.path().join("phq-agent-old");
+    std::fs::copy(env!("CARGO_BIN_EXE_phq-agent"), &copy).unwrap();
+    let child = r.command_of(&copy, &["--allreduce-size", "1G", "--gpu", "0", "--gpu", "1"]).spawn().unwrap();
+    // execve(2) has read the file once the child's /proc/PID/exe names it.
+    let exe = std::path::PathBuf::from(format!("/proc/{}/exe", child.id()));
+    let until = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_link(&exe).map(|l| l != copy).unwrap_or(true) {
+        assert!(Instant::now() < until, "the copy never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::fs::remove_file(&copy).unwrap();
+    let p = Probed::of(child.wait_with_output().unwrap());
+    let f = p.machine_finding("probe.allreduce");
+    assert_eq!(f["severity"], "pass", "{f:#}");
 }

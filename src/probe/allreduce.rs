@@ -84,9 +84,7 @@ pub fn run(
     limit: Duration,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Run, ProbeError> {
-    let exe = std::env::current_exe()
-        .map_err(|e| ProbeError::Cuda(format!("cannot find this program to run the all-reduce: {e}")))?;
-    let mut cmd = std::process::Command::new(exe);
+    let mut cmd = super::supervise::this_program();
     cmd.arg("allreduce-child");
     if let Some(lib) = cuda::named_library() {
         cmd.arg("--cuda-lib").arg(lib);

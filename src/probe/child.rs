@@ -109,8 +109,7 @@ pub fn run(
     progress: &mut dyn FnMut(&str),
 ) -> Result<Answer, String> {
     let limit = deadline(snapshot, level, limits);
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this program to run the probes: {e}"))?;
-    let mut cmd = std::process::Command::new(exe);
+    let mut cmd = super::supervise::this_program();
     cmd.arg("probe-child");
     if let Some(lib) = crate::cuda::named_library() {
         cmd.arg("--cuda-lib").arg(lib);

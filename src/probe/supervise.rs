@@ -140,6 +140,19 @@ const REAP_GRACE: Duration = Duration::from_secs(2);
 /// One line of a child's protocol, flushed at once (rule 2): the parent may kill the child at
 /// any moment and must have heard the last step. On the protocol's own descriptor once
 /// `private_protocol` has made one (rule 7), else on stdout.
+/// A command that runs this very program: the image this process runs (`/proc/self/exe`), not
+/// the file at its path, which a package upgrade may have replaced or removed meanwhile (issue
+/// 51: an all-reduce started from `current_exe()` under a rebuilt binary failed with "No such
+/// file or directory"). proc(5): `/proc/[pid]/exe` is a link to the executed command, and the
+/// kernel opens it as the file the process runs, so execve(2) through it starts the same
+/// program whatever became of its path; `argv[0]` stays the program's name.
+pub(crate) fn this_program() -> std::process::Command {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new("/proc/self/exe");
+    cmd.arg0(env!("CARGO_PKG_NAME"));
+    cmd
+}
+
 pub(crate) fn say(line: String) {
     if let Some(out) = PROTOCOL.get() {
         let mut o = out.lock().unwrap_or_else(|e| e.into_inner());
