@@ -129,11 +129,13 @@ impl History {
 
     /// The history in `state_dir`; empty when there is none. A file that is there but cannot be
     /// read as one is an error that names it (never silently an empty history: that would
-    /// forget faults).
+    /// forget faults). Never through a symbolic link: the service's user writes the directory,
+    /// and root reads it (`phq-agent history`), so a link there would have root read, and print
+    /// a part of, any file it names (issue 51).
     pub fn load(state_dir: &Path) -> anyhow::Result<History> {
         use std::io::Read;
         let path = Self::path(state_dir);
-        let file = match crate::sysroot::open_regular(&path, false) {
+        let file = match crate::sysroot::open_regular(&path, true) {
             Ok((f, _)) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(History::default()),
             Err(e) => anyhow::bail!("{}: cannot open the fault history: {e}", path.display()),
@@ -391,7 +393,7 @@ mod tests {
         let s = healthy();
         let mut h = History::default();
         let xid = |code: &str, resolution: &str| {
-            Finding::fail("gpu.xid", &format!("Xid {code}"))
+            Finding::fail("gpu.xid", format!("Xid {code}"))
                 .gpu("0000:0c:00.0")
                 .evidence("governs", format!("Xid {code}"))
                 .evidence("xids", serde_json::json!([{"code": code, "count": 1, "resolution": resolution}]))
@@ -412,7 +414,7 @@ mod tests {
             assert_eq!((x.action, x.owner), *was, "{} escalated: {x:#?}", x.id);
             assert_eq!(x.evidence["recurs"], true, "{}", x.id);
             assert!(x.summary.contains("recurs") && x.summary.contains("2 boots"), "{}", x.summary);
-            assert!(x.evidence.get(DECIDED_BY).is_none(), "{}", x.id);
+            assert!(!x.evidence.contains_key(DECIDED_BY), "{}", x.id);
         }
         assert_eq!(before[0], (Action::RestartApp, Owner::Tenant));
         let x79 = &f[5];
@@ -441,5 +443,13 @@ mod tests {
         std::fs::write(History::path(dir.path()), b"{not json").unwrap();
         let e = History::load(dir.path()).unwrap_err().to_string();
         assert!(e.contains("history.json"), "{e}");
+        // A link in its place is refused, not followed (issue 51).
+        std::fs::remove_file(History::path(dir.path())).unwrap();
+        let elsewhere = dir.path().join("elsewhere.json");
+        h.save(dir.path()).unwrap();
+        std::fs::rename(History::path(dir.path()), &elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, History::path(dir.path())).unwrap();
+        let e = History::load(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("history.json") && e.contains("symbolic link"), "{e}");
     }
 }

@@ -44,7 +44,7 @@ impl<F: serde_json::ser::Formatter> serde_json::ser::Formatter for Escaping<F> {
     fn write_string_fragment<W: ?Sized + std::io::Write>(&mut self, w: &mut W, fragment: &str) -> std::io::Result<()> {
         let mut rest = fragment;
         while let Some(at) = rest.find(unprintable) {
-            w.write_all(rest[..at].as_bytes())?;
+            w.write_all(&rest.as_bytes()[..at])?;
             let c = rest[at..].chars().next().unwrap_or('\u{fffd}');
             // Every unprintable character is in the Basic Multilingual Plane: one escape.
             write!(w, "\\u{:04x}", c as u32)?;

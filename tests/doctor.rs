@@ -1069,3 +1069,18 @@ fn a_bridged_h100_nvl_pair_is_judged_by_the_links_its_bridge_wires() {
         assert!(f["remedy"].as_str().unwrap().starts_with("The platform's move"), "{f:#}");
     }
 }
+
+/// Issue 51: a verdict that rests on NVML says so when NVML was a library named on the command
+/// line or in PHQ_NVML_LIB rather than the driver's: whoever started the agent chose what it
+/// says.
+#[test]
+fn a_verdict_says_when_its_library_was_named_by_whoever_started_the_agent() {
+    let (_, r, _) = common::doctor("hgx-8gpu-healthy", "hgx-8gpu-power-capped", None, None, &[]);
+    let v = &r["verdict"];
+    assert_eq!(v["basis"], serde_json::json!(["nvml"]), "{v:#}");
+    let note = v["note"].as_str().unwrap_or("");
+    assert!(
+        note.contains("NVML was read from") && note.contains("libfake_nvml.so") && note.contains("PHQ_NVML_LIB"),
+        "{v:#}"
+    );
+}

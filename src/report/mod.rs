@@ -230,7 +230,7 @@ pub fn verdict_of(findings: &[Finding], at: Timestamp) -> Verdict {
     basis.dedup();
     let mut boots: Vec<String> = from
         .iter()
-        .filter(|f| f.evidence.get(crate::history::DECIDED_BY).is_some())
+        .filter(|f| f.evidence.contains_key(crate::history::DECIDED_BY))
         .filter_map(|f| f.evidence.get("boot_ids")?.as_array().cloned())
         .flatten()
         .filter_map(|b| b.as_str().map(str::to_string))
@@ -255,6 +255,40 @@ pub fn verdict_of(findings: &[Finding], at: Timestamp) -> Verdict {
         );
     }
     Verdict { action: worst, owner, findings: ids, gpus, basis, boots, since: Some(at), note: notes.join(" ") }
+}
+
+/// The verdict of routed findings on snapshot `s` (`verdict_of`), saying when what it rests on
+/// was read through a library other than the driver's own: `--nvml-lib` / `PHQ_NVML_LIB` for
+/// `nvml`, `--cuda-lib` / `PHQ_CUDA_LIB` for `probe` (issue 51). Such a library answers whatever
+/// it was written to answer, so the platform must know before it weighs the verdict.
+pub fn verdict_for(s: &Snapshot, findings: &[Finding], at: Timestamp) -> Verdict {
+    let mut v = verdict_of(findings, at);
+    let mut said = Vec::new();
+    let rests_on = |b: &str| v.basis.iter().any(|x| x == b);
+    if let Some(lib) = s.nvml().map(|n| n.library.as_str()).filter(|l| *l != crate::collect::nvml::DEFAULT_LIBRARY) {
+        if rests_on("nvml") {
+            said.push(format!(
+                "NVML was read from {lib} (--nvml-lib or PHQ_NVML_LIB), not the driver's {}",
+                crate::collect::nvml::DEFAULT_LIBRARY
+            ));
+        }
+    }
+    if let Some(lib) = crate::cuda::driver::named_library() {
+        if rests_on("probe") {
+            said.push(format!(
+                "the probes ran through {} (--cuda-lib or PHQ_CUDA_LIB), not the driver's libcuda.so.1",
+                lib.display()
+            ));
+        }
+    }
+    if !said.is_empty() {
+        let text = format!(
+            "{}: what this verdict rests on came from a library named by whoever started the agent.",
+            said.join("; ")
+        );
+        v.note = if v.note.is_empty() { text } else { format!("{} {text}", v.note) };
+    }
+    v
 }
 
 /// Something that happened, pushed through the spool so that it is never lost.
@@ -376,7 +410,7 @@ pub fn agent_id(configured: &str, s: &Snapshot) -> String {
 pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at: Timestamp, seq: u64) -> Report {
     let mut findings = findings;
     crate::checks::route::apply(&mut findings);
-    let verdict = verdict_of(&findings, s.observed_at);
+    let verdict = verdict_for(s, &findings, s.observed_at);
     let os = s.host.os.value();
     let gpus = s
         .gpus()

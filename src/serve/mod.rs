@@ -538,7 +538,7 @@ fn apply_history(inputs: &Inputs, snapshot: &crate::snapshot::Snapshot, report: 
         changed |= h.clear_by_probes(snapshot, &p.run.id, from, &p.findings);
     }
     h.escalate(snapshot, &mut report.findings);
-    report.verdict = report::verdict_of(&report.findings, snapshot.observed_at);
+    report.verdict = report::verdict_for(snapshot, &report.findings, snapshot.observed_at);
     if let Some(t) = h.since(snapshot, &report.findings, report.verdict.action) {
         report.verdict.since = Some(t);
     }
