@@ -78,11 +78,24 @@ pub struct HttpConfig {
     /// `false`: no TCP listener at all, so only the platform reaches the agent (over `[vsock]`).
     pub enabled: bool,
     pub listen: SocketAddr,
+    /// The read token: `/v1/status` and `/metrics` (a tenant's Prometheus sends it, often in
+    /// clear HTTP). It starts nothing.
     pub token_file: PathBuf,
+    /// The control token: it may start work (`POST /v1/probes`) as well as read, and whoever
+    /// uses it is recorded as the tenant. Absent file: no token starts anything (issue 51: the
+    /// read token once did both jobs).
+    pub control_token_file: PathBuf,
     pub tls_cert: String,
     pub tls_key: String,
+    /// The platform's own CA on TCP: a client certificate chained to it and named in
+    /// `client_names` is the platform, as virt-handler's is on vsock (docs/vsock.md).
     pub client_ca: String,
+    /// The names (the leaf's subject CN) a client certificate from `client_ca` may carry.
+    pub client_names: Vec<String>,
 }
+
+/// The platform's client name on TCP by default: the poller's (`phq-platform`).
+pub const HTTP_CLIENT_NAME: &str = "phq-platform";
 
 impl Default for HttpConfig {
     fn default() -> Self {
@@ -92,9 +105,11 @@ impl Default for HttpConfig {
             // `[::]:9440` to any user of the guest (issue 51).
             listen: SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 9440)),
             token_file: PathBuf::from("/etc/phq-agent/token"),
+            control_token_file: PathBuf::from("/etc/phq-agent/control-token"),
             tls_cert: String::new(),
             tls_key: String::new(),
             client_ca: String::new(),
+            client_names: vec![HTTP_CLIENT_NAME.to_string()],
         }
     }
 }
@@ -111,8 +126,17 @@ pub struct VsockConfig {
     /// TLS 1.3 with a client certificate required, as virt-handler dials with `tls=true`.
     /// `false`: plain HTTP over vsock, and the bearer token is required as on TCP.
     pub tls: bool,
-    /// The CA bundle a client certificate must chain to: KubeVirt's, written by cloud-init.
+    /// The CA bundle a client certificate must chain to: KubeVirt's, written by cloud-init, the
+    /// starting point until virt-handler's CA server gives the current one (`serve::kubevirt_ca`).
     pub client_ca: PathBuf,
+    /// The names (the leaf's subject CN) a client certificate may carry: KubeVirt's CA signs
+    /// several clients, and only virt-handler's vsock client is meant to reach a guest port.
+    pub client_names: Vec<String>,
+    /// Ask virt-handler's CA server (host CID 2, port 1) for the current bundle when the one in
+    /// force is older than this, and whenever a client's chain does not verify; "off": never
+    /// ask, the file alone.
+    #[serde(deserialize_with = "duration_or_off")]
+    pub ca_refresh: Option<Duration>,
     /// The agent's own server certificate and key; empty: `<state_dir>/vsock/server.crt` and
     /// `server.key`, generated on first start and rotated before they expire.
     pub cert: String,
@@ -121,6 +145,16 @@ pub struct VsockConfig {
 
 /// `vsock.client_ca` by default: where the shipped cloud-init user-data writes the bundle.
 pub const VSOCK_CLIENT_CA: &str = "/etc/phq-agent/vsock-ca.pem";
+/// The name of virt-handler's vsock client certificate: KubeVirt's
+/// `pkg/virt-operator/resource/generate/components/secrets.go` issues it
+/// (`VirtHandlerVsockClientCertSecretName`) from the same CA as the migration, monitoring,
+/// virt-handler and synchronization clients.
+pub const VSOCK_CLIENT_NAME: &str = "kubevirt.io:system:client:vsock";
+/// How old the bundle in force may grow before virt-handler is asked again: our choice, a
+/// small part of the CA's renewal period — OpenShift's HCO renews KubeVirt's CA every 24 hours
+/// (`api/v1beta1/hyperconverged_types.go`: 48 h lifetime, 24 h renewBefore) and KubeVirt's own
+/// default is 7 days; a chain that fails to verify asks at once anyway.
+pub const VSOCK_CA_REFRESH: Duration = Duration::from_secs(3600);
 
 impl Default for VsockConfig {
     fn default() -> Self {
@@ -129,6 +163,8 @@ impl Default for VsockConfig {
             port: DEFAULT_PORT,
             tls: true,
             client_ca: PathBuf::from(VSOCK_CLIENT_CA),
+            client_names: vec![VSOCK_CLIENT_NAME.to_string()],
+            ca_refresh: Some(VSOCK_CA_REFRESH),
             cert: String::new(),
             key: String::new(),
         }
@@ -556,6 +592,12 @@ fn validate(c: &Config) -> Result<(), (&'static str, String)> {
     if !c.http.client_ca.is_empty() && c.http.tls_cert.is_empty() {
         return Err(("http.client_ca", "client certificates need TLS: set tls_cert and tls_key too".into()));
     }
+    if !c.http.client_ca.is_empty() && c.http.client_names.iter().all(|n| n.trim().is_empty()) {
+        return Err((
+            "http.client_names",
+            "a client certificate must carry one of these names: name at least one".into(),
+        ));
+    }
     if c.agent.expected_gpus == Some(0) {
         return Err(("agent.expected_gpus", "expected at least 1 (leave it out to skip the count check)".into()));
     }
@@ -571,6 +613,12 @@ fn validate_vsock(v: &VsockConfig) -> Result<(), (&'static str, String)> {
         // Named by the one that is set, so the message points at the file that set it.
         let key = if v.cert.is_empty() { "vsock.key" } else { "vsock.cert" };
         return Err((key, "cert and key go together: set both or neither (neither: generated)".into()));
+    }
+    if v.tls && v.client_names.iter().all(|n| n.trim().is_empty()) {
+        return Err((
+            "vsock.client_names",
+            format!("a client certificate must carry one of these names: name at least one (KubeVirt's is {VSOCK_CLIENT_NAME:?})"),
+        ));
     }
     if v.tls && v.client_ca.as_os_str().is_empty() {
         return Err(("vsock.client_ca", "TLS over vsock requires client certificates: name the CA bundle".into()));

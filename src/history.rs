@@ -34,7 +34,7 @@ pub const FILE: &str = "history.json";
 pub const MAX_FAULTS: usize = 1024;
 pub const MAX_BOOTS: usize = 16;
 /// The evidence key an escalated finding carries, with the value `history` (rule 3).
-pub const DECIDED_BY: &str = "decided_by";
+pub use crate::checks::route::DECIDED_BY;
 /// Bytes read of a history file: a full one is well under 1 MiB.
 const MAX_FILE_BYTES: u64 = 8 << 20;
 
@@ -80,10 +80,50 @@ pub struct BootSeen {
     pub count: u64,
 }
 
+/// Who asked for a run, as the agent could tell (issue 50): what proved it, not what it said.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(tag = "who", rename_all = "snake_case")]
+pub enum AskedBy {
+    /// The service itself: at boot, or when every GPU was idle.
+    #[default]
+    Service,
+    /// A client certificate from the platform's CA with one of the configured names: over
+    /// vsock, KubeVirt's (virt-handler's vsock client, `vsock.client_names`); over TCP, the
+    /// platform's own (`http.client_ca`, `http.client_names`).
+    Platform { over: Channel, name: String },
+    /// The control token (`http.control_token_file`): whoever holds it in the guest.
+    Tenant,
+    /// Root on the guest, over D-Bus (the bus policy lets only root call `RunProbes`).
+    LocalRoot,
+}
+
+/// The channel a certificate was presented on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Channel {
+    Vsock,
+    Tcp,
+}
+
+impl std::fmt::Display for AskedBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AskedBy::Service => write!(f, "the service"),
+            AskedBy::Platform { over: Channel::Vsock, name } => write!(f, "the platform over vsock ({name})"),
+            AskedBy::Platform { over: Channel::Tcp, name } => write!(f, "the platform over TCP ({name})"),
+            AskedBy::Tenant => write!(f, "the tenant (the control token)"),
+            AskedBy::LocalRoot => write!(f, "root on the guest (D-Bus)"),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Cleared {
     pub by_probe_run: String,
     pub at: Timestamp,
+    /// Who asked for the run that cleared it (issue 50); absent in older histories.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub asked_by: Option<AskedBy>,
 }
 
 impl Fault {
@@ -223,7 +263,14 @@ impl History {
 
     /// Rule 4: a probe run (`run_id`, finished by `at`) whose findings pass every probe of a
     /// GPU clears that GPU's open faults last seen before `at`. True when anything changed.
-    pub fn clear_by_probes(&mut self, s: &Snapshot, run_id: &str, at: Timestamp, probe_findings: &[Finding]) -> bool {
+    pub fn clear_by_probes(
+        &mut self,
+        s: &Snapshot,
+        run_id: &str,
+        asked_by: &AskedBy,
+        at: Timestamp,
+        probe_findings: &[Finding],
+    ) -> bool {
         if self.probe_runs.iter().any(|r| r == run_id) {
             return false;
         }
@@ -244,7 +291,7 @@ impl History {
         let clean: Vec<String> = passed.into_iter().filter(|g| !failed.contains(g)).map(|g| serial_of(s, &g)).collect();
         for fault in self.faults.iter_mut().filter(|f| f.cleared.is_none() && f.last_seen.0 <= at.0) {
             if clean.contains(&fault.serial) {
-                fault.cleared = Some(Cleared { by_probe_run: run_id.into(), at });
+                fault.cleared = Some(Cleared { by_probe_run: run_id.into(), at, asked_by: Some(asked_by.clone()) });
             }
         }
         true
@@ -337,6 +384,11 @@ mod tests {
             .evidence("xids", serde_json::json!([{"code": "79", "count": count, "resolution": "RESTART_BM"}]))
     }
 
+    /// Who asked for the test's runs: the platform over vsock.
+    fn platform() -> AskedBy {
+        AskedBy::Platform { over: Channel::Vsock, name: "kubevirt.io:system:client:vsock".into() }
+    }
+
     fn probes(sev: Severity) -> Vec<Finding> {
         let f = Finding::pass("probe.memory-integrity", "ok").gpu("0000:0c:00.0");
         vec![Finding { severity: sev, ..f }]
@@ -372,10 +424,15 @@ mod tests {
         assert!(!h.record(&s, &[], "boot-c", at(1200)));
         assert!(h.faults[0].cleared.is_none());
         // A failing probe does not clear it; a passing one after the last occurrence does.
-        h.clear_by_probes(&s, "run-1", at(1300), &probes(Severity::Fail));
+        h.clear_by_probes(&s, "run-1", &platform(), at(1300), &probes(Severity::Fail));
         assert!(h.faults[0].cleared.is_none());
-        h.clear_by_probes(&s, "run-2", at(1400), &probes(Severity::Pass));
+        h.clear_by_probes(&s, "run-2", &platform(), at(1400), &probes(Severity::Pass));
         assert_eq!(h.faults[0].cleared.as_ref().map(|c| c.by_probe_run.as_str()), Some("run-2"));
+        assert_eq!(
+            h.faults[0].cleared.as_ref().and_then(|c| c.asked_by.clone()),
+            Some(platform()),
+            "who asked is kept"
+        );
         let mut f = vec![xid79(1)];
         crate::checks::route::apply(&mut f);
         h.escalate(&s, &mut f);
@@ -420,11 +477,7 @@ mod tests {
         let x79 = &f[5];
         assert_eq!((x79.action, x79.owner), (Action::InspectHardware, Owner::Platform));
         assert_eq!(x79.evidence[DECIDED_BY], "history");
-        let v = crate::report::verdict_of(&f, at(700));
-        assert_eq!(v.action, Action::InspectHardware);
-        assert!(v.basis.contains(&"history".to_string()), "{v:?}");
-        assert_eq!(v.boots, vec!["boot-a".to_string(), "boot-b".to_string()]);
-        assert!(v.note.contains("boot-a") && v.note.contains("boot-b"), "{}", v.note);
+        assert_eq!(x79.evidence["boot_ids"], serde_json::json!(["boot-a", "boot-b"]));
     }
 
     #[test]

@@ -45,6 +45,7 @@ fn one_gpu_blocked_forever_leaves_seven_reported_and_one_stuck_worker_after_100_
         nvml: NvmlSource::Session(Arc::new(Session::new(lib.to_str().unwrap(), deadlines))),
         config,
         token: None,
+        control_token: None,
         started_at: phq_agent::snapshot::Timestamp::now(),
         probes: None,
         push: Default::default(),

@@ -543,7 +543,7 @@ fn an_xid_storm_with_the_platform_down_keeps_the_watchdog_and_loses_no_xid() {
 /// `POST /v1/probes` that promises a body and sends none. Once they held all 256 slots as busy
 /// (the body was read before the token was checked, for up to the connection's 60 s life) and
 /// `/healthz` went unanswered. Now each is refused on its head (401) and never busy, so
-/// `/healthz` and an authenticated `/v1/status` answer beside them; and the token's holder who
+/// `/healthz` and an authenticated `/v1/status` answer beside them; and the control token's holder who
 /// promises a body and stalls gets 408 after `BODY_TIMEOUT`, not the connection's whole life.
 #[test]
 fn unauthenticated_posts_never_hold_the_table() {
@@ -575,12 +575,16 @@ fn unauthenticated_posts_never_hold_the_table() {
     let _ = s.read_to_string(&mut r);
     assert!(r.starts_with("HTTP/1.1 200"), "{}", r.lines().next().unwrap_or(""));
 
-    // The token's holder who stalls its body: 408 at BODY_TIMEOUT.
+    // The control token's holder who stalls its body: 408 at BODY_TIMEOUT.
     let mut s = TcpStream::connect(("127.0.0.1", agent.port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     let t = Instant::now();
-    write!(s, "POST /v1/probes HTTP/1.1\r\nHost: vm\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 20\r\n\r\n{{")
-        .unwrap();
+    let control = control_token_of(TOKEN);
+    write!(
+        s,
+        "POST /v1/probes HTTP/1.1\r\nHost: vm\r\nAuthorization: Bearer {control}\r\nContent-Length: 20\r\n\r\n{{"
+    )
+    .unwrap();
     let mut r = String::new();
     let _ = s.read_to_string(&mut r);
     assert!(r.starts_with("HTTP/1.1 408"), "{r:?} after {:.1?}", t.elapsed());

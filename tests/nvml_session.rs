@@ -53,6 +53,7 @@ fn a_hundred_service_snapshots_initialise_nvml_once_and_connect_to_the_bus_once(
         nvml: NvmlSource::Session(Arc::new(Session::new(lib.to_str().unwrap(), Default::default()))),
         config,
         token: None,
+        control_token: None,
         started_at: phq_agent::snapshot::Timestamp::now(),
         probes: None,
         push: Default::default(),

@@ -12,8 +12,6 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "tok-8d2e41a90000400080000000";
-
-/// A raw HTTP/1.1 POST of `body`; (status, headers, body).
 fn post(port: u16, path: &str, token: Option<&str>, body: &str) -> (u16, String, String) {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -70,14 +68,17 @@ fn the_platform_starts_a_recheck_and_reads_its_result() {
     let (code, head, _) = post(port, "/v1/probes", None, "");
     assert_eq!(code, 401, "{head}");
     assert_eq!(post(port, "/v1/probes", Some("wrong"), "").0, 401);
-    let (code, _, body) = post(port, "/v1/probes", Some(TOKEN), r#"{"level": "none"}"#);
+    // The read token reads; it starts nothing (issue 51: one token did both jobs).
+    let (code, _, body) = post(port, "/v1/probes", Some(TOKEN), r#"{"level": "quick"}"#);
+    assert!(code == 403 && body.contains("control token"), "{code} {body}");
+    let (code, _, body) = post(port, "/v1/probes", Some(&control_token_of(TOKEN)), r#"{"level": "none"}"#);
     assert_eq!(code, 400, "{body}");
-    let (code, _, body) = post(port, "/v1/probes", Some(TOKEN), r#"{"levle": "quick"}"#);
+    let (code, _, body) = post(port, "/v1/probes", Some(&control_token_of(TOKEN)), r#"{"levle": "quick"}"#);
     assert!(code == 400 && body.contains("unknown field"), "{code} {body}");
-    assert_eq!(post(port, "/v1/probes", Some(TOKEN), &" ".repeat(4096)).0, 413, "a body past 1 KiB");
+    assert_eq!(post(port, "/v1/probes", Some(&control_token_of(TOKEN)), &" ".repeat(4096)).0, 413, "a body past 1 KiB");
 
     // Accepted: 202, the run's id, where to read it.
-    let (code, head, body) = post(port, "/v1/probes", Some(TOKEN), r#"{"level": "quick"}"#);
+    let (code, head, body) = post(port, "/v1/probes", Some(&control_token_of(TOKEN)), r#"{"level": "quick"}"#);
     assert_eq!(code, 202, "{head}\n{body}");
     let run = json(&body);
     let id = run["id"].as_str().unwrap().to_string();
@@ -85,7 +86,7 @@ fn the_platform_starts_a_recheck_and_reads_its_result() {
     assert!(head.to_ascii_lowercase().contains(&format!("location: /v1/probes/{id}")), "{head}");
 
     // One run at a time: a second request names the run going on.
-    let (code, _, body) = post(port, "/v1/probes", Some(TOKEN), "");
+    let (code, _, body) = post(port, "/v1/probes", Some(&control_token_of(TOKEN)), "");
     assert_eq!(code, 409, "{body}");
     assert_eq!(json(&body)["run"]["id"], id.as_str());
     let (code, body) = get_with_token(port, &format!("/v1/probes/{id}"), TOKEN);
@@ -116,9 +117,13 @@ fn the_platform_starts_a_recheck_and_reads_its_result() {
     let history: Value = json(&std::fs::read_to_string(dir.path().join("state/history.json")).unwrap());
     let fault = history["faults"].as_array().unwrap().iter().find(|f| f["code"] == "79").expect("the fault is kept");
     assert_eq!(fault["cleared"]["by_probe_run"], id.as_str(), "{fault:#}");
+    // Who asked is named in the run's record, the report and the history (issue 50).
+    assert_eq!(report["probe_run"]["asked_by"], serde_json::json!({"who": "tenant"}), "{:#}", report["probe_run"]);
+    assert_eq!(record["asked_by"], serde_json::json!({"who": "tenant"}));
+    assert_eq!(fault["cleared"]["asked_by"], serde_json::json!({"who": "tenant"}), "{fault:#}");
 
     // probes.max_requests = 1 per hour: the next is refused with when to come back.
-    let (code, head, body) = post(port, "/v1/probes", Some(TOKEN), "");
+    let (code, head, body) = post(port, "/v1/probes", Some(&control_token_of(TOKEN)), "");
     assert_eq!(code, 429, "{body}");
     let retry: u64 = head
         .lines()

@@ -460,8 +460,46 @@ fn dbus_api_answers_and_signals_health_changes() {
 
     let bad: Result<String, _> = proxy.call("RunProbes", &("ludicrous",));
     assert!(bad.unwrap_err().to_string().contains("expected quick, standard or full"));
-    let probes: Value = serde_json::from_str(&proxy.call::<_, _, String>("RunProbes", &("quick",)).unwrap()).unwrap();
-    assert!(probes["findings"].as_array().unwrap().iter().all(|f| f["id"].as_str().unwrap().starts_with("probe.")));
+    // RunProbes goes through the probe desk as root's request and answers at once with the
+    // run's record; GetReport answers while the run goes (issue 51), and the report that follows
+    // the run names it, with who asked (issue 50).
+    // The service's own boot run goes first (one run at a time): RunProbes is refused, naming it,
+    // until it ends.
+    let until = std::time::Instant::now() + Duration::from_secs(120);
+    let run: Value = loop {
+        match proxy.call::<_, _, String>("RunProbes", &("quick",)) {
+            Ok(json) => break serde_json::from_str(&json).unwrap(),
+            Err(e) => {
+                assert!(e.to_string().contains("already queued or running") && std::time::Instant::now() < until, "{e}")
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(
+        (run["asked_by"]["who"].as_str(), run["source"].as_str()),
+        (Some("local_root"), Some("request")),
+        "{run:#}"
+    );
+    let id = run["id"].as_str().unwrap().to_string();
+    let t = std::time::Instant::now();
+    let _: String = proxy.call("GetReport", &()).unwrap();
+    eprintln!("GetReport answered {:.2?} after RunProbes", t.elapsed());
+    let again: Result<String, _> = proxy.call("RunProbes", &("quick",));
+    let refused = again.map(|_| String::new()).unwrap_or_else(|e| e.to_string());
+    assert!(refused.contains(&id) || refused.is_empty(), "{refused}");
+    let until = std::time::Instant::now() + Duration::from_secs(120);
+    let ended = loop {
+        let run: Value =
+            serde_json::from_str(&proxy.call::<_, _, String>("GetProbeRun", &(id.as_str(),)).unwrap()).unwrap();
+        if run["state"] == "done" || run["state"] == "failed" {
+            break run;
+        }
+        assert!(std::time::Instant::now() < until, "the run never ended: {run:#}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(ended["asked_by"], serde_json::json!({"who": "local_root"}), "{ended:#}");
+    let none: Result<String, _> = proxy.call("GetProbeRun", &("0123456789abcdef",));
+    assert!(none.unwrap_err().to_string().contains("no such probe run"));
 
     // Expect 4 GPUs where there are 8: the next snapshot (SIGHUP takes one at once) is unhealthy.
     let signals = zbus::blocking::MessageIterator::for_match_rule(

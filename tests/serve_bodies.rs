@@ -59,6 +59,7 @@ fn scrapes_of_one_snapshot_are_its_bytes_and_render_nothing() {
         nvml: NvmlSource::Session(Arc::new(Session::new(lib.to_str().unwrap(), Deadlines::default()))),
         config,
         token: Some(TOKEN.into()),
+        control_token: None,
         started_at: phq_agent::snapshot::Timestamp::now(),
         probes: None,
         push: Default::default(),

@@ -11,8 +11,11 @@ use std::time::{Duration, Instant};
 struct Pki {
     ca: String,
     server: (String, String),
+    /// The platform's poller: named `phq-platform` (http.client_names' default), clientAuth.
     client: (String, String),
     stranger: (String, String),
+    /// From the platform's CA, but another name: not the platform.
+    other_name: (String, String),
 }
 
 fn pki() -> Pki {
@@ -24,14 +27,23 @@ fn pki() -> Pki {
         let cert = CertificateParams::new(names).unwrap().signed_by(&key, issuer).unwrap();
         (cert.pem(), key.serialize_pem())
     };
+    let client_named = |cn: &str, issuer: &CertifiedIssuer<'_, KeyPair>| {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = p.signed_by(&key, issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
     let mut other_params = CertificateParams::new(Vec::<String>::new()).unwrap();
     other_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     let other_ca = CertifiedIssuer::self_signed(other_params, KeyPair::generate().unwrap()).unwrap();
     Pki {
         ca: ca.pem(),
         server: leaf(vec!["localhost".into(), "127.0.0.1".into()], &ca),
-        client: leaf(vec!["platform-poller".into()], &ca),
-        stranger: leaf(vec!["someone-else".into()], &other_ca),
+        client: client_named("phq-platform", &ca),
+        stranger: client_named("phq-platform", &other_ca),
+        other_name: client_named("someone-else", &ca),
     }
 }
 
@@ -101,6 +113,32 @@ fn https_with_client_certificates_or_the_token() {
         // a certificate from another CA: the handshake fails
         let stranger = client(Some(&pki.stranger));
         assert!(stranger.get(url("/v1/status")).send().await.is_err(), "a stranger's certificate must not get through");
+        // the platform's CA, another name: refused too (issue 50: http.client_names)
+        let other = client(Some(&pki.other_name));
+        assert!(
+            other.get(url("/v1/status")).send().await.is_err(),
+            "a certificate with another name must not get through"
+        );
+        // The platform's certificate may start work, and the run names it (issue 50); the read
+        // token may not.
+        let read = anonymous.post(url("/v1/probes")).bearer_auth("tok-0123456789abcdef-tls").send().await.unwrap();
+        assert_eq!(read.status(), 403);
+        let started = loop {
+            let r = poller.post(url("/v1/probes")).send().await.unwrap();
+            // The boot run goes first: 409 until it ends.
+            if r.status() != 409 {
+                break r;
+            }
+            assert!(Instant::now() < deadline + Duration::from_secs(100), "the boot run never ended");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(started.status(), 202);
+        let run: serde_json::Value = serde_json::from_str(&started.text().await.unwrap()).unwrap();
+        assert_eq!(
+            run["asked_by"],
+            serde_json::json!({"who": "platform", "over": "tcp", "name": "phq-platform"}),
+            "{run:#}"
+        );
         // plain HTTP on the HTTPS port gets nothing
         let plain = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().unwrap();
         assert!(plain

@@ -454,9 +454,14 @@ mod vsock {
             p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
             CertifiedIssuer::self_signed(p, KeyPair::generate().unwrap()).unwrap()
         };
+        // As KubeVirt issues virt-handler's vsock client certificate (`secrets.go`,
+        // `triple.NewClientKeyPair`): named kubevirt.io:system:client:vsock, clientAuth.
         let leaf = |issuer: &CertifiedIssuer<'_, KeyPair>| {
             let key = KeyPair::generate().unwrap();
-            let cert = CertificateParams::new(vec!["virt-handler".into()]).unwrap().signed_by(&key, issuer).unwrap();
+            let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+            p.distinguished_name.push(DnType::CommonName, "kubevirt.io:system:client:vsock");
+            p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+            let cert = p.signed_by(&key, issuer).unwrap();
             (cert.pem(), key.serialize_pem())
         };
         let (ca, other) = (ca_of("kubevirt.io CA (test)"), ca_of("another CA"));

@@ -203,6 +203,10 @@ pub const RULES: &[Rule] = &[
     rule("agent.endpoint-auth", FixGuestSoftware, FixGuestSoftware, Tenant),
 ];
 
+/// The evidence key a finding carries, with the value `history`, when the fault history (not a
+/// reading) decided its action (`history` rule 3); the verdict's basis then says `history`.
+pub const DECIDED_BY: &str = "decided_by";
+
 /// Whether a routed finding is already the platform's hardware: the platform's move, and an
 /// action on the device or the node (a reset, a restart from the platform, a host reboot, an
 /// inspection). Only such a finding may be escalated to `inspect_hardware` by recurring

@@ -203,7 +203,8 @@ fn basis_of(f: &Finding) -> impl Iterator<Item = &'static str> {
         "gpu" | "nvml" | "nvlink" | "fabric" => "nvml",
         _ => "guest",
     };
-    let history = f.evidence.get(crate::history::DECIDED_BY).and_then(serde_json::Value::as_str) == Some("history");
+    let history =
+        f.evidence.get(crate::checks::route::DECIDED_BY).and_then(serde_json::Value::as_str) == Some("history");
     std::iter::once(reading).chain(history.then_some("history"))
 }
 
@@ -230,7 +231,7 @@ pub fn verdict_of(findings: &[Finding], at: Timestamp) -> Verdict {
     basis.dedup();
     let mut boots: Vec<String> = from
         .iter()
-        .filter(|f| f.evidence.contains_key(crate::history::DECIDED_BY))
+        .filter(|f| f.evidence.contains_key(crate::checks::route::DECIDED_BY))
         .filter_map(|f| f.evidence.get("boot_ids")?.as_array().cloned())
         .flatten()
         .filter_map(|b| b.as_str().map(str::to_string))
@@ -499,5 +500,28 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
         event: None,
         verdict,
         probe_run: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checks::route::{Action, Owner, DECIDED_BY};
+
+    /// Issue 51: a verdict the fault history escalated says `history` beside the reading's basis,
+    /// names the boots, and keeps the kernel-log note when no other reading backs it.
+    #[test]
+    fn an_escalated_verdict_says_history_and_names_the_boots() {
+        let at = Timestamp(std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_800_000_000));
+        let mut f = Finding::fail("gpu.xid", "Xid 79")
+            .gpu("0000:0c:00.0")
+            .evidence("authority", "kernel_log")
+            .evidence(DECIDED_BY, "history")
+            .evidence("boot_ids", serde_json::json!(["boot-b", "boot-a"]));
+        (f.action, f.owner) = (Action::InspectHardware, Owner::Platform);
+        let v = verdict_of(&[f], at);
+        assert_eq!(v.basis, vec!["history".to_string(), "kernel_log".to_string()]);
+        assert_eq!(v.boots, vec!["boot-a".to_string(), "boot-b".to_string()]);
+        assert!(v.note.contains("boots boot-a, boot-b") && v.note.contains("kernel log alone"), "{}", v.note);
     }
 }

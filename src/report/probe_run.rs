@@ -5,6 +5,9 @@ use crate::config::ProbeLevel;
 use crate::snapshot::Timestamp;
 use serde::{Deserialize, Serialize};
 
+/// Who asked for a run: kept with the fault history, which names it when a run clears a fault.
+pub use crate::history::{AskedBy, Channel};
+
 /// Who asked for a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -30,6 +33,9 @@ pub struct ProbeRun {
     pub id: String,
     pub level: ProbeLevel,
     pub source: Source,
+    /// Who asked (the service for boot and idle runs).
+    #[serde(default)]
+    pub asked_by: AskedBy,
     pub state: State,
     pub requested_at: Timestamp,
     #[serde(default, skip_serializing_if = "Option::is_none")]

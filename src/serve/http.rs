@@ -18,7 +18,7 @@
 //!   therefore always gets in. The same loop serves vsock (`serve::vsock`), where the peer is a
 //!   CID rather than an address (`Peer`).
 
-use super::recheck::{Desk, Refused};
+use super::recheck::{AskedBy, Channel, Desk, Refused};
 use super::{current, Published, Shared};
 use crate::config::ProbeLevel;
 use crate::report::Health;
@@ -70,7 +70,7 @@ pub struct Endpoint {
 /// of `/healthz`, `/v1/status`, `/metrics` from the published snapshot and of
 /// `/v1/probes/{id}` from the desk; POST of `/v1/probes` with its `body`. The rest is 405 (with
 /// `Allow`) or 404.
-pub fn answer<B>(e: &Endpoint, req: &Request<B>, cert: ClientCert, body: &[u8]) -> Reply {
+pub fn answer<B>(e: &Endpoint, req: &Request<B>, cert: &ClientCert, body: &[u8]) -> Reply {
     let path = req.uri().path();
     let run = path.strip_prefix("/v1/probes/").filter(|id| !id.is_empty() && !id.contains('/'));
     let allowed = match path {
@@ -154,9 +154,37 @@ fn dual_stack(s: &tokio::net::TcpSocket) -> std::io::Result<()> {
     }
 }
 
-/// How the client on a connection proved itself, if it did (a verified client certificate).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ClientCert(pub bool);
+/// How the client on a connection proved itself, if it did: a client certificate the TLS layer
+/// verified (its chain, its name and usage: `client_name`), and the channel it came over.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ClientCert {
+    #[default]
+    None,
+    Platform {
+        over: Channel,
+        name: String,
+    },
+}
+
+impl ClientCert {
+    /// What the handshake on `peer`'s connection proved: the leaf's name when a certificate was
+    /// presented (the verifier admitted it only with a configured name).
+    fn of(peer: Peer, certs: Option<&[rustls_pki_types::CertificateDer<'_>]>) -> ClientCert {
+        let Some(leaf) = certs.and_then(|c| c.first()) else { return ClientCert::None };
+        let name = super::client_name::identity(leaf).ok().and_then(|i| i.name).unwrap_or_default();
+        let over = if matches!(peer, Peer::Cid(_)) { Channel::Vsock } else { Channel::Tcp };
+        ClientCert::Platform { over, name }
+    }
+}
+
+/// Who made a request, and so what it may do (issue 50, and issue 51's "one token does two
+/// jobs"): the platform (a certificate) and the control token's holder may read and start
+/// work; the read token's holder (a tenant's Prometheus, often over clear HTTP) may only read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Who {
+    Asker(AskedBy),
+    Reader,
+}
 
 /// Who is on the other end of a connection, as admission counts it: a source address on TCP,
 /// a context id on vsock (the host is CID 2; vsock(7)).
@@ -235,12 +263,12 @@ pub async fn serve<L: Accept>(
         tokio::spawn(async move {
             let served = async {
                 match tls {
-                    None => connection(stream, endpoint, ClientCert(false), slot.busy.clone()).await,
+                    None => connection(stream, endpoint, ClientCert::None, slot.busy.clone()).await,
                     Some(acceptor) => match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(stream)).await {
                         Ok(Ok(tls_stream)) => {
                             // With a client CA, a certificate present after the handshake is one it signed.
-                            let verified = tls_stream.get_ref().1.peer_certificates().is_some_and(|c| !c.is_empty());
-                            connection(tls_stream, endpoint, ClientCert(verified), slot.busy.clone()).await
+                            let cert = ClientCert::of(peer, tls_stream.get_ref().1.peer_certificates());
+                            connection(tls_stream, endpoint, cert, slot.busy.clone()).await
                         }
                         Ok(Err(e)) => Err(format!("TLS handshake: {e}")),
                         Err(_) => Err("TLS handshake timed out".into()),
@@ -271,7 +299,9 @@ async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Se
     let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
         let endpoint = endpoint.clone();
         let busy = busy.clone();
+        let cert = cert.clone();
         async move {
+            let cert = &cert;
             // Only POST reads a body, bounded; every other answer is made at once from the
             // published bytes, with nothing to wait for (and so never counts as busy).
             if req.method() != Method::POST {
@@ -312,11 +342,11 @@ async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Se
 
 /// What a POST's head alone decides, before its body is read: the route and method (`answer`
 /// says 404 or 405 with no body to read) and the caller's credentials. `None`: read the body.
-fn before_body(e: &Endpoint, head: &Request<()>, cert: ClientCert) -> Option<Reply> {
+fn before_body(e: &Endpoint, head: &Request<()>, cert: &ClientCert) -> Option<Reply> {
     if head.uri().path() != "/v1/probes" {
         return Some(answer(e, head, cert, &[]));
     }
-    published_for(&e.shared, head.headers(), cert).err().map(|r| *r)
+    asker_for(&e.shared, head.headers(), cert).err().map(|r| *r)
 }
 
 /// Marks a connection busy while one of its authenticated requests is being answered.
@@ -467,21 +497,26 @@ fn healthz(shared: &Shared) -> Reply {
     }
 }
 
-/// Checks the client certificate or the bearer token; `Some` is the refusal to send instead.
-fn refusal(p: &Published, headers: &HeaderMap, cert: ClientCert) -> Option<Reply> {
-    if cert.0 {
-        return None;
+/// Who the request comes from, by its certificate or its bearer token; `Err` is the refusal
+/// to send instead (401, or 503 while no token is configured).
+fn who(p: &Published, headers: &HeaderMap, cert: &ClientCert) -> Result<Who, Box<Reply>> {
+    if let ClientCert::Platform { over, name } = cert {
+        return Ok(Who::Asker(AskedBy::Platform { over: *over, name: name.clone() }));
+    }
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer).unwrap_or("");
+    let given = given.trim().as_bytes();
+    if p.control_token.as_deref().is_some_and(|t| constant_time_eq(given, t.as_bytes())) {
+        return Ok(Who::Asker(AskedBy::Tenant));
     }
     let Some(expected) = p.token.as_deref() else {
-        return Some(plain(StatusCode::SERVICE_UNAVAILABLE, "no token configured: see http.token_file\n"));
+        return Err(Box::new(plain(StatusCode::SERVICE_UNAVAILABLE, "no token configured: see http.token_file\n")));
     };
-    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer).unwrap_or("");
-    if constant_time_eq(given.trim().as_bytes(), expected.as_bytes()) {
-        return None;
+    if constant_time_eq(given, expected.as_bytes()) {
+        return Ok(Who::Reader);
     }
     let mut r = plain(StatusCode::UNAUTHORIZED, "unauthorized\n");
     r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    Some(r)
+    Err(Box::new(r))
 }
 
 /// The token of an `Authorization: Bearer <token>` value. The scheme is case-insensitive
@@ -500,26 +535,35 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// The published snapshot for a caller that proved itself; else the answer to send instead.
-fn published_for(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Result<Arc<Published>, Box<Reply>> {
+/// The published snapshot for a caller that proved itself, and who it is; else the answer to
+/// send instead.
+fn published_for(shared: &Shared, headers: &HeaderMap, cert: &ClientCert) -> Result<(Arc<Published>, Who), Box<Reply>> {
     let p = current(shared).ok_or_else(|| Box::new(plain(StatusCode::SERVICE_UNAVAILABLE, "starting\n")))?;
-    match refusal(&p, headers, cert) {
-        Some(r) => Err(Box::new(r)),
-        None => Ok(p),
+    who(&p, headers, cert).map(|w| (p, w))
+}
+
+/// `published_for`, for a request that starts work: the read token is refused (403).
+fn asker_for(shared: &Shared, headers: &HeaderMap, cert: &ClientCert) -> Result<(Arc<Published>, AskedBy), Box<Reply>> {
+    match published_for(shared, headers, cert)? {
+        (p, Who::Asker(a)) => Ok((p, a)),
+        (_, Who::Reader) => Err(Box::new(json(
+            StatusCode::FORBIDDEN,
+            &serde_json::json!({ "error": "the read token starts nothing: use the control token (http.control_token_file) or the platform's client certificate" }),
+        ))),
     }
 }
 
-fn status(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Reply {
+fn status(shared: &Shared, headers: &HeaderMap, cert: &ClientCert) -> Reply {
     match published_for(shared, headers, cert) {
-        Ok(p) => reply(StatusCode::OK, "application/json", p.report_json.clone()),
+        Ok((p, _)) => reply(StatusCode::OK, "application/json", p.report_json.clone()),
         Err(r) => *r,
     }
 }
 
 /// The rendering the client negotiated, as published: only the choice is made per request.
-fn metrics(shared: &Shared, headers: &HeaderMap, cert: ClientCert) -> Reply {
+fn metrics(shared: &Shared, headers: &HeaderMap, cert: &ClientCert) -> Reply {
     let p = match published_for(shared, headers, cert) {
-        Ok(p) => p,
+        Ok((p, _)) => p,
         Err(r) => return *r,
     };
     let header_str = |name| headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok()).unwrap_or("");
@@ -564,16 +608,16 @@ fn requested_level(body: &[u8]) -> Result<ProbeLevel, String> {
 
 /// The platform's re-check (`recheck` rules 1–3): 202 and the run, or why not — 409 while a run
 /// is going or a GPU is busy, 429 past the configured rate, 403 when requests are off.
-fn request_probes(e: &Endpoint, headers: &HeaderMap, cert: ClientCert, body: &[u8]) -> Reply {
-    let p = match published_for(&e.shared, headers, cert) {
-        Ok(p) => p,
+fn request_probes(e: &Endpoint, headers: &HeaderMap, cert: &ClientCert, body: &[u8]) -> Reply {
+    let (p, who) = match asker_for(&e.shared, headers, cert) {
+        Ok(x) => x,
         Err(r) => return *r,
     };
     let level = match requested_level(body) {
         Ok(l) => l,
         Err(why) => return json(StatusCode::BAD_REQUEST, &serde_json::json!({ "error": why })),
     };
-    match e.desk.request(level, p.snapshot.clone()) {
+    match e.desk.request(level, p.snapshot.clone(), who) {
         Ok(run) => {
             let mut r = json(StatusCode::ACCEPTED, &serde_json::json!(run));
             if let Ok(v) = HeaderValue::from_str(&format!("/v1/probes/{}", run.id)) {
@@ -607,7 +651,7 @@ fn request_probes(e: &Endpoint, headers: &HeaderMap, cert: ClientCert, body: &[u
 }
 
 /// `GET /v1/probes/{id}`: a run's record while it is current or among the last kept.
-fn probe_run(e: &Endpoint, headers: &HeaderMap, cert: ClientCert, id: &str) -> Reply {
+fn probe_run(e: &Endpoint, headers: &HeaderMap, cert: &ClientCert, id: &str) -> Reply {
     if let Err(r) = published_for(&e.shared, headers, cert) {
         return *r;
     }

@@ -53,6 +53,7 @@
 pub mod agent_checks;
 pub mod bug_bundle;
 pub mod client_ca;
+pub mod client_name;
 pub mod dbus;
 pub mod http;
 pub mod memory;
@@ -303,8 +304,10 @@ pub struct Published {
     pub report_json: Bytes,
     /// `/metrics` in both formats, plain and gzipped (`Metrics`).
     pub metrics: Metrics,
-    /// The bearer token for `/v1/status` and `/metrics`; `None` refuses them.
+    /// The read token for `/v1/status` and `/metrics`; `None` refuses them.
     pub token: Option<String>,
+    /// The control token, which may also start work (`POST /v1/probes`); `None`: no token does.
+    pub control_token: Option<String>,
     pub summary: String,
     /// Why the service is not healthy, when it can say it without credentials (NVML not
     /// answering): /healthz adds it to "unhealthy".
@@ -483,6 +486,7 @@ pub struct Inputs {
     pub nvml: NvmlSource,
     pub config: Config,
     pub token: Option<String>,
+    pub control_token: Option<String>,
     pub started_at: Timestamp,
     /// The last probe run's results and findings, carried into every report until the next.
     pub probes: Option<Arc<ProbeResults>>,
@@ -535,7 +539,7 @@ fn apply_history(inputs: &Inputs, snapshot: &crate::snapshot::Snapshot, report: 
     if let Some(p) = &inputs.probes {
         // The run proves what it saw from its start: a fault last seen after that stays open.
         let from = p.run.started_at.unwrap_or(p.run.requested_at);
-        changed |= h.clear_by_probes(snapshot, &p.run.id, from, &p.findings);
+        changed |= h.clear_by_probes(snapshot, &p.run.id, &p.run.asked_by, from, &p.findings);
     }
     h.escalate(snapshot, &mut report.findings);
     report.verdict = report::verdict_for(snapshot, &report.findings, snapshot.observed_at);
@@ -595,6 +599,7 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, Arc<report::Repor
         report_json: Bytes::from(serde_json::to_vec(&*report).unwrap_or_default()),
         metrics: Metrics::of(snapshot.clone(), report.clone(), inputs.config.metrics.dcgm_compat),
         token: inputs.token.clone(),
+        control_token: inputs.control_token.clone(),
         summary,
         reason: not_answering,
         snapshot,

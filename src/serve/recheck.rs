@@ -18,7 +18,7 @@
 //!    re-check's result from an older one.
 
 use crate::config::ProbeLevel;
-pub use crate::report::probe_run::{ProbeRun, Source, State};
+pub use crate::report::probe_run::{AskedBy, Channel, ProbeRun, Source, State};
 use crate::snapshot::{Snapshot, Timestamp};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -96,8 +96,10 @@ impl Desk {
         self.book().limit = limit;
     }
 
-    /// The platform's request (rules 1–3): the run accepted, queued for the probe task.
-    pub fn request(&self, level: ProbeLevel, snapshot: Arc<Snapshot>) -> Result<ProbeRun, Refused> {
+    /// A request (rules 1–3) from `who`: the run accepted, queued for the probe task. Rule 3's
+    /// limit counts the network's requests (the platform's, the tenant's control token); root
+    /// over D-Bus is not limited, as a person's `phq-agent probe` is not.
+    pub fn request(&self, level: ProbeLevel, snapshot: Arc<Snapshot>, who: AskedBy) -> Result<ProbeRun, Refused> {
         let now = Instant::now();
         let mut book = self.book();
         if let Some(run) = &book.current {
@@ -106,6 +108,9 @@ impl Desk {
         let busy = busy_gpus(&snapshot);
         if !busy.is_empty() {
             return Err(Refused::Busy(busy));
+        }
+        if who == AskedBy::LocalRoot {
+            return self.queue(&mut book, level, Source::Request, who, snapshot);
         }
         let limit = book.limit;
         if limit.max == 0 {
@@ -118,7 +123,7 @@ impl Desk {
             let oldest = book.requests.front().copied().unwrap_or(now);
             return Err(Refused::Limited(limit.window.saturating_sub(now.duration_since(oldest))));
         }
-        let run = self.queue(&mut book, level, Source::Request, snapshot)?;
+        let run = self.queue(&mut book, level, Source::Request, who, snapshot)?;
         book.requests.push_back(now);
         Ok(run)
     }
@@ -130,7 +135,7 @@ impl Desk {
         if book.current.is_some() {
             return None;
         }
-        self.queue(&mut book, level, source, snapshot).ok()
+        self.queue(&mut book, level, source, AskedBy::Service, snapshot).ok()
     }
 
     fn queue(
@@ -138,12 +143,14 @@ impl Desk {
         book: &mut Book,
         level: ProbeLevel,
         source: Source,
+        asked_by: AskedBy,
         snapshot: Arc<Snapshot>,
     ) -> Result<ProbeRun, Refused> {
         let run = ProbeRun {
             id: new_id(),
             level,
             source,
+            asked_by,
             state: State::Queued,
             requested_at: Timestamp::now(),
             started_at: None,

@@ -44,6 +44,7 @@ pub struct Machine {
 struct Settings {
     config: Config,
     token: Option<String>,
+    control_token: Option<String>,
 }
 
 /// What the snapshotter is asked to do besides its schedule.
@@ -51,7 +52,7 @@ enum ToSnapshotter {
     /// A first-of-its-kind Xid: judge the GPUs again now (rule 1).
     Now,
     /// Probes finished: carry their findings into every report from now on.
-    Probes(super::ProbeResults),
+    Probes(Box<super::ProbeResults>),
 }
 
 /// A report the snapshotter published, with its snapshot and its JSON (the very bytes
@@ -86,7 +87,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     // Signals first: systemd may send SIGHUP or SIGTERM as soon as READY=1 is out.
     let mut signals = Signals::watch()?;
     let config = load()?;
-    let settings = Settings { token: token_of(&config)?, config };
+    let (token, control_token) = token_of(&config)?;
+    let settings = Settings { token, control_token, config };
     let config = &settings.config;
     let state_dir = config.agent.state_dir.clone();
 
@@ -101,6 +103,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         sysroot: machine.sysroot.clone(),
         nvml: service_nvml(&machine, &root, deadlines, &to_snapshotter),
         token: settings.token.clone(),
+        control_token: settings.control_token.clone(),
         config: config.clone(),
         started_at: Timestamp::now(),
         probes: None,
@@ -156,7 +159,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
 
     let (health_tx, health_rx) = mpsc::unbounded_channel();
     let margin = crate::probe::child::Limits::from(&config.probes);
-    let dbus = dbus(shared.clone(), state_dir.clone(), margin, health_rx).await;
+    let dbus = dbus(shared.clone(), desk.clone(), health_rx).await;
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
     tracing::info!(%status, "ready");
     super::memory::release_startup_pages();
@@ -447,25 +450,39 @@ fn publish(shared: &Shared, p: Published) -> String {
     status
 }
 
-fn token_of(config: &Config) -> anyhow::Result<Option<String>> {
-    match super::read_token(&config.http.token_file) {
-        Ok(t) => Ok(Some(t)),
+/// The read token and the control token (`http.token_file`, `http.control_token_file`).
+fn token_of(config: &Config) -> anyhow::Result<(Option<String>, Option<String>)> {
+    let read = match super::read_token(&config.http.token_file) {
+        Ok(t) => Some(t),
         // Missing: serve /healthz and refuse the rest until a token exists (first-start
         // generation is the package's job). Unsafe (readable by others): refuse to start.
         Err(e) if !config.http.token_file.exists() => {
             tracing::error!(error = %e, "no token: /v1/status and /metrics will answer 503");
-            Ok(None)
+            None
         }
-        Err(e) => Err(e),
+        Err(e) => return Err(e),
+    };
+    // Missing is the default: no token starts work. Unsafe: refuse to start, as above.
+    let control = match config.http.control_token_file.exists() {
+        true => Some(super::read_token(&config.http.control_token_file)?),
+        false => None,
+    };
+    if control.is_some() && control == read {
+        anyhow::bail!(
+            "{} and {} hold the same token: the control token must differ from the read token, which a Prometheus sends in clear",
+            config.http.control_token_file.display(),
+            config.http.token_file.display()
+        );
     }
+    Ok((read, control))
 }
 
 /// Rule 4's SIGHUP: the new configuration and token, or the old ones kept; the status line says which.
 fn reload(load: &impl Fn() -> anyhow::Result<Config>, settings: &watch::Sender<Settings>) -> String {
-    match load().and_then(|new| token_of(&new).map(|token| (new, token))) {
-        Ok((config, token)) => {
+    match load().and_then(|new| token_of(&new).map(|tokens| (new, tokens))) {
+        Ok((config, (token, control_token))) => {
             let pending = crate::config::restart_needed(&settings.borrow().config, &config);
-            settings.send_replace(Settings { config, token });
+            settings.send_replace(Settings { config, token, control_token });
             if pending.is_empty() {
                 tracing::info!("configuration reloaded");
                 "configuration reloaded".to_string()
@@ -550,7 +567,7 @@ async fn snapshotter(mut s: Snapshotter) {
             Some(ask) = s.asks.recv() => {
                 if let ToSnapshotter::Probes(p) = ask {
                     tracing::info!(run = %p.run.id, findings = p.findings.len(), "probes finished");
-                    s.inputs.probes = Some(Arc::new(p));
+                    s.inputs.probes = Some(Arc::new(*p));
                     last_probe = Instant::now();
                 }
                 ticker.reset_immediately();
@@ -560,6 +577,7 @@ async fn snapshotter(mut s: Snapshotter) {
                 s.desk.set_limit((&new.config.probes).into());
                 s.inputs.config = new.config;
                 s.inputs.token = new.token;
+                s.inputs.control_token = new.control_token;
                 ticker.reset_immediately(); // judge again under the new configuration
             }
             _ = beat.tick() => {}
@@ -773,11 +791,10 @@ async fn events(mut e: Events) {
 /// without it if the bus is away. The connection lives as long as the returned task.
 async fn dbus(
     shared: Shared,
-    state_dir: std::path::PathBuf,
-    margin: crate::probe::child::Limits,
+    desk: Arc<Desk>,
     mut health: mpsc::UnboundedReceiver<(String, String)>,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    let building = tokio::task::spawn_blocking(move || bus::serve(shared, state_dir, margin));
+    let building = tokio::task::spawn_blocking(move || bus::serve(shared, desk));
     let conn = match tokio::time::timeout(Duration::from_secs(5), building).await {
         Ok(Ok(Ok(conn))) => conn,
         Ok(Ok(Err(e))) => {
@@ -816,7 +833,7 @@ async fn probes(
             .unwrap_or_else(|e| Err(format!("the probe run's task ended: {e}")));
         let run = desk.finished(&id, ran.as_ref().map(|r| r.1.as_slice()).map_err(String::as_str));
         if let (Ok((probes, findings)), Some(run)) = (ran, run) {
-            let _ = results.send(ToSnapshotter::Probes(super::ProbeResults { probes, findings, run }));
+            let _ = results.send(ToSnapshotter::Probes(Box::new(super::ProbeResults { probes, findings, run })));
         }
     }
 }

@@ -1,10 +1,11 @@
 //! HTTPS for the endpoint (rustls with the ring provider), and client certificates.
 //!
 //! `http.tls_cert` + `http.tls_key`: serve HTTPS. `http.client_ca` too: a client certificate
-//! signed by that CA authorizes `/v1/status` and `/metrics` without the bearer token. A client
-//! without a certificate still gets through the handshake (a KubeVirt readinessProbe presents
-//! none), and then needs the token like anyone else; a certificate the CA did not sign fails
-//! the handshake.
+//! signed by that CA and named in `http.client_names` (`client_name`) is the platform on TCP,
+//! as virt-handler's is on vsock: it reads and may start work. A client without a certificate
+//! still gets through the handshake (a KubeVirt readinessProbe presents none, a tenant's
+//! Prometheus its token), and then needs a token like anyone else; a certificate the CA did not
+//! sign, or with another name, fails the handshake.
 
 use anyhow::{anyhow, Context};
 use rustls_pki_types::pem::PemObject;
@@ -45,7 +46,11 @@ pub fn acceptor(http: &crate::config::HttpConfig) -> anyhow::Result<Option<tokio
             .allow_unauthenticated()
             .build()
             .map_err(|e| anyhow!("{} (http.client_ca): {e}", http.client_ca))?;
-        builder.with_client_cert_verifier(verifier)
+        builder.with_client_cert_verifier(super::client_name::Named::new(
+            verifier,
+            &http.client_names,
+            "http.client_names",
+        ))
     };
     let mut config =
         builder.with_single_cert(certs, key).map_err(|e| anyhow!("{} / {}: {e}", http.tls_cert, http.tls_key))?;
@@ -78,10 +83,11 @@ pub fn vsock_acceptor(vsock: &crate::config::VsockConfig, state_dir: &std::path:
     // KubeVirt's bundle, read again at the first handshake after the file changes (client_ca.rs).
     let verifier = super::client_ca::ReloadingCa::new(&vsock.client_ca, provider.clone())?;
     let waiting = if verifier.waiting() { ", not there yet: every client refused until it appears" } else { "" };
+    let names = vsock.client_names.join(", ");
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .context("TLS 1.3")?
-        .with_client_cert_verifier(verifier);
+        .with_client_cert_verifier(super::client_name::Named::new(verifier, &vsock.client_names, "vsock.client_names"));
     let (mut config, own, said) = if vsock.cert.is_empty() {
         let (own, said) = super::own_cert::Rotating::new(state_dir, provider)?;
         (builder.with_cert_resolver(own.clone()), Some(own), said)
@@ -105,6 +111,6 @@ pub fn vsock_acceptor(vsock: &crate::config::VsockConfig, state_dir: &std::path:
     Ok(VsockTls {
         acceptor: Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))),
         own,
-        said: format!("TLS 1.3, client certificate required (CA {ca}{waiting}); {said}"),
+        said: format!("TLS 1.3, client certificate required (CA {ca}{waiting}; named {names}); {said}"),
     })
 }

@@ -244,6 +244,22 @@ mod tests {
         stranger: (String, String),
         /// The stranger's CA: the bundle a rotation would bring.
         other_ca: String,
+        /// The other clients KubeVirt's CA signs (`secrets.go`), each with its name, and the
+        /// vsock client's name on a certificate without the clientAuth usage.
+        siblings: Vec<(String, (String, String))>,
+    }
+
+    /// A leaf signed by `issuer` named `cn`, with the clientAuth usage when `client_auth`, as
+    /// KubeVirt's `triple.NewClientKeyPair` issues them.
+    fn named_leaf(issuer: &CertifiedIssuer<'_, KeyPair>, cn: &str, client_auth: bool) -> (String, String) {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        if client_auth {
+            p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        }
+        let cert = p.signed_by(&key, issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
     }
 
     fn pki() -> Pki {
@@ -253,13 +269,18 @@ mod tests {
             p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
             CertifiedIssuer::self_signed(p, KeyPair::generate().unwrap()).unwrap()
         };
-        let leaf = |issuer: &CertifiedIssuer<'_, KeyPair>| {
-            let key = KeyPair::generate().unwrap();
-            let cert = CertificateParams::new(vec!["virt-handler".into()]).unwrap().signed_by(&key, issuer).unwrap();
-            (cert.pem(), key.serialize_pem())
-        };
+        let leaf = |issuer: &CertifiedIssuer<'_, KeyPair>| named_leaf(issuer, crate::config::VSOCK_CLIENT_NAME, true);
         let (ca, other) = (ca_of("KubeVirt test CA"), ca_of("another CA"));
-        Pki { ca: ca.pem(), client: leaf(&ca), stranger: leaf(&other), other_ca: other.pem() }
+        let mut siblings: Vec<(String, (String, String))> =
+            ["migration", "monitoring", "virt-handler", "virt-synchronization-controller"]
+                .iter()
+                .map(|n| {
+                    let cn = format!("kubevirt.io:system:client:{n}");
+                    (cn.clone(), named_leaf(&ca, &cn, true))
+                })
+                .collect();
+        siblings.push(("vsock without clientAuth".into(), named_leaf(&ca, crate::config::VSOCK_CLIENT_NAME, false)));
+        Pki { ca: ca.pem(), client: leaf(&ca), stranger: leaf(&other), other_ca: other.pem(), siblings }
     }
 
     fn published() -> Shared {
@@ -269,6 +290,7 @@ mod tests {
             report_json: bytes("{\"schema\":\"phq.status/v1\"}"),
             metrics: crate::serve::Metrics::fixed("phq_up 1\n", "phq_up 1\n# EOF\n"),
             token: Some("tok-vsock".into()),
+            control_token: None,
             summary: "healthy".into(),
             reason: None,
             snapshot: Arc::new(crate::checks::testutil::healthy()),
@@ -394,6 +416,33 @@ mod tests {
             // Plain HTTP on the TLS port is not HTTP to it either.
             let plain = get(&socket, None, "/healthz", "").await;
             assert!(plain.as_ref().map_or(true, |a| !a.starts_with("HTTP/1.1 200")), "{plain:?}");
+        });
+    }
+
+    /// Issue 50: KubeVirt's CA signs more clients than virt-handler's vsock client; each of the
+    /// others is refused in the handshake, as is the vsock name without the clientAuth usage,
+    /// while the vsock client gets in.
+    #[test]
+    fn only_kubevirts_vsock_client_is_the_platform() {
+        let pki = pki();
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, &pki.ca).unwrap();
+        let config = crate::config::VsockConfig { client_ca: ca, ..Default::default() };
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let socket = start(&rt, dir.path(), &config);
+        let server_cert = dir.path().join("state/vsock/server.crt");
+        let tls13: &[&'static rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+        rt.block_on(async {
+            let vsock = get(&socket, Some(&client(&server_cert, Some(&pki.client), tls13)), "/healthz", "").await;
+            assert_eq!(status_of(&vsock.unwrap()), "HTTP/1.1 200 OK");
+            for (name, identity) in &pki.siblings {
+                let got = get(&socket, Some(&client(&server_cert, Some(identity), tls13)), "/healthz", "").await;
+                match got {
+                    Err(e) => assert!(e.contains("AccessDenied"), "{name}: {e}"),
+                    Ok(answer) => panic!("{name}: answered {answer:?}"),
+                }
+            }
         });
     }
 

@@ -134,16 +134,25 @@ pub fn listening_ports(pid: u32) -> Vec<u16> {
 
 /// In `dir`: the HTTP token `token` (0600) and a config for the service — state in `dir/state`,
 /// listening on a port the kernel picks — with `extra` TOML appended. Returns the config's path.
+/// The control token `service_config` writes beside the read token `token`: it starts work.
+pub fn control_token_of(token: &str) -> String {
+    format!("ctl-{token}")
+}
+
 pub fn service_config(dir: &Path, token: &str, extra: &str) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let token_file = dir.join("token");
     std::fs::write(&token_file, format!("{token}\n")).unwrap();
     std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let control_file = dir.join("control-token");
+    std::fs::write(&control_file, format!("{}\n", control_token_of(token))).unwrap();
+    std::fs::set_permissions(&control_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let cfg = dir.join("config.toml");
     let base = format!(
-        "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\n",
+        "[agent]\nstate_dir = \"{}\"\n[http]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"{}\"\ncontrol_token_file = \"{}\"\n",
         dir.join("state").display(),
-        token_file.display()
+        token_file.display(),
+        control_file.display()
     );
     std::fs::write(&cfg, base + extra).unwrap();
     cfg

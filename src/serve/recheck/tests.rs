@@ -21,7 +21,7 @@ fn finish(d: &Desk, run: &ProbeRun) {
 #[test]
 fn a_request_is_queued_for_the_probe_task_and_its_record_follows_the_run() {
     let (d, mut asks) = desk(6);
-    let run = d.request(ProbeLevel::Full, idle()).expect("accepted");
+    let run = d.request(ProbeLevel::Full, idle(), AskedBy::Tenant).expect("accepted");
     assert_eq!((run.state, run.source, run.level), (State::Queued, Source::Request, ProbeLevel::Full));
     assert_eq!(run.id.len(), 16);
     let ask = asks.try_recv().expect("the probe task is asked");
@@ -41,13 +41,13 @@ fn a_request_is_queued_for_the_probe_task_and_its_record_follows_the_run() {
 fn one_run_at_a_time_whoever_asked() {
     let (d, _asks) = desk(6);
     let boot = d.begin(ProbeLevel::Quick, Source::Boot, idle()).expect("the boot run");
-    match d.request(ProbeLevel::Quick, idle()) {
+    match d.request(ProbeLevel::Quick, idle(), AskedBy::Tenant) {
         Err(Refused::Running(r)) => assert_eq!(r.id, boot.id),
         other => panic!("a request during the boot run: {other:?}"),
     }
     assert!(d.begin(ProbeLevel::Quick, Source::Idle, idle()).is_none(), "nor an idle run");
     finish(&d, &boot);
-    assert!(d.request(ProbeLevel::Quick, idle()).is_ok(), "free again once it ended");
+    assert!(d.request(ProbeLevel::Quick, idle(), AskedBy::Tenant).is_ok(), "free again once it ended");
 }
 
 #[test]
@@ -58,7 +58,7 @@ fn a_busy_or_unknown_gpu_refuses_a_request_and_names_the_gpu() {
         n.devices[2].processes = Nv::Value(vec![ProcessInfo { pid: 4242, used_bytes: Some(1 << 30) }]);
         n.devices[5].utilization = Nv::NotSupported;
     }
-    match d.request(ProbeLevel::Quick, Arc::new(s)) {
+    match d.request(ProbeLevel::Quick, Arc::new(s), AskedBy::Tenant) {
         Err(Refused::Busy(why)) => {
             assert_eq!(why.len(), 2, "{why:?}");
             assert!(why[0].contains("1 compute process"), "{why:?}");
@@ -69,32 +69,35 @@ fn a_busy_or_unknown_gpu_refuses_a_request_and_names_the_gpu() {
     assert!(asks.try_recv().is_err(), "nothing was queued");
     let mut no_nvml = healthy();
     no_nvml.nvml = NvmlStatus::NotRead("a sysroot".into());
-    assert!(matches!(d.request(ProbeLevel::Quick, Arc::new(no_nvml)), Err(Refused::Busy(_))), "unknown is busy");
+    assert!(
+        matches!(d.request(ProbeLevel::Quick, Arc::new(no_nvml), AskedBy::Tenant), Err(Refused::Busy(_))),
+        "unknown is busy"
+    );
 }
 
 #[test]
 fn requests_past_the_limit_wait_for_the_window_and_service_runs_do_not_count() {
     let (d, _asks) = desk(2);
     for _ in 0..2 {
-        let run = d.request(ProbeLevel::Quick, idle()).expect("within the limit");
+        let run = d.request(ProbeLevel::Quick, idle(), AskedBy::Tenant).expect("within the limit");
         finish(&d, &run);
     }
     let boot = d.begin(ProbeLevel::Quick, Source::Boot, idle()).expect("the service's own run is not limited");
     finish(&d, &boot);
-    match d.request(ProbeLevel::Quick, idle()) {
+    match d.request(ProbeLevel::Quick, idle(), AskedBy::Tenant) {
         Err(Refused::Limited(wait)) => assert!(wait > Duration::from_secs(3500) && wait <= Duration::from_secs(3600)),
         other => panic!("the third within the hour: {other:?}"),
     }
     d.set_limit(Limit { max: 0, window: Duration::from_secs(3600) });
-    assert_eq!(d.request(ProbeLevel::Quick, idle()), Err(Refused::Off));
+    assert_eq!(d.request(ProbeLevel::Quick, idle(), AskedBy::Tenant), Err(Refused::Off));
     d.set_limit(Limit { max: 3, window: Duration::from_secs(3600) });
-    assert!(d.request(ProbeLevel::Quick, idle()).is_ok(), "a raised limit applies at once");
+    assert!(d.request(ProbeLevel::Quick, idle(), AskedBy::Tenant).is_ok(), "a raised limit applies at once");
 }
 
 #[test]
 fn a_run_that_could_not_start_is_kept_as_failed_with_why() {
     let (d, _asks) = desk(6);
-    let run = d.request(ProbeLevel::Quick, idle()).unwrap();
+    let run = d.request(ProbeLevel::Quick, idle(), AskedBy::Tenant).unwrap();
     let failed = d.finished(&run.id, Err("the probe lock is held by pid 77")).unwrap();
     assert_eq!((failed.state, failed.error.as_deref()), (State::Failed, Some("the probe lock is held by pid 77")));
     assert_eq!(failed.findings, None);
@@ -117,7 +120,7 @@ fn only_the_last_runs_are_kept() {
 fn a_stopped_probe_task_refuses_requests() {
     let (d, asks) = desk(6);
     drop(asks);
-    assert_eq!(d.request(ProbeLevel::Quick, idle()), Err(Refused::Stopping));
+    assert_eq!(d.request(ProbeLevel::Quick, idle(), AskedBy::Tenant), Err(Refused::Stopping));
     assert!(d.begin(ProbeLevel::Quick, Source::Boot, idle()).is_none());
-    assert!(d.request(ProbeLevel::Quick, idle()).is_err(), "and nothing is left marked as running");
+    assert!(d.request(ProbeLevel::Quick, idle(), AskedBy::Tenant).is_err(), "and nothing is left marked as running");
 }
