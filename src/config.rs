@@ -339,6 +339,7 @@ pub fn restart_needed(old: &Config, new: &Config) -> Vec<&'static str> {
     check(old.http.tls_cert != new.http.tls_cert, "http.tls_cert");
     check(old.http.tls_key != new.http.tls_key, "http.tls_key");
     check(old.http.client_ca != new.http.client_ca, "http.client_ca");
+    check(old.http.client_names != new.http.client_names, "http.client_names");
     check(old.vsock != new.vsock, "vsock");
     check(old.platform.url != new.platform.url, "platform.url");
     check(old.platform.ca_file != new.platform.ca_file, "platform.ca_file");

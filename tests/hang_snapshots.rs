@@ -53,6 +53,7 @@ fn one_gpu_blocked_forever_leaves_seven_reported_and_one_stuck_worker_after_100_
         spool: None,
         nvml_budget: None,
         history: None,
+        vsock_ca: None,
     };
     let before = settled_threads(Duration::from_millis(200));
     let mut first_since = None;

@@ -61,6 +61,7 @@ fn a_hundred_service_snapshots_initialise_nvml_once_and_connect_to_the_bus_once(
         spool: None,
         nvml_budget: None,
         history: None,
+        vsock_ca: None,
     };
     let before = init_count(&lib);
     let serial_before = next_connection_serial(&bus.address);

@@ -67,6 +67,7 @@ fn scrapes_of_one_snapshot_are_its_bytes_and_render_nothing() {
         spool: None,
         nvml_budget: None,
         history: None,
+        vsock_ca: None,
     };
     let shared: Shared = Arc::new(RwLock::new(None));
     let before = metrics::renders();

@@ -230,6 +230,26 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         std::thread::sleep(Duration::from_millis(50));
     }
 
+    // virt-handler's CA server, as the guest reaches it: CID 2, port 1, which vhost-device-vsock
+    // connects to the Unix socket `<uds-path>_1` (its README: guest-initiated connections to
+    // host port P go to `<uds-path>_P`). A stand-in generated from KubeVirt's system.proto,
+    // served by grpcio; it serves cloud-init's bundle until the test rotates the CA.
+    let ca_served = w.join("ca-served.pem");
+    std::fs::write(&ca_served, &pki.ca).unwrap();
+    let ca_socket = PathBuf::from(format!("{}_1", uds.display()));
+    let mut ca_server = Command::new("/usr/bin/python3")
+        .arg(common::repo().join("tests/fixtures/kubevirt/ca-server.py"))
+        .arg(&ca_socket)
+        .arg(&ca_served)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let waited = Instant::now();
+    while !ca_socket.exists() {
+        assert!(waited.elapsed() < Duration::from_secs(30), "the CA server stand-in made no socket");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
     let console = w.join("console.log");
     let mut qemu = Command::new("qemu-system-x86_64")
         .args([
@@ -244,6 +264,10 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
             "-nographic",
             "-nodefaults",
             "-no-user-config",
+            // The firmware KubeVirt's virt-launcher gives a VM (its SMBIOS system: manufacturer
+            // and family "KubeVirt"), which the agent reads before it asks CID 2 for the CA.
+            "-smbios",
+            "type=1,manufacturer=KubeVirt,family=KubeVirt,product=None",
         ])
         .arg("-serial")
         .arg(format!("file:{}", console.display()))
@@ -360,6 +384,17 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         let stranger = vsock::client(Some(&pki.stranger));
         over_vsock.push(("/healthz without a certificate", vsock::get(&uds, &vsock::client(None), "/healthz")));
         over_vsock.push(("/healthz with another CA's certificate", vsock::get(&uds, &stranger, "/healthz")));
+        // KubeVirt's CA rotates mid-run: virt-handler serves the new bundle and its client
+        // certificate comes from the new CA. The agent's next handshake asks CID 2 port 1 and
+        // lets it in, without a restart; virt-handler's certificate from the retired CA is
+        // refused. The report says where the bundle came from.
+        std::fs::write(&ca_served, &pki.new_ca).unwrap();
+        // The stranger's refused handshake above asked virt-handler once; the agent asks at
+        // most once per `client_ca::RETRY_AFTER`, so a stranger cannot make it call in a loop.
+        std::thread::sleep(phq_agent::serve::client_ca::RETRY_AFTER + Duration::from_secs(1));
+        let rotated = vsock::client(Some(&pki.new_platform));
+        over_vsock.push(("/v1/status with the rotated CA's certificate", vsock::get(&uds, &rotated, "/v1/status")));
+        over_vsock.push(("/healthz with the retired CA's certificate", vsock::get(&uds, &platform, "/healthz")));
         for (what, got) in &over_vsock {
             let said = match got {
                 Ok(a) => vsock::status_line(a).to_string(),
@@ -373,6 +408,8 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     let _ = qemu.wait();
     let _ = vhost.kill();
     let _ = vhost.wait();
+    let _ = ca_server.kill();
+    let _ = ca_server.wait();
     let console_text = String::from_utf8_lossy(&std::fs::read(&console).unwrap_or_default()).into_owned();
     let keep = target_dir().join("phq-vm-e2e-console.log");
     let _ = std::fs::write(&keep, &console_text);
@@ -403,9 +440,14 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     assert_eq!(body["schema"], "phq.status/v1");
     let metrics = answer(2);
     assert!(vsock::status_line(metrics) == "HTTP/1.1 200 OK" && metrics.contains("phq_"), "{metrics}");
-    for (what, got) in &over_vsock[3..] {
+    for (what, got) in &over_vsock[3..5] {
         assert!(got.is_err(), "{what} was answered: {got:?}");
     }
+    let rotated = answer(5);
+    assert_eq!(vsock::status_line(rotated), "HTTP/1.1 200 OK", "{rotated}");
+    let body: serde_json::Value = serde_json::from_str(rotated.split("\r\n\r\n").nth(1).unwrap_or("")).unwrap();
+    assert_eq!(body["agent"]["vsock_ca"]["source"], "virt_handler", "{:#}", body["agent"]);
+    assert!(over_vsock[6].1.is_err(), "the retired CA's certificate was answered: {:?}", over_vsock[6].1);
     // The port was PID 1's from sockets.target on, before any user could run a program, and
     // a user's bind was refused; the agent served the socket it was passed (the answers above:
     // it could not have bound the port itself while systemd held it).
@@ -445,6 +487,9 @@ mod vsock {
         pub platform: (String, String),
         /// A certificate and key from another CA.
         pub stranger: (String, String),
+        /// The CA KubeVirt rotates to during the run, and virt-handler's certificate from it.
+        pub new_ca: String,
+        pub new_platform: (String, String),
     }
 
     pub fn pki() -> Pki {
@@ -464,8 +509,8 @@ mod vsock {
             let cert = p.signed_by(&key, issuer).unwrap();
             (cert.pem(), key.serialize_pem())
         };
-        let (ca, other) = (ca_of("kubevirt.io CA (test)"), ca_of("another CA"));
-        Pki { ca: ca.pem(), platform: leaf(&ca), stranger: leaf(&other) }
+        let (ca, other, next) = (ca_of("kubevirt.io CA (test)"), ca_of("another CA"), ca_of("kubevirt.io CA, rotated"));
+        Pki { ca: ca.pem(), platform: leaf(&ca), stranger: leaf(&other), new_ca: next.pem(), new_platform: leaf(&next) }
     }
 
     /// virt-handler trusts any server certificate (`InsecureSkipVerify`), but still checks the

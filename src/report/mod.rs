@@ -60,6 +60,46 @@ pub struct AgentInfo {
     /// The service's event accounting since it started; absent outside `serve`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub events: Option<EventCounts>,
+    /// KubeVirt's CA bundle behind the vsock listener (`serve::client_ca`); absent outside
+    /// `serve`, and where the listener is off or plain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock_ca: Option<VsockCa>,
+}
+
+/// Where the vsock listener's CA bundle came from, how old it is, and the last call to
+/// virt-handler's CA server (issue 50).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VsockCa {
+    /// `None`: no bundle yet, every vsock client refused.
+    pub source: Option<CaSource>,
+    /// When the bundle in force was written (the file) or fetched.
+    pub since: Option<Timestamp>,
+    /// Seconds since then, when the report was made.
+    pub age_s: Option<u64>,
+    pub certificates: usize,
+    /// The earliest `notAfter` among its certificates.
+    pub expires: Option<Timestamp>,
+    /// The last call to virt-handler's CA server.
+    pub last_fetch: Option<CaFetch>,
+}
+
+/// Where a CA bundle came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CaSource {
+    /// The file (`vsock.client_ca`), as cloud-init wrote it.
+    CloudInit,
+    /// virt-handler's CA server, over vsock from the host.
+    VirtHandler,
+}
+
+/// One call to virt-handler's CA server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CaFetch {
+    pub at: Timestamp,
+    pub server: String,
+    /// `None`: a usable bundle came (in force from then on).
+    pub error: Option<String>,
 }
 
 /// What became of the service's events since it started, so that a storm the agent merged or a
@@ -466,6 +506,7 @@ pub fn build(s: &Snapshot, findings: Vec<Finding>, agent_id: String, started_at:
             boot_id: s.host.boot_id.clone(),
             started_at,
             events: None,
+            vsock_ca: None,
         },
         observed_at: s.observed_at,
         seq,

@@ -82,6 +82,63 @@ pub fn identity(der: &[u8]) -> Result<Identity, String> {
     })
 }
 
+/// When a DER certificate stops being valid (its `notAfter`, RFC 5280 §4.1.2.5: UTCTime
+/// `YYMMDDHHMMSSZ`, years 50–99 being 19xx, or GeneralizedTime `YYYYMMDDHHMMSSZ`).
+pub fn not_after(der: &[u8]) -> Option<std::time::SystemTime> {
+    let tbs = yasna::parse_der(der, |r| {
+        r.read_sequence(|r| {
+            let tbs = r.next().read_der()?;
+            r.next().read_der()?;
+            r.next().read_der()?;
+            Ok(tbs)
+        })
+    })
+    .ok()?;
+    let end = yasna::parse_der(&tbs, |r| {
+        r.read_sequence(|r| {
+            r.read_optional(|r| r.read_tagged(Tag::context(0), |r| r.read_der()))?;
+            for _ in 0..3 {
+                r.next().read_der()?; // serialNumber, signature, issuer
+            }
+            let end = r.next().read_sequence(|r| {
+                r.next().read_tagged_der()?;
+                r.next().read_tagged_der()
+            })?;
+            while r.read_optional(|r| r.read_der())?.is_some() {}
+            Ok(end)
+        })
+    })
+    .ok()?;
+    let text = std::str::from_utf8(end.value()).ok()?.strip_suffix('Z')?;
+    let digits = |s: &str| -> Option<i64> { s.bytes().all(|b| b.is_ascii_digit()).then(|| s.parse().ok())? };
+    let (year, rest) = match end.tag() {
+        t if t == yasna::tags::TAG_UTCTIME => {
+            let yy = digits(text.get(..2)?)?;
+            (if yy >= 50 { 1900 + yy } else { 2000 + yy }, text.get(2..)?)
+        }
+        t if t == yasna::tags::TAG_GENERALIZEDTIME => (digits(text.get(..4)?)?, text.get(4..)?),
+        _ => return None,
+    };
+    if rest.len() != 10 {
+        return None;
+    }
+    let f = |i: usize| digits(rest.get(i..i + 2)?);
+    let days = days_from_civil(year, f(0)?, f(2)?);
+    let secs = days * 86_400 + f(4)? * 3600 + f(6)? * 60 + f(8)?;
+    let secs = u64::try_from(secs).ok()?;
+    Some(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs))
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's `days_from_civil`).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
 /// The first common name in a Name (RDNSequence: a SEQUENCE OF SET OF AttributeTypeAndValue).
 fn common_name(name: &[u8]) -> yasna::ASN1Result<Option<String>> {
     let cn = ObjectIdentifier::from_slice(&COMMON_NAME);
@@ -229,5 +286,18 @@ mod tests {
         let none = identity(&cert("kubevirt.io:system:client:vsock", &[])).unwrap();
         assert!(!none.client_auth);
         assert!(identity(b"\x30\x03\x02\x01\x01").is_err());
+    }
+
+    #[test]
+    fn a_certificates_end_is_read() {
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.not_after = rcgen::date_time_ymd(2049, 12, 31);
+        let der = p.self_signed(&rcgen::KeyPair::generate().unwrap()).unwrap().der().to_vec();
+        let end = not_after(&der).unwrap().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        assert_eq!(end, 2_524_521_600, "2049-12-31T00:00:00Z, a UTCTime");
+        p.not_after = rcgen::date_time_ymd(2051, 1, 2);
+        let der = p.self_signed(&rcgen::KeyPair::generate().unwrap()).unwrap().der().to_vec();
+        let end = not_after(&der).unwrap().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        assert_eq!(end, 2_556_230_400, "2051-01-02T00:00:00Z, a GeneralizedTime");
     }
 }

@@ -56,6 +56,7 @@ pub mod client_ca;
 pub mod client_name;
 pub mod dbus;
 pub mod http;
+pub mod kubevirt_ca;
 pub mod memory;
 pub mod metrics;
 pub mod own_cert;
@@ -501,6 +502,8 @@ pub struct Inputs {
     /// The fault history across boots (`crate::history`), kept in the state directory; `None`
     /// where there is none to keep (tests of the snapshot alone).
     pub history: Option<Arc<std::sync::Mutex<crate::history::History>>>,
+    /// KubeVirt's CA bundle behind the vsock listener, for `agent.vsock_ca` in every report.
+    pub vsock_ca: Option<Arc<client_ca::ReloadingCa>>,
 }
 
 /// One probe run's results, as the service carries them into its reports.
@@ -581,6 +584,7 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, Arc<report::Repor
         spooled: inputs.spool.as_ref().map_or(0, |s| s.len() as u64),
         spool_bytes: inputs.spool.as_ref().map_or(0, |s| s.bytes()),
     });
+    report.agent.vsock_ca = inputs.vsock_ca.as_ref().map(|ca| ca.status());
     report.install = crate::install::report_value();
     let count = |sev| report.findings.iter().filter(|f| f.severity == sev).count();
     let not_answering = nvml_not_answering(&snapshot);

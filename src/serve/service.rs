@@ -113,6 +113,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
         // Rule 3: READY=1 by the init deadline at the latest.
         nvml_budget: Some(deadlines.init),
         history: Some(Arc::new(std::sync::Mutex::new(super::open_history(&config.agent.state_dir)))),
+        vsock_ca: None,
     };
 
     // HTTP from the start: /healthz answers while the first snapshot is taken.
@@ -124,7 +125,8 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     let (desk, probe_asks) = Desk::new((&config.probes).into());
     let endpoint = http::Endpoint { shared: shared.clone(), desk: desk.clone() };
     let server = start_tcp(config, &endpoint, &stop_io)?;
-    let vsock_server = start_vsock(config, &endpoint, &stop_io)?;
+    let (vsock_server, vsock_ca) = start_vsock(config, &endpoint, &stop_io)?;
+    inputs.vsock_ca = vsock_ca;
 
     let seq = Arc::new(Mutex::new(Seq::load(&config.agent.state_dir)));
     // Rule 9: SXids from the kernel log, followed from before the first snapshot.
@@ -266,13 +268,16 @@ fn start_tcp(
     Ok(Some(tokio::spawn(http::serve(listener, endpoint.clone(), tls, stopped(stop.subscribe())))))
 }
 
+/// KubeVirt's CA bundle behind the vsock listener, kept current (`client_ca`).
+type VsockCa = Arc<super::client_ca::ReloadingCa>;
+
 /// The vsock listener (`serve::vsock`'s rules): nothing but a line when the machine has no vsock
 /// device or the CA bundle is not there yet; an error for a bundle or a port that is wrong.
 fn start_vsock(
     config: &Config,
     endpoint: &http::Endpoint,
     stop: &watch::Sender<bool>,
-) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+) -> anyhow::Result<(Option<tokio::task::JoinHandle<()>>, Option<VsockCa>)> {
     use super::port::{take_passed, Purpose};
     use super::vsock;
     let v = &config.vsock;
@@ -281,7 +286,7 @@ fn start_vsock(
     let closed = if passed.is_some() { "; the socket systemd passed (phq-agent-vsock.socket) is closed" } else { "" };
     if !v.enabled {
         tracing::info!("vsock.enabled = false: no vsock listener{closed}");
-        return Ok(None);
+        return Ok((None, None));
     }
     // At warn, which the unit logs: the one line a person reads to learn why the platform's
     // channel is not there.
@@ -290,24 +295,60 @@ fn start_vsock(
             "no vsock device ({why}): serving without the platform's vsock channel; KubeVirt attaches one with \
              spec.domain.devices.autoattachVSOCK: true{closed}"
         );
-        Ok(None)
+        Ok((None, None))
     };
     // Rule 1: a device is one with a guest CID. A /dev/vsock this process may not open (a unit
     // without DeviceAllow=/dev/vsock) leaves the answer to bind.
     if let Ok(None) = vsock::local_cid(std::path::Path::new(VSOCK_DEVICE)) {
         return no_device(format!("{VSOCK_DEVICE} has no guest CID"));
     }
-    // Absent or empty (cloud-init's user-data given no bundle): not yet configured, not wrong.
-    if v.tls && std::fs::metadata(&v.client_ca).map_or(true, |m| m.len() == 0) {
-        tracing::warn!(
-            "{} (vsock.client_ca) is absent or empty: not listening on vsock port {} until KubeVirt's CA bundle is \
-             written there (cloud-init does) and the service restarted{closed}",
-            v.client_ca.display(),
-            v.port
-        );
-        return Ok(None);
-    }
     let tls = super::tls::vsock_acceptor(v, &config.agent.state_dir)?;
+    let ca = tls.ca.clone();
+    if let Some(ca) = &ca {
+        tokio::spawn(keep_ca_current(ca.clone(), stop.subscribe()));
+    }
+    if let Some(own) = tls.own.clone() {
+        tokio::spawn(rotate_daily(own));
+    }
+    let serve = |listener: vsock::VsockListener, on: String| {
+        tracing::info!(port = listener.port(), listen = %on, tls = %tls.said, "serving /healthz, /v1/status, /metrics over vsock");
+        tokio::spawn(http::serve(listener, endpoint.clone(), tls.acceptor.clone(), stopped(stop.subscribe())))
+    };
+    // `client_ca` rule 3: no bundle yet (no file, none kept from virt-handler), so nothing could
+    // be let in: the port is bound when one comes — the file written, or virt-handler's CA
+    // server answering (`keep_ca_current` asks every minute) — without a restart. A socket
+    // systemd passed is bound already, and served at once.
+    if let (Some(ca), None) = (ca.clone().filter(|c| c.waiting()), &passed) {
+        tracing::warn!(
+            "no KubeVirt CA bundle yet ({} is absent or empty, none kept from virt-handler): vsock port {} is bound \
+             when one comes (the file written, or virt-handler's CA server at {} answering){closed}",
+            v.client_ca.display(),
+            v.port,
+            super::kubevirt_ca::server()
+        );
+        let (port, mut stopping, endpoint, stop) = (v.port, stop.subscribe(), endpoint.clone(), stop.clone());
+        let said = tls.said.clone();
+        let acceptor = tls.acceptor.clone();
+        let waiting = ca.clone();
+        return Ok((
+            Some(tokio::spawn(async move {
+                while waiting.waiting() {
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                        _ = stopping.changed() => return,
+                    }
+                }
+                match super::port::vsock_listener(None, port, vsock::VsockListener::bind) {
+                    Ok((listener, on)) => {
+                        tracing::info!(port = listener.port(), listen = %on, tls = %said, "a CA bundle came: serving /healthz, /v1/status, /metrics over vsock");
+                        http::serve(listener, endpoint, acceptor, stopped(stop.subscribe())).await
+                    }
+                    Err(e) => tracing::error!("a CA bundle came, but vsock port {port} cannot be bound: {e:#}"),
+                }
+            })),
+            Some(ca),
+        ));
+    }
     let (listener, on) = match super::port::vsock_listener(passed, v.port, vsock::VsockListener::bind) {
         Ok(l) => l,
         Err(e) => match e.downcast::<std::io::Error>() {
@@ -316,11 +357,19 @@ fn start_vsock(
             Err(e) => return Err(e),
         },
     };
-    tracing::info!(port = listener.port(), listen = %on, tls = %tls.said, "serving /healthz, /v1/status, /metrics over vsock");
-    if let Some(own) = tls.own {
-        tokio::spawn(rotate_daily(own));
+    Ok((Some(serve(listener, on)), ca))
+}
+
+/// `client_ca` rule 4: virt-handler asked for the current bundle every minute while it is due,
+/// until the service stops.
+async fn keep_ca_current(ca: Arc<super::client_ca::ReloadingCa>, mut stop: watch::Receiver<bool>) {
+    loop {
+        ca.refresh_if_due().await;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(60)) => {}
+            _ = stop.changed() => return,
+        }
     }
-    Ok(Some(tokio::spawn(http::serve(listener, endpoint.clone(), tls.acceptor, stopped(stop.subscribe())))))
 }
 
 /// The live machine's vsock device (vsock(7)); not a sysroot path: this is the running process's.

@@ -61,6 +61,8 @@ pub fn acceptor(http: &crate::config::HttpConfig) -> anyhow::Result<Option<tokio
 /// What the vsock listener speaks (`serve::vsock` rule 2), and the line that says so.
 pub struct VsockTls {
     pub acceptor: Option<tokio_rustls::TlsAcceptor>,
+    /// KubeVirt's bundle, kept current (`client_ca`), when the listener speaks TLS.
+    pub ca: Option<Arc<super::client_ca::ReloadingCa>>,
     /// The agent's own certificate when it made it, for the daily rotation check.
     pub own: Option<Arc<super::own_cert::Rotating>>,
     pub said: String,
@@ -74,6 +76,7 @@ pub fn vsock_acceptor(vsock: &crate::config::VsockConfig, state_dir: &std::path:
     if !vsock.tls {
         return Ok(VsockTls {
             acceptor: None,
+            ca: None,
             own: None,
             said: "plain (vsock.tls = false): bearer token required".into(),
         });
@@ -81,13 +84,19 @@ pub fn vsock_acceptor(vsock: &crate::config::VsockConfig, state_dir: &std::path:
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let ca = vsock.client_ca.display().to_string();
     // KubeVirt's bundle, read again at the first handshake after the file changes (client_ca.rs).
-    let verifier = super::client_ca::ReloadingCa::new(&vsock.client_ca, provider.clone())?;
-    let waiting = if verifier.waiting() { ", not there yet: every client refused until it appears" } else { "" };
+    let store = state_dir.join(super::client_ca::STORE);
+    let verifier =
+        super::client_ca::ReloadingCa::new(&vsock.client_ca, Some(store), vsock.ca_refresh, provider.clone())?;
+    let waiting = if verifier.waiting() { ", none yet: every client refused until one comes" } else { "" };
     let names = vsock.client_names.join(", ");
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .context("TLS 1.3")?
-        .with_client_cert_verifier(super::client_name::Named::new(verifier, &vsock.client_names, "vsock.client_names"));
+        .with_client_cert_verifier(super::client_name::Named::new(
+            verifier.clone(),
+            &vsock.client_names,
+            "vsock.client_names",
+        ));
     let (mut config, own, said) = if vsock.cert.is_empty() {
         let (own, said) = super::own_cert::Rotating::new(state_dir, provider)?;
         (builder.with_cert_resolver(own.clone()), Some(own), said)
@@ -110,6 +119,7 @@ pub fn vsock_acceptor(vsock: &crate::config::VsockConfig, state_dir: &std::path:
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(VsockTls {
         acceptor: Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))),
+        ca: Some(verifier),
         own,
         said: format!("TLS 1.3, client certificate required (CA {ca}{waiting}; named {names}); {said}"),
     })
