@@ -45,15 +45,7 @@ const CLIENT_AUTH: [u64; 9] = [1, 3, 6, 1, 5, 5, 7, 3, 2];
 
 /// The identity in a DER certificate; an error says what could not be read.
 pub fn identity(der: &[u8]) -> Result<Identity, String> {
-    let tbs = yasna::parse_der(der, |r| {
-        r.read_sequence(|r| {
-            let tbs = r.next().read_der()?;
-            r.next().read_der()?; // signatureAlgorithm
-            r.next().read_der()?; // signatureValue
-            Ok(tbs)
-        })
-    })
-    .map_err(|e| format!("not an X.509 certificate: {e}"))?;
+    let tbs = tbs_of(der).map_err(|e| format!("not an X.509 certificate: {e}"))?;
     let (subject, extensions) = yasna::parse_der(&tbs, |r| {
         r.read_sequence(|r| {
             r.read_optional(|r| r.read_tagged(Tag::context(0), |r| r.read_der()))?; // version
@@ -82,18 +74,22 @@ pub fn identity(der: &[u8]) -> Result<Identity, String> {
     })
 }
 
-/// When a DER certificate stops being valid (its `notAfter`, RFC 5280 §4.1.2.5: UTCTime
-/// `YYMMDDHHMMSSZ`, years 50–99 being 19xx, or GeneralizedTime `YYYYMMDDHHMMSSZ`).
-pub fn not_after(der: &[u8]) -> Option<std::time::SystemTime> {
-    let tbs = yasna::parse_der(der, |r| {
+/// A certificate's TBSCertificate: the first of its three parts (RFC 5280 §4.1).
+fn tbs_of(der: &[u8]) -> yasna::ASN1Result<Vec<u8>> {
+    yasna::parse_der(der, |r| {
         r.read_sequence(|r| {
             let tbs = r.next().read_der()?;
-            r.next().read_der()?;
-            r.next().read_der()?;
+            r.next().read_der()?; // signatureAlgorithm
+            r.next().read_der()?; // signatureValue
             Ok(tbs)
         })
     })
-    .ok()?;
+}
+
+/// When a DER certificate stops being valid (its `notAfter`, RFC 5280 §4.1.2.5: UTCTime
+/// `YYMMDDHHMMSSZ`, years 50–99 being 19xx, or GeneralizedTime `YYYYMMDDHHMMSSZ`).
+pub fn not_after(der: &[u8]) -> Option<std::time::SystemTime> {
+    let tbs = tbs_of(der).ok()?;
     let end = yasna::parse_der(&tbs, |r| {
         r.read_sequence(|r| {
             r.read_optional(|r| r.read_tagged(Tag::context(0), |r| r.read_der()))?;

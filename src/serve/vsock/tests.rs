@@ -162,17 +162,29 @@ pub(super) fn start(
     socket
 }
 
+pub(super) const TLS13: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+
+/// The accept loop with cloud-init's bundle `ca_pem` in `dir/ca.pem` and virt-handler asked as
+/// `ca_refresh` says: the runtime it runs on, its socket, and the agent's own certificate.
+pub(super) fn listening(
+    dir: &Path,
+    ca_pem: &str,
+    ca_refresh: Option<std::time::Duration>,
+) -> (tokio::runtime::Runtime, std::path::PathBuf, std::path::PathBuf) {
+    let ca = dir.join("ca.pem");
+    std::fs::write(&ca, ca_pem).unwrap();
+    let config = crate::config::VsockConfig { client_ca: ca, ca_refresh, ..Default::default() };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let socket = start(&rt, dir, &config);
+    (rt, socket, dir.join("state/vsock/server.crt"))
+}
+
 #[test]
 fn a_client_certificate_from_the_bundle_is_required_over_tls_1_3() {
     let pki = pki();
     let dir = tempfile::tempdir().unwrap();
-    let ca = dir.path().join("ca.pem");
-    std::fs::write(&ca, &pki.ca).unwrap();
-    let config = crate::config::VsockConfig { client_ca: ca, ca_refresh: None, ..Default::default() };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let socket = start(&rt, dir.path(), &config);
-    let server_cert = dir.path().join("state/vsock/server.crt");
-    let tls13: &[&'static rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+    let (rt, socket, server_cert) = listening(dir.path(), &pki.ca, None);
+    let tls13 = TLS13;
     rt.block_on(async {
         let platform = client(&server_cert, Some(&pki.client), tls13);
         for path in ["/healthz", "/v1/status", "/metrics"] {
@@ -210,13 +222,8 @@ fn a_client_certificate_from_the_bundle_is_required_over_tls_1_3() {
 fn only_kubevirts_vsock_client_is_the_platform() {
     let pki = pki();
     let dir = tempfile::tempdir().unwrap();
-    let ca = dir.path().join("ca.pem");
-    std::fs::write(&ca, &pki.ca).unwrap();
-    let config = crate::config::VsockConfig { client_ca: ca, ca_refresh: None, ..Default::default() };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let socket = start(&rt, dir.path(), &config);
-    let server_cert = dir.path().join("state/vsock/server.crt");
-    let tls13: &[&'static rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+    let (rt, socket, server_cert) = listening(dir.path(), &pki.ca, None);
+    let tls13 = TLS13;
     rt.block_on(async {
         let vsock = get(&socket, Some(&client(&server_cert, Some(&pki.client), tls13)), "/healthz", "").await;
         assert_eq!(status_of(&vsock.unwrap()), "HTTP/1.1 200 OK");

@@ -4,7 +4,7 @@
 //! the vsock listener's accept loop over a Unix socket as in `tests`. The VM test reaches the
 //! same server from a real guest through vhost-device-vsock.
 
-use super::tests::{client, named_leaf, pki, start, status_of, Pki};
+use super::tests::{client, listening, named_leaf, pki, status_of, Pki, TLS13};
 use crate::serve::client_ca::{ReloadingCa, Source};
 use crate::serve::kubevirt_ca::SERVER_ENV;
 use std::path::{Path, PathBuf};
@@ -76,8 +76,6 @@ fn ca_server(dir: &Path, pem: &str) -> Option<CaServer> {
     Some(server)
 }
 
-const TLS13: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
-
 /// `/healthz` over a new connection with `identity`: the status line, or the error.
 fn healthz(rt: &tokio::runtime::Runtime, socket: &Path, server_cert: &Path, identity: &(String, String)) -> String {
     rt.block_on(async {
@@ -88,15 +86,9 @@ fn healthz(rt: &tokio::runtime::Runtime, socket: &Path, server_cert: &Path, iden
     })
 }
 
-/// The vsock listener with cloud-init's bundle `file_pem` and virt-handler's stand-in at
-/// `server`: (runtime, socket, server certificate, the verifier's state file).
+/// The vsock listener with cloud-init's bundle `file_pem`, virt-handler asked as by default.
 fn listener(dir: &Path, file_pem: &str) -> (tokio::runtime::Runtime, PathBuf, PathBuf) {
-    let ca = dir.join("vsock-ca.pem");
-    std::fs::write(&ca, file_pem).unwrap();
-    let config = crate::config::VsockConfig { client_ca: ca, ..Default::default() };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let socket = start(&rt, dir, &config);
-    (rt, socket, dir.join("state/vsock/server.crt"))
+    listening(dir, file_pem, crate::config::VsockConfig::default().ca_refresh)
 }
 
 /// The rotation: virt-handler's CA is replaced while the agent runs. The next
@@ -129,7 +121,7 @@ fn a_rotated_ca_is_fetched_at_the_handshake_and_kept() {
     // A restart: cloud-init's file (the old CA) is older than the bundle kept from virt-handler.
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
     let store = dir.path().join("state").join(crate::serve::client_ca::STORE);
-    let again = ReloadingCa::new(&dir.path().join("vsock-ca.pem"), Some(store), None, provider).unwrap();
+    let again = ReloadingCa::new(&dir.path().join("ca.pem"), Some(store), None, provider).unwrap();
     assert_eq!(again.status().source, Some(Source::VirtHandler));
     std::env::remove_var(SERVER_ENV);
 }
