@@ -479,6 +479,9 @@ impl Drop for Seq {
     }
 }
 
+/// Asks the vsock listener's CA bundle for its status (`client_ca::ReloadingCa::status`).
+pub type VsockCaStatus = Arc<dyn Fn() -> report::VsockCa + Send + Sync>;
+
 /// Everything one snapshot needs, cloned into the blocking task.
 #[derive(Clone)]
 pub struct Inputs {
@@ -502,8 +505,9 @@ pub struct Inputs {
     /// The fault history across boots (`crate::history`), kept in the state directory; `None`
     /// where there is none to keep (tests of the snapshot alone).
     pub history: Option<Arc<std::sync::Mutex<crate::history::History>>>,
-    /// KubeVirt's CA bundle behind the vsock listener, for `agent.vsock_ca` in every report.
-    pub vsock_ca: Option<Arc<client_ca::ReloadingCa>>,
+    /// What KubeVirt's CA bundle behind the vsock listener is now (`client_ca`'s status), for
+    /// `agent.vsock_ca` in every report.
+    pub vsock_ca: Option<VsockCaStatus>,
 }
 
 /// One probe run's results, as the service carries them into its reports.
@@ -584,7 +588,7 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, Arc<report::Repor
         spooled: inputs.spool.as_ref().map_or(0, |s| s.len() as u64),
         spool_bytes: inputs.spool.as_ref().map_or(0, |s| s.bytes()),
     });
-    report.agent.vsock_ca = inputs.vsock_ca.as_ref().map(|ca| ca.status());
+    report.agent.vsock_ca = inputs.vsock_ca.as_ref().map(|status| status());
     report.install = crate::install::report_value();
     let count = |sev| report.findings.iter().filter(|f| f.severity == sev).count();
     let not_answering = nvml_not_answering(&snapshot);

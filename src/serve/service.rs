@@ -126,7 +126,7 @@ pub async fn run(load: impl Fn() -> anyhow::Result<Config>, machine: Machine) ->
     let endpoint = http::Endpoint { shared: shared.clone(), desk: desk.clone() };
     let server = start_tcp(config, &endpoint, &stop_io)?;
     let (vsock_server, vsock_ca) = start_vsock(config, &endpoint, &stop_io)?;
-    inputs.vsock_ca = vsock_ca;
+    inputs.vsock_ca = vsock_ca.map(|ca| -> super::VsockCaStatus { Arc::new(move || ca.status()) });
 
     let seq = Arc::new(Mutex::new(Seq::load(&config.agent.state_dir)));
     // Rule 9: SXids from the kernel log, followed from before the first snapshot.

@@ -270,5 +270,3 @@ impl AsyncWrite for VsockStream {
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tests_ca;

@@ -354,3 +354,6 @@ fn device_errors_are_told_apart() {
     assert!(!means_no_device(&io::Error::from_raw_os_error(libc::EADDRINUSE)));
     assert!(!means_no_device(&io::Error::from_raw_os_error(libc::EACCES)));
 }
+
+/// KubeVirt's CA kept current from virt-handler's CA server, over this harness.
+mod ca;

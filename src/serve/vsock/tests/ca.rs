@@ -4,7 +4,7 @@
 //! the vsock listener's accept loop over a Unix socket as in `tests`. The VM test reaches the
 //! same server from a real guest through vhost-device-vsock.
 
-use super::tests::{client, listening, named_leaf, pki, status_of, Pki, TLS13};
+use super::{client, listening, named_leaf, pki, status_of, Pki, TLS13};
 use crate::serve::client_ca::{ReloadingCa, Source};
 use crate::serve::kubevirt_ca::SERVER_ENV;
 use std::path::{Path, PathBuf};
@@ -79,7 +79,7 @@ fn ca_server(dir: &Path, pem: &str) -> Option<CaServer> {
 /// `/healthz` over a new connection with `identity`: the status line, or the error.
 fn healthz(rt: &tokio::runtime::Runtime, socket: &Path, server_cert: &Path, identity: &(String, String)) -> String {
     rt.block_on(async {
-        match super::tests::get(socket, Some(&client(server_cert, Some(identity), TLS13)), "/healthz", "").await {
+        match super::get(socket, Some(&client(server_cert, Some(identity), TLS13)), "/healthz", "").await {
             Ok(a) => status_of(&a).to_string(),
             Err(e) => e,
         }
