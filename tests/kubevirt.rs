@@ -18,7 +18,9 @@ fn yaml(rel: &str) -> Option<Value> {
 fn agent_port() -> u64 {
     let cfg = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("packaging/config.toml")).unwrap();
     let line = cfg.lines().find(|l| l.starts_with("listen = ")).unwrap();
-    line.split(':').nth(1).unwrap().trim_end_matches(|c: char| !c.is_ascii_digit()).parse().unwrap()
+    // The quoted address ("[::]:9440"): its port follows the last colon.
+    let addr = line.split('"').nth(1).unwrap();
+    addr.rsplit(':').next().unwrap().parse().unwrap()
 }
 
 #[test]

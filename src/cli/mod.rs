@@ -1,4 +1,4 @@
-//! The command line (README "What works today"): one file per subcommand, each a struct with
+//! The command line (docs/reference.md, "Commands, flags and exit codes"): one file per subcommand, each a struct with
 //! `run`. Exit codes: doctor's follow the monitoring-plugin convention (0 ok, 1 warn, 2 fail,
 //! 3 unknown or could not run); usage errors exit 64.
 

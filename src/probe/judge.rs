@@ -42,17 +42,34 @@ pub fn judge_here(report: &ProbeReport, targets: &[Target], state_dir: &std::pat
 const ACROSS_GPUS: [&str; 4] = ["probe.p2p-bandwidth", "probe.latency", "probe.nvlink-scope", "probe.allreduce"];
 
 /// What another process cannot cause: a wrong result in the probe's own buffers (a memory
-/// mismatch, a wrong GEMM entry, a wrong all-reduce sum) or ECC counters that rose under the
-/// test. Another process competes for time, bandwidth and memory; it cannot change what the
-/// probe's buffers hold, nor the GPU's error counters.
-fn wrong_result(f: &Finding) -> bool {
+/// mismatch, a wrong GEMM entry, a wrong all-reduce sum, either run), ECC counters that rose
+/// under the test, or a sticky error that poisoned the GPU's context (an illegal address, an
+/// uncorrectable ECC error: `sticky`). Another process competes for time, bandwidth and memory
+/// (it may even take the memory a probe wanted); it cannot change what the probe's buffers
+/// hold, the GPU's error counters, or make the GPU's context unusable.
+fn wrong_result(f: &Finding, sticky: bool) -> bool {
     let positive = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_u64).is_some_and(|n| n > 0);
     let at = |key: &str, path: &[&str]| path.iter().try_fold(f.evidence.get(key)?, |v, k| v.get(*k));
     positive(at("memtest", &["mismatches"]))
         || positive(at("gemm", &["wrong_entries"]))
         || at("gemm", &["max_rel_error"]).and_then(serde_json::Value::as_f64).is_some_and(|e| e > GEMM_TOLERANCE)
-        || positive(at("allreduce", &["ok", "wrong_words"]))
+        || positive(at("allreduce", &["nccl", "ok", "wrong_words"]))
+        || positive(at("allreduce", &["nvls_off", "ok", "wrong_words"]))
         || f.evidence.contains_key("counters_after")
+        || sticky
+}
+
+/// Whether any measurement of `g` ended in a sticky error (`ProbeError::Sticky`).
+fn sticky(g: &GpuProbes) -> bool {
+    let stuck = |e: &ProbeError| matches!(e, ProbeError::Sticky { .. });
+    let err = |o: &Outcome<Stat>| matches!(o, Outcome::Error(e) if stuck(e));
+    let gemm = |o: &Option<Outcome<GemmResult>>| matches!(o, Some(Outcome::Error(e)) if stuck(e));
+    [&g.h2d_gbps, &g.d2h_gbps, &g.bidir_gbps, &g.d2d_gbps].into_iter().any(err)
+        || g.sm_copy_gbps.as_ref().is_some_and(err)
+        || g.host_latency_ns.as_ref().is_some_and(err)
+        || matches!(&g.memory, Outcome::Error(e) if stuck(e))
+        || matches!(&g.gemm, Outcome::Error(e) if stuck(e))
+        || [&g.gemm_sustained, &g.gemm_fp64, &g.gemm_tensor, &g.gemm_tensor_fp16].into_iter().any(gemm)
 }
 
 /// A shortfall measured while another process used the GPU says nothing about the hardware
@@ -67,7 +84,8 @@ pub fn contended(report: &ProbeReport, findings: &mut [Finding]) {
     };
     let all: Vec<&super::results::Contender> = report.gpus.iter().flat_map(|g| &g.contended_by).collect();
     for f in findings.iter_mut().filter(|f| f.id.starts_with("probe.")) {
-        if !matches!(f.severity, Severity::Warn | Severity::Fail) || wrong_result(f) {
+        let stuck = report.gpus.iter().any(|g| f.gpu.as_deref() == Some(g.pci.as_str()) && sticky(g));
+        if !matches!(f.severity, Severity::Warn | Severity::Fail) || wrong_result(f, stuck) {
             continue;
         }
         let by = match &f.gpu {

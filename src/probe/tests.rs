@@ -268,6 +268,9 @@ fn a_contended_gpus_shortfall_is_unknown_and_its_wrong_result_still_fails() {
         Finding::pass("probe.d2h-bandwidth", "55 GB/s").gpu(&pci1),
         Finding::fail("probe.h2d-bandwidth", "12 GB/s").gpu(&pci0),
         Finding::warn("probe.p2p-bandwidth", "slow").gpu(&pci0),
+        // The all-reduce's wrong sum, as `allreduce_finding` carries it.
+        Finding::fail("probe.allreduce", "wrong sum")
+            .evidence("allreduce", serde_json::json!({"nccl": {"ok": {"wrong_words": 7}}, "nvls_off": null})),
     ];
     judge::contended(&r, &mut f);
     let sev = |i: usize| f[i].severity;
@@ -277,4 +280,10 @@ fn a_contended_gpus_shortfall_is_unknown_and_its_wrong_result_still_fails() {
     assert_eq!(sev(2), Severity::Pass);
     assert_eq!(sev(3), Severity::Fail, "GPU 0 had no contender");
     assert_eq!(sev(4), Severity::Unknown, "a peer copy hears of a contender on its peer");
+    assert_eq!(sev(5), Severity::Fail, "a wrong all-reduce sum is no contender's doing");
+    // A sticky error on the contended GPU: its failures stay failures.
+    r.gpus[1].h2d_gbps = Outcome::Error(ProbeError::Sticky { gpu: 1, code: 700, message: "illegal address".into() });
+    let mut f = vec![Finding::fail("probe.gemm", "GEMM failed to run: illegal address").gpu(&pci1)];
+    judge::contended(&r, &mut f);
+    assert_eq!(f[0].severity, Severity::Fail, "{:#?}", f[0]);
 }

@@ -77,7 +77,7 @@ pub struct VsockCa {
     /// Seconds since then, when the report was made.
     pub age_s: Option<u64>,
     pub certificates: usize,
-    /// The earliest `notAfter` among its certificates.
+    /// The latest `notAfter` among its certificates: past it nothing chains to the bundle.
     pub expires: Option<Timestamp>,
     /// The last call to virt-handler's CA server.
     pub last_fetch: Option<CaFetch>,

@@ -17,7 +17,7 @@
 //!    comes. The service then starts no listener until one does (`serve::service`), so a machine
 //!    the platform does not reach keeps the port free.
 //! 4. virt-handler is asked (`vsock.ca_refresh`; "off" never asks): when the bundle in force is
-//!    older than `ca_refresh`, or expired (every certificate past its `notAfter`), or there is
+//!    older than `ca_refresh`, or expired (its latest `notAfter` past), or there is
 //!    none (`refresh_if_due`, which the service calls every minute); and when a client's chain
 //!    does not verify against the bundle in force, once more before refusing it
 //!    (`verify_client_cert`), at most once per `RETRY_AFTER` so that a stranger's certificates
@@ -27,7 +27,8 @@
 //!    the hint list would change under a handshake, and a client with one certificate sends it
 //!    either way (virt-handler's `GetClientCertificate` answers with its own whatever is asked).
 //! 6. `status` says where the bundle in force came from, since when, and the last call's
-//!    outcome, for `/v1/status` (`agent.vsock_ca`).
+//!    outcome, for `/v1/status` (`agent.vsock_ca`). Where the firmware does not say KubeVirt
+//!    (`kubevirt_ca::askable`), nothing is called, and the status says so once.
 
 use anyhow::anyhow;
 use rustls_pki_types::pem::PemObject;
@@ -67,6 +68,9 @@ struct Bundle {
     source: Source,
     since: SystemTime,
     certificates: usize,
+    /// The latest `notAfter` among its certificates: past it, nothing chains to the bundle
+    /// (a rotation leaves the old CA beside the new one for a while, and that one expiring
+    /// first says nothing).
     expires: Option<SystemTime>,
     pem: Vec<u8>,
 }
@@ -87,7 +91,7 @@ impl Bundle {
             let c = c.map_err(|e| anyhow!("{what}: {e}"))?;
             let end = super::client_name::not_after(&c);
             expires = match (expires, end) {
-                (Some(a), Some(b)) => Some(a.min(b)),
+                (Some(a), Some(b)) => Some(a.max(b)),
                 (a, b) => a.or(b),
             };
             roots.add(c).map_err(|e| anyhow!("{what}: {e}"))?;
@@ -142,11 +146,6 @@ impl ReloadingCa {
         provider: Arc<CryptoProvider>,
     ) -> anyhow::Result<Arc<ReloadingCa>> {
         let stamp = stamp(path);
-        let from_file = match stamp {
-            // Empty is cloud-init's user-data given no bundle: not yet configured, as absent is.
-            Some((len, ..)) if len > 0 => Some(Self::read_file(path, &provider)?),
-            _ => None,
-        };
         let kept = store.as_deref().and_then(|s| {
             let pem = match crate::sysroot::open_regular(s, true) {
                 Ok((f, m)) => {
@@ -161,6 +160,19 @@ impl ReloadingCa {
                 .map_err(|e| tracing::warn!("the kept bundle is not usable ({e:#}); virt-handler is asked again"))
                 .ok()
         });
+        let from_file = match stamp {
+            // Empty is cloud-init's user-data given no bundle: not yet configured, as absent is.
+            Some((len, ..)) if len > 0 => match Self::read_file(path, &provider) {
+                Ok(b) => Some(b),
+                // A bad file with a good kept bundle beside it: rule 2, as at any later change.
+                Err(e) if kept.is_some() => {
+                    tracing::warn!("{e:#}; the bundle kept from virt-handler is in force");
+                    None
+                }
+                Err(e) => return Err(e),
+            },
+            _ => None,
+        };
         let bundle = match (from_file, kept) {
             (Some(f), Some(k)) => Some(if k.since > f.since { k } else { f }),
             (f, k) => f.or(k),
@@ -283,7 +295,19 @@ impl ReloadingCa {
     /// Rule 4, from the service's minute tick: asks virt-handler when the bundle is due and
     /// the last call was a minute ago or more. True when the bundle in force changed.
     pub async fn refresh_if_due(&self) -> bool {
-        if !self.due() || !self.may_ask(Duration::from_secs(60)) {
+        if !self.due() {
+            return false;
+        }
+        if let Err(why) = super::kubevirt_ca::askable() {
+            // Said once in the status; nothing to call, so no warning every minute.
+            let mut asked = self.asked.lock().unwrap_or_else(|p| p.into_inner());
+            if asked.1.is_none() {
+                let server = super::kubevirt_ca::server();
+                asked.1 = Some(Fetched { at: crate::snapshot::Timestamp::now(), server, error: Some(why) });
+            }
+            return false;
+        }
+        if !self.may_ask(Duration::from_secs(60)) {
             return false;
         }
         let answer = super::kubevirt_ca::fetch().await;
@@ -340,8 +364,16 @@ impl ClientCertVerifier for ReloadingCa {
         };
         match first {
             Err(e) if chain_refused(&e) && self.may_ask(RETRY_AFTER) => {
-                // Rule 4: once more against what virt-handler serves now (a rotated CA).
-                if !self.take_fetched(super::kubevirt_ca::fetch_blocking()) {
+                // Rule 4: once more against what virt-handler serves now (a rotated CA). The call
+                // blocks this handshake for at most its deadline; on the service's multi-thread
+                // runtime the worker is handed over meanwhile (`block_in_place`), so other
+                // connections are not held up by it.
+                let fetch = || super::kubevirt_ca::fetch_blocking();
+                let answer = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+                    Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(fetch),
+                    _ => fetch(),
+                };
+                if !self.take_fetched(answer) {
                     return Err(e);
                 }
                 match self.verifier() {

@@ -135,25 +135,35 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
-/// The first common name in a Name (RDNSequence: a SEQUENCE OF SET OF AttributeTypeAndValue).
+/// The common name of a Name (RDNSequence: a SEQUENCE OF SET OF AttributeTypeAndValue), when it
+/// has exactly one, as a UTF8String or a PrintableString (what Go's crypto/x509 writes, and
+/// KubeVirt's certificates are Go's). A subject with two common names has none here: Go's
+/// `pkix.Name` keeps the last and another reader the first, so a policy that judged one of
+/// them must not see the agent admit the other.
 fn common_name(name: &[u8]) -> yasna::ASN1Result<Option<String>> {
     let cn = ObjectIdentifier::from_slice(&COMMON_NAME);
     yasna::parse_der(name, |r| {
-        let mut found = None;
+        let mut found: Vec<Option<String>> = Vec::new();
         r.read_sequence_of(|r| {
             r.read_set_of(|r| {
                 r.read_sequence(|r| {
                     let oid = r.next().read_oid()?;
                     let value = r.next().read_tagged_der()?;
-                    if oid == cn && found.is_none() {
-                        // UTF8String, PrintableString, IA5String, TeletexString: text either way.
-                        found = Some(String::from_utf8_lossy(value.value()).into_owned());
+                    if oid == cn {
+                        let text = [yasna::tags::TAG_UTF8STRING, yasna::tags::TAG_PRINTABLESTRING]
+                            .contains(&value.tag())
+                            .then(|| std::str::from_utf8(value.value()).ok().map(str::to_string))
+                            .flatten();
+                        found.push(text);
                     }
                     Ok(())
                 })
             })
         })?;
-        Ok(found)
+        Ok(match found.as_slice() {
+            [one] => one.clone(),
+            _ => None,
+        })
     })
 }
 
@@ -281,6 +291,30 @@ mod tests {
         assert!(!server.client_auth && admitted(&server, &names).unwrap_err().contains("clientAuth"));
         let none = identity(&cert("kubevirt.io:system:client:vsock", &[])).unwrap();
         assert!(!none.client_auth);
+        // Two common names are no name, whichever a reader would take; a BMPString is none.
+        let name = |values: &[(u8, &str)]| {
+            yasna::construct_der(|w| {
+                w.write_sequence(|w| {
+                    for (tag, text) in values {
+                        w.next().write_set(|w| {
+                            w.next().write_sequence(|w| {
+                                w.next().write_oid(&ObjectIdentifier::from_slice(&COMMON_NAME));
+                                match tag {
+                                    12 => w.next().write_utf8string(text),
+                                    19 => w.next().write_printable_string(text),
+                                    _ => w.next().write_bmp_string(text),
+                                }
+                            })
+                        });
+                    }
+                })
+            })
+        };
+        let (utf8, printable, bmp) = (12, 19, 30);
+        assert_eq!(common_name(&name(&[(utf8, "phq-platform")])).unwrap().as_deref(), Some("phq-platform"));
+        assert_eq!(common_name(&name(&[(printable, "phq-platform")])).unwrap().as_deref(), Some("phq-platform"));
+        assert_eq!(common_name(&name(&[(utf8, "phq-platform"), (utf8, "tenant-x")])).unwrap(), None);
+        assert_eq!(common_name(&name(&[(bmp, "phq-platform")])).unwrap(), None);
         assert!(identity(b"\x30\x03\x02\x01\x01").is_err());
     }
 

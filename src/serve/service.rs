@@ -304,27 +304,35 @@ fn start_vsock(
     }
     let tls = super::tls::vsock_acceptor(v, &config.agent.state_dir)?;
     let ca = tls.ca.clone();
-    if let Some(ca) = &ca {
-        tokio::spawn(keep_ca_current(ca.clone(), stop.subscribe()));
-    }
-    if let Some(own) = tls.own.clone() {
-        tokio::spawn(rotate_daily(own));
-    }
+    // The bundle kept current and the agent's own certificate rotated, once a listener is
+    // (or will be) there to need them.
+    let keep = |ca: &Option<VsockCa>| {
+        if let Some(ca) = ca {
+            tokio::spawn(keep_ca_current(ca.clone(), stop.subscribe()));
+        }
+        if let Some(own) = tls.own.clone() {
+            tokio::spawn(rotate_daily(own));
+        }
+    };
     let serve = |listener: vsock::VsockListener, on: String| {
         tracing::info!(port = listener.port(), listen = %on, tls = %tls.said, "serving /healthz, /v1/status, /metrics over vsock");
         tokio::spawn(http::serve(listener, endpoint.clone(), tls.acceptor.clone(), stopped(stop.subscribe())))
     };
-    // `client_ca` rule 3: no bundle yet (no file, none kept from virt-handler), so nothing could
-    // be let in: the port is bound when one comes — the file written, or virt-handler's CA
-    // server answering (`keep_ca_current` asks every minute) — without a restart. A socket
-    // systemd passed is bound already, and served at once.
-    if let (Some(ca), None) = (ca.clone().filter(|c| c.waiting()), &passed) {
+    // `client_ca` rule 3: no bundle yet (no file, none kept from virt-handler). On KubeVirt the
+    // port is bound at once: the first handshake asks virt-handler for the bundle, which is the
+    // only way it comes in KubeVirt's "local" vsock mode, where the CA server lives only while
+    // virt-handler dials (`kubevirt_ca` rule 2). Elsewhere nothing could be let in, so the port
+    // is bound when a bundle comes — the file written — without a restart, and a machine the
+    // platform does not reach keeps it free. A socket systemd passed is served at once.
+    let defer = ca.clone().filter(|c| c.waiting() && super::kubevirt_ca::askable().is_err());
+    if let (Some(ca), None) = (defer, &passed) {
+        keep(&Some(ca.clone()));
         tracing::warn!(
-            "no KubeVirt CA bundle yet ({} is absent or empty, none kept from virt-handler): vsock port {} is bound \
-             when one comes (the file written, or virt-handler's CA server at {} answering){closed}",
+            "no KubeVirt CA bundle yet ({} is absent or empty, none kept from virt-handler), and {}: vsock port {} is \
+             bound when the file is written{closed}",
             v.client_ca.display(),
-            v.port,
-            super::kubevirt_ca::server()
+            super::kubevirt_ca::askable().err().unwrap_or_default(),
+            v.port
         );
         let (port, mut stopping, endpoint, stop) = (v.port, stop.subscribe(), endpoint.clone(), stop.clone());
         let said = tls.said.clone();
@@ -357,6 +365,7 @@ fn start_vsock(
             Err(e) => return Err(e),
         },
     };
+    keep(&ca);
     Ok((Some(serve(listener, on)), ca))
 }
 

@@ -342,9 +342,9 @@ pub fn serve_command_on(root: &Path, cfg: &Path, scenario: &Path, bus: &PrivateB
         .arg("--nvml-lib")
         .arg(fake_nvml())
         .env("PHQ_FAKE_NVML_SCENARIO", scenario)
-        // virt-handler's CA server is never the test machine's host (CID 2): a path where no
-        // server listens stands in (`serve::kubevirt_ca`).
-        .env("PHQ_KUBEVIRT_CA_SERVER", "/nonexistent/phq-test-ca.sock")
+        // virt-handler's CA server is asked only on KubeVirt's firmware (`serve::kubevirt_ca`):
+        // never the test machine's host. No stand-in is named here, so none is assumed.
+        .env_remove("PHQ_KUBEVIRT_CA_SERVER")
         .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
         .env_remove("NOTIFY_SOCKET")
         .stdout(Stdio::null())
