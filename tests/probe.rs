@@ -413,11 +413,27 @@ fn nvmls_p2p_status_decides_which_pairs_are_nvlink() {
 
 /// A GPU on a degraded link (Gen3 x8) that NVML also reports held back by hardware thermal
 /// slowdown: its host copies fail, and beside each figure stands NVML's reading taken right
-/// after it, which says the GPU was throttled (`--force`: NVML lists a process on it).
+/// after it, which says the GPU was throttled. The scenario lists a process on it, which
+/// `--force` probes beside (then the shortfall is not judged: issue 51); the judged run is the
+/// same scenario with the GPU idle.
 #[test]
 fn each_figure_carries_the_clocks_nvml_read_beside_it() {
     let r = Run::new("hgx-8gpu-healthy", "hgx-8gpu-pcie-degraded-thermal", "cuda-hgx-8gpu-gen3x8");
-    let p = r.run(&["--gpu", "5", "--force"]);
+    let shared = r.run(&["--gpu", "5", "--force"]);
+    let f = shared.finding("probe.h2d-bandwidth", "0000:0e:00.0");
+    assert_eq!(f["severity"], "unknown", "{f}");
+    assert!(f["summary"].as_str().unwrap().contains("pid 48211"), "{f}");
+    assert_eq!(f["evidence"]["conditions"]["sm_clock_mhz"], 990, "{f}");
+
+    let mut sc: Value =
+        serde_json::from_str(&std::fs::read_to_string(scenario("hgx-8gpu-pcie-degraded-thermal")).unwrap()).unwrap();
+    for d in sc["devices"].as_array_mut().unwrap() {
+        d["processes"] = serde_json::json!([]);
+        d["utilization"] = serde_json::json!({"gpu": 0, "memory": 0});
+    }
+    let idle = r.dir.path().join("idle.json");
+    std::fs::write(&idle, serde_json::to_vec(&sc).unwrap()).unwrap();
+    let p = Probed::of(r.command(&["--gpu", "5"]).env("PHQ_FAKE_NVML_SCENARIO", &idle).output().unwrap());
     let f = p.finding("probe.h2d-bandwidth", "0000:0e:00.0");
     assert_eq!(f["severity"], "fail", "{f}");
     assert!(f["summary"].as_str().unwrap().contains("6.6 GB/s"), "{f}");

@@ -207,7 +207,7 @@ pub struct Contender {
 impl std::fmt::Display for Contender {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match (self.pid, &self.name) {
-            (0, _) => write!(f, "{} ({})", self.what, self.seen),
+            (0, _) => write!(f, "{}, {}", self.what, self.seen),
             (pid, Some(n)) => write!(f, "pid {pid} ({n}), {}, {}", self.what, self.seen),
             (pid, None) => write!(f, "pid {pid}, {}, {}", self.what, self.seen),
         }
