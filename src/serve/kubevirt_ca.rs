@@ -111,7 +111,8 @@ async fn call() -> Result<Vec<u8>, String> {
             exchange(s).await.map_err(|e| format!("{to}: {e}"))
         }
         None => {
-            let s = super::vsock::VsockStream::connect(HOST_CID, PORT).await.map_err(|e| format!("{to}: {e}"))?;
+            let s =
+                super::vsock_stream::VsockStream::connect(HOST_CID, PORT).await.map_err(|e| format!("{to}: {e}"))?;
             exchange(s).await.map_err(|e| format!("{to}: {e}"))
         }
     }

@@ -66,6 +66,7 @@ pub mod recheck;
 pub mod service;
 pub mod tls;
 pub mod vsock;
+pub mod vsock_stream;
 
 pub use service::{run, Machine};
 
