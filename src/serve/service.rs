@@ -314,10 +314,6 @@ fn start_vsock(
             tokio::spawn(rotate_daily(own));
         }
     };
-    let serve = |listener: vsock::VsockListener, on: String| {
-        tracing::info!(port = listener.port(), listen = %on, tls = %tls.said, "serving /healthz, /v1/status, /metrics over vsock");
-        tokio::spawn(http::serve(listener, endpoint.clone(), tls.acceptor.clone(), stopped(stop.subscribe())))
-    };
     // `client_ca` rule 3: no bundle yet (no file, none kept from virt-handler). On KubeVirt the
     // port is bound at once: the first handshake asks virt-handler for the bundle, which is the
     // only way it comes in KubeVirt's "local" vsock mode, where the CA server lives only while
@@ -335,8 +331,6 @@ fn start_vsock(
             v.port
         );
         let (port, mut stopping, endpoint, stop) = (v.port, stop.subscribe(), endpoint.clone(), stop.clone());
-        let said = tls.said.clone();
-        let acceptor = tls.acceptor.clone();
         let waiting = ca.clone();
         return Ok((
             Some(tokio::spawn(async move {
@@ -347,10 +341,7 @@ fn start_vsock(
                     }
                 }
                 match super::port::vsock_listener(None, port, vsock::VsockListener::bind) {
-                    Ok((listener, on)) => {
-                        tracing::info!(port = listener.port(), listen = %on, tls = %said, "a CA bundle came: serving /healthz, /v1/status, /metrics over vsock");
-                        http::serve(listener, endpoint, acceptor, stopped(stop.subscribe())).await
-                    }
+                    Ok((listener, on)) => serve_vsock(listener, on, &tls, endpoint, &stop).await,
                     Err(e) => tracing::error!("a CA bundle came, but vsock port {port} cannot be bound: {e:#}"),
                 }
             })),
@@ -366,7 +357,19 @@ fn start_vsock(
         },
     };
     keep(&ca);
-    Ok((Some(serve(listener, on)), ca))
+    Ok((Some(tokio::spawn(serve_vsock(listener, on, &tls, endpoint.clone(), stop))), ca))
+}
+
+/// Serves the endpoint on the vsock listener `on` with `tls`, until `stop`; said in one line.
+fn serve_vsock(
+    listener: super::vsock::VsockListener,
+    on: String,
+    tls: &super::tls::VsockTls,
+    endpoint: http::Endpoint,
+    stop: &watch::Sender<bool>,
+) -> impl std::future::Future<Output = ()> {
+    tracing::info!(port = listener.port(), listen = %on, tls = %tls.said, "serving /healthz, /v1/status, /metrics over vsock");
+    http::serve(listener, endpoint, tls.acceptor.clone(), stopped(stop.subscribe()))
 }
 
 /// `client_ca` rule 4: virt-handler asked for the current bundle every minute while it is due,
