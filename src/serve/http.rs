@@ -54,8 +54,9 @@ pub type Reply = Response<Full<Bytes>>;
 /// A request body larger than this is refused (413) before it is read whole: the one body the
 /// endpoint takes, `POST /v1/probes`'s, is a few bytes of JSON.
 pub const MAX_REQUEST_BODY: usize = 1024;
-/// How long an authenticated POST's body may take to arrive once its head has: a few bytes of
-/// JSON need a round trip, not the connection's whole life. Past it, 408 (RFC 9110 §15.5.9).
+/// How long an authenticated POST's body may take to arrive once its head has: our choice, as
+/// `HEADER_TIMEOUT` is — a few bytes of JSON need a round trip, not the connection's whole
+/// life. Past it, 408 (RFC 9110 §15.5.9).
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What the routes answer from: the published snapshot, and the probe desk that
