@@ -54,9 +54,8 @@ pub const DEADLINE: Duration = Duration::from_secs(5);
 /// `None` — `SmbiosConfigDefaultManufacturer`/`…Family` in kubevirt/kubevirt
 /// `pkg/virt-config/virt-config.go`; `checks::host` reads the same), or `SERVER_ENV` names a
 /// stand-in. Anywhere else CID 2 is some other host, which the agent has no business calling.
-/// A cluster that overrides KubeVirt's SMBIOS (`spec.configuration.smBIOS`) loses the call
-/// until cloud-init's bundle or a restart with the override's vendor says otherwise: said in
-/// docs/vsock.md.
+/// A cluster that overrides KubeVirt's SMBIOS (`spec.configuration.smBIOS`) gets no call and
+/// lives on cloud-init's bundle (docs/vsock.md).
 pub fn askable() -> Result<(), String> {
     if std::env::var_os(SERVER_ENV).is_some_and(|p| !p.is_empty()) {
         return Ok(());
