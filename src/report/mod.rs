@@ -248,8 +248,9 @@ fn basis_of(f: &Finding) -> impl Iterator<Item = &'static str> {
     std::iter::once(reading).chain(history.then_some("history"))
 }
 
-/// Every value `Verdict::basis` can hold, for the metrics' label and the schema.
-pub const BASES: [&str; 5] = ["guest", "history", "kernel_log", "nvml", "probe"];
+/// Every value `Verdict::basis` can hold, for the metrics' label and the schema (shared with the
+/// platform's poller).
+pub use phq_wire::BASES;
 
 /// The verdict of routed findings (`route::apply` has run), at `at`.
 pub fn verdict_of(findings: &[Finding], at: Timestamp) -> Verdict {

@@ -1,0 +1,331 @@
+//! phq-platform: the platform's poller, one per GPU node (docs/platform.md).
+//!
+//! It reads each of its node's VMs' agents — `/v1/status` and `/metrics`, under a deadline and a
+//! byte cap, a bounded number at a time — and serves on its own `/metrics` what it saw (the
+//! `phq_poll_*` series, its facts) beside what each guest said (`phq_guest_*`, claims, labelled
+//! `source="tenant"` unless the VM is the platform's own validation VM). Prometheus and
+//! Alertmanager decide what to do about it; the poller never acts on a node, and never starts
+//! work in a tenant's VM.
+
+mod config;
+mod expo;
+mod guest;
+mod poll;
+mod state;
+mod targets;
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use clap::Parser;
+use config::Config;
+use http_body_util::Full;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use poll::{Ask, Credential, Failure};
+use state::{Source, TargetState};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use targets::{Target, Transport};
+use tokio::sync::Semaphore;
+
+#[derive(Parser)]
+#[command(
+    name = "phq-platform",
+    version,
+    about = "The platform's poller of phq-agent, one per GPU node (docs/platform.md)"
+)]
+struct Cli {
+    /// The poller's configuration (TOML).
+    #[arg(long, default_value = "/etc/phq-platform/config.toml")]
+    config: PathBuf,
+    /// Check the configuration and the targets file, print the targets, and exit.
+    #[arg(long)]
+    check: bool,
+}
+
+type Targets = Arc<Mutex<BTreeMap<Target, TargetState>>>;
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("phq-platform: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let config = Config::load(&cli.config)?;
+    let file = config.targets_file.clone().context("targets_file")?;
+    if cli.check {
+        for t in targets::load(&file, &config.node)? {
+            let source = Source::of(&t.namespace, &config.validation_namespaces);
+            println!("{}/{} {} {} {} {}", t.namespace, t.vmi, t.vmi_uid, t.address, t.transport.word(), source.word());
+        }
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("the runtime")?;
+    rt.block_on(serve(Arc::new(config), file))
+}
+
+async fn serve(config: Arc<Config>, file: PathBuf) -> Result<()> {
+    let listener =
+        tokio::net::TcpListener::bind(&config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    eprintln!("phq-platform: serving /metrics on {}; targets from {}", listener.local_addr()?, file.display());
+    let targets: Targets = Arc::default();
+    let slots = Arc::new(Semaphore::new(config.poll.concurrency));
+    tokio::spawn(watch_targets(config.clone(), file, targets.clone(), slots));
+    let stale_after = 3 * (config.poll.interval + config.poll.jitter);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    loop {
+        let (tcp, _) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => { eprintln!("phq-platform: accept: {e}"); tokio::time::sleep(Duration::from_millis(100)).await; continue }
+            },
+            _ = term.recv() => return Ok(()),
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        };
+        let targets = targets.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let targets = targets.clone();
+                async move { Ok::<_, std::convert::Infallible>(answer(&req, &targets, stale_after)) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(5))
+                .serve_connection(TokioIo::new(tcp), service)
+                .await;
+        });
+    }
+}
+
+fn answer(req: &Request<hyper::body::Incoming>, targets: &Targets, stale_after: Duration) -> Response<Full<Bytes>> {
+    let reply = |code: StatusCode, ctype: &'static str, body: String| {
+        let mut r = Response::new(Full::new(Bytes::from(body)));
+        *r.status_mut() = code;
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(ctype));
+        r
+    };
+    if req.method() != Method::GET {
+        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n".into());
+    }
+    match req.uri().path() {
+        "/metrics" => {
+            let now = Instant::now();
+            let body = {
+                let map = targets.lock().unwrap_or_else(|p| p.into_inner());
+                let list: Vec<(&Target, &TargetState)> = map.iter().collect();
+                expo::render(&list, now, stale_after)
+            };
+            reply(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", body)
+        }
+        "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n".into()),
+        _ => reply(StatusCode::NOT_FOUND, "text/plain", "/metrics, /healthz\n".into()),
+    }
+}
+
+/// Reads the targets file when it changes (looked at every 2 s), starts a task for each new
+/// target and stops those of targets that left. A file that does not parse keeps the targets
+/// there were, and says why once per change.
+async fn watch_targets(config: Arc<Config>, file: PathBuf, targets: Targets, slots: Arc<Semaphore>) {
+    let mut tasks: BTreeMap<Target, tokio::task::JoinHandle<()>> = BTreeMap::new();
+    let mut seen: Option<(SystemTime, u64)> = None;
+    let mut said_missing = false;
+    loop {
+        let stamp = std::fs::metadata(&file).ok().map(|m| (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len()));
+        if stamp.is_none() && !said_missing {
+            eprintln!(
+                "phq-platform: the targets file {} is not there (yet); keeping {} targets",
+                file.display(),
+                tasks.len()
+            );
+            said_missing = true;
+        }
+        if stamp.is_some() && stamp != seen {
+            said_missing = false;
+            seen = stamp;
+            match targets::load(&file, &config.node) {
+                Err(e) => eprintln!("phq-platform: {e:#}; keeping the {} targets there were", tasks.len()),
+                Ok(list) => {
+                    let now = Instant::now();
+                    let keep: std::collections::BTreeSet<Target> = list.into_iter().collect();
+                    tasks.retain(|t, h| {
+                        let stays = keep.contains(t);
+                        if !stays {
+                            h.abort();
+                        }
+                        stays
+                    });
+                    {
+                        let mut map = targets.lock().unwrap_or_else(|p| p.into_inner());
+                        map.retain(|t, _| keep.contains(t));
+                        for t in &keep {
+                            map.entry(t.clone()).or_insert_with(|| {
+                                TargetState::new(Source::of(&t.namespace, &config.validation_namespaces), now)
+                            });
+                        }
+                    }
+                    for t in keep {
+                        if let std::collections::btree_map::Entry::Vacant(e) = tasks.entry(t) {
+                            let t = e.key().clone();
+                            e.insert(tokio::spawn(poll_loop(config.clone(), t, targets.clone(), slots.clone())));
+                        }
+                    }
+                    eprintln!("phq-platform: {} targets from {}", tasks.len(), file.display());
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+/// A small generator for the jitter, seeded per target; no need for more than spread.
+struct Jitter(u64);
+
+impl Jitter {
+    fn new(t: &Target) -> Jitter {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        t.hash(&mut h);
+        SystemTime::now().hash(&mut h);
+        Jitter(h.finish() | 1)
+    }
+    /// A duration in `[0, max)`.
+    fn upto(&mut self, max: Duration) -> Duration {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        let ms = max.as_millis() as u64;
+        Duration::from_millis(if ms == 0 { 0 } else { self.0 % ms })
+    }
+}
+
+async fn poll_loop(config: Arc<Config>, target: Target, targets: Targets, slots: Arc<Semaphore>) {
+    let mut jitter = Jitter::new(&target);
+    // The first poll comes within one interval, spread, so a restarted poller does not ask all
+    // its VMs at once.
+    tokio::time::sleep(jitter.upto(config.poll.interval.min(Duration::from_secs(5)))).await;
+    loop {
+        {
+            let Ok(_slot) = slots.acquire().await else { return };
+            poll_once(&config, &target, &targets).await;
+        }
+        tokio::time::sleep(config.poll.interval + jitter.upto(config.poll.jitter)).await;
+    }
+}
+
+fn credential(config: &Config, transport: Transport, control: bool) -> Result<Credential, Failure> {
+    match transport {
+        Transport::Tls => {
+            let (Some(c), Some(k)) = (&config.tls.cert_file, &config.tls.key_file) else {
+                return Err(Failure::Credentials("transport tls needs tls.cert_file and tls.key_file".into()));
+            };
+            Ok(Credential::Tls(poll::tls_config(c, k)?))
+        }
+        Transport::Http => {
+            let file = if control { &config.token.control_token_file } else { &config.token.read_token_file };
+            let Some(file) = file else {
+                return Err(Failure::Credentials(format!(
+                    "transport http needs token.{}_token_file",
+                    if control { "control" } else { "read" }
+                )));
+            };
+            let token =
+                std::fs::read_to_string(file).map_err(|e| Failure::Credentials(format!("{}: {e}", file.display())))?;
+            Ok(Credential::Bearer(token.trim().to_string()))
+        }
+    }
+}
+
+async fn poll_once(config: &Config, target: &Target, targets: &Targets) {
+    let started = Instant::now();
+    let asks = [
+        Ask { method: Method::GET, path: "/v1/status", body: Bytes::new() },
+        Ask { method: Method::GET, path: "/metrics", body: Bytes::new() },
+    ];
+    let result = match credential(config, target.transport, false) {
+        Err(e) => Err(e),
+        Ok(cred) => {
+            match tokio::time::timeout(config.poll.timeout, poll::exchange(target, &cred, &asks, config.poll.max_bytes))
+                .await
+            {
+                Err(_) => Err(Failure::Timeout),
+                Ok(r) => r,
+            }
+        }
+    };
+    let said = result.and_then(|answers| {
+        if let Some(bad) = answers.iter().find(|a| a.status != StatusCode::OK) {
+            return Err(Failure::Status(bad.status.as_u16()));
+        }
+        let status = guest::status(&answers[0].body).map_err(Failure::Schema)?;
+        Ok(guest::said(&status, &answers[1].body, config.poll.max_series_per_vmi))
+    });
+    let now = Instant::now();
+    let (source, ask_probe) = {
+        let mut map = targets.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(s) = map.get_mut(target) else { return };
+        s.last_duration = Some(now - started);
+        match said {
+            Ok(said) => {
+                s.last_ok = Some(true);
+                s.last_success = Some(now);
+                s.last_error = None;
+                s.said = said;
+            }
+            Err(e) => {
+                if s.last_error.as_deref() != Some(&e.to_string()) {
+                    eprintln!("phq-platform: {}/{} at {}: {e}", target.namespace, target.vmi, target.address);
+                }
+                s.last_ok = Some(false);
+                *s.failures.entry(e.reason()).or_default() += 1;
+                s.last_error = Some(e.to_string());
+            }
+        }
+        let due = config
+            .validation
+            .probe_interval
+            .is_some_and(|every| s.last_probe_request.is_none_or(|at| now.duration_since(at) >= every));
+        (s.source, due && s.last_ok == Some(true))
+    };
+    // Only the platform's own VMs are asked to probe; a tenant's never.
+    if source == Source::Validation && ask_probe {
+        let code = ask_for_probes(config, target).await;
+        let mut map = targets.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = map.get_mut(target) {
+            s.last_probe_request = Some(Instant::now());
+            *s.probe_requests.entry(code).or_default() += 1;
+        }
+    }
+}
+
+/// `POST /v1/probes` at the configured level; the answer's status (0 when none came).
+async fn ask_for_probes(config: &Config, target: &Target) -> u16 {
+    let body = Bytes::from(format!("{{\"level\":\"{}\"}}", config.validation.probe_level));
+    let asks = [Ask { method: Method::POST, path: "/v1/probes", body }];
+    let cred = match credential(config, target.transport, true) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("phq-platform: {}/{}: no probe request: {e}", target.namespace, target.vmi);
+            return 0;
+        }
+    };
+    match tokio::time::timeout(config.poll.timeout, poll::exchange(target, &cred, &asks, 64 << 10)).await {
+        Ok(Ok(a)) => {
+            let code = a[0].status.as_u16();
+            eprintln!(
+                "phq-platform: {}/{}: asked for a {} probe run: HTTP {code}",
+                target.namespace, target.vmi, config.validation.probe_level
+            );
+            code
+        }
+        Ok(Err(e)) => {
+            eprintln!("phq-platform: {}/{}: probe request: {e}", target.namespace, target.vmi);
+            0
+        }
+        Err(_) => 0,
+    }
+}
