@@ -453,3 +453,140 @@ impl Failure {
             .sum()
     }
 }
+
+/// The shipped rules pass their promtool tests (each alert after its `for`, none on what must not
+/// fire it), the PrometheusRule is what its generator writes, and Alertmanager's routing example
+/// sends each alert where docs/platform.md says.
+#[test]
+fn the_rules_and_routes_pass_their_own_tests() {
+    if !needs(&[("promtool", "prometheus"), ("amtool", "prometheus-alertmanager"), ("python3", "python3")]) {
+        return;
+    }
+    let run = |cmd: &mut Command| {
+        let out = cmd.output().unwrap();
+        (
+            out.status.success(),
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        )
+    };
+    let prom = repo().join("deploy/prometheus");
+    let (ok, said) =
+        run(Command::new("promtool").args(["check", "rules", "phq-platform.rules.yaml"]).current_dir(&prom));
+    assert!(ok, "{said}");
+    let (ok, said) =
+        run(Command::new("promtool").args(["test", "rules", "phq-platform.rules.test.yaml"]).current_dir(&prom));
+    assert!(ok, "{said}");
+    let (ok, said) = run(Command::new(repo().join("scripts/gen-prometheus-rule")).arg("--check"));
+    assert!(ok, "{said}");
+    let routes = repo().join("deploy/alertmanager/routes.yaml");
+    let (ok, said) = run(Command::new("amtool").arg("check-config").arg(&routes));
+    assert!(ok, "{said}");
+    for (labels, receiver) in [
+        (&["alertname=PhqGpuConfirmedByValidation", "source=validation", "owner=platform"][..], "gpu-hardware-oncall"),
+        (&["alertname=PhqGpuSuspectedByTenant", "source=tenant", "owner=platform"][..], "gpu-platform-queue"),
+        (
+            &["alertname=PhqGpuSuspectedInTwoVMs", "source=tenant", "owner=platform", "serial=1654922001234"][..],
+            "gpu-platform-queue",
+        ),
+        (&["alertname=PhqAgentUnreachable", "source=tenant"][..], "gpu-platform-queue"),
+        (&["alertname=PhqAgentUnreachable", "source=validation"][..], "gpu-platform-queue"),
+        (&["alertname=PhqTenantActionNeeded", "source=tenant", "owner=tenant"][..], "tenant-notifications"),
+        (&["alertname=PhqGuestSeriesCapped", "source=tenant"][..], "platform-default"),
+    ] {
+        let (ok, said) = run(Command::new("amtool")
+            .args(["config", "routes", "test"])
+            .arg(format!("--config.file={}", routes.display()))
+            .arg(format!("--verify.receivers={receiver}"))
+            .args(labels));
+        assert!(ok, "{labels:?} should go to {receiver}: {said}");
+    }
+}
+
+/// A real Prometheus (Debian's) scrapes the poller, which polls two real agents with an Xid 79 —
+/// a tenant's VM and the platform's validation VM — and evaluates the shipped rules on what it
+/// stored: the validation VM's fault is critical at once, the tenant's claim a warning waiting
+/// its minute, and no critical alert names the tenant's VM.
+#[test]
+fn prometheus_alerts_on_what_the_poller_serves() {
+    if !needs(&[("prometheus", "prometheus")]) {
+        return;
+    }
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let token = "tok-prom-platform-0123456789";
+    let (_a, tenant) = agent(&d.join("a"), token, "hgx-8gpu-xid79.json", "", &bus);
+    let (_b, validation) = agent(&d.join("b"), token, "hgx-8gpu-xid79.json", "", &bus);
+    let targets = format!(
+        "[{},{}]",
+        target(tenant, "team-b", "infer-3", "0b9d1c2e-0000-4000-8000-000000000002", "http"),
+        target(validation, "gpu-validation", "validate-node-1", "0b9d1c2e-0000-4000-8000-000000000003", "http"),
+    );
+    let (_p, port) = poller(
+        d,
+        &targets,
+        &format!(
+            "validation_namespaces = [\"gpu-validation\"]\n[poll]\ninterval = \"1s\"\njitter = \"200ms\"\ntimeout = \"1s\"\n[token]\nread_token_file = \"{}\"\n",
+            d.join("a/token").display()
+        ),
+    );
+    let prom_cfg = d.join("prometheus.yml");
+    std::fs::write(
+        &prom_cfg,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: phq-platform\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n",
+            repo().join("deploy/prometheus/phq-platform.rules.yaml").display()
+        ),
+    )
+    .unwrap();
+    let mut prom = Killed(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", prom_cfg.display()))
+            .arg(format!("--storage.tsdb.path={}", d.join("tsdb").display()))
+            .arg("--web.listen-address=127.0.0.1:0")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus"),
+    );
+    let prom_port = listening_port(&mut prom.0).expect("prometheus listens");
+    let alerts = || -> Vec<serde_json::Value> {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", prom_port)) else { return vec![] };
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = write!(s, "GET /api/v1/alerts HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let mut r = String::new();
+        let _ = s.read_to_string(&mut r);
+        let body: serde_json::Value =
+            serde_json::from_str(r.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("")).unwrap_or_default();
+        body["data"]["alerts"].as_array().cloned().unwrap_or_default()
+    };
+    let find = |all: &[serde_json::Value], name: &str| -> Vec<serde_json::Value> {
+        all.iter().filter(|a| a["labels"]["alertname"] == name).cloned().collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let all = loop {
+        let all = alerts();
+        if (!find(&all, "PhqGpuConfirmedByValidation").is_empty() && !find(&all, "PhqGpuSuspectedByTenant").is_empty())
+            || Instant::now() > deadline
+        {
+            break all;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let confirmed = find(&all, "PhqGpuConfirmedByValidation");
+    assert_eq!(confirmed.len(), 1, "{all:?}\n{}", get(port, "/metrics"));
+    assert_eq!(confirmed[0]["state"], "firing");
+    assert_eq!(confirmed[0]["labels"]["vmi"], "validate-node-1");
+    assert_eq!(confirmed[0]["labels"]["severity"], "critical");
+    let suspected = find(&all, "PhqGpuSuspectedByTenant");
+    assert_eq!(suspected.len(), 1, "{all:?}");
+    assert_eq!(
+        (suspected[0]["labels"]["vmi"].as_str(), suspected[0]["labels"]["action"].as_str()),
+        (Some("infer-3"), Some("reboot_host"))
+    );
+    assert_eq!(suspected[0]["labels"]["severity"], "warning");
+    assert!(
+        all.iter().all(|a| a["labels"]["severity"] != "critical" || a["labels"]["source"] == "validation"),
+        "a tenant's claim raised a critical alert: {all:?}"
+    );
+}
