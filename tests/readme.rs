@@ -204,7 +204,7 @@ fn every_command_in_the_readme_runs_as_written() {
         skip("no target/release/phq-agent: the README's first command builds it (cargo run --release -- doctor)");
         return;
     }
-    if !needs(&[("curl", "curl"), ("timeout", "coreutils")]) {
+    if !needs(&[("curl", "curl"), ("timeout", "coreutils"), ("prometheus", "prometheus"), ("python3", "python3")]) {
         return;
     }
     let mut sessions = Sessions(vec![]);
