@@ -590,3 +590,218 @@ fn prometheus_alerts_on_what_the_poller_serves() {
         "a tenant's claim raised a critical alert: {all:?}"
     );
 }
+
+/// A certificate for `names` (server) or with the common name `cn` and clientAuth (client),
+/// signed by `ca`: (PEM, key PEM).
+fn leaf(ca: &CertifiedIssuer<'_, KeyPair>, names: &[&str], cn: Option<&str>) -> (String, String) {
+    let key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+    // A subject of its own: rcgen's default names every certificate alike, and OpenSSL (curl,
+    // Python's ssl) then takes a leaf whose subject is its issuer's for self-signed.
+    p.distinguished_name = rcgen::DistinguishedName::new();
+    if let Some(cn) = cn {
+        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    } else {
+        p.distinguished_name.push(rcgen::DnType::CommonName, names[0]);
+    }
+    (p.signed_by(&key, ca).unwrap().pem(), key.serialize_pem())
+}
+
+fn new_ca() -> CertifiedIssuer<'static, KeyPair> {
+    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.distinguished_name = rcgen::DistinguishedName::new();
+    p.distinguished_name.push(rcgen::DnType::CommonName, "phq test CA");
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    CertifiedIssuer::self_signed(p, KeyPair::generate().unwrap()).unwrap()
+}
+
+/// A VMI as KubeVirt's API serves it (kubevirt.io/v1), with the fields the poller reads.
+fn vmi(namespace: &str, name: &str, uid: &str, node: &str, gpus: bool, vsock: bool) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"namespace": namespace, "name": name, "uid": uid, "labels": {"kubevirt.io/nodeName": node}},
+        "spec": {"domain": {"devices": {
+            "autoattachVSOCK": vsock,
+            "gpus": if gpus { serde_json::json!([{"name": "gpu0", "deviceName": "nvidia.com/GH100_H100_SXM5_80GB"}]) } else { serde_json::json!([]) }
+        }}},
+        "status": {"phase": "Running", "nodeName": node, "vsockCID": 3,
+                   "interfaces": [{"name": "default", "ipAddress": "127.0.0.1"}]}
+    })
+}
+
+/// The poller on a node of a cluster, through stand-ins for kube-apiserver, virt-api and
+/// virt-handler (tests/fixtures/kubevirt/api-standin.py, each rule citing KubeVirt's or
+/// Kubernetes' source): it lists and watches this node's VMIs by KubeVirt's node label, keeps
+/// those with GPUs and vsock, reaches each agent through the vsock subresource's WebSocket —
+/// behind it a TLS 1.3 client with KubeVirt's client certificate that does not verify the
+/// agent's, as virt-handler — follows a VMI that leaves, and says so when RBAC refuses.
+#[test]
+fn kubernetes_discovery_and_the_vsock_subresource() {
+    if !needs(&[("python3", "python3")]) {
+        return;
+    }
+    let Some(bus) = PrivateBus::start(HEALTHY_UNITS) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let state = d.join("standin");
+    std::fs::create_dir_all(&state).unwrap();
+    let w = |p: PathBuf, text: &str| {
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let kube_ca = new_ca();
+    let kubevirt_ca = new_ca();
+    let (api_cert, api_key) = leaf(&kube_ca, &["127.0.0.1"], None);
+    w(state.join("tls.pem"), &api_cert);
+    w(state.join("tls.key"), &api_key);
+    // virt-handler's client certificate: KubeVirt's name for it (docs/vsock.md).
+    let (h_cert, h_key) = leaf(&kubevirt_ca, &[], Some("kubevirt.io:system:client:vsock"));
+    w(state.join("handler.pem"), &h_cert);
+    w(state.join("handler.key"), &h_key);
+    let kube_ca_file = w(d.join("kube-ca.pem"), &kube_ca.pem());
+    let token_file = w(d.join("sa-token"), "sa-token-phq-platform\n");
+    let tokens = |allow: &str| {
+        std::fs::write(
+            state.join("tokens.json"),
+            format!(r#"{{"sa-token-phq-platform": {{"user": "system:serviceaccount:phq-platform:phq-platform", "allow": [{allow}]}}}}"#),
+        )
+        .unwrap()
+    };
+    tokens(r#""list", "watch", "vsock""#);
+
+    // The agents, each behind its "vsock port": a TLS listener that takes KubeVirt's CA and
+    // virt-handler's name, as the agent's vsock listener does.
+    let ca_file = w(d.join("kubevirt-ca.pem"), &kubevirt_ca.pem());
+    let (srv_cert, srv_key) = leaf(&kubevirt_ca, &["127.0.0.1"], None);
+    let srv_cert = w(d.join("agent.pem"), &srv_cert);
+    let srv_key = w(d.join("agent.key"), &srv_key);
+    let tls = format!(
+        "[http]\ntls_cert = \"{}\"\ntls_key = \"{}\"\nclient_ca = \"{}\"\nclient_names = [\"kubevirt.io:system:client:vsock\"]\n",
+        srv_cert.display(),
+        srv_key.display(),
+        ca_file.display()
+    );
+    let start_agent = |name: &str, scenario: &str| {
+        let dir = d.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = service_config(&dir, &format!("tok-{name}-0123456789"), "[probes]\nat_boot = \"none\"\n");
+        let text = std::fs::read_to_string(&cfg).unwrap().replacen("[http]\n", &tls, 1);
+        std::fs::write(&cfg, text).unwrap();
+        let mut child = serve_command(&cfg, &repo().join("examples/scenarios").join(scenario), &bus).spawn().unwrap();
+        let port = listening_port(&mut child).expect("the agent listens");
+        (Killed(child), port)
+    };
+    let (_a, a_port) = start_agent("a", "hgx-8gpu-xid79.json");
+    let (_b, b_port) = start_agent("b", "hgx-8gpu-healthy.json");
+    let uid = |n: u32| format!("0b9d1c2e-0000-4000-8000-0000000002{n:02}");
+    let vmis = |with_b: bool| {
+        let mut list = vec![
+            serde_json::json!({"vmi": vmi("team-b", "infer-3", &uid(1), "gpu-node-1", true, true), "guest": format!("127.0.0.1:{a_port}")}),
+            // Another node's VMI: not this poller's.
+            serde_json::json!({"vmi": vmi("team-c", "elsewhere", &uid(3), "gpu-node-2", true, true), "guest": format!("127.0.0.1:{a_port}")}),
+            // No GPU: not a GPU VM.
+            serde_json::json!({"vmi": vmi("team-c", "cpu-only", &uid(4), "gpu-node-1", false, true), "guest": format!("127.0.0.1:{a_port}")}),
+            // No vsock device: the subresource would answer 400 "VSOCK is not attached.".
+            serde_json::json!({"vmi": vmi("team-c", "no-vsock", &uid(5), "gpu-node-1", true, false), "guest": format!("127.0.0.1:{a_port}")}),
+        ];
+        if with_b {
+            list.push(serde_json::json!({"vmi": vmi("gpu-validation", "validate-gpu-node-1", &uid(2), "gpu-node-1", true, true), "guest": format!("127.0.0.1:{b_port}")}));
+        }
+        std::fs::write(state.join("vmis.json"), serde_json::to_vec(&list).unwrap()).unwrap();
+    };
+    vmis(true);
+    let mut standin = Command::new("python3")
+        .arg(repo().join("tests/fixtures/kubevirt/api-standin.py"))
+        .arg("--state")
+        .arg(&state)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(d.join("standin.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(standin.stdout.take().unwrap()), &mut line).unwrap();
+    let _standin = Killed(standin);
+    let api_port: u16 = line.trim().strip_prefix("listening ").expect("the stand-in's port").parse().unwrap();
+
+    // The stand-in keeps the API server's rule the issue's first sketch broke: a VMI is not
+    // selectable by status.nodeName.
+    let refused = std::process::Command::new("curl")
+        .args(["-sS", "--cacert"])
+        .arg(&kube_ca_file)
+        .args(["-H", "Authorization: Bearer sa-token-phq-platform"])
+        .arg(format!(
+            "https://127.0.0.1:{api_port}/apis/kubevirt.io/v1/virtualmachineinstances?fieldSelector=status.nodeName%3Dgpu-node-1"
+        ))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stdout);
+    assert!(
+        said.contains("field label not supported: status.nodeName"),
+        "{said} {}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+
+    let (_p, port) = poller(
+        d,
+        "[]",
+        &format!(
+            "validation_namespaces = [\"gpu-validation\"]\n[poll]\ninterval = \"1s\"\njitter = \"200ms\"\ntimeout = \"1s\"\n\
+             [kubernetes]\nenabled = true\napi_server = \"127.0.0.1:{api_port}\"\nca_file = \"{}\"\ntoken_file = \"{}\"\ntransport = \"vsock\"\n",
+            kube_ca_file.display(),
+            token_file.display()
+        ),
+    );
+    let log = || {
+        format!(
+            "{}\n{}",
+            std::fs::read_to_string(d.join("platform.log")).unwrap_or_default(),
+            std::fs::read_to_string(d.join("standin.log")).unwrap_or_default()
+        )
+    };
+    let page = page_when(port, |p| {
+        samples(p, "phq_poll_success", &["transport=\"vsock\""]).iter().filter(|l| l.ends_with(" 1")).count() == 2
+    });
+    let polled: Vec<&str> = samples(&page, "phq_poll_success", &[]);
+    assert_eq!(polled.len(), 2, "only this node's running GPU VMs with vsock: {polled:?}\n{}", log());
+    assert!(polled.iter().all(|l| l.ends_with(" 1") && l.contains("transport=\"vsock\"")), "{polled:?}\n{}", log());
+    let claim =
+        samples(&page, "phq_guest_verdict", &["vmi=\"infer-3\"", "source=\"tenant\"", "action=\"reboot_host\""]);
+    assert_eq!(claim.len(), 1, "{page}");
+    assert!(
+        claim[0].contains(&format!("vmi_uid=\"{}\"", uid(1))) && claim[0].contains("node=\"gpu-node-1\""),
+        "{claim:?}"
+    );
+    assert_eq!(
+        samples(
+            &page,
+            "phq_guest_verdict",
+            &["vmi=\"validate-gpu-node-1\"", "source=\"validation\"", "action=\"none\""]
+        )
+        .len(),
+        1
+    );
+
+    // The validation VM leaves the node: the watch says DELETED and its series go.
+    vmis(false);
+    let page = page_when(port, |p| samples(p, "phq_poll_success", &[]).len() == 1);
+    assert!(samples(&page, "phq_poll_success", &["vmi=\"validate-gpu-node-1\""]).is_empty(), "{page}\n{}", log());
+
+    // RBAC takes `get` on virtualmachineinstances/vsock away: the upgrade is refused with the
+    // API server's 403, and the poll says so.
+    tokens(r#""list", "watch""#);
+    let failed = |p: &str| {
+        samples(p, "phq_poll_failures_total", &["vmi=\"infer-3\"", "reason=\"connect\""])
+            .first()
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let page = page_when(port, |p| failed(p) >= 1);
+    assert!(failed(&page) >= 1, "{page}\n{}", log());
+    assert!(
+        log().contains("cannot get resource \\\"virtualmachineinstances/vsock\\\"")
+            || log().contains("cannot get resource \"virtualmachineinstances/vsock\""),
+        "{}",
+        log()
+    );
+}

@@ -22,6 +22,44 @@ pub struct Config {
     pub tls: Tls,
     pub token: Token,
     pub validation: Validation,
+    pub kubernetes: Kubernetes,
+}
+
+/// Targets from the API server: this node's running VMIs with GPUs (`kube`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Kubernetes {
+    pub enabled: bool,
+    /// `host:port` of the API server; in a pod, from `KUBERNETES_SERVICE_HOST` and
+    /// `KUBERNETES_SERVICE_PORT` (the kubelet sets both).
+    pub api_server: String,
+    /// The cluster's CA and the ServiceAccount's token, where Kubernetes mounts them in a pod.
+    pub ca_file: PathBuf,
+    pub token_file: PathBuf,
+    /// How the poller reaches those VMIs' agents: `tls` (the pod network, the platform's
+    /// certificate) or `vsock` (KubeVirt's vsock subresource; needs the VSOCK feature gate).
+    pub transport: String,
+    /// The agent's port, on the pod network or vsock.
+    pub agent_port: u16,
+}
+
+impl Default for Kubernetes {
+    fn default() -> Self {
+        let env = |k: &str| std::env::var(k).unwrap_or_default();
+        let api_server = match (env("KUBERNETES_SERVICE_HOST"), env("KUBERNETES_SERVICE_PORT")) {
+            (h, p) if !h.is_empty() && !p.is_empty() && h.contains(':') => format!("[{h}]:{p}"),
+            (h, p) if !h.is_empty() && !p.is_empty() => format!("{h}:{p}"),
+            _ => String::new(),
+        };
+        Kubernetes {
+            enabled: false,
+            api_server,
+            ca_file: PathBuf::from("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"),
+            token_file: PathBuf::from("/var/run/secrets/kubernetes.io/serviceaccount/token"),
+            transport: "tls".to_string(),
+            agent_port: 9440,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -86,6 +124,7 @@ impl Default for Config {
             tls: Tls::default(),
             token: Token::default(),
             validation: Validation::default(),
+            kubernetes: Kubernetes::default(),
         }
     }
 }
@@ -143,8 +182,19 @@ impl Config {
         if self.tls.cert_file.is_some() != self.tls.key_file.is_some() {
             bail!("tls.cert_file and tls.key_file go together");
         }
-        if self.targets_file.is_none() {
-            bail!("targets_file is not set: the poller has nothing to poll (the Kubernetes watch is not built yet)");
+        if self.targets_file.is_none() && !self.kubernetes.enabled {
+            bail!("neither targets_file nor kubernetes.enabled: the poller has nothing to poll");
+        }
+        if self.kubernetes.enabled {
+            if self.node.is_empty() {
+                bail!("kubernetes.enabled needs the node's name: node, or NODE_NAME from the downward API");
+            }
+            if self.kubernetes.api_server.is_empty() {
+                bail!("kubernetes.api_server is not set and KUBERNETES_SERVICE_HOST is not in the environment");
+            }
+            if !["tls", "vsock"].contains(&self.kubernetes.transport.as_str()) {
+                bail!("kubernetes.transport {:?} is not tls or vsock", self.kubernetes.transport);
+            }
         }
         Ok(())
     }

@@ -10,9 +10,11 @@
 mod config;
 mod expo;
 mod guest;
+mod kube;
 mod poll;
 mod state;
 mod targets;
+mod ws;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
@@ -57,25 +59,47 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     let config = Config::load(&cli.config)?;
-    let file = config.targets_file.clone().context("targets_file")?;
     if cli.check {
-        for t in targets::load(&file, &config.node)? {
-            let source = Source::of(&t.namespace, &config.validation_namespaces);
-            println!("{}/{} {} {} {} {}", t.namespace, t.vmi, t.vmi_uid, t.address, t.transport.word(), source.word());
+        if let Some(file) = &config.targets_file {
+            for t in targets::load(file, &config.node)? {
+                let source = Source::of(&t.namespace, &config.validation_namespaces);
+                println!(
+                    "{}/{} {} {} {} {}",
+                    t.namespace,
+                    t.vmi,
+                    t.vmi_uid,
+                    t.address,
+                    t.transport.word(),
+                    source.word()
+                );
+            }
         }
         return Ok(());
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("the runtime")?;
-    rt.block_on(serve(Arc::new(config), file))
+    rt.block_on(serve(Arc::new(config)))
 }
 
-async fn serve(config: Arc<Config>, file: PathBuf) -> Result<()> {
+async fn serve(config: Arc<Config>) -> Result<()> {
     let listener =
         tokio::net::TcpListener::bind(&config.listen).await.with_context(|| format!("binding {}", config.listen))?;
-    eprintln!("phq-platform: serving /metrics on {}; targets from {}", listener.local_addr()?, file.display());
+    eprintln!("phq-platform: serving /metrics on {}", listener.local_addr()?);
+    let api = if config.kubernetes.enabled {
+        let k = &config.kubernetes;
+        Some(Arc::new(kube::Api::new(k.api_server.clone(), &k.ca_file, k.token_file.clone())?))
+    } else {
+        None
+    };
     let targets: Targets = Arc::default();
     let slots = Arc::new(Semaphore::new(config.poll.concurrency));
-    tokio::spawn(watch_targets(config.clone(), file, targets.clone(), slots));
+    let sources = Arc::new(Sources::default());
+    if let Some(file) = config.targets_file.clone() {
+        tokio::spawn(watch_file(config.clone(), file, sources.clone()));
+    }
+    if let Some(api) = api.clone() {
+        tokio::spawn(watch_kube(config.clone(), api, sources.clone()));
+    }
+    tokio::spawn(reconcile(config.clone(), sources, targets.clone(), slots, api));
     let stale_after = 3 * (config.poll.interval + config.poll.jitter);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
@@ -127,20 +151,47 @@ fn answer(req: &Request<hyper::body::Incoming>, targets: &Targets, stale_after: 
     }
 }
 
-/// Reads the targets file when it changes (looked at every 2 s), starts a task for each new
-/// target and stops those of targets that left. A file that does not parse keeps the targets
-/// there were, and says why once per change.
-async fn watch_targets(config: Arc<Config>, file: PathBuf, targets: Targets, slots: Arc<Semaphore>) {
-    let mut tasks: BTreeMap<Target, tokio::task::JoinHandle<()>> = BTreeMap::new();
+/// Where targets come from: the targets file and the API server, each kept whole; the union is
+/// what the poller polls (one VM listed by both is polled once, as Kubernetes says).
+#[derive(Default)]
+struct Sources {
+    lists: Mutex<(Vec<Target>, Vec<Target>)>,
+    changed: tokio::sync::Notify,
+}
+
+impl Sources {
+    fn set_file(&self, t: Vec<Target>) {
+        self.lists.lock().unwrap_or_else(|p| p.into_inner()).0 = t;
+        self.changed.notify_one();
+    }
+    fn set_kube(&self, t: Vec<Target>) {
+        self.lists.lock().unwrap_or_else(|p| p.into_inner()).1 = t;
+        self.changed.notify_one();
+    }
+    fn all(&self) -> std::collections::BTreeSet<Target> {
+        let lists = self.lists.lock().unwrap_or_else(|p| p.into_inner());
+        let from_kube: std::collections::BTreeSet<(&str, &str)> =
+            lists.1.iter().map(|t| (t.namespace.as_str(), t.vmi.as_str())).collect();
+        lists
+            .1
+            .iter()
+            .chain(lists.0.iter().filter(|t| !from_kube.contains(&(t.namespace.as_str(), t.vmi.as_str()))))
+            .cloned()
+            .collect()
+    }
+}
+
+/// Reads the targets file when it changes (looked at every 2 s). A file that does not parse
+/// keeps the targets there were, and says why once per change.
+async fn watch_file(config: Arc<Config>, file: PathBuf, sources: Arc<Sources>) {
     let mut seen: Option<(SystemTime, u64)> = None;
     let mut said_missing = false;
     loop {
         let stamp = std::fs::metadata(&file).ok().map(|m| (m.modified().unwrap_or(SystemTime::UNIX_EPOCH), m.len()));
         if stamp.is_none() && !said_missing {
             eprintln!(
-                "phq-platform: the targets file {} is not there (yet); keeping {} targets",
-                file.display(),
-                tasks.len()
+                "phq-platform: the targets file {} is not there (yet); keeping the targets there were",
+                file.display()
             );
             said_missing = true;
         }
@@ -148,37 +199,115 @@ async fn watch_targets(config: Arc<Config>, file: PathBuf, targets: Targets, slo
             said_missing = false;
             seen = stamp;
             match targets::load(&file, &config.node) {
-                Err(e) => eprintln!("phq-platform: {e:#}; keeping the {} targets there were", tasks.len()),
+                Err(e) => eprintln!("phq-platform: {e:#}; keeping the targets there were"),
                 Ok(list) => {
-                    let now = Instant::now();
-                    let keep: std::collections::BTreeSet<Target> = list.into_iter().collect();
-                    tasks.retain(|t, h| {
-                        let stays = keep.contains(t);
-                        if !stays {
-                            h.abort();
-                        }
-                        stays
-                    });
-                    {
-                        let mut map = targets.lock().unwrap_or_else(|p| p.into_inner());
-                        map.retain(|t, _| keep.contains(t));
-                        for t in &keep {
-                            map.entry(t.clone()).or_insert_with(|| {
-                                TargetState::new(Source::of(&t.namespace, &config.validation_namespaces), now)
-                            });
-                        }
-                    }
-                    for t in keep {
-                        if let std::collections::btree_map::Entry::Vacant(e) = tasks.entry(t) {
-                            let t = e.key().clone();
-                            e.insert(tokio::spawn(poll_loop(config.clone(), t, targets.clone(), slots.clone())));
-                        }
-                    }
-                    eprintln!("phq-platform: {} targets from {}", tasks.len(), file.display());
+                    eprintln!("phq-platform: {} targets from {}", list.len(), file.display());
+                    sources.set_file(list);
                 }
             }
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+/// This node's VMIs from the API server: a list, then a watch from its resourceVersion, again
+/// from the last one seen when the server ends the watch, a new list when it says the version is
+/// gone (410), and after a failure a new list after a pause that doubles to a minute.
+async fn watch_kube(config: Arc<Config>, api: Arc<kube::Api>, sources: Arc<Sources>) {
+    let k = &config.kubernetes;
+    let transport = if k.transport == "vsock" { Transport::Vsock } else { Transport::Tls };
+    let mut pause = Duration::from_secs(1);
+    loop {
+        let (items, mut rv) = match api.list(&config.node).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("phq-platform: {e:#}; again in {pause:?}");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(60));
+                continue;
+            }
+        };
+        pause = Duration::from_secs(1);
+        let mut vmis: BTreeMap<String, serde_json::Value> = items
+            .into_iter()
+            .filter_map(|v| {
+                Some((format!("{}/{}", v["metadata"]["namespace"].as_str()?, v["metadata"]["name"].as_str()?), v))
+            })
+            .collect();
+        let publish = |vmis: &BTreeMap<String, serde_json::Value>| {
+            let list: Vec<Target> =
+                vmis.values().filter_map(|v| kube::target_of(v, &config.node, transport, k.agent_port)).collect();
+            sources.set_kube(list);
+        };
+        publish(&vmis);
+        eprintln!("phq-platform: {} VMIs on {} from the API server", vmis.len(), config.node);
+        loop {
+            let r = api
+                .watch(&config.node, &rv, |kind, obj| {
+                    let Some(key) = (|| {
+                        Some(format!(
+                            "{}/{}",
+                            obj["metadata"]["namespace"].as_str()?,
+                            obj["metadata"]["name"].as_str()?
+                        ))
+                    })() else {
+                        return;
+                    };
+                    if kind == "DELETED" {
+                        vmis.remove(&key);
+                    } else {
+                        vmis.insert(key, obj.clone());
+                    }
+                    publish(&vmis);
+                })
+                .await;
+            match r {
+                Ok(last) => rv = last,
+                Err(kube::WatchEnd::Gone) => break,
+                Err(kube::WatchEnd::Failed(e)) => {
+                    eprintln!("phq-platform: {e}; listing again in {pause:?}");
+                    tokio::time::sleep(pause).await;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Starts a task for each new target and stops those of targets that left.
+async fn reconcile(
+    config: Arc<Config>,
+    sources: Arc<Sources>,
+    targets: Targets,
+    slots: Arc<Semaphore>,
+    api: Option<Arc<kube::Api>>,
+) {
+    let mut tasks: BTreeMap<Target, tokio::task::JoinHandle<()>> = BTreeMap::new();
+    loop {
+        sources.changed.notified().await;
+        let keep = sources.all();
+        let now = Instant::now();
+        tasks.retain(|t, h| {
+            let stays = keep.contains(t);
+            if !stays {
+                h.abort();
+            }
+            stays
+        });
+        {
+            let mut map = targets.lock().unwrap_or_else(|p| p.into_inner());
+            map.retain(|t, _| keep.contains(t));
+            for t in &keep {
+                map.entry(t.clone())
+                    .or_insert_with(|| TargetState::new(Source::of(&t.namespace, &config.validation_namespaces), now));
+            }
+        }
+        for t in keep {
+            if let std::collections::btree_map::Entry::Vacant(e) = tasks.entry(t) {
+                let t = e.key().clone();
+                e.insert(tokio::spawn(poll_loop(config.clone(), t, targets.clone(), slots.clone(), api.clone())));
+            }
+        }
     }
 }
 
@@ -203,7 +332,13 @@ impl Jitter {
     }
 }
 
-async fn poll_loop(config: Arc<Config>, target: Target, targets: Targets, slots: Arc<Semaphore>) {
+async fn poll_loop(
+    config: Arc<Config>,
+    target: Target,
+    targets: Targets,
+    slots: Arc<Semaphore>,
+    api: Option<Arc<kube::Api>>,
+) {
     let mut jitter = Jitter::new(&target);
     // The first poll comes within one interval, spread, so a restarted poller does not ask all
     // its VMs at once.
@@ -211,14 +346,25 @@ async fn poll_loop(config: Arc<Config>, target: Target, targets: Targets, slots:
     loop {
         {
             let Ok(_slot) = slots.acquire().await else { return };
-            poll_once(&config, &target, &targets).await;
+            poll_once(&config, &target, &targets, api.as_ref()).await;
         }
         tokio::time::sleep(config.poll.interval + jitter.upto(config.poll.jitter)).await;
     }
 }
 
-fn credential(config: &Config, transport: Transport, control: bool) -> Result<Credential, Failure> {
+fn credential(
+    config: &Config,
+    transport: Transport,
+    control: bool,
+    api: Option<&Arc<kube::Api>>,
+) -> Result<Credential, Failure> {
     match transport {
+        // virt-handler presents KubeVirt's client certificate to the agent; the poller's own
+        // credential is its ServiceAccount's token, for `get` on virtualmachineinstances/vsock.
+        Transport::Vsock => match api {
+            Some(api) => Ok(Credential::Vsock(api.clone(), config.kubernetes.agent_port)),
+            None => Err(Failure::Credentials("transport vsock needs kubernetes.enabled".into())),
+        },
         Transport::Tls => {
             let (Some(c), Some(k)) = (&config.tls.cert_file, &config.tls.key_file) else {
                 return Err(Failure::Credentials("transport tls needs tls.cert_file and tls.key_file".into()));
@@ -240,13 +386,13 @@ fn credential(config: &Config, transport: Transport, control: bool) -> Result<Cr
     }
 }
 
-async fn poll_once(config: &Config, target: &Target, targets: &Targets) {
+async fn poll_once(config: &Config, target: &Target, targets: &Targets, api: Option<&Arc<kube::Api>>) {
     let started = Instant::now();
     let asks = [
         Ask { method: Method::GET, path: "/v1/status", body: Bytes::new() },
         Ask { method: Method::GET, path: "/metrics", body: Bytes::new() },
     ];
-    let result = match credential(config, target.transport, false) {
+    let result = match credential(config, target.transport, false, api) {
         Err(e) => Err(e),
         Ok(cred) => {
             match tokio::time::timeout(config.poll.timeout, poll::exchange(target, &cred, &asks, config.poll.max_bytes))
@@ -293,7 +439,7 @@ async fn poll_once(config: &Config, target: &Target, targets: &Targets) {
     };
     // Only the platform's own VMs are asked to probe; a tenant's never.
     if source == Source::Validation && ask_probe {
-        let code = ask_for_probes(config, target).await;
+        let code = ask_for_probes(config, target, api).await;
         let mut map = targets.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = map.get_mut(target) {
             s.last_probe_request = Some(Instant::now());
@@ -303,10 +449,10 @@ async fn poll_once(config: &Config, target: &Target, targets: &Targets) {
 }
 
 /// `POST /v1/probes` at the configured level; the answer's status (0 when none came).
-async fn ask_for_probes(config: &Config, target: &Target) -> u16 {
+async fn ask_for_probes(config: &Config, target: &Target, api: Option<&Arc<kube::Api>>) -> u16 {
     let body = Bytes::from(format!("{{\"level\":\"{}\"}}", config.validation.probe_level));
     let asks = [Ask { method: Method::POST, path: "/v1/probes", body }];
-    let cred = match credential(config, target.transport, true) {
+    let cred = match credential(config, target.transport, true, api) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("phq-platform: {}/{}: no probe request: {e}", target.namespace, target.vmi);

@@ -75,6 +75,8 @@ impl std::fmt::Display for Failure {
 pub enum Credential {
     Tls(Arc<rustls::ClientConfig>),
     Bearer(String),
+    /// Through the API server to KubeVirt's vsock subresource, to this port of the guest.
+    Vsock(Arc<crate::kube::Api>, u16),
 }
 
 /// The client config for `transport = "tls"`: the platform's certificate, and no check of the
@@ -99,6 +101,11 @@ pub fn tls_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ClientConfig>, 
         .with_client_auth_cert(certs, key)
         .map_err(|e| Failure::Credentials(format!("the certificate and key: {e}")))?;
     Ok(Arc::new(config))
+}
+
+/// Random bytes from the same source as the TLS handshakes' (ring's system random).
+pub fn random(b: &mut [u8]) {
+    let _ = rustls::crypto::ring::default_provider().secure_random.fill(b);
 }
 
 /// Takes any server certificate (see `tls_config`) but still checks the handshake's signatures,
@@ -158,6 +165,16 @@ pub async fn exchange(
     asks: &[Ask<'_>],
     max_bytes: usize,
 ) -> Result<Vec<Answer>, Failure> {
+    if let (Transport::Vsock, Credential::Vsock(api, port)) = (target.transport, cred) {
+        let (upgraded, first) = crate::kube::vsock(api, target, *port, random).await.map_err(Failure::Connect)?;
+        // The HTTP client writes and reads a byte stream; the pipe carries it in WebSocket
+        // frames (ws::pipe). Both ends go when the exchange is over.
+        let (near, far) = tokio::io::duplex(64 << 10);
+        let pipe = tokio::spawn(crate::ws::pipe(upgraded, far, first, max_bytes, random));
+        let r = over(near, None, &target.address, asks, max_bytes).await;
+        pipe.abort();
+        return r;
+    }
     let tcp = TcpStream::connect(&target.address).await.map_err(|e| Failure::Connect(e.to_string()))?;
     let _ = tcp.set_nodelay(true);
     match (target.transport, cred) {

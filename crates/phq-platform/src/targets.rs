@@ -20,6 +20,9 @@ pub enum Transport {
     Tls,
     /// Plain HTTP with the agent's bearer token: a lab, the README's try-it.
     Http,
+    /// KubeVirt's vsock subresource through the API server (targets from Kubernetes only; the
+    /// address is `namespace/name`).
+    Vsock,
 }
 
 impl Transport {
@@ -27,6 +30,7 @@ impl Transport {
         match self {
             Transport::Tls => "tls",
             Transport::Http => "http",
+            Transport::Vsock => "vsock",
         }
     }
 }
