@@ -805,3 +805,89 @@ fn kubernetes_discovery_and_the_vsock_subresource() {
         log()
     );
 }
+
+/// Every manifest the platform applies — deploy/openshift/*.yaml and the validation VM — is
+/// checked against its kind's schema (schema/manifests.json: Kubernetes' types, the
+/// prometheus-operator CRDs' and KubeVirt's, cut from their sources by
+/// scripts/gen-manifest-schemas), strictly: a key the schema does not list fails.
+#[test]
+fn every_manifest_matches_its_schema() {
+    if !needs(&[("python3", "python3")]) {
+        return;
+    }
+    let schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(repo().join("schema/manifests.json")).unwrap()).unwrap();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(repo().join("deploy/openshift"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.push(repo().join("examples/kubevirt/vm-validation.yaml"));
+    files.sort();
+    let mut checked = 0;
+    for file in &files {
+        let out = Command::new("/usr/bin/python3")
+            .args([
+                "-c",
+                "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))",
+            ])
+            .arg(file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}: {}", file.display(), String::from_utf8_lossy(&out.stderr));
+        let docs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+        for doc in docs {
+            let kind = format!("{}/{}", doc["apiVersion"].as_str().unwrap_or(""), doc["kind"].as_str().unwrap_or(""));
+            let reference =
+                schema["kinds"][&kind].as_str().unwrap_or_else(|| panic!("{}: no schema for {kind}", file.display()));
+            let one = serde_json::json!({"$ref": reference, "definitions": schema["definitions"]});
+            let validator = jsonschema::validator_for(&one).unwrap();
+            let errors: Vec<String> =
+                validator.iter_errors(&doc).map(|e| format!("{e} at {}", e.instance_path())).collect();
+            assert!(errors.is_empty(), "{} ({kind} {}): {errors:#?}", file.display(), doc["metadata"]["name"]);
+            checked += 1;
+        }
+    }
+    assert!(checked >= 12, "only {checked} manifests checked");
+}
+
+/// The image's binary, built as deploy/Containerfile says, runs in an empty root (the image is
+/// `FROM scratch`): it needs no library, no shell and no file it does not bring.
+#[test]
+fn the_container_binary_runs_from_an_empty_root() {
+    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let built = Command::new(cargo)
+        .args(["build", "--quiet", "--release", "-p", "phq-platform", "--target", "x86_64-unknown-linux-gnu"])
+        .env("RUSTFLAGS", "-C target-feature=+crt-static")
+        .current_dir(repo())
+        .status()
+        .unwrap();
+    assert!(built.success(), "the static build deploy/Containerfile names");
+    let containerfile = std::fs::read_to_string(repo().join("deploy/Containerfile")).unwrap();
+    assert!(containerfile.contains("COPY target/x86_64-unknown-linux-gnu/release/phq-platform /phq-platform"));
+    if !nix_root() {
+        skip("needs root for chroot(2)");
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    std::fs::copy(target.join("x86_64-unknown-linux-gnu/release/phq-platform"), root.path().join("phq-platform"))
+        .unwrap();
+    let out = Command::new("/usr/sbin/chroot")
+        .arg(root.path())
+        .arg("/phq-platform")
+        .arg("--version")
+        .env_clear()
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("phq-platform "));
+    // And with no config it says what is missing, not a loader error.
+    let out = Command::new("/usr/sbin/chroot").arg(root.path()).arg("/phq-platform").env_clear().output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/etc/phq-platform/config.toml"), "{out:?}");
+}
+
+fn nix_root() -> bool {
+    // SAFETY: geteuid(2) has no preconditions and touches no memory.
+    unsafe { libc::geteuid() == 0 }
+}
