@@ -30,8 +30,6 @@
 //! Bounded: the call under a deadline, the answer at most `MAX_ANSWER` bytes. `PHQ_KUBEVIRT_CA_SERVER`
 //! names a Unix socket that stands for the host's port 1 (the tests' gRPC server; docs/vsock.md).
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
 use std::time::Duration;
 
 /// The host's vsock address (rule 2).
@@ -123,61 +121,46 @@ async fn call() -> Result<Vec<u8>, String> {
     }
 }
 
-/// One unary call on `io` (rule 4).
+/// One unary call on `io` (rule 4), over the crate's own HTTP/2 client (`serve::h2c`).
 async fn exchange<S>(io: S) -> Result<Vec<u8>, String>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (mut sender, conn) =
-        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), hyper_util::rt::TokioIo::new(io))
-            .await
-            .map_err(|e| format!("HTTP/2: {e}"))?;
-    let driver = tokio::spawn(conn);
     // An empty EmptyRequest: no compression, length 0.
-    let request = hyper::Request::post(format!("http://localhost{METHOD}"))
-        .header(hyper::header::CONTENT_TYPE, "application/grpc")
-        .header(hyper::header::TE, "trailers")
-        .body(Full::new(Bytes::from_static(&[0, 0, 0, 0, 0])))
-        .map_err(|e| e.to_string())?;
-    let answer = sender.send_request(request).await.map_err(|e| format!("the call failed: {e}"));
-    let result = match answer {
-        Ok(a) => read_answer(a).await,
-        Err(e) => Err(e),
-    };
-    driver.abort();
-    result
-}
-
-async fn read_answer(answer: hyper::Response<hyper::body::Incoming>) -> Result<Vec<u8>, String> {
-    let (head, body) = answer.into_parts();
-    if head.status != hyper::StatusCode::OK {
-        return Err(format!("HTTP status {}", head.status));
+    let answer = super::h2c::post(
+        io,
+        "localhost",
+        METHOD,
+        &[("content-type", "application/grpc"), ("te", "trailers")],
+        &[0, 0, 0, 0, 0],
+        MAX_ANSWER,
+    )
+    .await
+    .map_err(|e| format!("the call failed: {e}"))?;
+    if answer.header(":status") != Some("200") {
+        return Err(format!("HTTP status {}", answer.header(":status").unwrap_or("(none)")));
     }
     // A trailers-only answer carries the status in its headers.
-    if let Some(status) = grpc_status(&head.headers) {
+    if let Some(status) = grpc_status(&answer.headers) {
         status?;
     }
-    let collected = http_body_util::Limited::new(body, MAX_ANSWER)
-        .collect()
-        .await
-        .map_err(|e| format!("the answer could not be read (at most {MAX_ANSWER} bytes): {e}"))?;
-    let trailers = collected.trailers().cloned();
-    match trailers.as_ref().and_then(grpc_status) {
+    match grpc_status(&answer.trailers) {
         Some(status) => status?,
-        None if grpc_status(&head.headers).is_none() => return Err("no grpc-status: not a gRPC answer".into()),
+        None if grpc_status(&answer.headers).is_none() => return Err("no grpc-status: not a gRPC answer".into()),
         None => {}
     }
-    let message = grpc_message(&collected.to_bytes())?;
+    let message = grpc_message(&answer.data)?;
     bundle_field(&message)
 }
 
-/// `grpc-status` (0 is OK) with `grpc-message`, when the map has one.
-fn grpc_status(h: &hyper::HeaderMap) -> Option<Result<(), String>> {
-    let code = h.get("grpc-status")?.to_str().ok()?.trim().to_string();
+/// `grpc-status` (0 is OK) with `grpc-message`, when the block has one.
+fn grpc_status(h: &[(String, String)]) -> Option<Result<(), String>> {
+    let get = |name: &str| h.iter().find(|(k, _)| k == name).map(|(_, v)| v.trim());
+    let code = get("grpc-status")?.to_string();
     if code == "0" {
         return Some(Ok(()));
     }
-    let text = h.get("grpc-message").and_then(|m| m.to_str().ok()).unwrap_or("");
+    let text = get("grpc-message").unwrap_or("");
     Some(Err(format!("gRPC status {code} {text}").trim_end().to_string()))
 }
 

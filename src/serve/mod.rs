@@ -55,6 +55,7 @@ pub mod bug_bundle;
 pub mod client_ca;
 pub mod client_name;
 pub mod dbus;
+pub mod h2c;
 pub mod http;
 pub mod kubevirt_ca;
 pub mod memory;
