@@ -9,22 +9,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-
-/// The poller's binary, built once per test binary (cargo builds another package's binary for
-/// this one's tests only when asked).
-fn platform_bin() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let ok =
-            Command::new(cargo).args(["build", "--quiet", "-p", "phq-platform"]).current_dir(repo()).status().unwrap();
-        assert!(ok.success(), "cargo build -p phq-platform");
-        let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
-        target.join("debug/phq-platform")
-    })
-}
 
 struct Killed(Child);
 impl Drop for Killed {

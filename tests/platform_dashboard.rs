@@ -10,7 +10,7 @@ use common::*;
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -19,15 +19,6 @@ const EXPECTED_EMPTY: &[(&str, &str)] = &[
     ("Agents not answering", "both agents answer every poll: phq_poll_success is 1 for each"),
     ("Unreachable agents", "nothing is unreachable: both agents answer, no phq_poll_age_seconds reaches 900"),
 ];
-
-/// The poller's binary (cargo builds another package's binary for this one's tests only when asked).
-fn platform_bin() -> PathBuf {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let ok = Command::new(cargo).args(["build", "--quiet", "-p", "phq-platform"]).current_dir(repo()).status().unwrap();
-    assert!(ok.success(), "cargo build -p phq-platform");
-    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
-    target.join("debug/phq-platform")
-}
 
 struct Killed(Child);
 impl Drop for Killed {

@@ -35,8 +35,6 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const GUEST_PACKAGES: &str = "systemd-sysv,udev,dbus,cloud-init,python3-cffi-backend,linux-image-amd64,\
-initramfs-tools,ifupdown,isc-dhcp-client,curl,ca-certificates";
 const HTTP_TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
 struct Timeline {
@@ -91,7 +89,7 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     let mut tl = Timeline { t0: Instant::now(), events: Vec::new() };
     let pki = vsock::pki();
 
-    let base = debootstrap_cached("bookworm-guest", GUEST_PACKAGES);
+    let base = debootstrap_cached("bookworm-guest");
     tl.mark("guest root ready (debootstrap, cached under target/phq-debian)");
     let kernel = std::fs::read_dir(base.join("lib/modules")).unwrap().flatten().next().unwrap().file_name();
     let kernel = kernel.to_str().unwrap().to_string();
@@ -378,6 +376,7 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     // The platform's channel, checked while the guest still runs (after the install is done).
     let mut over_vsock = Vec::new();
     let mut ca_status: Option<serde_json::Value> = None;
+    let mut platform_page: Option<Result<String, String>> = None;
     if seen.contains("healthz") {
         for path in ["/healthz", "/v1/status", "/metrics"] {
             over_vsock.push((path, vsock::get(&uds, &platform, path)));
@@ -411,6 +410,16 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
         };
         tl.mark(&format!("the report's vsock_ca after the rotation: {source}"));
         ca_status = Some(source);
+        // The platform's poller reaches this VM's agent as it would in a cluster: through the
+        // stand-ins for kube-apiserver and virt-api, whose virt-handler leg is this VM's
+        // virtio-vsock (tests/fixtures/kubevirt/api-standin.py), with KubeVirt's rotated
+        // client certificate.
+        let page = platform::poll_through_vsock(w, &uds, &pki.new_platform);
+        tl.mark(&format!(
+            "phq-platform through the vsock subresource: {}",
+            page.as_ref().map(|p| platform::line(p, "phq_poll_success")).unwrap_or_else(|e| e.clone())
+        ));
+        platform_page = Some(page);
         for (what, got) in &over_vsock {
             let said = match got {
                 Ok(a) => vsock::status_line(a).to_string(),
@@ -465,6 +474,11 @@ fn a_vm_boots_through_cloud_init_into_a_reporting_agent() {
     assert_eq!(ca_status["source"], "virt_handler", "{ca_status:#}");
     assert!(ca_status["last_fetch"]["error"].is_null(), "{ca_status:#}");
     assert!(over_vsock[6].1.is_err(), "the retired CA's certificate was answered: {:?}", over_vsock[6].1);
+    let page =
+        platform_page.expect("the poller ran").unwrap_or_else(|e| panic!("phq-platform through the VM's vsock: {e}"));
+    let polled = platform::line(&page, "phq_poll_success");
+    assert!(polled.contains("transport=\"vsock\"") && polled.ends_with(" 1"), "{page}");
+    assert!(page.lines().any(|l| l.starts_with("phq_guest_verdict{") && l.contains("vmi=\"gpu-vm-e2e\"")), "{page}");
     // The port was PID 1's from sockets.target on, before any user could run a program, and
     // a user's bind was refused; the agent served the socket it was passed (the answers above:
     // it could not have bound the port itself while systemd held it).
@@ -672,4 +686,121 @@ fn guest_journal(disk: &std::path::Path, out: &std::path::Path) -> String {
 fn tail(s: &str) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(60)..].join("\n")
+}
+
+/// phq-platform against the running VM, through the stand-in API server (Python, as the other
+/// stand-ins) whose virt-handler leg dials the VM's agent on vhost-device-vsock's socket.
+mod platform {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+    use std::io::{BufRead, Read, Write};
+    use std::path::Path;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    /// The first line of `family` on the page, or "(none)".
+    pub fn line(page: &str, family: &str) -> String {
+        page.lines().find(|l| l.starts_with(&format!("{family}{{"))).unwrap_or("(none)").to_string()
+    }
+
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    pub fn poll_through_vsock(w: &Path, uds: &Path, handler: &(String, String)) -> Result<String, String> {
+        let dir = w.join("platform");
+        let state = dir.join("standin");
+        std::fs::create_dir_all(&state).map_err(|e| e.to_string())?;
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.distinguished_name.push(DnType::CommonName, "kube-apiserver CA (test)");
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(p, KeyPair::generate().unwrap()).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        p.distinguished_name.push(DnType::CommonName, "kube-apiserver (test)");
+        let api = p.signed_by(&key, &ca).unwrap();
+        let write = |name: &str, text: &str| std::fs::write(state.join(name), text).map_err(|e| e.to_string());
+        write("tls.pem", &api.pem())?;
+        write("tls.key", &key.serialize_pem())?;
+        write("handler.pem", &handler.0)?;
+        write("handler.key", &handler.1)?;
+        write(
+            "tokens.json",
+            r#"{"sa-token": {"user": "system:serviceaccount:phq-platform:phq-platform", "allow": ["list", "watch", "vsock"]}}"#,
+        )?;
+        let vmi = serde_json::json!([{"guest": format!("uds:{}", uds.display()), "vmi": {
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"namespace": "team-e2e", "name": "gpu-vm-e2e", "uid": "0b9d1c2e-0000-4000-8000-0000000003e2",
+                         "labels": {"kubevirt.io/nodeName": "e2e-node"}},
+            "spec": {"domain": {"devices": {"autoattachVSOCK": true,
+                     "hostDevices": [{"name": "gpu0", "deviceName": "nvidia.com/GH100_H100_SXM5_80GB"}]}}},
+            "status": {"phase": "Running", "nodeName": "e2e-node", "vsockCID": 3}}}]);
+        write("vmis.json", &vmi.to_string())?;
+        std::fs::write(dir.join("kube-ca.pem"), ca.pem()).map_err(|e| e.to_string())?;
+        std::fs::write(dir.join("token"), "sa-token\n").map_err(|e| e.to_string())?;
+        let mut standin = Command::new("python3")
+            .arg(super::common::repo().join("tests/fixtures/kubevirt/api-standin.py"))
+            .arg("--state")
+            .arg(&state)
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(dir.join("standin.log")).map_err(|e| e.to_string())?)
+            .spawn()
+            .map_err(|e| format!("python3: {e}"))?;
+        let mut first = String::new();
+        std::io::BufReader::new(standin.stdout.take().unwrap()).read_line(&mut first).map_err(|e| e.to_string())?;
+        let _standin = Killed(standin);
+        let api_port =
+            first.trim().strip_prefix("listening ").ok_or(format!("the stand-in said {first:?}"))?.to_string();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let built = Command::new(cargo)
+            .args(["build", "--quiet", "-p", "phq-platform"])
+            .current_dir(super::common::repo())
+            .status()
+            .map_err(|e| e.to_string())?;
+        if !built.success() {
+            return Err("cargo build -p phq-platform failed".into());
+        }
+        let cfg = dir.join("platform.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "node = \"e2e-node\"\nlisten = \"127.0.0.1:0\"\n[poll]\ninterval = \"2s\"\njitter = \"1s\"\ntimeout = \"2s\"\n\
+                 [kubernetes]\nenabled = true\napi_server = \"127.0.0.1:{api_port}\"\nca_file = \"{}\"\ntoken_file = \"{}\"\ntransport = \"vsock\"\n",
+                dir.join("kube-ca.pem").display(),
+                dir.join("token").display()
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        let mut poller = Command::new(target_dir().join("debug/phq-platform"));
+        poller.arg("--config").arg(&cfg).stdout(Stdio::null());
+        poller.stderr(std::fs::File::create(dir.join("platform.log")).map_err(|e| e.to_string())?);
+        let mut child = Killed(poller.spawn().map_err(|e| e.to_string())?);
+        let port = super::common::listening_port(&mut child.0).ok_or("the poller exited")?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let mut page = String::new();
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                let _ = write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+                let _ = s.read_to_string(&mut page);
+            }
+            if line(&page, "phq_poll_success").ends_with(" 1") {
+                return Ok(page);
+            }
+            if Instant::now() > deadline {
+                let log = std::fs::read_to_string(dir.join("platform.log")).unwrap_or_default();
+                let standin = std::fs::read_to_string(dir.join("standin.log")).unwrap_or_default();
+                return Err(format!("no good poll in 60 s: {}\n{log}\n{standin}", line(&page, "phq_poll_success")));
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    fn target_dir() -> std::path::PathBuf {
+        std::env::var("CARGO_TARGET_DIR").map(Into::into).unwrap_or_else(|_| super::common::repo().join("target"))
+    }
 }

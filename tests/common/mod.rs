@@ -88,6 +88,20 @@ fn fake_library(package: &str, env: &str) -> PathBuf {
     target.join(format!("debug/lib{}.so", package.replace('-', "_")))
 }
 
+/// The platform's poller (crates/phq-platform), built once per test binary: cargo builds another
+/// package's binary for this one's tests only when asked.
+pub fn platform_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let ok =
+            Command::new(cargo).args(["build", "--quiet", "-p", "phq-platform"]).current_dir(repo()).status().unwrap();
+        assert!(ok.success(), "cargo build -p phq-platform");
+        let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
+        target.join("debug/phq-platform")
+    })
+}
+
 /// The TCP port `child` listens on, once it does, or None if it exits first (its stderr is
 /// left for the caller). The test gives the agent `127.0.0.1:0` and reads the port the kernel
 /// chose from /proc (the socket inodes among the child's descriptors against the LISTEN rows of
