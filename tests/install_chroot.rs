@@ -20,7 +20,7 @@ const KERNEL: &str = "6.1.0-27-cloud-amd64";
 const DRIVER: &str = STANDIN_DRIVER;
 
 fn base_root() -> PathBuf {
-    debootstrap_cached("bookworm-minbase", "systemd,initramfs-tools")
+    debootstrap_cached("bookworm-minbase")
 }
 
 /// A fresh copy of the base root with the HGX guest's /proc, /sys and kmsg, and the agent in it.

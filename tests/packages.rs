@@ -38,7 +38,7 @@ fn deb_installs_into_debian_with_units_enabled_and_purges_cleanly() {
     if !runnable("the .deb install test", &["debootstrap", "chroot", "dpkg-deb"]) {
         return;
     }
-    let base = debootstrap_cached("bookworm-minbase", "systemd,initramfs-tools");
+    let base = debootstrap_cached("bookworm-minbase");
     let work = tempfile::Builder::new().prefix("phq-deb-").tempdir_in(target_dir()).unwrap();
     let root = work.path().join("root");
     sh("cp", &["-a", base.to_str().unwrap(), root.to_str().unwrap()]);
@@ -214,7 +214,7 @@ fn signed_repositories_install_with_the_pinned_key_and_refuse_tampering() {
     };
     assert_eq!((date("Date"), date("Valid-Until")), (now, now + 30 * 86_400), "{release}");
 
-    let base = debootstrap_cached("bookworm-minbase", "systemd,initramfs-tools");
+    let base = debootstrap_cached("bookworm-minbase");
     let root = w.join("root");
     sh("cp", &["-a", base.to_str().unwrap(), root.to_str().unwrap()]);
     let served = root.join("srv/phq-repo");
@@ -450,7 +450,7 @@ fn an_upgrade_keeps_config_tokens_journal_and_spool_and_delivers_every_event() {
     if !runnable("the upgrade test", &["debootstrap", "chroot", "dpkg-deb"]) {
         return;
     }
-    let base = debootstrap_cached("bookworm-minbase", "systemd,initramfs-tools");
+    let base = debootstrap_cached("bookworm-minbase");
     let work = tempfile::Builder::new().prefix("phq-upgrade-").tempdir_in(target_dir()).unwrap();
     let w = work.path();
     let root = w.join("root");

@@ -64,16 +64,28 @@ pub fn sh(program: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// The debootstrapped root, built once and kept: tests copy it.
-/// `debootstrap --variant=minbase bookworm` with `include`, built once into target/<name> and
-/// kept (tests copy it). A lock file keeps two test binaries from building it at once.
-pub fn debootstrap_cached(name: &str, include: &str) -> PathBuf {
+/// The debootstrapped root `name` of tests/fixtures/debian-roots (`debootstrap --variant=minbase
+/// --include=… bookworm`), built once into target/phq-debian/<name> and kept (tests copy it). A
+/// lock file keeps two test binaries — or a test and scripts/debian-roots, which .ci/run runs in
+/// the background — from building it at once; a root built with another include list is built
+/// again.
+pub fn debootstrap_cached(name: &str) -> PathBuf {
+    let list = std::fs::read_to_string(super::repo().join("tests/fixtures/debian-roots")).unwrap();
+    let include = list
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next()? == name).then(|| w.next().map(str::to_string))?
+        })
+        .unwrap_or_else(|| panic!("tests/fixtures/debian-roots has no root {name}"));
     let dir = target_dir().join("phq-debian");
     std::fs::create_dir_all(&dir).unwrap();
     let lock = std::fs::File::create(dir.join(format!(".{name}.lock"))).unwrap();
     lock.lock().unwrap();
     let base = dir.join(name);
-    if !base.join(".phq-complete").exists() {
+    let same = std::fs::read_to_string(base.join(".phq-include")).is_ok_and(|i| i == include);
+    if !base.join(".phq-complete").exists() || !same {
         let tmp = dir.join(format!("{name}.tmp"));
         let _ = std::fs::remove_dir_all(&tmp);
         let started = Instant::now();
@@ -82,6 +94,7 @@ pub fn debootstrap_cached(name: &str, include: &str) -> PathBuf {
             "debootstrap",
             &["--variant=minbase", &format!("--include={include}"), "bookworm", tmp.to_str().unwrap(), &mirror],
         );
+        std::fs::write(tmp.join(".phq-include"), &include).unwrap();
         std::fs::write(tmp.join(".phq-complete"), "").unwrap();
         let _ = std::fs::remove_dir_all(&base);
         std::fs::rename(&tmp, &base).unwrap();

@@ -484,5 +484,5 @@ pub fn build_repos(root: &Path, url: &str) -> Repos {
 
 /// The cached Debian root with dnf, its plugins, rpm, kmod (modinfo, depmod) and systemd.
 pub fn base_root() -> PathBuf {
-    debootstrap_cached("bookworm-el9", "dnf,dnf-plugins-core,rpm,kmod,systemd,gpg")
+    debootstrap_cached("bookworm-el9")
 }
