@@ -86,8 +86,8 @@ pub struct Poll {
 pub struct Tls {
     /// The platform's client certificate and key (PEM) for `transport = "tls"`: the agent
     /// lets it read and start work when it chains to the agent's `http.client_ca` and carries
-    /// a name in `http.client_names` (docs/vsock.md). Read again at each poll, so a rotated
-    /// Secret is used without a restart.
+    /// a name in `http.client_names` (docs/vsock.md). Read again when the files change, so a
+    /// rotated Secret is used without a restart.
     pub cert_file: Option<PathBuf>,
     pub key_file: Option<PathBuf>,
 }

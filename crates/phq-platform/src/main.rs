@@ -369,7 +369,7 @@ fn credential(
             let (Some(c), Some(k)) = (&config.tls.cert_file, &config.tls.key_file) else {
                 return Err(Failure::Credentials("transport tls needs tls.cert_file and tls.key_file".into()));
             };
-            Ok(Credential::Tls(poll::tls_config(c, k)?))
+            Ok(Credential::Tls(poll::tls_config_cached(c, k)?))
         }
         Transport::Http => {
             let file = if control { &config.token.control_token_file } else { &config.token.read_token_file };

@@ -108,6 +108,29 @@ pub fn random(b: &mut [u8]) {
     let _ = rustls::crypto::ring::default_provider().secure_random.fill(b);
 }
 
+/// `tls_config`, made again only when the certificate's or the key's file changes (a rotated
+/// Secret: the kubelet swaps the files, so their inode, size or time changes), not at each poll.
+pub fn tls_config_cached(cert: &Path, key: &Path) -> Result<Arc<rustls::ClientConfig>, Failure> {
+    type Stamp = Option<(u64, u64, std::time::SystemTime)>;
+    type Cached = ((Stamp, Stamp), Arc<rustls::ClientConfig>);
+    static CACHE: std::sync::Mutex<Option<Cached>> = std::sync::Mutex::new(None);
+    let stamp = |p: &Path| -> Stamp {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(p).ok()?;
+        Some((m.ino(), m.len(), m.modified().ok()?))
+    };
+    let now = (stamp(cert), stamp(key));
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((seen, config)) = cache.as_ref() {
+        if *seen == now && now.0.is_some() && now.1.is_some() {
+            return Ok(config.clone());
+        }
+    }
+    let config = tls_config(cert, key)?;
+    *cache = Some((now, config.clone()));
+    Ok(config)
+}
+
 /// Takes any server certificate (see `tls_config`) but still checks the handshake's signatures,
 /// so the session is with whoever holds the key it presented.
 #[derive(Debug)]
@@ -258,4 +281,35 @@ async fn capped(mut body: Incoming, max_bytes: usize) -> Result<Bytes, Failure> 
         }
     }
     Ok(buf.freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_pair(dir: &Path) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.distinguished_name.push(rcgen::DnType::CommonName, "phq-platform");
+        let cert = p.self_signed(&key).unwrap();
+        // Written beside and renamed over, as the kubelet swaps a Secret's files.
+        std::fs::write(dir.join("tls.crt.new"), cert.pem()).unwrap();
+        std::fs::write(dir.join("tls.key.new"), key.serialize_pem()).unwrap();
+        std::fs::rename(dir.join("tls.crt.new"), dir.join("tls.crt")).unwrap();
+        std::fs::rename(dir.join("tls.key.new"), dir.join("tls.key")).unwrap();
+    }
+
+    #[test]
+    fn the_certificate_is_read_again_only_when_its_files_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c, k) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        write_pair(dir.path());
+        let first = tls_config_cached(&c, &k).unwrap();
+        assert!(Arc::ptr_eq(&first, &tls_config_cached(&c, &k).unwrap()), "made again without a change");
+        write_pair(dir.path());
+        let rotated = tls_config_cached(&c, &k).unwrap();
+        assert!(!Arc::ptr_eq(&first, &rotated), "a rotated Secret was not read");
+        std::fs::remove_file(&k).unwrap();
+        assert!(matches!(tls_config_cached(&c, &k), Err(Failure::Credentials(_))), "a key that is gone still served");
+    }
 }
