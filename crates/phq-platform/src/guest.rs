@@ -49,7 +49,9 @@ const FROM_METRICS: &[(&str, &str, &str)] = &[
 
 /// Reads the report; `Err` says why it is not one (the poll then fails as `schema`).
 pub fn status(body: &[u8]) -> Result<Status, String> {
-    let s: Status = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    // serde's message can quote the guest's own words (an unknown variant): escaped and bounded
+    // before it reaches the poller's log, and from there a terminal.
+    let s: Status = serde_json::from_slice(body).map_err(|e| bounded_to(&e.to_string(), 200))?;
     if s.schema != SCHEMA {
         return Err(format!("schema {:?}, not {SCHEMA}", bounded(&s.schema)));
     }
@@ -241,8 +243,12 @@ fn is_version(s: &str) -> bool {
 
 /// A guest's string in our own messages: 64 characters at most, controls escaped.
 pub fn bounded(s: &str) -> String {
-    let cut: String = s.chars().take(64).collect();
-    format!("{}{}", cut.escape_debug(), if s.chars().count() > 64 { "…" } else { "" })
+    bounded_to(s, 64)
+}
+
+fn bounded_to(s: &str, n: usize) -> String {
+    let cut: String = s.chars().take(n).collect();
+    format!("{}{}", cut.escape_debug(), if s.chars().count() > n { "…" } else { "" })
 }
 
 #[cfg(test)]
@@ -307,6 +313,14 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.contains("drain_node"), "{e}");
+        // The guest's words in that message reach the log escaped.
+        let e = status(&report(
+            "{\"action\":\"\\u001b[2Jx\",\"owner\":\"none\",\"findings\":[],\"gpus\":[],\"basis\":[],\"since\":null}",
+            "[]",
+            "[]",
+        ))
+        .unwrap_err();
+        assert!(!e.contains('\u{1b}') && e.contains("\\u{1b}"), "{e}");
         assert!(status(br#"{"schema":"phq.status/v2","agent":{"version":"9"}}"#).unwrap_err().contains("v2"));
     }
 
