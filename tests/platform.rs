@@ -840,24 +840,17 @@ fn every_manifest_matches_its_schema() {
 /// `FROM scratch`): it needs no library, no shell and no file it does not bring.
 #[test]
 fn the_container_binary_runs_from_an_empty_root() {
-    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| repo().join("target"));
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let built = Command::new(cargo)
-        .args(["build", "--quiet", "--release", "-p", "phq-platform", "--target", "x86_64-unknown-linux-gnu"])
-        .env("RUSTFLAGS", "-C target-feature=+crt-static")
-        .current_dir(repo())
-        .status()
-        .unwrap();
-    assert!(built.success(), "the static build deploy/Containerfile names");
+    let built = Command::new(repo().join("scripts/platform-static")).current_dir(repo()).status().unwrap();
+    assert!(built.success(), "scripts/platform-static, the build deploy/Containerfile names");
     let containerfile = std::fs::read_to_string(repo().join("deploy/Containerfile")).unwrap();
-    assert!(containerfile.contains("COPY target/x86_64-unknown-linux-gnu/release/phq-platform /phq-platform"));
+    assert!(containerfile.contains("#   scripts/platform-static"), "{containerfile}");
+    assert!(containerfile.contains("COPY target/container/phq-platform /phq-platform"), "{containerfile}");
     if !nix_root() {
         skip("needs root for chroot(2)");
         return;
     }
     let root = tempfile::tempdir().unwrap();
-    std::fs::copy(target.join("x86_64-unknown-linux-gnu/release/phq-platform"), root.path().join("phq-platform"))
-        .unwrap();
+    std::fs::copy(repo().join("target/container/phq-platform"), root.path().join("phq-platform")).unwrap();
     let out = Command::new("/usr/sbin/chroot")
         .arg(root.path())
         .arg("/phq-platform")
