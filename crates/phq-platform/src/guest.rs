@@ -150,12 +150,32 @@ pub fn said(s: &Status, metrics: &[u8], max_series: usize) -> Said {
         });
         push(&mut out, series);
     }
-    for line in metrics.split(|&b| b == b'\n') {
-        let Some((name, rest)) = metric_name(line) else { continue };
-        let Some(&(_, served, label)) = FROM_METRICS.iter().find(|(n, _, _)| n.as_bytes() == name) else { continue };
+    for (start, family) in family_lines(metrics) {
+        let line = &metrics[start..];
+        let line = &line[..memchr::memchr(b'\n', line).unwrap_or(line.len())];
+        let (name, served, label) = FROM_METRICS[family];
+        // A longer name that begins with the family's (its line was found by the prefix).
+        let Some((_, rest)) = metric_name(line).filter(|(n, _)| *n == name.as_bytes()) else { continue };
         push(&mut out, sample(rest, label).map(|(v, value)| one(served, vec![(label, v)], value)));
     }
     out
+}
+
+/// Where the lines that begin with one of `FROM_METRICS`' names start, with the family's index,
+/// in the page's order. The page is searched for each name after a newline (memmem, a few
+/// microseconds for a 8-GPU agent's 80 KB) instead of being split into lines and each line's
+/// name compared: that was a tenth of the poller's CPU per poll (perf, 2026-12-06).
+fn family_lines(metrics: &[u8]) -> Vec<(usize, usize)> {
+    let mut at = Vec::new();
+    for (family, (name, _, _)) in FROM_METRICS.iter().enumerate() {
+        if metrics.starts_with(name.as_bytes()) {
+            at.push((0, family));
+        }
+        let needle = [b"\n", name.as_bytes()].concat();
+        at.extend(memchr::memmem::find_iter(metrics, &needle).map(|p| (p + 1, family)));
+    }
+    at.sort_unstable();
+    at
 }
 
 fn one(family: &'static str, labels: Vec<(&'static str, String)>, value: f64) -> Series {
@@ -285,6 +305,36 @@ mod tests {
         );
         assert_eq!(said.series[2].labels[1], ("serial", "1654922001234".to_string()));
         assert_eq!(said.dropped_invalid, 0);
+    }
+
+    /// The families are found wherever their lines stand, in the page's order, the first line
+    /// of the page included; a name that only begins like one is another family; a family's
+    /// line without its label is counted as invalid, as before the page was searched by name.
+    #[test]
+    fn the_three_families_are_found_by_name_in_the_pages_order() {
+        let s = status(&report("null", "[]", "[]")).unwrap();
+        let page = b"phq_gpu_up{gpu=\"0000:0a:00.0\"} 1\n\
+            phq_gpu_xids_total{gpu=\"0000:0a:00.0\"} 2\n\
+            phq_gpu_up_since{gpu=\"0000:0a:00.0\"} 9\n\
+            # HELP phq_gpu_up the GPU answers\n\
+            phq_nvswitch_sxids_total{nvswitch=\"0000:05:00.0\"} 4\n\
+            phq_gpu_up{gpu=\"0000:0b:00.0\"} 0\n\
+            phq_gpu_up 1\n\
+            phq_gpu_xids_total{gpu=\"0000:0b:00.0\"} 5";
+        let said = said(&s, page, 100);
+        let got: Vec<(&str, String, f64)> =
+            said.series[1..].iter().map(|x| (x.family, x.labels[0].1.clone(), x.value)).collect();
+        assert_eq!(
+            got,
+            [
+                ("phq_guest_gpu_up", "0000:0a:00.0".to_string(), 1.0),
+                ("phq_guest_gpu_xids_total", "0000:0a:00.0".to_string(), 2.0),
+                ("phq_guest_nvswitch_sxids_total", "0000:05:00.0".to_string(), 4.0),
+                ("phq_guest_gpu_up", "0000:0b:00.0".to_string(), 0.0),
+                ("phq_guest_gpu_xids_total", "0000:0b:00.0".to_string(), 5.0),
+            ]
+        );
+        assert_eq!(said.dropped_invalid, 1, "phq_gpu_up without its gpu label");
     }
 
     #[test]

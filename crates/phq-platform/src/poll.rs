@@ -252,15 +252,13 @@ where
         if resp.headers().get(hyper::header::CONTENT_ENCODING).is_some_and(|v| v.as_bytes() != b"identity") {
             return Err(Failure::Encoding);
         }
-        if resp
-            .headers()
-            .get(hyper::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-            .is_some_and(|n| n > max_bytes as u64)
-        {
+        let length =
+            resp.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if length.is_some_and(|n| n > max_bytes as u64) {
             return Err(Failure::TooLarge);
         }
-        let body = capped(resp.into_body(), max_bytes).await?;
+        // Within the cap (above), so the length said ahead reserves at most `max_bytes`.
+        let body = capped(resp.into_body(), max_bytes, length.unwrap_or(0) as usize).await?;
         out.push(Answer { status, body });
     }
     drop(send);
@@ -269,8 +267,11 @@ where
 }
 
 /// Reads a body frame by frame and stops at the cap: a 1 GB answer costs `max_bytes` at most.
-async fn capped(mut body: Incoming, max_bytes: usize) -> Result<Bytes, Failure> {
-    let mut buf = BytesMut::new();
+/// `expected` (the Content-Length, within the cap) is reserved at once: a report grown by
+/// doubling was copied several times over, and its last step (128 KiB, glibc's mmap threshold)
+/// was mapped and unmapped at every poll.
+async fn capped(mut body: Incoming, max_bytes: usize, expected: usize) -> Result<Bytes, Failure> {
+    let mut buf = BytesMut::with_capacity(expected.min(max_bytes));
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| Failure::Protocol(e.to_string()))?;
         if let Some(data) = frame.data_ref() {
