@@ -97,7 +97,10 @@ fn the_slow_pair_is_marked_in_the_terminal_matrix() {
         "{stdout}"
     );
 
-    let out = agent(dir.path(), &["probe"]).env("CLICOLOR_FORCE", "1").output().unwrap();
+    // The colours on the slow pair's two GPUs alone: the same slow cell, a quarter of the
+    // matrix's copies (an 8-GPU quick probe is most of this test's time).
+    let pair = ["probe", "--gpu", "2", "--gpu", "6"];
+    let out = agent(dir.path(), &pair).env("CLICOLOR_FORCE", "1").output().unwrap();
     let (stdout, _) = text(&out);
     let red = "\u{1b}[1m\u{1b}[31m    120.0*\u{1b}[0m";
     assert_eq!(stdout.matches(red).count(), 1, "the slow cell, red and bold, once:\n{stdout}");
@@ -108,7 +111,7 @@ fn the_slow_pair_is_marked_in_the_terminal_matrix() {
     );
 
     // NO_COLOR wins over a forced colour (no-color.org): the marker alone.
-    let out = agent(dir.path(), &["probe"]).env("CLICOLOR_FORCE", "1").env("NO_COLOR", "1").output().unwrap();
+    let out = agent(dir.path(), &pair).env("CLICOLOR_FORCE", "1").env("NO_COLOR", "1").output().unwrap();
     let (stdout, _) = text(&out);
     assert!(!stdout.contains('\u{1b}') && stdout.contains("120.0*"), "{stdout}");
 }
