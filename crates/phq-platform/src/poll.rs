@@ -268,8 +268,9 @@ where
 
 /// Reads a body frame by frame and stops at the cap: a 1 GB answer costs `max_bytes` at most.
 /// `expected` (the Content-Length, within the cap) is reserved at once: a report grown by
-/// doubling was copied several times over, and its last step (128 KiB, glibc's mmap threshold)
-/// was mapped and unmapped at every poll.
+/// doubling was copied several times over, and its last step (128 KiB: glibc serves a request
+/// that large with mmap, `M_MMAP_THRESHOLD`'s default in mallopt(3)) was mapped and unmapped at
+/// every poll. The reservation is address space: pages count only once the guest's bytes arrive.
 async fn capped(mut body: Incoming, max_bytes: usize, expected: usize) -> Result<Bytes, Failure> {
     let mut buf = BytesMut::with_capacity(expected.min(max_bytes));
     while let Some(frame) = body.frame().await {
