@@ -24,6 +24,24 @@ if [ -z "${SOURCE_DATE_EPOCH:-}" ]; then
 fi
 export SOURCE_DATE_EPOCH
 cargo auditable build --locked --release -p phq-agent
+# Packages already built from the same inputs are kept, not made again: scripts/test builds them
+# after .ci/run has, and the packaging alone (manual pages, compression, the SBOM's cargo
+# metadata) is about 20 s of CI's critical path. The inputs: the binary just built (so every
+# change to the code), the files the packages carry or are described by, this script (the
+# tools' versions), and the time stamp; and the packages must still be the bytes SHA256SUMS
+# lists. A signed build (PHQ_SIGNING_KEY) always runs whole.
+out=target/packages
+inputs=$({
+  sha256sum target/release/phq-agent Cargo.toml Cargo.lock crates/*/Cargo.toml README.md scripts/build-packages.sh
+  find packaging -type f -print0 | sort -z | xargs -0 sha256sum
+  echo "SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH"
+} | sha256sum | cut -d ' ' -f 1)
+if [ -z "${PHQ_SIGNING_KEY:-}" ] && [ "$(cat "$out/.inputs" 2>/dev/null)" = "$inputs" ] &&
+  (cd "$out" && sha256sum --quiet --strict -c SHA256SUMS 2>/dev/null); then
+  ls -l "$out"
+  echo "kept: $out was built from these same inputs ($out/.inputs), and its files are what SHA256SUMS says"
+  exit 0
+fi
 # Manual pages and shell completions come from the binary's own command line, so they cannot
 # drift from it. gzip -n: no name or time stamp inside, as Debian's policy asks.
 assets=target/assets
@@ -41,7 +59,6 @@ for f in packaging/config.toml packaging/systemd/phq-agent.service packaging/sys
   install -D -m 0644 "$f" "$assets/files/$f"
 done
 find "$assets" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
-out=target/packages
 rm -rf "$out" && mkdir -p "$out"
 cargo deb --locked --no-build -p phq-agent --output "$out/"
 cargo generate-rpm -p . --output "$out/"
@@ -53,6 +70,7 @@ mv "phq-agent-$version.cdx.json" "$out/"
 # cargo-cyclonedx writes one beside every workspace member; only the agent's ships.
 rm -f crates/*/"phq-agent-$version.cdx.json"
 (cd "$out" && sha256sum -- *.deb *.rpm *.cdx.json >SHA256SUMS)
+echo "$inputs" >"$out/.inputs"
 if [ -n "${PHQ_SIGNING_KEY:-}" ]; then
   scripts/publish-repos "$out" "$out/repos"
 fi
