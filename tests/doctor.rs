@@ -831,11 +831,7 @@ fn every_finding_routes_as_the_documented_table_says() {
         // (crates/phq-wire): a field it names that the agent stopped writing fails here.
         let view: phq_wire::view::Status =
             serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{sc}: the platform's view: {e}"));
-        assert_eq!(
-            (view.schema.as_str(), view.gpus.len()),
-            (phq_wire::SCHEMA, r["gpus"].as_array().unwrap().len()),
-            "{sc}"
-        );
+        assert_eq!((&*view.schema, view.gpus.len()), (phq_wire::SCHEMA, r["gpus"].as_array().unwrap().len()), "{sc}");
         assert_eq!(view.verdict.as_ref().map(|v| v.action.word()), r["verdict"]["action"].as_str(), "{sc}");
         let mut worst = 0;
         for f in r["findings"].as_array().unwrap() {

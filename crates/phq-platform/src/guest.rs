@@ -48,7 +48,7 @@ const FROM_METRICS: &[(&str, &str, &str)] = &[
 ];
 
 /// Reads the report; `Err` says why it is not one (the poll then fails as `schema`).
-pub fn status(body: &[u8]) -> Result<Status, String> {
+pub fn status(body: &[u8]) -> Result<Status<'_>, String> {
     // serde's message can quote the guest's own words (an unknown variant): escaped and bounded
     // before it reaches the poller's log, and from there a terminal.
     let s: Status = serde_json::from_slice(body).map_err(|e| bounded_to(&e.to_string(), 200))?;
@@ -61,7 +61,7 @@ pub fn status(body: &[u8]) -> Result<Status, String> {
 /// The series of a report and the agent's /metrics page.
 pub fn said(s: &Status, metrics: &[u8], max_series: usize) -> Said {
     let mut out = Said {
-        version: if is_version(&s.agent.version) { s.agent.version.clone() } else { "invalid".into() },
+        version: if is_version(&s.agent.version) { s.agent.version.to_string() } else { "invalid".into() },
         ..Said::default()
     };
     let push = |out: &mut Said, series: Option<Series>| match series {
@@ -75,13 +75,14 @@ pub fn said(s: &Status, metrics: &[u8], max_series: usize) -> Said {
         s.gpus
             .iter()
             .find(|g| g.pci_address == pci)
-            .and_then(|g| g.serial.clone())
+            .and_then(|g| g.serial.as_deref())
             .filter(|v| is_serial(v))
             .unwrap_or_default()
+            .to_string()
     };
     if let Some(v) = &s.verdict {
         let basis: Vec<&str> = BASES.iter().copied().filter(|b| v.basis.iter().any(|x| x == b)).collect();
-        let invalid_basis = v.basis.iter().any(|b| !BASES.contains(&b.as_str()));
+        let invalid_basis = v.basis.iter().any(|b| !BASES.contains(&&**b));
         push(
             &mut out,
             (!invalid_basis).then(|| {
@@ -101,7 +102,7 @@ pub fn said(s: &Status, metrics: &[u8], max_series: usize) -> Said {
                 one(
                     "phq_guest_verdict_gpu",
                     vec![
-                        ("gpu", g.clone()),
+                        ("gpu", g.to_string()),
                         ("serial", serial_of(g)),
                         ("action", v.action.word().into()),
                         ("owner", v.owner.word().into()),
@@ -121,10 +122,10 @@ pub fn said(s: &Status, metrics: &[u8], max_series: usize) -> Said {
             one(
                 "phq_guest_gpu_info",
                 vec![
-                    ("gpu", g.pci_address.clone()),
-                    ("uuid", g.uuid.clone().unwrap_or_default()),
-                    ("serial", g.serial.clone().unwrap_or_default()),
-                    ("model", g.model.clone()),
+                    ("gpu", g.pci_address.to_string()),
+                    ("uuid", g.uuid.as_deref().unwrap_or_default().to_string()),
+                    ("serial", g.serial.as_deref().unwrap_or_default().to_string()),
+                    ("model", g.model.to_string()),
                 ],
                 1.0,
             )
@@ -133,15 +134,15 @@ pub fn said(s: &Status, metrics: &[u8], max_series: usize) -> Said {
     }
     for f in s.findings.iter().filter(|f| f.severity != "pass") {
         let ok = is_check_id(&f.id)
-            && ["warn", "fail", "unknown"].contains(&f.severity.as_str())
+            && ["warn", "fail", "unknown"].contains(&&*f.severity)
             && f.gpu.as_deref().is_none_or(is_pci);
         let series = ok.then(|| {
             one(
                 "phq_guest_finding",
                 vec![
-                    ("check", f.id.clone()),
-                    ("gpu", f.gpu.clone().unwrap_or_default()),
-                    ("severity", f.severity.clone()),
+                    ("check", f.id.to_string()),
+                    ("gpu", f.gpu.as_deref().unwrap_or_default().to_string()),
+                    ("severity", f.severity.to_string()),
                     ("action", f.action.word().into()),
                     ("owner", f.owner.word().into()),
                 ],
@@ -312,7 +313,8 @@ mod tests {
     /// line without its label is counted as invalid, as before the page was searched by name.
     #[test]
     fn the_three_families_are_found_by_name_in_the_pages_order() {
-        let s = status(&report("null", "[]", "[]")).unwrap();
+        let body = report("null", "[]", "[]");
+        let s = status(&body).unwrap();
         let page = b"phq_gpu_up{gpu=\"0000:0a:00.0\"} 1\n\
             phq_gpu_xids_total{gpu=\"0000:0a:00.0\"} 2\n\
             phq_gpu_up_since{gpu=\"0000:0a:00.0\"} 9\n\

@@ -379,9 +379,7 @@ fn credential(
                     if control { "control" } else { "read" }
                 )));
             };
-            let token =
-                std::fs::read_to_string(file).map_err(|e| Failure::Credentials(format!("{}: {e}", file.display())))?;
-            Ok(Credential::Bearer(token.trim().to_string()))
+            Ok(Credential::Bearer(poll::token_cached(file)?))
         }
     }
 }

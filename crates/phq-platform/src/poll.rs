@@ -111,14 +111,8 @@ pub fn random(b: &mut [u8]) {
 /// `tls_config`, made again only when the certificate's or the key's file changes (a rotated
 /// Secret: the kubelet swaps the files, so their inode, size or time changes), not at each poll.
 pub fn tls_config_cached(cert: &Path, key: &Path) -> Result<Arc<rustls::ClientConfig>, Failure> {
-    type Stamp = Option<(u64, u64, std::time::SystemTime)>;
     type Cached = ((Stamp, Stamp), Arc<rustls::ClientConfig>);
     static CACHE: std::sync::Mutex<Option<Cached>> = std::sync::Mutex::new(None);
-    let stamp = |p: &Path| -> Stamp {
-        use std::os::unix::fs::MetadataExt;
-        let m = std::fs::metadata(p).ok()?;
-        Some((m.ino(), m.len(), m.modified().ok()?))
-    };
     let now = (stamp(cert), stamp(key));
     let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((seen, config)) = cache.as_ref() {
@@ -129,6 +123,39 @@ pub fn tls_config_cached(cert: &Path, key: &Path) -> Result<Arc<rustls::ClientCo
     let config = tls_config(cert, key)?;
     *cache = Some((now, config.clone()));
     Ok(config)
+}
+
+/// What tells a file's new contents from its old without reading it: its inode (a rotated
+/// Secret's files are new ones), size and modification time. None when it cannot be read.
+type Stamp = Option<(u64, u64, std::time::SystemTime)>;
+
+fn stamp(p: &Path) -> Stamp {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(p).ok()?;
+    Some((m.ino(), m.len(), m.modified().ok()?))
+}
+
+/// A bearer token's file, trimmed, read again only when the file changes (as
+/// `tls_config_cached`): opening and reading it at every poll was a twentieth of the poller's
+/// CPU (perf, 2026-12-06), one stat is what is left.
+pub fn token_cached(file: &Path) -> Result<String, Failure> {
+    type Cached = std::collections::HashMap<std::path::PathBuf, ((u64, u64, std::time::SystemTime), String)>;
+    static CACHE: std::sync::Mutex<Option<Cached>> = std::sync::Mutex::new(None);
+    let now = stamp(file);
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    let cache = cache.get_or_insert_with(Default::default);
+    if let (Some(now), Some((seen, token))) = (now, cache.get(file)) {
+        if *seen == now {
+            return Ok(token.clone());
+        }
+    }
+    let token = std::fs::read_to_string(file).map_err(|e| Failure::Credentials(format!("{}: {e}", file.display())))?;
+    let token = token.trim().to_string();
+    match now {
+        Some(now) => cache.insert(file.to_path_buf(), (now, token.clone())),
+        None => cache.remove(file),
+    };
+    Ok(token)
 }
 
 /// Takes any server certificate (see `tls_config`) but still checks the handshake's signatures,
@@ -299,6 +326,25 @@ mod tests {
         std::fs::write(dir.join("tls.key.new"), key.serialize_pem()).unwrap();
         std::fs::rename(dir.join("tls.crt.new"), dir.join("tls.crt")).unwrap();
         std::fs::rename(dir.join("tls.key.new"), dir.join("tls.key")).unwrap();
+    }
+
+    #[test]
+    fn a_token_is_read_again_only_when_its_file_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "first-token\n").unwrap();
+        assert_eq!(token_cached(&file).unwrap(), "first-token");
+        // Other bytes under the same inode, size and time: only a read would see them.
+        let when = std::fs::metadata(&file).unwrap().modified().unwrap();
+        std::fs::write(&file, "other-token\n").unwrap();
+        std::fs::File::options().write(true).open(&file).unwrap().set_modified(when).unwrap();
+        assert_eq!(token_cached(&file).unwrap(), "first-token", "read again without a change");
+        // Rotated as the kubelet rotates a Secret's file: a new one renamed over it.
+        std::fs::write(dir.path().join("token.new"), "rotated-token\n").unwrap();
+        std::fs::rename(dir.path().join("token.new"), &file).unwrap();
+        assert_eq!(token_cached(&file).unwrap(), "rotated-token", "a rotated token was not read");
+        std::fs::remove_file(&file).unwrap();
+        assert!(matches!(token_cached(&file), Err(Failure::Credentials(_))), "a token that is gone still served");
     }
 
     #[test]
