@@ -36,22 +36,7 @@ pub(crate) const NAMES: &[&str] = &[
     "phq_mma_gemm",
 ];
 
-/// How a launch runs: through the PTX interpreter (`interp`), which executes the text the
-/// module carries, or through the kernel's Rust model (the functions below), which is fast
-/// enough for the 80 GB buffers of the probe scenarios. A differential test holds every model
-/// to the PTX (`tests_ptx`): a model that differs is wrong.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Path {
-    /// The interpreter for a launch of at most `INTERPRET_BUDGET` thread-instructions (by the
-    /// model's estimate) and for any kernel without a model; the model otherwise.
-    #[default]
-    Auto,
-    /// Every launch through the interpreter.
-    Interpret,
-    /// Every launch with a model through it.
-    Model,
-}
+use crate::scenario::Path;
 
 /// Thread-instructions a launch may take to be interpreted on the `auto` path: about a second
 /// of the interpreter on one core (tens of millions of instructions a second).

@@ -121,7 +121,7 @@ pub unsafe extern "C" fn cuModuleGetFunction(f: *mut Handle, m: Handle, name: *c
 /// Launches a kernel on a stream of its module's context (DRV, cuLaunchKernel). A block of more
 /// than 1024 threads is CUDA_ERROR_INVALID_VALUE (Hopper's limit, PG, "Compute Capabilities");
 /// a stream of another context CUDA_ERROR_INVALID_HANDLE. The kernel's PTX runs through the
-/// interpreter, or a big launch through its Rust model (`kernels::Path`); memory it may not
+/// interpreter, or a big launch through its Rust model (`scenario::Path`); memory it may not
 /// touch (freed, or a peer's without access) faults like a real kernel: the launch succeeds
 /// and the context is poisoned with CUDA_ERROR_ILLEGAL_ADDRESS, seen by the next call.
 ///

@@ -20,7 +20,7 @@ pub struct Scenario {
     /// How kernels run: `auto` (the PTX interpreter for small launches, the models for big
     /// ones), `interpret` (every launch through the PTX) or `model`.
     #[serde(default)]
-    pub kernels: crate::kernels::Path,
+    pub kernels: Path,
     /// What the fake NCCL (`nccl`) needs beyond the peer links.
     #[serde(default)]
     pub nccl: Option<Nccl>,
@@ -223,6 +223,23 @@ fn default_mma_tflops() -> f64 {
 /// `phq_sgemm`'s rate over cuBLAS SGEMM's on an H200: 8.1 against 50.9 TFLOP/s (the agent's
 /// docs/hardware-validation.md, 2026-12-04).
 pub const PTX_SGEMM_SHARE: f64 = 8.1 / 50.9;
+
+/// How a launch runs: through the PTX interpreter (`interp`), which executes the text the
+/// module carries, or through the kernel's Rust model (`kernels`' functions), which is fast
+/// enough for the 80 GB buffers of the probe scenarios. A differential test holds every model
+/// to the PTX (`tests_ptx`): a model that differs is wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Path {
+    /// The interpreter for a launch of at most `kernels::INTERPRET_BUDGET` thread-instructions (by the
+    /// model's estimate) and for any kernel without a model; the model otherwise.
+    #[default]
+    Auto,
+    /// Every launch through the interpreter.
+    Interpret,
+    /// Every launch with a model through it.
+    Model,
+}
 
 fn default_sgemm_tflops() -> f64 {
     50.0

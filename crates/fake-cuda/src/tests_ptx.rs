@@ -7,7 +7,7 @@
 //! does not make.
 
 use super::*;
-use crate::kernels::Path;
+use crate::scenario::Path;
 
 const PTX: &str = include_str!("../../../src/probe/kernels.ptx");
 const TENSOR: &str = include_str!("../../../src/probe/tensor.ptx");
