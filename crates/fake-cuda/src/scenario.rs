@@ -231,8 +231,8 @@ pub const PTX_SGEMM_SHARE: f64 = 8.1 / 50.9;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Path {
-    /// The interpreter for a launch of at most `kernels::INTERPRET_BUDGET` thread-instructions (by the
-    /// model's estimate) and for any kernel without a model; the model otherwise.
+    /// The interpreter for a launch of at most `kernels::INTERPRET_BUDGET` thread-instructions
+    /// (by the model's estimate) and for any kernel without a model; the model otherwise.
     #[default]
     Auto,
     /// Every launch through the interpreter.

@@ -125,9 +125,13 @@ pub fn tls_config_cached(cert: &Path, key: &Path) -> Result<Arc<rustls::ClientCo
     Ok(config)
 }
 
-/// What tells a file's new contents from its old without reading it: its inode (a rotated
-/// Secret's files are new ones), size and modification time. None when it cannot be read.
-type Stamp = Option<(u64, u64, std::time::SystemTime)>;
+/// What tells a file's new contents from its old without reading it: its inode, size and
+/// modification time. A rotated Secret's files are new ones: the kubelet writes them into a new
+/// timestamped directory and renames the `..data` symlink over the old one (Kubernetes'
+/// pkg/volume/util/atomic_writer.go, `AtomicWriter.Write`), so the mounted path, followed
+/// through the links, names another inode. None when the file cannot be read.
+type Stamp = Option<FileStamp>;
+type FileStamp = (u64, u64, std::time::SystemTime);
 
 fn stamp(p: &Path) -> Stamp {
     use std::os::unix::fs::MetadataExt;
@@ -139,7 +143,7 @@ fn stamp(p: &Path) -> Stamp {
 /// `tls_config_cached`): opening and reading it at every poll was a twentieth of the poller's
 /// CPU (perf, 2026-12-06), one stat is what is left.
 pub fn token_cached(file: &Path) -> Result<String, Failure> {
-    type Cached = std::collections::HashMap<std::path::PathBuf, ((u64, u64, std::time::SystemTime), String)>;
+    type Cached = std::collections::HashMap<std::path::PathBuf, (FileStamp, String)>;
     static CACHE: std::sync::Mutex<Option<Cached>> = std::sync::Mutex::new(None);
     let now = stamp(file);
     let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
