@@ -232,7 +232,9 @@ fn hostile(answer: fn(&str, &mut TcpStream)) -> u16 {
                         }
                     }
                     let text = String::from_utf8_lossy(&head).to_string();
-                    let path = text.split(' ').nth(1).unwrap_or("").to_string();
+                    // Routed on the path alone, as an agent older than the poller's queries
+                    // (`findings=`, `name[]=`) routes: it answers whole.
+                    let path = text.split(' ').nth(1).unwrap_or("").split('?').next().unwrap_or("").to_string();
                     answer(&path, &mut s);
                 }
             });

@@ -220,6 +220,57 @@ fn sxids_reach_metrics_and_status_as_the_driver_writes_them() {
         (sxid("0000:11:00.0"), sxid("0000:14:00.0"), sxid("0000:12:00.0")),
         ("fail".into(), "warn".into(), "pass".into())
     );
+    the_parts_asked_for_are_cut_from_the_whole(a.port);
+}
+
+/// `?findings=not-passed` and `?name[]=` (src/serve/subset.rs) on an agent with findings that did
+/// not pass: each part is the whole with the rest left out, from the same snapshot, and a query
+/// the agent cannot read is refused with what was wrong.
+fn the_parts_asked_for_are_cut_from_the_whole(port: u16) {
+    let names = ["phq_gpu_up", "phq_nvswitch_sxids_total"];
+    let metrics_path = format!("/metrics?name%5B%5D={}&name[]={}", names[0], names[1]);
+    // The whole and the part of one snapshot: the whole read before and after the part is the same.
+    let (whole, part, whole_metrics, part_metrics) = (0..5)
+        .find_map(|_| {
+            let before = (get(port, "/v1/status", &auth()).1, get(port, "/metrics", &auth()).1);
+            let part = (get(port, "/v1/status?findings=not-passed", &auth()).1, get(port, &metrics_path, &auth()).1);
+            let after = (get(port, "/v1/status", &auth()).1, get(port, "/metrics", &auth()).1);
+            (body(&before.0) == body(&after.0))
+                .then(|| (body(&before.0).to_string(), body(&part.0).to_string(), body(&before.1).to_string(), part.1))
+        })
+        .expect("five tries without two reads of one snapshot");
+    let mut expected: Value = serde_json::from_str(&whole).unwrap();
+    let all = expected["findings"].as_array().unwrap().len();
+    expected["findings"].as_array_mut().unwrap().retain(|f| f["severity"] != "pass");
+    let part: Value = serde_json::from_str(&part).unwrap();
+    validate(&part);
+    assert_eq!(part, expected, "the not-passed report is not the whole without its passes");
+    let kept = part["findings"].as_array().unwrap().len();
+    assert!(kept >= 2 && kept < all / 4, "{kept} of {all} findings kept");
+    let (w, p) = (whole.len(), serde_json::to_string(&part).unwrap().len());
+    assert!(w > 3 * p, "the part is not much smaller: {p} bytes of {w}");
+
+    assert!(!part_metrics.to_ascii_lowercase().contains("content-encoding"), "a part is sent as it is");
+    let part_metrics = body(&part_metrics);
+    let sample_of = |l: &str| !l.starts_with('#') && names.iter().any(|n| l.starts_with(&format!("{n}{{")));
+    let want: Vec<&str> = whole_metrics.lines().filter(|l| sample_of(l)).collect();
+    let got: Vec<&str> = part_metrics.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(got, want, "the part's samples are not those of the names asked");
+    assert_eq!(want.len(), 8 + 4, "8 GPUs, 4 NVSwitches");
+    for n in names {
+        assert!(part_metrics.contains(&format!("# TYPE {n} ")), "{n}'s TYPE line is missing:\n{part_metrics}");
+    }
+    assert_eq!(part_metrics.lines().filter(|l| l.starts_with('#')).count(), 4, "{part_metrics}");
+
+    for (path, says) in [
+        ("/v1/status?findings=failing", "findings=\"failing\": ask for all or not-passed"),
+        ("/metrics?name[]=1abc", "name[]=\"1abc\": not a metric name"),
+    ] {
+        let (code, r) = get(port, path, &auth());
+        assert_eq!((code, body(&r)), (400, format!("{says}\n").as_str()), "{path}");
+    }
+    // Credentials first: a query does not let anyone past them.
+    assert_eq!(get(port, "/v1/status?findings=not-passed", "").0, 401);
 }
 
 /// Issue 37: what an unprivileged user can put into the kernel log while the service runs — a

@@ -19,6 +19,7 @@
 //!   CID rather than an address (`Peer`).
 
 use super::recheck::{AskedBy, Channel, Desk, Refused};
+use super::subset;
 use super::{current, Published, Shared};
 use crate::config::ProbeLevel;
 use crate::report::Health;
@@ -92,9 +93,9 @@ pub fn answer<B>(e: &Endpoint, req: &Request<B>, cert: &ClientCert, body: &[u8])
     match (path, run) {
         (_, Some(id)) => probe_run(e, req.headers(), cert, id),
         ("/healthz", _) => healthz(&e.shared),
-        ("/v1/status", _) => status(&e.shared, req.headers(), cert),
+        ("/v1/status", _) => status(&e.shared, req.headers(), req.uri().query(), cert),
         ("/v1/probes", _) => request_probes(e, req.headers(), cert, body),
-        _ => metrics(&e.shared, req.headers(), cert),
+        _ => metrics(&e.shared, req.headers(), req.uri().query(), cert),
     }
 }
 
@@ -554,24 +555,40 @@ fn asker_for(shared: &Shared, headers: &HeaderMap, cert: &ClientCert) -> Result<
     }
 }
 
-fn status(shared: &Shared, headers: &HeaderMap, cert: &ClientCert) -> Reply {
-    match published_for(shared, headers, cert) {
-        Ok((p, _)) => reply(StatusCode::OK, "application/json", p.report_json.clone()),
-        Err(r) => *r,
-    }
-}
-
-/// The rendering the client negotiated, as published: only the choice is made per request.
-fn metrics(shared: &Shared, headers: &HeaderMap, cert: &ClientCert) -> Reply {
+/// The report, whole or without its passed findings (`?findings=not-passed`: `subset`).
+fn status(shared: &Shared, headers: &HeaderMap, query: Option<&str>, cert: &ClientCert) -> Reply {
     let p = match published_for(shared, headers, cert) {
         Ok((p, _)) => p,
         Err(r) => return *r,
     };
+    match subset::status_query(query) {
+        Ok(subset::Findings::All) => reply(StatusCode::OK, "application/json", p.report_json.clone()),
+        Ok(subset::Findings::NotPassed) => {
+            reply(StatusCode::OK, "application/json", p.subsets.not_passed(&p.report_json))
+        }
+        Err(e) => plain(StatusCode::BAD_REQUEST, format!("{e}\n")),
+    }
+}
+
+/// The rendering the client negotiated, as published: only the choice is made per request. With
+/// `name[]` in the query, only those samples (`subset`), uncompressed: a few hundred bytes.
+fn metrics(shared: &Shared, headers: &HeaderMap, query: Option<&str>, cert: &ClientCert) -> Reply {
+    let p = match published_for(shared, headers, cert) {
+        Ok((p, _)) => p,
+        Err(r) => return *r,
+    };
+    let names = match subset::metrics_query(query) {
+        Ok(n) => n,
+        Err(e) => return plain(StatusCode::BAD_REQUEST, format!("{e}\n")),
+    };
     let header_str = |name| headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok()).unwrap_or("");
     let openmetrics = prefers_openmetrics(header_str(header::ACCEPT));
-    let gzip = accepts_gzip(header_str(header::ACCEPT_ENCODING));
+    let gzip = accepts_gzip(header_str(header::ACCEPT_ENCODING)) && names.is_empty();
     let ct = if openmetrics { OPENMETRICS } else { TEXT_FORMAT };
-    let body = p.metrics.body(openmetrics, gzip);
+    let body = match names.is_empty() {
+        true => p.metrics.body(openmetrics, gzip),
+        false => p.subsets.metrics(&p.metrics.body(openmetrics, false), openmetrics, &names),
+    };
     let mut r = reply(StatusCode::OK, ct, body);
     let h = r.headers_mut();
     h.insert(header::VARY, HeaderValue::from_static("Accept, Accept-Encoding"));

@@ -9,7 +9,9 @@
 //!    gzipped, together) by swapping one `Arc`; readers see the previous one until the swap,
 //!    never a mix. Every body is made once, when the snapshot is taken: a request, and the push
 //!    of the periodic status, only hand out the same bytes (`Bytes`), never render or compress.
-//!    — `service::publish`, `Published`, `http::answer`, `metrics::renders`.
+//!    A part a client asks for alone (`?findings=not-passed`, `?name[]=`) is cut from those
+//!    bodies at most once per snapshot for what was last asked. — `service::publish`,
+//!    `Published`, `http::answer`, `metrics::renders`, `subset`.
 //! 3. `READY=1` goes to systemd after the first publish, with a `STATUS=` line a person can read
 //!    in `systemctl status`; watchdog pings follow at half `WatchdogSec` while the service's
 //!    loops turn. The first snapshot's NVML part ends by `nvml.init_timeout` whatever NVML does,
@@ -65,6 +67,7 @@ pub mod port;
 pub mod push;
 pub mod recheck;
 pub mod service;
+pub mod subset;
 pub mod tls;
 pub mod vsock;
 pub mod vsock_stream;
@@ -307,6 +310,8 @@ pub struct Published {
     pub report_json: Bytes,
     /// `/metrics` in both formats, plain and gzipped (`Metrics`).
     pub metrics: Metrics,
+    /// The parts of both a client may ask for alone (`subset`).
+    pub subsets: subset::Subsets,
     /// The read token for `/v1/status` and `/metrics`; `None` refuses them.
     pub token: Option<String>,
     /// The control token, which may also start work (`POST /v1/probes`); `None`: no token does.
@@ -608,6 +613,7 @@ pub fn take_snapshot(inputs: &Inputs, seq: u64) -> (Published, Arc<report::Repor
         health: report.health,
         report_json: Bytes::from(serde_json::to_vec(&*report).unwrap_or_default()),
         metrics: Metrics::of(snapshot.clone(), report.clone(), inputs.config.metrics.dcgm_compat),
+        subsets: subset::Subsets::of(report.clone()),
         token: inputs.token.clone(),
         control_token: inputs.control_token.clone(),
         summary,

@@ -47,6 +47,14 @@ const FROM_METRICS: &[(&str, &str, &str)] = &[
     ("phq_nvswitch_sxids_total", "phq_guest_nvswitch_sxids_total", "nvswitch"),
 ];
 
+/// What the poller asks an agent for: the report without the findings that passed (it reads only
+/// the others), and the samples of `FROM_METRICS` alone (`name[]`, the brackets encoded as Go's
+/// url.Values writes them) — 6 KB and 2 KB of an 8-GPU agent's 60 KB and 85 KB. An agent older
+/// than these queries ignores them and answers whole; `status` and `said` read either alike.
+pub const STATUS_PATH: &str = "/v1/status?findings=not-passed";
+pub const METRICS_PATH: &str =
+    "/metrics?name%5B%5D=phq_gpu_up&name%5B%5D=phq_gpu_xids_total&name%5B%5D=phq_nvswitch_sxids_total";
+
 /// Reads the report; `Err` says why it is not one (the poll then fails as `schema`).
 pub fn status(body: &[u8]) -> Result<Status<'_>, String> {
     // serde's message can quote the guest's own words (an unknown variant): escaped and bounded
@@ -281,6 +289,19 @@ mod tests {
             r#"{{"schema":"phq.status/v1","agent":{{"version":"0.1.0"}},"gpus":{gpus},"findings":{findings},"verdict":{verdict}}}"#
         )
         .into_bytes()
+    }
+
+    #[test]
+    fn the_metrics_path_asks_for_exactly_the_families_taken() {
+        let asked: Vec<&str> = METRICS_PATH
+            .split_once('?')
+            .unwrap()
+            .1
+            .split('&')
+            .map(|p| p.strip_prefix("name%5B%5D=").unwrap())
+            .collect();
+        let taken: Vec<&str> = FROM_METRICS.iter().map(|f| f.0).collect();
+        assert_eq!(asked, taken);
     }
 
     #[test]

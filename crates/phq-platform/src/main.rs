@@ -1,7 +1,8 @@
 //! phq-platform: the platform's poller, one per GPU node (docs/platform.md).
 //!
-//! It reads each of its node's VMs' agents — `/v1/status` and `/metrics`, under a deadline and a
-//! byte cap, a bounded number at a time — and serves on its own `/metrics` what it saw (the
+//! It reads each of its node's VMs' agents — `/v1/status` and `/metrics`, only the parts it uses
+//! (`guest::STATUS_PATH`, `guest::METRICS_PATH`), under a deadline and a byte cap, a bounded
+//! number at a time — and serves on its own `/metrics` what it saw (the
 //! `phq_poll_*` series, its facts) beside what each guest said (`phq_guest_*`, claims, labelled
 //! `source="tenant"` unless the VM is the platform's own validation VM). Prometheus and
 //! Alertmanager decide what to do about it; the poller never acts on a node, and never starts
@@ -387,8 +388,8 @@ fn credential(
 async fn poll_once(config: &Config, target: &Target, targets: &Targets, api: Option<&Arc<kube::Api>>) {
     let started = Instant::now();
     let asks = [
-        Ask { method: Method::GET, path: "/v1/status", body: Bytes::new() },
-        Ask { method: Method::GET, path: "/metrics", body: Bytes::new() },
+        Ask { method: Method::GET, path: guest::STATUS_PATH, body: Bytes::new() },
+        Ask { method: Method::GET, path: guest::METRICS_PATH, body: Bytes::new() },
     ];
     let result = match credential(config, target.transport, false, api) {
         Err(e) => Err(e),

@@ -69,6 +69,7 @@ pub(super) fn published() -> Shared {
         health: crate::report::Health::Healthy,
         report_json: bytes("{\"schema\":\"phq.status/v1\"}"),
         metrics: crate::serve::Metrics::fixed("phq_up 1\n", "phq_up 1\n# EOF\n"),
+        subsets: Default::default(),
         token: Some("tok-vsock".into()),
         control_token: None,
         summary: "healthy".into(),
