@@ -18,6 +18,10 @@
 # interval + jitter/2 + the mean poll duration, and polls = N × window / cycle.
 # The goal it reports against (the platform's issue): at most 1 ms of CPU and 64 KiB of memory
 # per VM per cycle.          scripts/bench-platform.sh [window-seconds] [N ...]   (60; 8 64)
+# PHQ_BENCH_TRANSPORT=tls polls over `transport = "tls"` instead, the supported path on OpenShift:
+# a TLS 1.3 handshake per poll with the platform's client certificate, which the agents check
+# against a CA (`http.client_ca`); the certificates are made here with openssl, their keys
+# PHQ_BENCH_KEY=ec (ECDSA P-256, the default) or rsa (RSA 2048, cert-manager's default key).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 window=${1:-60}
@@ -28,6 +32,10 @@ interval=5 jitter=1 # seconds, as in the poller's config below
 agent_base=21100    # agents listen on 127.0.0.1:21100.. ; the poller on :21090
 poller_port=21090
 rest_agent_port=21099
+
+transport=${PHQ_BENCH_TRANSPORT:-http}
+keyalg=${PHQ_BENCH_KEY:-ec}
+case "$transport:$keyalg" in http:* | tls:ec | tls:rsa) ;; *) echo "PHQ_BENCH_TRANSPORT is http or tls, PHQ_BENCH_KEY ec or rsa" >&2; exit 2 ;; esac
 
 cargo build --release --quiet -p phq-agent -p fake-nvml -p phq-platform
 
@@ -45,6 +53,32 @@ trap 'exit 130' INT TERM
 token=bench-token-0123456789abcdef
 printf '%s\n' "$token" > "$tmp/token"
 chmod 600 "$tmp/token"
+scheme=http agent_tls="" poller_tls=""
+if [ "$transport" = tls ]; then
+  # A CA, the agents' server certificate (for 127.0.0.1) and the platform's client certificate
+  # (CN phq-platform, the agent's default `http.client_names`, with clientAuth).
+  newkey=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1)
+  [ "$keyalg" = rsa ] && newkey=(-newkey rsa:2048)
+  pki=$tmp/pki
+  mkdir -p "$pki"
+  openssl req -x509 "${newkey[@]}" -nodes -keyout "$pki/ca.key" -out "$pki/ca.pem" -subj /CN=bench-ca -days 2 2>/dev/null
+  issue() { # NAME SUBJECT EXTENSIONS
+    openssl req "${newkey[@]}" -nodes -keyout "$pki/$1.key" -out "$pki/$1.csr" -subj "$2" 2>/dev/null
+    printf '%b' "$3" > "$pki/$1.ext"
+    openssl x509 -req -in "$pki/$1.csr" -CA "$pki/ca.pem" -CAkey "$pki/ca.key" -CAcreateserial \
+      -out "$pki/$1.pem" -days 2 -extfile "$pki/$1.ext" 2>/dev/null
+  }
+  issue server /CN=phq-agent 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n'
+  issue platform /CN=phq-platform 'extendedKeyUsage=clientAuth\n'
+  chmod 600 "$pki"/*.key
+  scheme=https
+  agent_tls="tls_cert = \"$pki/server.pem\"
+tls_key = \"$pki/server.key\"
+client_ca = \"$pki/ca.pem\""
+  poller_tls="[tls]
+cert_file = \"$pki/platform.pem\"
+key_file = \"$pki/platform.key\""
+fi
 hz=$(getconf CLK_TCK)
 
 # start_agent NAME PORT: one agent of its own (state_dir, port), the shared token.
@@ -56,6 +90,7 @@ state_dir = "$tmp/$1/state"
 [http]
 listen = "127.0.0.1:$2"
 token_file = "$tmp/token"
+$agent_tls
 [vsock]
 enabled = false
 [probes]
@@ -68,8 +103,8 @@ CONF
   last_pid=$!
   pids+=("$last_pid")
 }
-wait_healthz() { # PORT
-  for _ in $(seq 300); do curl -sf -o /dev/null "http://127.0.0.1:$1/healthz" && return 0; sleep 0.2; done
+wait_healthz() { # PORT [SCHEME]
+  for _ in $(seq 300); do curl -sfk -o /dev/null "${2:-$scheme}://127.0.0.1:$1/healthz" && return 0; sleep 0.2; done
   echo "nothing answers /healthz on :$1" >&2; return 1
 }
 # start_poller NAME TARGETS_FILE
@@ -86,11 +121,12 @@ timeout = "5s"
 concurrency = 16
 [token]
 read_token_file = "$tmp/token"
+$poller_tls
 CONF
   target/release/phq-platform --config "$tmp/$1/platform.toml" 2>>"$tmp/$1/stderr" &
   last_pid=$!
   pids+=("$last_pid")
-  wait_healthz "$poller_port"
+  wait_healthz "$poller_port" http # the poller serves its page in clear
 }
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # The same CPU to the nanosecond: each live thread's sum_exec_runtime. A thread that ends inside
@@ -103,7 +139,7 @@ sum_of() { awk -v m="$1" 'index($0, m "{") == 1 {s += $NF; n++} END {printf "%s 
 fmt() { awk -v x="$1" -v f="$2" 'BEGIN {printf f, x}'; }
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(awk '/MemTotal/ {printf "%.1f GiB", $2/1048576}' /proc/meminfo); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src crates || echo ' (with uncommitted changes under src/ or crates/)'); window ${window} s; poll interval ${interval}s + jitter ${jitter}s, timeout 5s, concurrency 16"
+echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src crates || echo ' (with uncommitted changes under src/ or crates/)'); window ${window} s; poll interval ${interval}s + jitter ${jitter}s, timeout 5s, concurrency 16; transport $transport$([ "$transport" = tls ] && echo " ($keyalg keys)")"
 
 # --- At rest: the poller with no targets, beside one agent nobody polls, over the same window.
 echo '[]' > "$tmp/empty.json"
@@ -135,8 +171,8 @@ for n in "${sizes[@]}"; do
     echo '['
     for i in $(seq 0 $((n - 1))); do
       start_agent "agent-$n-$i" $((agent_base + i))
-      printf '  {"targets": ["127.0.0.1:%d"], "labels": {"namespace": "bench", "vmi": "vm-%d", "vmi_uid": "00000000-0000-4000-8000-%012d", "transport": "http"}}%s\n' \
-        $((agent_base + i)) "$i" "$i" "$([ "$i" -lt $((n - 1)) ] && echo ,)"
+      printf '  {"targets": ["127.0.0.1:%d"], "labels": {"namespace": "bench", "vmi": "vm-%d", "vmi_uid": "00000000-0000-4000-8000-%012d", "transport": "%s"}}%s\n' \
+        $((agent_base + i)) "$i" "$i" "$transport" "$([ "$i" -lt $((n - 1)) ] && echo ,)"
     done
     echo ']'
   } > "$targets"
