@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Benchmarks `phq-platform`, the node's poller (release build), against N real agents on
-# 127.0.0.1, each `phq-agent serve` on the fake NVML answering for 8 healthy H100s
+# loopback addresses, each `phq-agent serve` on the fake NVML answering for 8 healthy H100s
 # (hgx-8gpu-healthy), polled over `transport = "http"` with the read token; first at rest, then
 # for N = 8 and N = 64 (or the N given). A benchmark, not a test: it prints figures and asserts
 # none. Measured:
@@ -29,7 +29,8 @@ shift || true
 sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(8 64)
 interval=5 jitter=1 # seconds, as in the poller's config below
-agent_base=21100    # agents listen on 127.0.0.1:21100.. ; the poller on :21090
+agent_base=21100    # agent i listens on 127.0.1.(i+1):(21100+i), its own address as each VM has;
+                    # the poller on 127.0.0.1:21090
 poller_port=21090
 rest_agent_port=21099
 
@@ -55,7 +56,7 @@ printf '%s\n' "$token" > "$tmp/token"
 chmod 600 "$tmp/token"
 scheme=http agent_tls="" poller_tls=""
 if [ "$transport" = tls ]; then
-  # A CA, the agents' server certificate (for 127.0.0.1) and the platform's client certificate
+  # A CA, the agents' server certificate (the poller checks no agent's name) and the platform's client certificate
   # (CN phq-platform, the agent's default `http.client_names`, with clientAuth).
   newkey=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1)
   [ "$keyalg" = rsa ] && newkey=(-newkey rsa:2048)
@@ -81,14 +82,17 @@ key_file = \"$pki/platform.key\""
 fi
 hz=$(getconf CLK_TCK)
 
-# start_agent NAME PORT: one agent of its own (state_dir, port), the shared token.
+# The address of agent I of N: one loopback address each (Linux routes all of 127.0.0.0/8 to
+# lo), as each VM has its own on the pod network — a TLS client keeps its sessions per address.
+agent_addr() { echo "127.0.1.$(($1 + 1)):$((agent_base + $1))"; }
+# start_agent NAME ADDRESS:PORT: one agent of its own (state_dir, address), the shared token.
 start_agent() {
   mkdir -p "$tmp/$1/state"
   cat > "$tmp/$1/config.toml" <<CONF
 [agent]
 state_dir = "$tmp/$1/state"
 [http]
-listen = "127.0.0.1:$2"
+listen = "$2"
 token_file = "$tmp/token"
 $agent_tls
 [vsock]
@@ -103,8 +107,8 @@ CONF
   last_pid=$!
   pids+=("$last_pid")
 }
-wait_healthz() { # PORT [SCHEME]
-  for _ in $(seq 300); do curl -sfk -o /dev/null "${2:-$scheme}://127.0.0.1:$1/healthz" && return 0; sleep 0.2; done
+wait_healthz() { # ADDRESS:PORT [SCHEME]
+  for _ in $(seq 300); do curl -sfk -o /dev/null "${2:-$scheme}://$1/healthz" && return 0; sleep 0.2; done
   echo "nothing answers /healthz on :$1" >&2; return 1
 }
 # start_poller NAME TARGETS_FILE
@@ -126,7 +130,7 @@ CONF
   target/release/phq-platform --config "$tmp/$1/platform.toml" 2>>"$tmp/$1/stderr" &
   last_pid=$!
   pids+=("$last_pid")
-  wait_healthz "$poller_port" http # the poller serves its page in clear
+  wait_healthz "127.0.0.1:$poller_port" http # the poller serves its page in clear
 }
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # The same CPU to the nanosecond: each live thread's sum_exec_runtime. A thread that ends inside
@@ -143,8 +147,8 @@ echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src crates 
 
 # --- At rest: the poller with no targets, beside one agent nobody polls, over the same window.
 echo '[]' > "$tmp/empty.json"
-start_agent rest-agent "$rest_agent_port"; rest_agent=$last_pid
-wait_healthz "$rest_agent_port"
+start_agent rest-agent "127.0.0.1:$rest_agent_port"; rest_agent=$last_pid
+wait_healthz "127.0.0.1:$rest_agent_port"
 start_poller rest-poller "$tmp/empty.json"; rest_poller=$last_pid
 sleep 5 # both past their start: the agent's first snapshot, the poller's first read of the file
 echo "== at rest, ${window} s side by side"
@@ -170,13 +174,13 @@ for n in "${sizes[@]}"; do
   {
     echo '['
     for i in $(seq 0 $((n - 1))); do
-      start_agent "agent-$n-$i" $((agent_base + i))
-      printf '  {"targets": ["127.0.0.1:%d"], "labels": {"namespace": "bench", "vmi": "vm-%d", "vmi_uid": "00000000-0000-4000-8000-%012d", "transport": "%s"}}%s\n' \
-        $((agent_base + i)) "$i" "$i" "$transport" "$([ "$i" -lt $((n - 1)) ] && echo ,)"
+      start_agent "agent-$n-$i" "$(agent_addr "$i")"
+      printf '  {"targets": ["%s"], "labels": {"namespace": "bench", "vmi": "vm-%d", "vmi_uid": "00000000-0000-4000-8000-%012d", "transport": "%s"}}%s\n' \
+        "$(agent_addr "$i")" "$i" "$i" "$transport" "$([ "$i" -lt $((n - 1)) ] && echo ,)"
     done
     echo ']'
   } > "$targets"
-  for i in $(seq 0 $((n - 1))); do wait_healthz $((agent_base + i)); done
+  for i in $(seq 0 $((n - 1))); do wait_healthz "$(agent_addr "$i")"; done
   start_poller "poller-$n" "$targets"; poller=$last_pid
   ok=0
   for _ in $(seq 120); do
