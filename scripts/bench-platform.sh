@@ -56,8 +56,9 @@ printf '%s\n' "$token" > "$tmp/token"
 chmod 600 "$tmp/token"
 scheme=http agent_tls="" poller_tls=""
 if [ "$transport" = tls ]; then
-  # A CA, the agents' server certificate (the poller checks no agent's name) and the platform's client certificate
-  # (CN phq-platform, the agent's default `http.client_names`, with clientAuth).
+  # A CA, the agents' server certificate (the poller checks no agent's name) and the
+  # platform's client certificate (CN phq-platform, the agent's default `http.client_names`,
+  # with clientAuth).
   newkey=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1)
   [ "$keyalg" = rsa ] && newkey=(-newkey rsa:2048)
   pki=$tmp/pki

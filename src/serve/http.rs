@@ -585,9 +585,10 @@ fn metrics(shared: &Shared, headers: &HeaderMap, query: Option<&str>, cert: &Cli
     let openmetrics = prefers_openmetrics(header_str(header::ACCEPT));
     let gzip = accepts_gzip(header_str(header::ACCEPT_ENCODING)) && names.is_empty();
     let ct = if openmetrics { OPENMETRICS } else { TEXT_FORMAT };
-    let body = match names.is_empty() {
-        true => p.metrics.body(openmetrics, gzip),
-        false => p.subsets.metrics(&p.metrics.body(openmetrics, false), openmetrics, &names),
+    let body = if names.is_empty() {
+        p.metrics.body(openmetrics, gzip)
+    } else {
+        p.subsets.metrics(&p.metrics.body(openmetrics, false), openmetrics, &names)
     };
     let mut r = reply(StatusCode::OK, ct, body);
     let h = r.headers_mut();

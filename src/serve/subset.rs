@@ -78,10 +78,11 @@ fn is_metric_name(s: &str) -> bool {
         && b.iter().all(|&c| c.is_ascii_alphanumeric() || c == b'_' || c == b':')
 }
 
-/// A client's words, quoted back: at most 64 characters, escaped.
+/// A client's words, quoted back: at most 64 characters, under the project's one rule for text
+/// from others (`text::printable`), then quoted and escaped.
 fn bounded(s: &str) -> String {
     let cut: String = s.chars().take(64).collect();
-    format!("{:?}{}", cut, if cut.len() < s.len() { "…" } else { "" })
+    format!("{:?}{}", crate::text::printable(&cut), if cut.len() < s.len() { "…" } else { "" })
 }
 
 /// One snapshot's cuts, made when first asked for and kept for the snapshot's life.
